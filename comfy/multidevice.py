@@ -1,0 +1,525 @@
+"""Sequence-parallel coordinator: rank threads, collectives, backend choice.
+
+One process drives W devices ("ranks"), one persistent worker thread per rank.
+Collectives (`exchange` = all-gather-V, `all_reduce`) go through a backend:
+  peer  - shared slots + barrier + tensor.to(device) + torch.cat (always works)
+  hccl  - libhccl.so through ctypes (comfy/multinpu.py)
+  nccl  - libnccl.so.2 through ctypes (comfy/multicuda.py)
+  auto  - hccl on NPUs, nccl on CUDA, peer on CPU; falls back to peer with one warning.
+
+Every collective first passes an abortable barrier that publishes each rank's
+tensor shapes. A rank that fails aborts the barrier, so no other rank blocks on
+it; a rank that never arrives makes the barrier time out with its rank named.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKEND_ENV = "COMFYUI_MULTI_DEVICE_BACKEND"
+TIMEOUT_ENV = "COMFYUI_MULTI_DEVICE_TIMEOUT_S"
+VALID_BACKENDS = ("auto", "hccl", "nccl", "peer")
+VALID_REDUCE_OPS = ("sum", "max")
+DEFAULT_TIMEOUT_S = 600.0  # a rank may load weights for minutes before its first collective
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete (another rank failed, timed out, or inputs disagree)."""
+
+
+class CollectiveAborted(CollectiveError):
+    """Raised in a rank whose collective was cancelled because another rank failed."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """Raised when some ranks did not reach a collective within the timeout."""
+
+
+class BackendUnavailable(RuntimeError):
+    """A forced backend cannot start (library missing, symbols missing, init failed)."""
+
+
+# ----------------------------------------------------------------------------- devices
+
+def resolve_device(spec: Any) -> torch.device:
+    """'npu:1' / 'cuda:0' / 'cpu' / torch.device -> torch.device (imports torch_npu for npu)."""
+    if isinstance(spec, torch.device):
+        return spec
+    text = str(spec)
+    if text.startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401  (registers the 'npu' device type)
+        except ImportError as exc:
+            raise ValueError(
+                f"device {text!r} needs torch_npu, which is not installed; "
+                "run install_deps_minimax_h3.sh on the Ascend host or use cuda/cpu devices") from exc
+    try:
+        return torch.device(text)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {text!r}: use 'npu:i', 'cuda:i' or 'cpu'") from exc
+
+
+def set_thread_device(device: torch.device) -> None:
+    """Make `device` current for the calling thread (NPU/CUDA keep a per-thread current device)."""
+    if device.type == "npu":
+        torch.npu.set_device(device)
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "npu":
+        torch.npu.current_stream(device).synchronize()
+    elif device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def backend_from_env(value: str | None = None) -> str:
+    name = (value if value is not None else os.environ.get(BACKEND_ENV, "auto")).strip().lower() or "auto"
+    if name not in VALID_BACKENDS:
+        raise ValueError(
+            f"unknown multi-device backend {name!r} (from {BACKEND_ENV} or the backend option); "
+            f"valid values: {', '.join(VALID_BACKENDS)}")
+    return name
+
+
+def timeout_from_env() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be positive")
+    return value
+
+
+# ----------------------------------------------------------------------------- barrier
+
+class AbortableBarrier:
+    """A reusable W-party barrier that can be aborted and that names the absent ranks on timeout."""
+
+    def __init__(self, parties: int, timeout_s: float):
+        self.parties = parties
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._arrived: set[int] = set()
+        self._generation = 0
+        self._abort_reason: str | None = None
+
+    def wait(self, rank: int, what: str = "collective") -> None:
+        with self._cond:
+            if self._abort_reason is not None:
+                raise CollectiveAborted(f"rank {rank}: {what} cancelled: {self._abort_reason}")
+            generation = self._generation
+            self._arrived.add(rank)
+            if len(self._arrived) == self.parties:
+                self._arrived.clear()
+                self._generation += 1
+                self._cond.notify_all()
+                return
+            deadline = time.monotonic() + self.timeout_s
+            while generation == self._generation and self._abort_reason is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.parties)) - self._arrived)
+                    reason = (f"{what} timed out after {self.timeout_s:g}s waiting for rank(s) "
+                              f"{missing} (raise {TIMEOUT_ENV} if they are just slow)")
+                    self._abort_locked(reason)
+                    raise CollectiveTimeout(f"rank {rank}: {reason}")
+                self._cond.wait(left)
+            if generation == self._generation:  # woken by an abort, not by the last arrival
+                raise CollectiveAborted(f"rank {rank}: {what} cancelled: {self._abort_reason}")
+
+    def abort(self, reason: str) -> None:
+        with self._cond:
+            if self._abort_reason is None:
+                self._abort_locked(reason)
+
+    def _abort_locked(self, reason: str) -> None:
+        self._abort_reason = reason
+        self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Re-arm after an aborted run; only called while no rank is inside a collective."""
+        with self._cond:
+            self._abort_reason = None
+            self._arrived.clear()
+            self._generation += 1
+
+    @property
+    def aborted(self) -> str | None:
+        return self._abort_reason
+
+
+# ----------------------------------------------------------------------------- metadata
+
+@dataclass(frozen=True)
+class ShardMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def gathered_shape(metas: Sequence[ShardMeta], dim: int) -> tuple[int, ...]:
+    shape = list(metas[0].shape)
+    shape[dim] = sum(m.shape[dim] for m in metas)
+    return tuple(shape)
+
+
+def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Sequence[int]) -> None:
+    """Raise the same clear error on every rank when the ranks' shards cannot be concatenated."""
+    counts = [len(m) for m in per_rank]
+    if len(set(counts)) != 1:
+        raise CollectiveError(f"ranks passed different numbers of tensors to exchange: {counts}")
+    for i, dim in enumerate(dims):
+        first = per_rank[0][i]
+        for r, metas in enumerate(per_rank):
+            m = metas[i]
+            if m.dtype != first.dtype:
+                raise CollectiveError(
+                    f"exchange tensor {i}: rank {r} has dtype {m.dtype}, rank 0 has {first.dtype}")
+            if len(m.shape) != len(first.shape):
+                raise CollectiveError(
+                    f"exchange tensor {i}: rank {r} has shape {m.shape}, rank 0 has {first.shape}")
+            other_r = [s for d, s in enumerate(m.shape) if d != dim]
+            other_0 = [s for d, s in enumerate(first.shape) if d != dim]
+            if other_r != other_0:
+                raise CollectiveError(
+                    f"exchange tensor {i}: shapes {first.shape} (rank 0) and {m.shape} (rank {r}) "
+                    f"differ outside the concat dim {dim}")
+
+
+def normalize_dims(tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int]) -> list[int]:
+    if isinstance(cat_dims, int):
+        cat_dims = [cat_dims] * len(tensors)
+    if len(cat_dims) != len(tensors):
+        raise ValueError(f"exchange got {len(tensors)} tensors but {len(cat_dims)} cat_dims")
+    dims = []
+    for t, d in zip(tensors, cat_dims):
+        if not -t.dim() <= d < t.dim():
+            raise ValueError(f"cat dim {d} is out of range for a tensor of shape {tuple(t.shape)}")
+        dims.append(d % t.dim())
+    return dims
+
+
+# ----------------------------------------------------------------------------- backends
+
+class PeerCopyBackend:
+    """Shared slots + barrier + copy to the local device + cat. Works on any device kind.
+
+    Slots are double-buffered by collective parity: a rank can only start collective n+2
+    after every rank has passed the barrier of n+1, i.e. after everyone finished reading n.
+    """
+
+    name = "peer"
+    reads_peer_memory = True
+
+    def __init__(self, coordinator: "SequenceParallelCoordinator"):
+        self.coordinator = coordinator
+
+    def all_gather_v(self, rank, tensors, dims, metas, slot):
+        device = self.coordinator.devices[rank]
+        out = []
+        for i, dim in enumerate(dims):
+            parts = [slot[r][i] if r == rank else slot[r][i].to(device, non_blocking=True)
+                     for r in range(self.coordinator.world_size)]
+            out.append(torch.cat(parts, dim=dim))
+        return out
+
+    def all_reduce(self, rank, tensor, op, slot):
+        device = self.coordinator.devices[rank]
+        # Same order of operands on every rank, so every rank gets bit-identical results.
+        acc = slot[0].to(device, copy=True)
+        for r in range(1, self.coordinator.world_size):
+            other = slot[r].to(device, non_blocking=True)
+            if op == "sum":
+                acc.add_(other)
+            else:
+                torch.maximum(acc, other, out=acc)
+        return acc
+
+    def close(self):
+        pass
+
+
+def _open_backend(name: str, coordinator: "SequenceParallelCoordinator"):
+    if name == "peer":
+        return PeerCopyBackend(coordinator)
+    if name == "hccl":
+        from comfy.multinpu import HcclBackend
+        return HcclBackend(coordinator)
+    if name == "nccl":
+        try:
+            from comfy.multicuda import NcclBackend
+        except ImportError as exc:
+            raise BackendUnavailable(
+                "the nccl backend (comfy/multicuda.py) is not part of this installation yet; "
+                f"use {BACKEND_ENV}=peer or auto") from exc
+        return NcclBackend(coordinator)
+    raise ValueError(f"unknown backend {name!r}; valid values: {', '.join(VALID_BACKENDS)}")
+
+
+def native_backend_for(devices: Sequence[torch.device]) -> str | None:
+    kinds = {d.type for d in devices}
+    if kinds == {"npu"}:
+        return "hccl"
+    if kinds == {"cuda"}:
+        return "nccl"
+    return None
+
+
+# ----------------------------------------------------------------------------- rank comm
+
+class RankComm:
+    """The per-rank view of a coordinator that model code talks to.
+
+    comfy/multinode.py offers the same methods over torch.distributed, so code written
+    against RankComm runs unchanged in one process or across processes.
+    """
+
+    def __init__(self, coordinator: "SequenceParallelCoordinator", rank: int):
+        self.coordinator = coordinator
+        self.rank = rank
+        self.world_size = coordinator.world_size
+        self.device = coordinator.devices[rank]
+
+    def exchange(self, tensors, cat_dims):
+        return self.coordinator.exchange(self.rank, tensors, cat_dims)
+
+    def all_reduce(self, tensor, op="sum"):
+        return self.coordinator.all_reduce(self.rank, tensor, op)
+
+    def barrier(self):
+        self.coordinator.barrier(self.rank)
+
+    def __repr__(self):
+        return f"RankComm(rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+# ----------------------------------------------------------------------------- coordinator
+
+class _RankWorker(threading.Thread):
+    def __init__(self, coordinator: "SequenceParallelCoordinator", rank: int):
+        super().__init__(name=f"sp-rank-{rank}", daemon=True)
+        self.coordinator = coordinator
+        self.rank = rank
+        self.jobs: queue.Queue = queue.Queue()
+
+    def run(self):
+        device = self.coordinator.devices[self.rank]
+        try:
+            set_thread_device(device)
+        except Exception as exc:  # surfaces on the first job instead of killing the thread silently
+            init_error = exc
+        else:
+            init_error = None
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, args, done = job
+            if init_error is not None:
+                done(self.rank, None, init_error)
+                continue
+            try:
+                result = fn(self.rank, self.coordinator.comm(self.rank), *args)
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller of run()
+                done(self.rank, None, exc)
+            else:
+                done(self.rank, result, None)
+
+
+class SequenceParallelCoordinator:
+    """W rank threads over W devices plus the collectives between them."""
+
+    def __init__(self, devices: Sequence[Any], backend: str | None = None,
+                 timeout_s: float | None = None):
+        if not devices:
+            raise ValueError("SequenceParallelCoordinator needs at least one device, got none")
+        self.devices = [resolve_device(d) for d in devices]
+        self.world_size = len(self.devices)
+        self.timeout_s = float(timeout_s) if timeout_s is not None else timeout_from_env()
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        requested = backend_from_env(backend)
+        self.requested_backend = requested
+        self._barrier = AbortableBarrier(self.world_size, self.timeout_s)
+        self._meta_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
+        self._data_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
+        self._parity = [0] * self.world_size
+        self._comms = [RankComm(self, r) for r in range(self.world_size)]
+        self._run_lock = threading.Lock()
+        self._closed = False
+        self.fallback_reason: str | None = None
+        self.backend = self._choose_backend(requested)
+        self.backend_name = self.backend.name
+        self._workers = [_RankWorker(self, r) for r in range(self.world_size)]
+        for w in self._workers:
+            w.start()
+        log.info("multi-device coordinator: %d rank(s) on %s, backend %s",
+                 self.world_size, ", ".join(map(str, self.devices)), self.backend_name)
+
+    # -- backend choice
+    def _choose_backend(self, requested: str):
+        if requested != "auto":
+            try:
+                return _open_backend(requested, self)
+            except BackendUnavailable:
+                raise
+            except Exception as exc:
+                raise BackendUnavailable(f"backend {requested!r} could not start: {exc}") from exc
+        native = native_backend_for(self.devices)
+        if native is None:
+            return PeerCopyBackend(self)
+        try:
+            return _open_backend(native, self)
+        except Exception as exc:  # auto: one warning with the cause, then the fallback
+            self.fallback_reason = f"{native} unavailable ({exc})"
+            log.warning("multi-device backend auto: %s; using peer-copy instead. "
+                        "Set %s=%s to make this an error.", self.fallback_reason, BACKEND_ENV, native)
+            return PeerCopyBackend(self)
+
+    # -- running work on the ranks
+    def comm(self, rank: int) -> RankComm:
+        return self._comms[rank]
+
+    def run(self, fn: Callable[..., Any], *per_rank_args: Sequence[Any]) -> list:
+        """Run fn(rank, comm, *args_of_rank) on every rank thread; return the results by rank.
+
+        Each entry of per_rank_args is a sequence with one item per rank. The first rank
+        error is re-raised here (annotated with its rank) after every rank has stopped.
+        """
+        self._check_open()
+        for i, arg in enumerate(per_rank_args):
+            if len(arg) != self.world_size:
+                raise ValueError(f"run(): per-rank argument {i} has {len(arg)} items for "
+                                 f"{self.world_size} ranks")
+        with self._run_lock:
+            # A failed run can leave ranks at different collective counts: start in step.
+            self._barrier.reset()
+            self._parity = [0] * self.world_size
+            for slots in (*self._meta_slots, *self._data_slots):
+                slots[:] = [None] * self.world_size
+            results: list[Any] = [None] * self.world_size
+            errors: list[tuple[float, int, BaseException]] = []
+            remaining = [self.world_size]
+            finished = threading.Condition()
+
+            def done(rank, result, exc):
+                with finished:
+                    if exc is not None:
+                        errors.append((time.monotonic(), rank, exc))
+                        self._barrier.abort(f"rank {rank} failed: {type(exc).__name__}: {exc}")
+                    else:
+                        results[rank] = result
+                    remaining[0] -= 1
+                    finished.notify_all()
+
+            for r, worker in enumerate(self._workers):
+                worker.jobs.put((fn, tuple(a[r] for a in per_rank_args), done))
+            with finished:
+                while remaining[0]:
+                    finished.wait()
+            for slots in (*self._meta_slots, *self._data_slots):  # don't pin the last tensors
+                slots[:] = [None] * self.world_size
+            if errors:
+                raise self._first_error(errors)
+            return results
+
+    @staticmethod
+    def _first_error(errors):
+        # The root cause beats the "cancelled because rank k failed" errors it triggered.
+        errors.sort(key=lambda e: (isinstance(e[2], CollectiveAborted), e[0]))
+        _, rank, exc = errors[0]
+        if getattr(exc, "rank", None) is None:
+            try:
+                exc.rank = rank
+                exc.add_note(f"(raised on multi-device rank {rank})")
+            except AttributeError:
+                pass
+        return exc
+
+    # -- collectives (called from rank threads)
+    def barrier(self, rank: int, what: str = "barrier") -> None:
+        self._barrier.wait(rank, what)
+
+    def exchange(self, rank: int, tensors: Sequence[torch.Tensor],
+                 cat_dims: int | Sequence[int]) -> list[torch.Tensor]:
+        """All-gather-V: return, per tensor, the concat of every rank's shard along its cat dim."""
+        tensors = list(tensors)
+        dims = normalize_dims(tensors, cat_dims)
+        if self.world_size == 1:
+            return tensors
+        tensors = [t.contiguous() for t in tensors]
+        parity = self._parity[rank]
+        self._parity[rank] ^= 1
+        meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
+        meta_slot[rank] = [ShardMeta(tuple(t.shape), t.dtype) for t in tensors]
+        data_slot[rank] = tensors
+        if self.backend.reads_peer_memory:  # other ranks read our tensors directly: finish them first
+            synchronize(self.devices[rank])
+        self._barrier.wait(rank, "exchange")
+        metas = list(meta_slot)
+        check_exchange_metadata(metas, dims)
+        return self.backend.all_gather_v(rank, tensors, dims, metas, data_slot)
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op not in VALID_REDUCE_OPS:
+            raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
+        if self.world_size == 1:
+            return tensor.clone()
+        tensor = tensor.contiguous()
+        parity = self._parity[rank]
+        self._parity[rank] ^= 1
+        meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
+        meta_slot[rank] = [ShardMeta(tuple(tensor.shape), tensor.dtype)]
+        data_slot[rank] = tensor
+        if self.backend.reads_peer_memory:
+            synchronize(self.devices[rank])
+        self._barrier.wait(rank, "all_reduce")
+        first = meta_slot[0][0]
+        for r, m in enumerate(meta_slot):
+            if m[0] != first:
+                raise CollectiveError(f"all_reduce: rank {r} has {m[0].shape}/{m[0].dtype}, "
+                                      f"rank 0 has {first.shape}/{first.dtype}")
+        return self.backend.all_reduce(rank, tensor, op, data_slot)
+
+    # -- lifetime
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this SequenceParallelCoordinator is closed; create a new one")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._barrier.abort("coordinator closed")
+        for w in self._workers:
+            w.jobs.put(None)
+        for w in self._workers:
+            w.join(timeout=self.timeout_s)
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

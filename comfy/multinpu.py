@@ -1,0 +1,182 @@
+"""HCCL through ctypes: the Ascend backend of the multi-device coordinator.
+
+One HCCL communicator per rank device from `HcclCommInitAll` (single process, many
+devices). Every rank thread issues its own call concurrently on its device's current
+stream; the results are synchronized before use. `HcclAllGatherV` is optional in older
+CANN releases: without it the exchange is one `HcclBroadcast` per root into the same
+flat buffer, which is exact but slower (logged once).
+
+Library: `HCCL_SO_PATH`, else `libhccl.so` from the loader path (CANN's set_env.sh).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint32, c_uint64, c_void_p
+
+import torch
+
+from comfy.ctypes_collective import CFunction, CLibrary, FlatCollectiveBackend, library_path
+from comfy.multidevice import BackendUnavailable, CollectiveError
+
+log = logging.getLogger(__name__)
+
+HCCL_PATH_ENV = "HCCL_SO_PATH"
+HCCL_DEFAULT_LIBRARY = "libhccl.so"
+
+HcclResult = c_int
+HcclComm = c_void_p
+HcclDataType = c_int
+HcclReduceOp = c_int
+aclrtStream = c_void_p
+buffer = c_void_p
+
+HCCL_SUCCESS = 0
+
+# Values of CANN's HcclDataType (hccl_types.h).
+HCCL_DTYPES = {
+    torch.int8: 0,
+    torch.int16: 1,
+    torch.int32: 2,
+    torch.float16: 3,
+    torch.float32: 4,
+    torch.int64: 5,
+    torch.uint8: 7,
+    torch.float64: 10,
+    torch.bfloat16: 11,
+}
+
+# Values of CANN's HcclReduceOp.
+HCCL_REDUCE_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+
+HCCL_FUNCTIONS = (
+    CFunction("HcclGetErrorString", c_char_p, (HcclResult,)),
+    # HcclCommInitAll(uint32_t ndev, int32_t *devices, HcclComm *comms)
+    CFunction("HcclCommInitAll", HcclResult, (c_uint32, POINTER(c_int32), POINTER(HcclComm))),
+    CFunction("HcclCommDestroy", HcclResult, (HcclComm,)),
+    # HcclAllGatherV(sendBuf, sendCount, recvBuf, recvCounts[u64 host], recvDispls[u64 host],
+    #                dataType, comm, stream)
+    CFunction("HcclAllGatherV", HcclResult,
+              (buffer, c_uint64, buffer, c_void_p, c_void_p, HcclDataType, HcclComm, aclrtStream),
+              optional=True),
+    # HcclAllGather(sendBuf, recvBuf, sendCount, dataType, comm, stream)
+    CFunction("HcclAllGather", HcclResult,
+              (buffer, buffer, c_uint64, HcclDataType, HcclComm, aclrtStream)),
+    # HcclAllReduce(sendBuf, recvBuf, count, dataType, op, comm, stream)
+    CFunction("HcclAllReduce", HcclResult,
+              (buffer, buffer, c_uint64, HcclDataType, HcclReduceOp, HcclComm, aclrtStream)),
+    # HcclBroadcast(buf, count, dataType, root, comm, stream)
+    CFunction("HcclBroadcast", HcclResult,
+              (buffer, c_uint64, HcclDataType, c_uint32, HcclComm, aclrtStream)),
+)
+
+
+class HcclError(CollectiveError):
+    def __init__(self, function: str, code: int, text: str):
+        super().__init__(f"{function} failed with HcclResult {code}: {text}")
+        self.function = function
+        self.code = code
+
+
+def hccl_dtype(dtype: torch.dtype) -> int:
+    try:
+        return HCCL_DTYPES[dtype]
+    except KeyError:
+        raise CollectiveError(
+            f"HCCL cannot move tensors of dtype {dtype}; supported: "
+            f"{', '.join(str(d) for d in HCCL_DTYPES)}") from None
+
+
+class HcclLibrary:
+    """The bound library: one thin Python method per C function used."""
+
+    def __init__(self, path: str | None = None, lib: CLibrary | None = None):
+        self.lib = lib or CLibrary(path or library_path(HCCL_PATH_ENV, HCCL_DEFAULT_LIBRARY),
+                                   HCCL_FUNCTIONS, "HCCL", HCCL_PATH_ENV)
+        self.path = self.lib.path
+
+    @property
+    def has_all_gather_v(self) -> bool:
+        return self.lib.has("HcclAllGatherV")
+
+    def check(self, function: str, code: int) -> None:
+        if code != HCCL_SUCCESS:
+            text = self.lib["HcclGetErrorString"](code)
+            raise HcclError(function, code, text.decode(errors="replace") if text else "unknown error")
+
+    def comm_init_all(self, device_ids: list[int]) -> list[int]:
+        n = len(device_ids)
+        comms = (HcclComm * n)()
+        self.check("HcclCommInitAll",
+                   self.lib["HcclCommInitAll"](n, (c_int32 * n)(*device_ids), comms))
+        return list(comms)
+
+    def comm_destroy(self, comm) -> None:
+        self.check("HcclCommDestroy", self.lib["HcclCommDestroy"](comm))
+
+    def all_gather_v(self, send, send_count, recv, counts, displs, dtype, comm, stream) -> None:
+        self.check("HcclAllGatherV", self.lib["HcclAllGatherV"](
+            send, send_count, recv, counts, displs, dtype, comm, stream))
+
+    def all_gather(self, send, recv, count, dtype, comm, stream) -> None:
+        self.check("HcclAllGather", self.lib["HcclAllGather"](send, recv, count, dtype, comm, stream))
+
+    def all_reduce(self, send, recv, count, dtype, op, comm, stream) -> None:
+        self.check("HcclAllReduce",
+                   self.lib["HcclAllReduce"](send, recv, count, dtype, op, comm, stream))
+
+    def broadcast(self, buf, count, dtype, root, comm, stream) -> None:
+        self.check("HcclBroadcast", self.lib["HcclBroadcast"](buf, count, dtype, root, comm, stream))
+
+
+def _device_ids(devices) -> list[int]:
+    # CPU "devices" (tests against the fake library) get their rank as id.
+    return [d.index if d.index is not None else r for r, d in enumerate(devices)]
+
+
+class HcclBackend(FlatCollectiveBackend):
+    name = "hccl"
+
+    def __init__(self, coordinator, library: HcclLibrary | None = None):
+        super().__init__(coordinator)
+        kinds = {d.type for d in coordinator.devices}
+        if not kinds <= {"npu", "cpu"}:
+            raise BackendUnavailable(f"HCCL drives Ascend NPUs; the devices are {sorted(kinds)}")
+        self.hccl = library or HcclLibrary()
+        self.comms = self.hccl.comm_init_all(_device_ids(coordinator.devices))
+        self._fallback_logged = False
+        if not self.hccl.has_all_gather_v:
+            log.warning("%s has no HcclAllGatherV: exchanging with one HcclBroadcast per rank "
+                        "(exact, slower); a newer CANN provides HcclAllGatherV", self.hccl.path)
+
+    def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
+        dtype = hccl_dtype(send.dtype)
+        comm = self.comms[rank]
+        if self.hccl.has_all_gather_v:
+            n = len(counts)
+            host_counts = (c_uint64 * n)(*counts)  # read by the device asynchronously:
+            host_displs = (c_uint64 * n)(*displs)  # returned so the caller keeps them to the sync
+            self.hccl.all_gather_v(send.data_ptr(), counts[rank], recv.data_ptr(),
+                                   ctypes.addressof(host_counts), ctypes.addressof(host_displs),
+                                   dtype, comm, stream)
+            return host_counts, host_displs
+        recv.narrow(0, displs[rank], counts[rank]).copy_(send.view(-1))
+        itemsize = recv.element_size()
+        for root, (count, displ) in enumerate(zip(counts, displs)):
+            if count:
+                self.hccl.broadcast(recv.data_ptr() + displ * itemsize, count, dtype, root,
+                                    comm, stream)
+        return None
+
+    def _all_reduce_flat(self, rank, send, recv, op, stream):
+        self.hccl.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(), hccl_dtype(send.dtype),
+                             HCCL_REDUCE_OPS[op], self.comms[rank], stream)
+
+    def close(self):
+        comms, self.comms = self.comms, []
+        for comm in comms:
+            try:
+                self.hccl.comm_destroy(comm)
+            except HcclError as exc:
+                log.warning("HcclCommDestroy: %s", exc)

@@ -1,0 +1,20 @@
+import pytest
+
+from tests.fakes.build import build_fake
+
+
+@pytest.fixture(scope="session")
+def fake_hccl_path(tmp_path_factory):
+    return build_fake("fake_hccl", out_dir=tmp_path_factory.mktemp("fake_hccl"))
+
+
+@pytest.fixture(scope="session")
+def fake_hccl_no_allgatherv_path(tmp_path_factory):
+    return build_fake("fake_hccl", defines=("FAKE_NO_ALLGATHERV",),
+                      out_dir=tmp_path_factory.mktemp("fake_hccl_noagv"))
+
+
+@pytest.fixture
+def use_fake_hccl(monkeypatch, fake_hccl_path):
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    return fake_hccl_path

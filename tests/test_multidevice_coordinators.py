@@ -1,0 +1,385 @@
+"""The coordinator, its peer-copy backend and the HCCL ctypes backend (over the fake libhccl).
+
+Every exchange is compared with torch.cat of the shards (exact, no tolerance: an
+all-gather moves bits, it computes nothing). All-reduce sums are compared with the
+rank-order sum in fp32 (exact) and with a stated tolerance in 16-bit types.
+"""
+
+import ctypes
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from comfy import multidevice
+from comfy.ctypes_collective import CLibrary
+from comfy.multidevice import (BackendUnavailable, CollectiveAborted, CollectiveError,
+                               CollectiveTimeout, SequenceParallelCoordinator)
+from comfy.multinpu import HcclBackend, HcclError, HcclLibrary
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_shards(world, lengths, dim, dtype, seed=0, base_shape=(3, 5, 7)):
+    gen = torch.Generator().manual_seed(seed)
+    shards = []
+    for r in range(world):
+        shape = list(base_shape)
+        shape[dim] = lengths[r]
+        shards.append(torch.randn(*shape, generator=gen).to(dtype))
+    return shards
+
+
+def uneven_lengths(world, total):
+    return [total * (r + 1) // world - total * r // world for r in range(world)]
+
+
+@pytest.fixture(params=["peer", "hccl"])
+def backend(request, monkeypatch, fake_hccl_path):
+    if request.param == "hccl":
+        monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    return request.param
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exchange_matches_cat(backend, world, dim, dtype):
+    total = 11  # not divisible by 2, 3 or 4
+    lengths = uneven_lengths(world, total)
+    dim_index = dim % 3
+    shards_a = make_shards(world, lengths, dim_index, dtype, seed=1)
+    shards_b = make_shards(world, [2 * n + 1 for n in lengths], 0, dtype, seed=2)
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        assert coord.backend_name == (backend if world > 1 or backend == "peer" else backend)
+        out = coord.run(lambda rank, comm, a, b: comm.exchange([a, b], [dim, 0]),
+                        shards_a, shards_b)
+    want_a = torch.cat(shards_a, dim=dim)
+    want_b = torch.cat(shards_b, dim=0)
+    for rank_out in out:
+        assert rank_out[0].dtype == dtype and rank_out[0].shape == want_a.shape
+        assert torch.equal(rank_out[0], want_a)
+        assert torch.equal(rank_out[1], want_b)
+
+
+def test_exchange_with_an_empty_shard(backend):
+    # S barely above... below W: rank 0 holds no rows.
+    shards = [torch.zeros(0, 4), torch.arange(4.0).view(1, 4), torch.ones(2, 4)]
+    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: comm.exchange([x], 0)[0], shards)
+    for o in out:
+        assert torch.equal(o, torch.cat(shards))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_all_reduce_fp32_exact(backend, world, op):
+    gen = torch.Generator().manual_seed(world)
+    xs = [torch.randn(6, 9, generator=gen) for _ in range(world)]
+    want = xs[0].clone()
+    for x in xs[1:]:
+        want = want + x if op == "sum" else torch.maximum(want, x)
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: comm.all_reduce(x, op), xs)
+    for o in out:
+        assert torch.equal(o, want)
+    assert all(torch.equal(o, out[0]) for o in out)  # every rank holds the same bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_all_reduce_16bit_within_rounding(backend, dtype):
+    world = 4
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(64, generator=gen).to(dtype) for _ in range(world)]
+    exact = sum(x.float() for x in xs)
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: comm.all_reduce(x, "sum"), xs)
+    # Tolerance: at most one rounding of the 16-bit format per partial sum (3 adds),
+    # i.e. 3 * 2^-8 (bf16) or 3 * 2^-11 (fp16) relative to the largest partial sum.
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    scale = max(float(exact.abs().max()), float(sum(x.float().abs() for x in xs).max()))
+    for o in out:
+        assert o.dtype == dtype
+        assert float((o.float() - exact).abs().max()) <= 3 * eps * scale
+        assert torch.equal(o, out[0])
+
+
+def test_all_reduce_int32(backend):
+    xs = [torch.arange(5, dtype=torch.int32) * (r + 1) for r in range(3)]
+    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: (comm.all_reduce(x, "sum"), comm.all_reduce(x, "max")), xs)
+    for s, m in out:
+        assert torch.equal(s, torch.arange(5, dtype=torch.int32) * 6)
+        assert torch.equal(m, torch.arange(5, dtype=torch.int32) * 3)
+
+
+def test_many_exchanges_in_a_row_stay_in_step(backend):
+    world = 3
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        def job(rank, comm):
+            results = []
+            for step in range(25):
+                x = torch.full((rank + 1, 2), float(step * 10 + rank))
+                results.append(comm.exchange([x], 0)[0])
+                comm.all_reduce(torch.ones(1), "sum")
+            return results
+        out = coord.run(job)
+    for step in range(25):
+        want = torch.cat([torch.full((r + 1, 2), float(step * 10 + r)) for r in range(world)])
+        for rank_results in out:
+            assert torch.equal(rank_results[step], want)
+
+
+# ----------------------------------------------------------------------------- marshaling
+
+class FakeFunction:
+    """Stands in for a C function: records the ctypes arguments of each call."""
+
+    def __init__(self, result=0, on_call=None):
+        self.calls = []
+        self.result = result
+        self.on_call = on_call
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        if self.on_call:
+            self.on_call(*args)
+        return self.result
+
+
+def fake_hccl_library(**overrides):
+    def init_all(n, devices, comms):
+        for i in range(n):
+            comms[i] = 0x1000 + i
+    functions = {
+        "HcclGetErrorString": lambda code: b"fake failure",
+        "HcclCommInitAll": FakeFunction(on_call=init_all),
+        "HcclCommDestroy": FakeFunction(),
+        "HcclAllGatherV": FakeFunction(),
+        "HcclAllGather": FakeFunction(),
+        "HcclAllReduce": FakeFunction(),
+        "HcclBroadcast": FakeFunction(),
+    }
+    functions.update(overrides)
+    return HcclLibrary(lib=CLibrary.from_functions(functions, path="<recorded>")), functions
+
+
+def test_all_gather_v_marshaling_for_uneven_shards():
+    lib, functions = fake_hccl_library()
+    world = 3
+    backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * world), library=lib)
+    assert functions["HcclCommInitAll"].calls[0][0] == world
+    counts = [5 * 4, 6 * 4, 6 * 4]  # 17 rows of 4 split 5/6/6
+    displs = [0, 20, 44]
+    rank = 1
+    send = torch.zeros(6, 4, dtype=torch.bfloat16)
+    recv = torch.empty(sum(counts), dtype=torch.bfloat16)
+    keepalive = backend._all_gather_v_flat(rank, send, recv, counts, displs, None)
+    (call,) = functions["HcclAllGatherV"].calls
+    send_ptr, send_count, recv_ptr, counts_addr, displs_addr, dtype, comm, stream = call
+    assert send_ptr == send.data_ptr() and recv_ptr == recv.data_ptr()
+    assert send_count == 24
+    assert list((ctypes.c_uint64 * world).from_address(counts_addr)) == counts
+    assert list((ctypes.c_uint64 * world).from_address(displs_addr)) == displs
+    assert dtype == 11  # HCCL_DATA_TYPE_BFP16
+    assert comm == 0x1000 + rank
+    assert stream is None  # CPU: no stream handle
+    del keepalive  # the host arrays lived until here, i.e. past the (here: no-op) sync
+
+
+@pytest.mark.parametrize("dtype,code", [(torch.float32, 4), (torch.float16, 3), (torch.bfloat16, 11),
+                                        (torch.int32, 2), (torch.int8, 0)])
+def test_dtype_enum(dtype, code):
+    from comfy.multinpu import hccl_dtype
+    assert hccl_dtype(dtype) == code
+
+
+def test_unsupported_dtype_names_it():
+    from comfy.multinpu import hccl_dtype
+    with pytest.raises(CollectiveError, match="complex64"):
+        hccl_dtype(torch.complex64)
+
+
+def test_all_reduce_marshaling():
+    lib, functions = fake_hccl_library()
+    backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 2), library=lib)
+    send = torch.ones(7)
+    recv = torch.empty(7)
+    backend._all_reduce_flat(0, send, recv, "max", None)
+    (call,) = functions["HcclAllReduce"].calls
+    assert call == (send.data_ptr(), recv.data_ptr(), 7, 4, 2, 0x1000, None)
+
+
+def test_nonzero_result_raises_with_code_and_text():
+    lib, functions = fake_hccl_library(HcclAllReduce=FakeFunction(result=7))
+    backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 2), library=lib)
+    with pytest.raises(HcclError, match=r"HcclAllReduce failed with HcclResult 7: fake failure"):
+        backend._all_reduce_flat(0, torch.ones(2), torch.empty(2), "sum", None)
+
+
+# ----------------------------------------------------------------------------- fake libhccl
+
+def test_fake_error_return_is_a_clear_exception(use_fake_hccl, monkeypatch):
+    monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclAllGatherV:4")
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl", timeout_s=10) as coord:
+        with pytest.raises(HcclError, match=r"HcclAllGatherV failed with HcclResult 4: internal error"):
+            coord.run(lambda rank, comm: comm.exchange([torch.ones(2)], 0))
+
+
+def test_init_failure_of_forced_hccl_raises(use_fake_hccl, monkeypatch):
+    monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclCommInitAll:1")
+    with pytest.raises(BackendUnavailable, match="HcclCommInitAll failed with HcclResult 1"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="hccl")
+
+
+def test_broadcast_fallback_without_allgatherv(monkeypatch, fake_hccl_no_allgatherv_path, caplog):
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_no_allgatherv_path)
+    shards = make_shards(3, [4, 0, 6], 1, torch.bfloat16)
+    with caplog.at_level(logging.WARNING):
+        with SequenceParallelCoordinator(["cpu"] * 3, backend="hccl", timeout_s=20) as coord:
+            assert not coord.backend.hccl.has_all_gather_v
+            out = coord.run(lambda rank, comm, x: comm.exchange([x, x], [1, 1]), shards)
+    warnings = [r for r in caplog.records if "HcclAllGatherV" in r.getMessage()]
+    assert len(warnings) == 1 and "HcclBroadcast" in warnings[0].getMessage()
+    for pair in out:
+        for o in pair:
+            assert torch.equal(o, torch.cat(shards, dim=1))
+
+
+def test_auto_falls_back_to_peer_with_one_warning(monkeypatch, caplog, tmp_path):
+    # Pretend the CPU ranks are NPUs so that auto tries HCCL, with no library to find.
+    monkeypatch.setattr(multidevice, "native_backend_for", lambda devices: "hccl")
+    monkeypatch.setenv("HCCL_SO_PATH", str(tmp_path / "missing" / "libhccl.so"))
+    with caplog.at_level(logging.WARNING):
+        with SequenceParallelCoordinator(["cpu"] * 2, backend="auto") as coord:
+            assert coord.backend_name == "peer"
+            assert "missing" in coord.fallback_reason
+            out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
+    assert [torch.equal(o, torch.tensor([0.0, 1.0])) for o in out] == [True, True]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "libhccl.so" in warnings[0].getMessage() and "peer-copy" in warnings[0].getMessage()
+
+
+def test_forced_hccl_with_missing_library_raises(monkeypatch, tmp_path):
+    missing = str(tmp_path / "nowhere" / "libhccl.so")
+    monkeypatch.setenv("HCCL_SO_PATH", missing)
+    with pytest.raises(BackendUnavailable, match="HCCL_SO_PATH"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="hccl")
+
+
+def test_unknown_backend_lists_valid_values(monkeypatch):
+    with pytest.raises(ValueError, match="auto, hccl, nccl, peer"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="mpi")
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "gloo")
+    with pytest.raises(ValueError, match="'gloo'.*COMFYUI_MULTI_DEVICE_BACKEND"):
+        SequenceParallelCoordinator(["cpu"] * 2)
+
+
+def test_backend_from_environment(monkeypatch, fake_hccl_path):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "HCCL")
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    with SequenceParallelCoordinator(["cpu"] * 2) as coord:
+        assert coord.backend_name == "hccl"
+
+
+def test_no_devices_is_an_error():
+    with pytest.raises(ValueError, match="at least one device"):
+        SequenceParallelCoordinator([])
+
+
+# ----------------------------------------------------------------------------- failures
+
+def test_failing_rank_ends_the_run_fast(backend):
+    world = 4
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=60) as coord:
+        def job(rank, comm):
+            for step in range(3):
+                comm.exchange([torch.ones(2, 2)], 0)
+            if rank == 2:
+                raise ValueError("rank two could not continue")
+            comm.exchange([torch.ones(2, 2)], 0)  # the others wait here for rank 2
+            return "unreachable"
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="rank two could not continue") as info:
+            coord.run(job)
+        assert time.monotonic() - start < 5
+        assert info.value.rank == 2
+        # The coordinator is still usable after a failed run.
+        out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
+        assert all(torch.equal(o, torch.arange(float(world))) for o in out)
+
+
+def test_other_ranks_see_an_abort_error(backend):
+    seen = {}
+    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=60) as coord:
+        def job(rank, comm):
+            if rank == 0:
+                raise KeyError("boom")
+            try:
+                comm.exchange([torch.ones(1)], 0)
+            except CollectiveAborted as exc:
+                seen[rank] = str(exc)
+                raise
+        with pytest.raises(KeyError):
+            coord.run(job)
+    assert set(seen) == {1, 2}
+    assert all("rank 0 failed" in msg for msg in seen.values())
+
+
+def test_barrier_timeout_names_absent_ranks():
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=0.5) as coord:
+        def job(rank, comm):
+            if rank == 1:
+                return None  # never joins the exchange
+            return comm.exchange([torch.ones(1)], 0)
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match=r"rank\(s\) \[1\]") as info:
+            coord.run(job)
+        assert time.monotonic() - start < 5
+        assert "COMFYUI_MULTI_DEVICE_TIMEOUT_S" in str(info.value)
+
+
+def test_mismatched_shapes_fail_on_every_rank(backend):
+    with SequenceParallelCoordinator(["cpu"] * 2, backend=backend, timeout_s=10) as coord:
+        shards = [torch.ones(2, 3), torch.ones(2, 4)]
+        with pytest.raises(CollectiveError, match=r"differ outside the concat dim 0"):
+            coord.run(lambda rank, comm, x: comm.exchange([x], 0), shards)
+
+
+def test_mismatched_dtypes_fail():
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=10) as coord:
+        shards = [torch.ones(2), torch.ones(2, dtype=torch.float16)]
+        with pytest.raises(CollectiveError, match="dtype"):
+            coord.run(lambda rank, comm, x: comm.exchange([x], 0), shards)
+
+
+def test_bad_arguments_are_rejected_before_running():
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer") as coord:
+        with pytest.raises(ValueError, match="per-rank argument 0 has 3 items for 2 ranks"):
+            coord.run(lambda rank, comm, x: x, [1, 2, 3])
+        with pytest.raises(ValueError, match="cat dim 2 is out of range"):
+            coord.run(lambda rank, comm: comm.exchange([torch.ones(2, 2)], 2))
+        with pytest.raises(ValueError, match="all_reduce op 'mean'"):
+            coord.run(lambda rank, comm: comm.all_reduce(torch.ones(1), "mean"))
+
+
+def test_close_leaves_no_thread_behind():
+    coord = SequenceParallelCoordinator(["cpu"] * 4, backend="peer", timeout_s=30)
+    workers = list(coord._workers)
+    coord.run(lambda rank, comm: comm.exchange([torch.ones(1)], 0))
+    coord.close()
+    assert not any(w.is_alive() for w in workers)
+    with pytest.raises(RuntimeError, match="closed"):
+        coord.run(lambda rank, comm: None)
+    assert not any(t.name.startswith("sp-rank-") and t in workers for t in threading.enumerate())
+
+
+def test_rank_threads_are_persistent():
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer") as coord:
+        first = coord.run(lambda rank, comm: threading.get_ident())
+        second = coord.run(lambda rank, comm: threading.get_ident())
+    assert first == second and len(set(first)) == 2
