@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""MiniMax-H3 multi-device command line.
+
+  run      the parallel pipeline; without weights it is the dry run on the miniature model
+  doctor   what this machine offers: devices, backends, a self-test exchange
+
+Each subcommand registers its options in `add_<name>_arguments` and runs in `<name>_main`;
+the work itself lives in modules under comfy/ so ComfyUI and the tests can use it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# ----------------------------------------------------------------------------- run
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(handler=None, unavailable="run is not implemented in this checkout yet")
+
+
+# ----------------------------------------------------------------------------- doctor
+
+def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(handler=None, unavailable="doctor is not implemented in this checkout yet")
+
+
+# ----------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minimax_h3_parallel.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_run_arguments(sub.add_parser("run", help="run the parallel pipeline (dry run by default)"))
+    add_doctor_arguments(sub.add_parser("doctor", help="check devices and backends"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.handler is None:
+        print(f"minimax_h3_parallel.py: {args.unavailable}", file=sys.stderr)
+        return 2
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
