@@ -110,7 +110,7 @@ class FlatCollectiveBackend:
             shard_metas = [m[i] for m in metas]
             counts = [_numel(m.shape) for m in shard_metas]
             displs = [sum(counts[:r]) for r in range(len(counts))]
-            send = tensors[i]
+            send = tensors[i].contiguous()  # the library reads one dense buffer
             recv = torch.empty(sum(counts), dtype=send.dtype, device=device)
             stream = current_stream_handle(device)  # read right before the call
             keepalive = self._all_gather_v_flat(rank, send, recv, counts, displs, stream)
@@ -121,9 +121,10 @@ class FlatCollectiveBackend:
 
     def all_reduce(self, rank, tensor, op, slot):
         device = self.coordinator.devices[rank]
-        recv = torch.empty_like(tensor)
+        send = tensor.contiguous()
+        recv = torch.empty_like(send)
         stream = current_stream_handle(device)
-        self._all_reduce_flat(rank, tensor, recv, op, stream)
+        self._all_reduce_flat(rank, send, recv, op, stream)
         synchronize(device)
         return recv
 

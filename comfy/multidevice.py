@@ -216,6 +216,12 @@ def normalize_dims(tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int
 
 # ----------------------------------------------------------------------------- backends
 
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Skipping .to() for same-device tensors saves Python overhead, which all rank
+    # threads pay serially under the GIL.
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
+
+
 class PeerCopyBackend:
     """Shared slots + barrier + copy to the local device + cat. Works on any device kind.
 
@@ -233,8 +239,7 @@ class PeerCopyBackend:
         device = self.coordinator.devices[rank]
         out = []
         for i, dim in enumerate(dims):
-            parts = [slot[r][i] if r == rank else slot[r][i].to(device, non_blocking=True)
-                     for r in range(self.coordinator.world_size)]
+            parts = [_on_device(shards[i], device) for shards in slot]
             out.append(torch.cat(parts, dim=dim))
         return out
 
@@ -243,7 +248,7 @@ class PeerCopyBackend:
         # Same order of operands on every rank, so every rank gets bit-identical results.
         acc = slot[0].to(device, copy=True)
         for r in range(1, self.coordinator.world_size):
-            other = slot[r].to(device, non_blocking=True)
+            other = _on_device(slot[r], device)
             if op == "sum":
                 acc.add_(other)
             else:
@@ -462,7 +467,6 @@ class SequenceParallelCoordinator:
         dims = normalize_dims(tensors, cat_dims)
         if self.world_size == 1:
             return tensors
-        tensors = [t.contiguous() for t in tensors]
         parity = self._parity[rank]
         self._parity[rank] ^= 1
         meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
@@ -480,7 +484,6 @@ class SequenceParallelCoordinator:
             raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
         if self.world_size == 1:
             return tensor.clone()
-        tensor = tensor.contiguous()
         parity = self._parity[rank]
         self._parity[rank] ^= 1
         meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]

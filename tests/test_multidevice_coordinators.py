@@ -383,3 +383,17 @@ def test_rank_threads_are_persistent():
         first = coord.run(lambda rank, comm: threading.get_ident())
         second = coord.run(lambda rank, comm: threading.get_ident())
     assert first == second and len(set(first)) == 2
+
+
+def test_non_contiguous_shards(backend):
+    # K/V come out of a fused projection as strided views; both backends must accept them.
+    bases = [torch.randn(5, 2 + r) for r in range(3)]
+    views = [b.t() for b in bases]  # [2+r, 5], not contiguous
+    assert not views[1].is_contiguous()
+    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: (comm.exchange([x], 0)[0], comm.all_reduce(x.t()[:, :2], "sum")),
+                        views)
+    want_sum = sum(b[:, :2] for b in bases)
+    for gathered, reduced in out:
+        assert torch.equal(gathered, torch.cat(views, 0))
+        assert torch.allclose(reduced, want_sum, rtol=0, atol=1e-6)
