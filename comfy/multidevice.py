@@ -1,7 +1,7 @@
 """Sequence-parallel coordinator: rank threads, collectives, backend choice.
 
 One process drives W devices ("ranks"), one persistent worker thread per rank.
-Collectives (`exchange` = all-gather-V, `all_reduce`) go through a backend:
+Collectives (`exchange` = all-gather-V, `all_to_all_v`, `all_reduce`) go through a backend:
   peer  - shared slots + barrier + tensor.to(device) + torch.cat (always works)
   hccl  - libhccl.so through ctypes (comfy/multinpu.py)
   nccl  - libnccl.so.2 through ctypes (comfy/multicuda.py)
@@ -10,6 +10,10 @@ Collectives (`exchange` = all-gather-V, `all_reduce`) go through a backend:
 Every collective first passes an abortable barrier that publishes each rank's
 tensor shapes. A rank that fails aborts the barrier, so no other rank blocks on
 it; a rank that never arrives makes the barrier time out with its rank named.
+
+Every collective also adds to per-rank byte counters (`byte_counts()`), counted here from
+the shapes, whatever the backend: the logical bytes each rank sends to / receives from
+*other* ranks (a rank's own chunk never counts), not what a library's algorithm moves.
 """
 
 from __future__ import annotations
@@ -201,6 +205,72 @@ def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Seque
                     f"differ outside the concat dim {dim}")
 
 
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def nbytes(meta_or_tensor) -> int:
+    """Bytes of a ShardMeta or tensor (shape x dtype item size)."""
+    return numel(meta_or_tensor.shape) * meta_or_tensor.dtype.itemsize
+
+
+def chunk_shape(shape: Sequence[int], split_dim: int, size: int) -> tuple[int, ...]:
+    """Shape of one all-to-all chunk: `shape` with `size` rows along `split_dim`."""
+    out = list(shape)
+    out[split_dim] = size
+    return tuple(out)
+
+
+def check_send_splits(tensors: Sequence[torch.Tensor], send_splits: Sequence[int], split_dim: int,
+                      world_size: int) -> tuple[int, ...]:
+    """Validate one rank's all-to-all split sizes locally, before anything is sent."""
+    try:
+        splits = tuple(int(s) for s in send_splits)
+    except (TypeError, ValueError):
+        raise ValueError(f"all_to_all_v send_splits must be {world_size} integers, got {send_splits!r}") from None
+    if len(splits) != world_size:
+        raise ValueError(f"all_to_all_v send_splits {list(splits)} has {len(splits)} entries; "
+                         f"give one size per rank ({world_size})")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"all_to_all_v send_splits {list(splits)} has a negative size")
+    for t in tensors:
+        if sum(splits) != t.shape[split_dim]:
+            raise ValueError(
+                f"all_to_all_v send_splits {list(splits)} sum to {sum(splits)} but the tensor of "
+                f"shape {tuple(t.shape)} has {t.shape[split_dim]} along split dim {split_dim}; "
+                "the splits must cover that dim exactly")
+    return splits
+
+
+def check_all_to_all_metadata(per_rank: Sequence[Sequence[ShardMeta]], splits: Sequence[Sequence[int]],
+                              split_dim: int, cat_dim: int) -> None:
+    """Raise the same clear error on every rank when the chunks a rank receives cannot be concatenated."""
+    counts = [len(m) for m in per_rank]
+    if len(set(counts)) != 1:
+        raise CollectiveError(f"ranks passed different numbers of tensors to all_to_all_v: {counts}")
+    world = len(per_rank)
+    for t in range(counts[0]):
+        first = per_rank[0][t]
+        for i, metas in enumerate(per_rank):
+            if metas[t].dtype != first.dtype or len(metas[t].shape) != len(first.shape):
+                raise CollectiveError(
+                    f"all_to_all_v tensor {t}: rank {i} has {metas[t].shape}/{metas[t].dtype}, "
+                    f"rank 0 has {first.shape}/{first.dtype}")
+        for j in range(world):  # every chunk sent to rank j must fit next to the others
+            want = chunk_shape(first.shape, split_dim, splits[0][j])
+            for i in range(1, world):
+                got = chunk_shape(per_rank[i][t].shape, split_dim, splits[i][j])
+                if [s for d, s in enumerate(got) if d != cat_dim] != \
+                        [s for d, s in enumerate(want) if d != cat_dim]:
+                    raise CollectiveError(
+                        f"all_to_all_v tensor {t}: the chunk rank {i} sends to rank {j} has shape "
+                        f"{got}, rank 0's has {want}; they must agree outside the concat dim "
+                        f"{cat_dim}")
+
+
 def normalize_dims(tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int]) -> list[int]:
     if isinstance(cat_dims, int):
         cat_dims = [cat_dims] * len(tensors)
@@ -241,6 +311,18 @@ class PeerCopyBackend:
         for i, dim in enumerate(dims):
             parts = [_on_device(shards[i], device) for shards in slot]
             out.append(torch.cat(parts, dim=dim))
+        return out
+
+    def all_to_all_v(self, rank, tensors, splits, split_dim, cat_dim, slot):
+        device = self.coordinator.devices[rank]
+        out = []
+        for t in range(len(tensors)):
+            parts = []
+            for src, src_tensors in enumerate(slot):
+                offset = sum(splits[src][:rank])
+                chunk = src_tensors[t].narrow(split_dim, offset, splits[src][rank])
+                parts.append(_on_device(chunk, device))
+            out.append(torch.cat(parts, dim=cat_dim))
         return out
 
     def all_reduce(self, rank, tensor, op, slot):
@@ -303,8 +385,14 @@ class RankComm:
     def exchange(self, tensors, cat_dims):
         return self.coordinator.exchange(self.rank, tensors, cat_dims)
 
+    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None):
+        return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim)
+
     def all_reduce(self, tensor, op="sum"):
         return self.coordinator.all_reduce(self.rank, tensor, op)
+
+    def byte_counts(self) -> dict:
+        return self.coordinator.byte_counts()[self.rank]
 
     def barrier(self):
         self.coordinator.barrier(self.rank)
@@ -365,9 +453,12 @@ class SequenceParallelCoordinator:
         self._data_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
         self._parity = [0] * self.world_size
         self._comms = [RankComm(self, r) for r in range(self.world_size)]
+        # _traffic[rank][op] = [bytes sent, bytes received, calls]; each rank writes only its own.
+        self._traffic: list[dict[str, list[int]]] = [{} for _ in range(self.world_size)]
         self._run_lock = threading.Lock()
         self._closed = False
         self.fallback_reason: str | None = None
+        self._a2a_fallback_logged = False
         self.backend = self._choose_backend(requested)
         self.backend_name = self.backend.name
         self._workers = [_RankWorker(self, r) for r in range(self.world_size)]
@@ -477,7 +568,80 @@ class SequenceParallelCoordinator:
         self._barrier.wait(rank, "exchange")
         metas = list(meta_slot)
         check_exchange_metadata(metas, dims)
-        return self.backend.all_gather_v(rank, tensors, dims, metas, data_slot)
+        out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot)
+        own = sum(nbytes(m) for m in metas[rank])
+        self._count(rank, "exchange", sent=own * (self.world_size - 1),
+                    received=sum(nbytes(m) for ms in metas for m in ms) - own)
+        return out
+
+    def all_to_all_v(self, rank: int, tensors: torch.Tensor | Sequence[torch.Tensor],
+                     send_splits: Sequence[int], split_dim: int,
+                     cat_dim: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """All-to-all with per-rank sizes: split each tensor along `split_dim` into
+        `send_splits[j]`-long chunks, send chunk j to rank j, and return the chunks this rank
+        received, in source-rank order, concatenated along `cat_dim` (default `split_dim`).
+
+        Ranks may hold different shapes along `cat_dim` and send different sizes; the chunks
+        arriving at one rank must agree outside `cat_dim`. A single tensor in, a single out.
+        """
+        single = isinstance(tensors, torch.Tensor)
+        tensors = [tensors] if single else list(tensors)
+        if not tensors:
+            raise ValueError("all_to_all_v needs at least one tensor")
+        split_dim = normalize_dims(tensors, split_dim)[0]
+        cat_dim = split_dim if cat_dim is None else normalize_dims(tensors, cat_dim)[0]
+        splits = check_send_splits(tensors, send_splits, split_dim, self.world_size)
+        if self.world_size == 1:
+            return tensors[0] if single else tensors
+        parity = self._parity[rank]
+        self._parity[rank] ^= 1
+        meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
+        meta_slot[rank] = ([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits)
+        data_slot[rank] = tensors
+        if self.backend.reads_peer_memory:
+            synchronize(self.devices[rank])
+        self._barrier.wait(rank, "all_to_all_v")
+        metas = [m[0] for m in meta_slot]
+        all_splits = [m[1] for m in meta_slot]
+        check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
+        native = getattr(self.backend, "all_to_all_v", None)
+        if native is not None:
+            out = native(rank, tensors, all_splits, split_dim, cat_dim, data_slot)
+        else:
+            out = self._all_to_all_v_by_gather(rank, tensors, metas, all_splits, split_dim, cat_dim,
+                                               data_slot)
+        sent = received = 0
+        for t in range(len(tensors)):
+            for other in range(self.world_size):
+                if other != rank:
+                    sent += nbytes(ShardMeta(chunk_shape(metas[rank][t].shape, split_dim,
+                                                         all_splits[rank][other]), tensors[t].dtype))
+                    received += nbytes(ShardMeta(chunk_shape(metas[other][t].shape, split_dim,
+                                                             all_splits[other][rank]), tensors[t].dtype))
+        self._count(rank, "all_to_all_v", sent=sent, received=received)
+        return out[0] if single else out
+
+    def _all_to_all_v_by_gather(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+        """All-to-all for a backend that only has all-gather-V: every rank gathers every
+        rank's packed send buffer and keeps its own chunks. Exact; moves W times the bytes."""
+        if not self._a2a_fallback_logged:
+            self._a2a_fallback_logged = True
+            log.warning("backend %s has no all-to-all: all_to_all_v all-gathers the packed send "
+                        "buffers instead (exact, moves %dx the bytes)", self.backend_name, self.world_size)
+        out = []
+        for t, tensor in enumerate(tensors):
+            flat = torch.cat([c.reshape(-1) for c in tensor.split(list(splits[rank]), split_dim)])
+            flat_metas = [[ShardMeta((numel(m[t].shape),), m[t].dtype)] for m in metas]
+            gathered = self.backend.all_gather_v(rank, [flat], [0], flat_metas, slot)[0]
+            parts, base = [], 0
+            for src in range(self.world_size):
+                sizes = [numel(chunk_shape(metas[src][t].shape, split_dim, n)) for n in splits[src]]
+                offset = base + sum(sizes[:rank])
+                shape = chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
+                parts.append(gathered.narrow(0, offset, sizes[rank]).view(shape))
+                base += sum(sizes)
+            out.append(torch.cat(parts, dim=cat_dim))
+        return out
 
     def all_reduce(self, rank: int, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op not in VALID_REDUCE_OPS:
@@ -497,7 +661,37 @@ class SequenceParallelCoordinator:
             if m[0] != first:
                 raise CollectiveError(f"all_reduce: rank {r} has {m[0].shape}/{m[0].dtype}, "
                                       f"rank 0 has {first.shape}/{first.dtype}")
-        return self.backend.all_reduce(rank, tensor, op, data_slot)
+        out = self.backend.all_reduce(rank, tensor, op, data_slot)
+        # Logical bytes: every rank needs every other rank's whole input.
+        moved = nbytes(tensor) * (self.world_size - 1)
+        self._count(rank, "all_reduce", sent=moved, received=moved)
+        return out
+
+    # -- byte counters
+    def _count(self, rank: int, op: str, sent: int, received: int) -> None:
+        entry = self._traffic[rank].setdefault(op, [0, 0, 0])
+        entry[0] += sent
+        entry[1] += received
+        entry[2] += 1
+
+    def byte_counts(self) -> list[dict]:
+        """Per rank: {"sent", "received", "calls", "by_op": {op: {"sent", "received", "calls"}}}.
+
+        Bytes are logical payload to/from other ranks (see the module docstring), counted
+        since the coordinator was made or `reset_byte_counts()` was last called.
+        """
+        result = []
+        for per_op in self._traffic:
+            by_op = {op: {"sent": v[0], "received": v[1], "calls": v[2]} for op, v in per_op.items()}
+            result.append({"sent": sum(v[0] for v in per_op.values()),
+                           "received": sum(v[1] for v in per_op.values()),
+                           "calls": sum(v[2] for v in per_op.values()),
+                           "by_op": by_op})
+        return result
+
+    def reset_byte_counts(self) -> None:
+        """Zero the counters; call it between runs, not while ranks are inside collectives."""
+        self._traffic = [{} for _ in range(self.world_size)]
 
     # -- lifetime
     def _check_open(self):

@@ -18,3 +18,20 @@ def fake_hccl_no_allgatherv_path(tmp_path_factory):
 def use_fake_hccl(monkeypatch, fake_hccl_path):
     monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
     return fake_hccl_path
+
+
+@pytest.fixture(scope="session")
+def fake_nccl_path(tmp_path_factory):
+    return build_fake("fake_nccl", out_dir=tmp_path_factory.mktemp("fake_nccl"))
+
+
+@pytest.fixture
+def use_fake_nccl(monkeypatch, fake_nccl_path):
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    return fake_nccl_path
+
+
+@pytest.fixture(scope="session")
+def fake_hccl_no_alltoallv_path(tmp_path_factory):
+    return build_fake("fake_hccl", defines=("FAKE_NO_ALLTOALLV",),
+                      out_dir=tmp_path_factory.mktemp("fake_hccl_noa2a"))

@@ -8,7 +8,8 @@
  * Knobs (read on every call):
  *   FAKE_HCCL_FAIL=Name:code   the function Name returns code (on every rank, before any wait)
  *   FAKE_HCCL_TIMEOUT_MS=n     a rendezvous waits at most n ms (default 20000), then returns 9
- * Build with -DFAKE_NO_ALLGATHERV to leave HcclAllGatherV out (older CANN).
+ * Build with -DFAKE_NO_ALLGATHERV to leave HcclAllGatherV out (older CANN), and with
+ * -DFAKE_NO_ALLTOALLV to leave HcclAlltoAllV out.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -37,6 +38,8 @@ typedef struct {
     unsigned long generation;
     const void *send[MAX_RANKS];
     void *recv[MAX_RANKS];
+    const uint64_t *send_counts[MAX_RANKS]; /* HcclAlltoAllV: each rank's per-destination sizes */
+    const uint64_t *send_displs[MAX_RANKS];
     int refs;
 } Group;
 
@@ -160,6 +163,38 @@ HcclResult HcclAllGatherV(void *sendBuf, uint64_t sendCount, void *recvBuf, cons
     for (int i = 0; i < g->size; i++)
         memcpy((char *)recvBuf + displs[i] * es, g->send[i], counts[i] * es);
     return rendezvous(g);
+}
+#endif
+
+#ifndef FAKE_NO_ALLTOALLV
+/* Counts and displacements are host uint64 arrays, in elements, as in CANN's hccl.h. A rank
+ * whose recvCounts disagree with what the senders send still joins both rendezvous (so no
+ * other rank waits for it) and returns HCCL_E_PARA. */
+HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCounts, const void *sdispls, int sendType,
+                         const void *recvBuf, const void *recvCounts, const void *rdispls, int recvType,
+                         HcclComm comm, aclrtStream stream) {
+    (void)stream;
+    int code = fail_code("HcclAlltoAllV");
+    if (code) return code;
+    Comm *c = comm;
+    Group *g = c->group;
+    size_t es = dtype_size(sendType);
+    if (!es || sendType != recvType) return HCCL_E_PARA;
+    g->send[c->rank] = sendBuf;
+    g->send_counts[c->rank] = sendCounts;
+    g->send_displs[c->rank] = sdispls;
+    HcclResult r = rendezvous(g);
+    if (r) return r;
+    const uint64_t *rcounts = recvCounts, *rdisp = rdispls;
+    int bad = 0;
+    for (int i = 0; i < g->size; i++) {
+        uint64_t n = g->send_counts[i][c->rank];
+        if (n != rcounts[i]) { bad = 1; continue; }
+        memcpy((char *)recvBuf + rdisp[i] * es,
+               (const char *)g->send[i] + g->send_displs[i][c->rank] * es, n * es);
+    }
+    r = rendezvous(g);
+    return r ? r : (bad ? HCCL_E_PARA : HCCL_SUCCESS);
 }
 #endif
 

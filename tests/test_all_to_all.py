@@ -1,0 +1,201 @@
+"""all_to_all_v on every backend, and the coordinator's byte counters.
+
+The reference is built with torch.split / torch.cat of the same shards: rank j must get
+cat_i(split(x_i, splits_i, split_dim)[j]) along cat_dim. An all-to-all moves bits and computes
+nothing, so every comparison is exact (torch.equal), in every dtype.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from comfy.multidevice import CollectiveError, SequenceParallelCoordinator
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
+BACKENDS = ["peer", "hccl", "hccl-no-alltoallv"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch, fake_hccl_path, fake_hccl_no_alltoallv_path):
+    """The backend name to pass to the coordinator (fake libraries on CPU tensors)."""
+    if request.param == "hccl":
+        monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    elif request.param == "hccl-no-alltoallv":
+        monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_no_alltoallv_path)
+        return "hccl"
+    return request.param
+
+
+def uneven(total, world):
+    return [total * (r + 1) // world - total * r // world for r in range(world)]
+
+
+def reference(inputs, splits, split_dim, cat_dim):
+    world = len(inputs)
+    return [torch.cat([inputs[i].split(splits[i], split_dim)[j] for i in range(world)], cat_dim)
+            for j in range(world)]
+
+
+def random_tensor(shape, dtype, gen):
+    if dtype.is_floating_point:
+        return torch.randn(*shape, generator=gen).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=gen, dtype=dtype)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_same_dim_uneven_splits(backend, world, dim, dtype):
+    # Every rank sends a different number of rows to each rank (some zero), along one dim.
+    gen = torch.Generator().manual_seed(world * 10 + dim)
+    splits = [[(3 * i + 2 * j + 1) % 4 for j in range(world)] for i in range(world)]
+    inputs = []
+    for i in range(world):
+        shape = [3, 5, 4]
+        shape[dim] = sum(splits[i])
+        inputs.append(random_tensor(shape, dtype, gen))
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x, s: comm.all_to_all_v(x, s, dim), inputs, splits)
+    for got, want in zip(out, reference(inputs, splits, dim % 3, dim % 3)):
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_round_trip_with_uneven_sequence_shards(backend, world):
+    # Sequence shards [1, H, S_r, D] -> head shards [1, H_j, S, D] and back, S not divisible by W.
+    heads, seq, head_dim = 7, 13, 3
+    seq_rows = uneven(seq, world)
+    head_split = uneven(heads, world)
+    gen = torch.Generator().manual_seed(world)
+    full = [torch.randn(1, heads, seq, head_dim, generator=gen) for _ in range(3)]  # q, k, v
+    shards = [[t.split(seq_rows, 2)[r] for t in full] for r in range(world)]
+
+    def job(rank, comm, local):
+        by_head = comm.all_to_all_v(local, head_split, split_dim=1, cat_dim=2)
+        back = comm.all_to_all_v(by_head, seq_rows, split_dim=2, cat_dim=1)
+        return by_head, back
+
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(job, shards)
+    for rank, (by_head, back) in enumerate(out):
+        for t in range(3):
+            assert torch.equal(by_head[t], full[t].split(head_split, 1)[rank])
+            assert torch.equal(back[t], shards[rank][t])
+
+
+def test_non_contiguous_inputs_and_empty_ranks(backend):
+    world = 3
+    bases = [torch.randn(4, 2 + r) for r in range(world)]
+    views = [b.t() for b in bases]  # [2+r, 4], not contiguous; split along dim 1
+    splits = [[0, 3, 1]] * world  # chunks to one rank must agree along dim 1 (cat is on 0)
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x, s: comm.all_to_all_v(x, s, 1, cat_dim=0), views, splits)
+    for rank, got in enumerate(out):
+        # chunks differ along dim 0 (2, 3, 4 rows); rank 0 receives only empty [*, 0] chunks
+        want = torch.cat([views[i].split(splits[i], 1)[rank] for i in range(world)], 0)
+        assert torch.equal(got, want)
+
+
+def test_many_calls_in_a_row_stay_in_step(backend):
+    world = 4
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        def job(rank, comm):
+            results = []
+            for step in range(12):
+                x = torch.arange(world * 2, dtype=torch.float32) + 100 * rank + step
+                results.append(comm.all_to_all_v(x, [2] * world, 0))
+                comm.exchange([x[:1]], 0)
+            return results
+        out = coord.run(job)
+    for step in range(12):
+        for rank in range(world):
+            want = torch.cat([torch.arange(world * 2.0)[2 * rank:2 * rank + 2] + 100 * i + step
+                              for i in range(world)])
+            assert torch.equal(out[rank][step], want)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_bad_splits_are_value_errors_naming_the_value():
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=10) as coord:
+        x = torch.ones(5, 2)
+        with pytest.raises(ValueError, match=r"\[1, 1, 3\] has 3 entries; give one size per rank \(2\)"):
+            coord.run(lambda rank, comm: comm.all_to_all_v(x, [1, 1, 3], 0))
+        with pytest.raises(ValueError, match=r"sum to 4 but the tensor of shape \(5, 2\) has 5"):
+            coord.run(lambda rank, comm: comm.all_to_all_v(x, [2, 2], 0))
+        with pytest.raises(ValueError, match="negative"):
+            coord.run(lambda rank, comm: comm.all_to_all_v(x, [6, -1], 0))
+        with pytest.raises(ValueError, match="out of range"):
+            coord.run(lambda rank, comm: comm.all_to_all_v(x, [2, 3], 0, cat_dim=2))
+        # the coordinator still works afterwards
+        out = coord.run(lambda rank, comm: comm.all_to_all_v(torch.full((2,), float(rank)), [1, 1], 0))
+        assert [o.tolist() for o in out] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_chunks_that_cannot_be_concatenated_fail_on_every_rank(backend):
+    # rank 1 sends rank 0 a chunk with 3 columns, rank 0 keeps one with 2: not concatenable.
+    inputs = [torch.ones(2, 4), torch.ones(2, 6)]
+    splits = [[2, 2], [3, 3]]
+    with SequenceParallelCoordinator(["cpu"] * 2, backend=backend, timeout_s=10) as coord:
+        with pytest.raises(CollectiveError, match="chunk rank 1 sends to rank 0 has shape"):
+            coord.run(lambda rank, comm, x, s: comm.all_to_all_v(x, s, 1, cat_dim=0), inputs, splits)
+
+
+def test_mismatched_dtypes_fail(backend):
+    inputs = [torch.ones(2), torch.ones(2, dtype=torch.float16)]
+    with SequenceParallelCoordinator(["cpu"] * 2, backend=backend, timeout_s=10) as coord:
+        with pytest.raises(CollectiveError, match="dtype|float16"):
+            coord.run(lambda rank, comm, x: comm.all_to_all_v(x, [1, 1], 0), inputs)
+
+
+def test_fallback_without_alltoallv_warns_once(monkeypatch, fake_hccl_no_alltoallv_path, caplog):
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_no_alltoallv_path)
+    with caplog.at_level(logging.WARNING):
+        with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl", timeout_s=10) as coord:
+            for _ in range(3):
+                out = coord.run(lambda rank, comm: comm.all_to_all_v(
+                    torch.tensor([rank * 10.0, rank * 10.0 + 1]), [1, 1], 0))
+    assert [o.tolist() for o in out] == [[0.0, 10.0], [1.0, 11.0]]
+    warnings = [r.getMessage() for r in caplog.records if "all_to_all_v" in r.getMessage()]
+    assert len(warnings) == 1 and "exact" in warnings[0]
+
+
+# ----------------------------------------------------------------------------- byte counters
+
+def test_byte_counters_count_payload_to_and_from_other_ranks(backend):
+    world = 3
+    rows = [2, 3, 4]  # exchange shards of [rows, 5] fp32
+    a2a_splits = [[1, 2, 0], [0, 1, 1], [3, 0, 1]]  # rows of [*, 2] bf16 sent i -> j
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        def job(rank, comm):
+            comm.exchange([torch.zeros(rows[rank], 5)], 0)
+            comm.all_to_all_v(torch.zeros(sum(a2a_splits[rank]), 2, dtype=torch.bfloat16),
+                              a2a_splits[rank], 0)
+            comm.all_reduce(torch.zeros(6), "sum")
+            return comm.byte_counts()
+        per_rank = coord.run(job)
+        counts = coord.byte_counts()
+        assert counts == per_rank
+        for r in range(world):
+            ex = counts[r]["by_op"]["exchange"]
+            assert ex == {"sent": rows[r] * 20 * (world - 1),
+                          "received": (sum(rows) - rows[r]) * 20, "calls": 1}
+            a2a = counts[r]["by_op"]["all_to_all_v"]
+            assert a2a["sent"] == sum(a2a_splits[r][j] for j in range(world) if j != r) * 4
+            assert a2a["received"] == sum(a2a_splits[i][r] for i in range(world) if i != r) * 4
+            assert counts[r]["by_op"]["all_reduce"] == {"sent": 48, "received": 48, "calls": 1}
+            assert counts[r]["sent"] == ex["sent"] + a2a["sent"] + 48
+            assert counts[r]["calls"] == 3
+        # what one rank sends, the others receive
+        assert sum(c["sent"] for c in counts) == sum(c["received"] for c in counts)
+        coord.reset_byte_counts()
+        assert coord.byte_counts() == [{"sent": 0, "received": 0, "calls": 0, "by_op": {}}] * world
+
+
+def test_single_rank_moves_nothing():
+    with SequenceParallelCoordinator(["cpu"], backend="peer") as coord:
+        x = torch.randn(4, 3)
+        out = coord.run(lambda rank, comm: (comm.exchange([x], 0)[0], comm.all_to_all_v(x, [4], 0)))
+        assert torch.equal(out[0][0], x) and torch.equal(out[0][1], x)
+        assert coord.byte_counts()[0]["sent"] == coord.byte_counts()[0]["received"] == 0
