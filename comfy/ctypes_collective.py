@@ -2,10 +2,14 @@
 
 - `CFunction` / `CLibrary`: a declarative table of C functions (name, result, argument
   types, optional or not) bound once from a shared library.
+- `CollectiveLibrary`: the thin typed wrapper around one such library: where it is
+  found, how a non-zero result becomes a `CollectiveLibraryError` with its text.
 - `FlatCollectiveBackend`: turns the coordinator's all-gather-V and all-reduce into
   calls on flat device buffers, issued by each rank thread on its device's current
   stream, synchronized before the results are used. Subclasses supply the library
   calls (`_all_gather_v_flat`, `_all_reduce_flat`).
+- `CommunicatorBackend`: a `FlatCollectiveBackend` with one library communicator per
+  rank device, made by the library's single-process "init all" call and destroyed on close.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from comfy.multidevice import BackendUnavailable, gathered_shape, synchronize
+from comfy.multidevice import BackendUnavailable, CollectiveError, gathered_shape, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,66 @@ def current_stream_handle(device: torch.device) -> int | None:
     return None
 
 
+class CollectiveLibraryError(CollectiveError):
+    """A library call returned a non-zero result; carries the function, code and library text."""
+
+    result_type = "result"  # the C result type's name, e.g. HcclResult / ncclResult_t
+    result_names: dict = {}  # code -> enum name, where the library's header is mirrored
+
+    def __init__(self, function: str, code: int, text: str):
+        name = self.result_names.get(code)
+        shown = f"{code} ({name})" if name else f"{code}"
+        super().__init__(f"{function} failed with {self.result_type} {shown}: {text}")
+        self.function = function
+        self.code = code
+
+
+class CollectiveLibrary:
+    """One collective library, bound from `functions`; subclasses add one method per call.
+
+    Class attributes say what the library is: `what` (for messages), `functions` (the
+    CFunction table), `path_env` / `default_path` (where it is found), `error_string`
+    (the C function that names a result code) and `error_class`.
+    """
+
+    what = "collective"
+    functions: tuple = ()
+    path_env = ""
+    default_path = ""
+    error_string = ""
+    error_class = CollectiveLibraryError
+    success = 0
+
+    def __init__(self, path: str | None = None, lib: CLibrary | None = None):
+        self.lib = lib or CLibrary(path or library_path(self.path_env, self.default_path),
+                                   self.functions, self.what, self.path_env)
+        self.path = self.lib.path
+
+    def check(self, function: str, code: int) -> None:
+        if code != self.success:
+            text = self.lib[self.error_string](code)
+            raise self.error_class(function, code,
+                                   text.decode(errors="replace") if text else "unknown error")
+
+    def call(self, function: str, *args) -> None:
+        """Call `function` and raise `error_class` on a non-zero result."""
+        self.check(function, self.lib[function](*args))
+
+
+def device_ids(devices) -> list[int]:
+    """Library device ids of the rank devices; CPU "devices" (fake libraries) get their rank."""
+    return [d.index if d.index is not None else r for r, d in enumerate(devices)]
+
+
+def dtype_code(table: dict, dtype: torch.dtype, what: str) -> int:
+    try:
+        return table[dtype]
+    except KeyError:
+        raise CollectiveError(
+            f"{what} cannot move tensors of dtype {dtype}; supported: "
+            f"{', '.join(str(d) for d in table)}") from None
+
+
 class FlatCollectiveBackend:
     """All-gather-V and all-reduce over flat buffers; subclasses issue the library calls."""
 
@@ -144,3 +208,39 @@ def _unflatten(flat: torch.Tensor, metas, counts, displs, dim: int) -> torch.Ten
         return flat.view(gathered_shape(metas, 0))
     parts = [flat.narrow(0, d, c).view(m.shape) for m, c, d in zip(metas, counts, displs)]
     return torch.cat(parts, dim=dim)
+
+
+class CommunicatorBackend(FlatCollectiveBackend):
+    """A flat backend with one communicator per rank device from the library's init-all call.
+
+    Subclasses set `name`, `device_kind` / `hardware` (which devices the library drives;
+    CPU is always accepted, for the fake libraries) and `library_class`, and implement
+    `_init_comms(device_ids)` / `_destroy_comm(comm)` plus the flat collective hooks.
+    """
+
+    device_kind = ""
+    hardware = ""
+    library_class = CollectiveLibrary
+
+    def __init__(self, coordinator, library: CollectiveLibrary | None = None):
+        super().__init__(coordinator)
+        kinds = {d.type for d in coordinator.devices}
+        if not kinds <= {self.device_kind, "cpu"}:
+            raise BackendUnavailable(
+                f"{self.library_class.what} drives {self.hardware}; the devices are {sorted(kinds)}")
+        self.library = library or self.library_class()
+        self.comms = self._init_comms(device_ids(coordinator.devices))
+
+    def _init_comms(self, ids: list[int]) -> list:
+        raise NotImplementedError
+
+    def _destroy_comm(self, comm) -> None:
+        raise NotImplementedError
+
+    def close(self):
+        comms, self.comms = self.comms, []
+        for comm in comms:
+            try:
+                self._destroy_comm(comm)
+            except CollectiveLibraryError as exc:
+                log.warning("%s", exc)

@@ -17,8 +17,8 @@ from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint32, c_uint64, c_void
 
 import torch
 
-from comfy.ctypes_collective import CFunction, CLibrary, FlatCollectiveBackend, library_path
-from comfy.multidevice import BackendUnavailable, CollectiveError
+from comfy.ctypes_collective import (CFunction, CollectiveLibrary, CollectiveLibraryError,
+                                     CommunicatorBackend, device_ids, dtype_code)
 
 log = logging.getLogger(__name__)
 
@@ -72,80 +72,62 @@ HCCL_FUNCTIONS = (
 )
 
 
-class HcclError(CollectiveError):
-    def __init__(self, function: str, code: int, text: str):
-        super().__init__(f"{function} failed with HcclResult {code}: {text}")
-        self.function = function
-        self.code = code
+class HcclError(CollectiveLibraryError):
+    result_type = "HcclResult"
 
 
 def hccl_dtype(dtype: torch.dtype) -> int:
-    try:
-        return HCCL_DTYPES[dtype]
-    except KeyError:
-        raise CollectiveError(
-            f"HCCL cannot move tensors of dtype {dtype}; supported: "
-            f"{', '.join(str(d) for d in HCCL_DTYPES)}") from None
+    return dtype_code(HCCL_DTYPES, dtype, "HCCL")
 
 
-class HcclLibrary:
+class HcclLibrary(CollectiveLibrary):
     """The bound library: one thin Python method per C function used."""
 
-    def __init__(self, path: str | None = None, lib: CLibrary | None = None):
-        self.lib = lib or CLibrary(path or library_path(HCCL_PATH_ENV, HCCL_DEFAULT_LIBRARY),
-                                   HCCL_FUNCTIONS, "HCCL", HCCL_PATH_ENV)
-        self.path = self.lib.path
+    what = "HCCL"
+    functions = HCCL_FUNCTIONS
+    path_env = HCCL_PATH_ENV
+    default_path = HCCL_DEFAULT_LIBRARY
+    error_string = "HcclGetErrorString"
+    error_class = HcclError
+    success = HCCL_SUCCESS
 
     @property
     def has_all_gather_v(self) -> bool:
         return self.lib.has("HcclAllGatherV")
 
-    def check(self, function: str, code: int) -> None:
-        if code != HCCL_SUCCESS:
-            text = self.lib["HcclGetErrorString"](code)
-            raise HcclError(function, code, text.decode(errors="replace") if text else "unknown error")
-
     def comm_init_all(self, device_ids: list[int]) -> list[int]:
         n = len(device_ids)
         comms = (HcclComm * n)()
-        self.check("HcclCommInitAll",
-                   self.lib["HcclCommInitAll"](n, (c_int32 * n)(*device_ids), comms))
+        self.call("HcclCommInitAll", n, (c_int32 * n)(*device_ids), comms)
         return list(comms)
 
     def comm_destroy(self, comm) -> None:
-        self.check("HcclCommDestroy", self.lib["HcclCommDestroy"](comm))
+        self.call("HcclCommDestroy", comm)
 
     def all_gather_v(self, send, send_count, recv, counts, displs, dtype, comm, stream) -> None:
-        self.check("HcclAllGatherV", self.lib["HcclAllGatherV"](
-            send, send_count, recv, counts, displs, dtype, comm, stream))
+        self.call("HcclAllGatherV", send, send_count, recv, counts, displs, dtype, comm, stream)
 
     def all_gather(self, send, recv, count, dtype, comm, stream) -> None:
-        self.check("HcclAllGather", self.lib["HcclAllGather"](send, recv, count, dtype, comm, stream))
+        self.call("HcclAllGather", send, recv, count, dtype, comm, stream)
 
     def all_reduce(self, send, recv, count, dtype, op, comm, stream) -> None:
-        self.check("HcclAllReduce",
-                   self.lib["HcclAllReduce"](send, recv, count, dtype, op, comm, stream))
+        self.call("HcclAllReduce", send, recv, count, dtype, op, comm, stream)
 
     def broadcast(self, buf, count, dtype, root, comm, stream) -> None:
-        self.check("HcclBroadcast", self.lib["HcclBroadcast"](buf, count, dtype, root, comm, stream))
+        self.call("HcclBroadcast", buf, count, dtype, root, comm, stream)
 
 
-def _device_ids(devices) -> list[int]:
-    # CPU "devices" (tests against the fake library) get their rank as id.
-    return [d.index if d.index is not None else r for r, d in enumerate(devices)]
+_device_ids = device_ids  # kept for callers of the earlier private name
 
 
-class HcclBackend(FlatCollectiveBackend):
+class HcclBackend(CommunicatorBackend):
     name = "hccl"
+    device_kind = "npu"
+    hardware = "Ascend NPUs"
+    library_class = HcclLibrary
 
     def __init__(self, coordinator, library: HcclLibrary | None = None):
-        super().__init__(coordinator)
-        kinds = {d.type for d in coordinator.devices}
-        if not kinds <= {"npu", "cpu"}:
-            raise BackendUnavailable(f"HCCL drives Ascend NPUs; the devices are {sorted(kinds)}")
-        self.hccl = library or HcclLibrary()
-        self.comms = self.hccl.comm_init_all(_device_ids(coordinator.devices))
-        self._fallback_logged = False
+        super().__init__(coordinator, library)
         if not self.hccl.has_all_gather_v:
             log.warning("%s has no HcclAllGatherV: exchanging with one HcclBroadcast per rank "
                         "(exact, slower); a newer CANN provides HcclAllGatherV", self.hccl.path)
@@ -173,10 +155,12 @@ class HcclBackend(FlatCollectiveBackend):
         self.hccl.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(), hccl_dtype(send.dtype),
                              HCCL_REDUCE_OPS[op], self.comms[rank], stream)
 
-    def close(self):
-        comms, self.comms = self.comms, []
-        for comm in comms:
-            try:
-                self.hccl.comm_destroy(comm)
-            except HcclError as exc:
-                log.warning("HcclCommDestroy: %s", exc)
+    @property
+    def hccl(self) -> HcclLibrary:
+        return self.library
+
+    def _init_comms(self, ids):
+        return self.hccl.comm_init_all(ids)
+
+    def _destroy_comm(self, comm):
+        self.hccl.comm_destroy(comm)

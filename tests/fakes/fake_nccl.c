@@ -1,0 +1,404 @@
+/*
+ * A stand-in for libnccl.so.2, written for the tests: the C ABI of the functions
+ * comfy/multicuda.py binds, implemented over host memory so CPU tensors can be passed
+ * as device buffers.
+ *
+ * The communicators made by one ncclCommInitAll call share a group. Every collective
+ * call is an "operation"; outside ncclGroupStart/ncclGroupEnd it runs at once, inside a
+ * group it is only recorded (per thread, like NCCL) and the whole batch runs at the
+ * outermost ncclGroupEnd. Running a batch: each rank publishes its list of operations,
+ * one rendezvous, every rank checks that all lists match (same kinds, counts, types,
+ * roots, in the same order, as NCCL requires) and performs its part by reading the
+ * peers' send buffers, a second rendezvous (everyone has read), then results computed
+ * into scratch memory (all-reduce) are stored. So a rank thread that records W
+ * broadcasts in one group never waits inside the group, and nothing can deadlock.
+ *
+ * Knobs (read on every call):
+ *   FAKE_NCCL_FAIL=Name:code   the function Name returns code (on every rank, before any wait)
+ *   FAKE_NCCL_TIMEOUT_MS=n     a rendezvous waits at most n ms (default 20000), then ncclTimeout
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int ncclResult_t;
+typedef void *ncclComm_t;
+typedef void *cudaStream_t;
+
+enum { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3,
+       ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6, ncclInProgress = 7,
+       ncclTimeout = 8 };
+enum { T_INT8 = 0, T_UINT8 = 1, T_INT32 = 2, T_UINT32 = 3, T_INT64 = 4, T_UINT64 = 5,
+       T_FP16 = 6, T_FP32 = 7, T_FP64 = 8, T_BF16 = 9 };
+enum { R_SUM = 0, R_PROD = 1, R_MAX = 2, R_MIN = 3 };
+typedef enum { K_BROADCAST, K_ALLGATHER, K_ALLREDUCE } Kind;
+
+#define MAX_RANKS 64
+#define MAX_GROUP_OPS 512
+
+typedef struct {
+    Kind kind;
+    const void *send;
+    void *recv;
+    size_t count;
+    int dtype;
+    int redop;
+    int root;
+    void *scratch; /* all-reduce result until the second rendezvous */
+} Op;
+
+typedef struct {
+    int size;
+    int refs;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int arrived;
+    unsigned long generation;
+    Op *ops[MAX_RANKS];
+    int nops[MAX_RANKS];
+} Group;
+
+typedef struct {
+    Group *group;
+    int rank;
+} Comm;
+
+/* Per-thread group state, as in NCCL (group calls are thread-local). */
+static __thread int group_depth;
+static __thread Op pending[MAX_GROUP_OPS];
+static __thread int npending;
+static __thread Comm *pending_comm;
+static __thread ncclResult_t pending_error;
+
+static int fail_code(const char *name) {
+    const char *spec = getenv("FAKE_NCCL_FAIL");
+    if (!spec) return 0;
+    size_t n = strlen(name);
+    if (strncmp(spec, name, n) == 0 && spec[n] == ':') return atoi(spec + n + 1);
+    return 0;
+}
+
+static long timeout_ms(void) {
+    const char *v = getenv("FAKE_NCCL_TIMEOUT_MS");
+    return v ? atol(v) : 20000;
+}
+
+/* Rendezvous of all ranks of the group; ncclTimeout if some rank never comes. */
+static ncclResult_t rendezvous(Group *g) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    long ms = timeout_ms();
+    deadline.tv_sec += ms / 1000;
+    deadline.tv_nsec += (ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) { deadline.tv_sec += 1; deadline.tv_nsec -= 1000000000L; }
+
+    pthread_mutex_lock(&g->mu);
+    unsigned long gen = g->generation;
+    if (++g->arrived == g->size) {
+        g->arrived = 0;
+        g->generation++;
+        pthread_cond_broadcast(&g->cv);
+        pthread_mutex_unlock(&g->mu);
+        return ncclSuccess;
+    }
+    while (gen == g->generation) {
+        if (pthread_cond_timedwait(&g->cv, &g->mu, &deadline) == ETIMEDOUT && gen == g->generation) {
+            g->arrived--;
+            pthread_mutex_unlock(&g->mu);
+            return ncclTimeout;
+        }
+    }
+    pthread_mutex_unlock(&g->mu);
+    return ncclSuccess;
+}
+
+static size_t dtype_size(int dt) {
+    switch (dt) {
+    case T_INT8: case T_UINT8: return 1;
+    case T_FP16: case T_BF16: return 2;
+    case T_INT32: case T_UINT32: case T_FP32: return 4;
+    case T_INT64: case T_UINT64: case T_FP64: return 8;
+    default: return 0;
+    }
+}
+
+const char *ncclGetErrorString(ncclResult_t code) {
+    switch (code) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error (fake nccl)";
+    case ncclSystemError: return "unhandled system error (fake nccl)";
+    case ncclInternalError: return "internal error (fake nccl)";
+    case ncclInvalidArgument: return "invalid argument (fake nccl)";
+    case ncclInvalidUsage: return "invalid usage (fake nccl)";
+    case ncclRemoteError: return "remote process exited or there was a network error (fake nccl)";
+    case ncclInProgress: return "operation in progress (fake nccl)";
+    case ncclTimeout: return "timeout waiting for other ranks (fake nccl)";
+    default: return "unknown result code (fake nccl)";
+    }
+}
+
+ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
+    (void)devlist; /* NULL means devices 0..ndev-1; the fake has no devices either way */
+    int code = fail_code("ncclCommInitAll");
+    if (code) return code;
+    if (ndev <= 0 || ndev > MAX_RANKS || !comms) return ncclInvalidArgument;
+    Group *g = calloc(1, sizeof(Group));
+    if (!g) return ncclSystemError;
+    g->size = ndev;
+    g->refs = ndev;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    for (int i = 0; i < ndev; i++) {
+        Comm *c = calloc(1, sizeof(Comm));
+        c->group = g;
+        c->rank = i;
+        comms[i] = c;
+    }
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+    int code = fail_code("ncclCommDestroy");
+    if (code) return code;
+    Comm *c = comm;
+    if (!c) return ncclInvalidArgument;
+    Group *g = c->group;
+    pthread_mutex_lock(&g->mu);
+    int last = --g->refs == 0;
+    pthread_mutex_unlock(&g->mu);
+    free(c);
+    if (last) {
+        pthread_mutex_destroy(&g->mu);
+        pthread_cond_destroy(&g->cv);
+        free(g);
+    }
+    return ncclSuccess;
+}
+
+/* ---------------------------------------------------------------- arithmetic */
+
+static float bf16_to_float(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+static double combine(double a, double b, int op) {
+    switch (op) {
+    case R_SUM: return a + b;
+    case R_PROD: return a * b;
+    case R_MAX: return a > b ? a : b;
+    default: return a < b ? a : b;
+    }
+}
+
+static float combine_f(float a, float b, int op) {
+    switch (op) {
+    case R_SUM: return a + b;
+    case R_PROD: return a * b;
+    case R_MAX: return a > b ? a : b;
+    default: return a < b ? a : b;
+    }
+}
+
+static int64_t combine_i(int64_t a, int64_t b, int op) {
+    switch (op) {
+    case R_SUM: return a + b;
+    case R_PROD: return a * b;
+    case R_MAX: return a > b ? a : b;
+    default: return a < b ? a : b;
+    }
+}
+
+/* Element i of every rank's send buffer, combined in rank order: identical on every rank.
+ * 16/32-bit floats accumulate in float (fp32 sums equal torch's rank-order sum). */
+static void reduce_element(Group *g, int idx, size_t i, const Op *op, void *out) {
+    const Op *first = &g->ops[0][idx];
+    switch (op->dtype) {
+    case T_FP32: case T_FP16: case T_BF16: {
+        float acc = 0.0f;
+        for (int k = 0; k < g->size; k++) {
+            const void *p = g->ops[k][idx].send;
+            float v = op->dtype == T_FP32 ? ((const float *)p)[i]
+                    : op->dtype == T_FP16 ? (float)((const _Float16 *)p)[i]
+                    : bf16_to_float(((const uint16_t *)p)[i]);
+            acc = k == 0 ? v : combine_f(acc, v, op->redop);
+        }
+        if (op->dtype == T_FP32) ((float *)out)[i] = acc;
+        else if (op->dtype == T_FP16) ((_Float16 *)out)[i] = (_Float16)acc;
+        else ((uint16_t *)out)[i] = float_to_bf16(acc);
+        break;
+    }
+    case T_FP64: {
+        double acc = ((const double *)first->send)[i];
+        for (int k = 1; k < g->size; k++) acc = combine(acc, ((const double *)g->ops[k][idx].send)[i], op->redop);
+        ((double *)out)[i] = acc;
+        break;
+    }
+    case T_INT32: {
+        int64_t acc = ((const int32_t *)first->send)[i];
+        for (int k = 1; k < g->size; k++) acc = combine_i(acc, ((const int32_t *)g->ops[k][idx].send)[i], op->redop);
+        ((int32_t *)out)[i] = (int32_t)acc;
+        break;
+    }
+    case T_INT64: {
+        int64_t acc = ((const int64_t *)first->send)[i];
+        for (int k = 1; k < g->size; k++) acc = combine_i(acc, ((const int64_t *)g->ops[k][idx].send)[i], op->redop);
+        ((int64_t *)out)[i] = acc;
+        break;
+    }
+    default: break;
+    }
+}
+
+/* ---------------------------------------------------------------- batches */
+
+/* Every rank checks every rank's list the same way, so all return the same verdict. */
+static ncclResult_t lists_match(Group *g) {
+    int n = g->nops[0];
+    for (int k = 1; k < g->size; k++) {
+        if (g->nops[k] != n) return ncclInvalidUsage;
+        for (int i = 0; i < n; i++) {
+            const Op *a = &g->ops[0][i], *b = &g->ops[k][i];
+            if (a->kind != b->kind || a->count != b->count || a->dtype != b->dtype ||
+                a->root != b->root || a->redop != b->redop)
+                return ncclInvalidUsage;
+        }
+    }
+    return ncclSuccess;
+}
+
+static ncclResult_t perform(Group *g, int rank, int idx) {
+    Op *op = &g->ops[rank][idx];
+    size_t es = dtype_size(op->dtype), bytes = op->count * es;
+    switch (op->kind) {
+    case K_BROADCAST:
+        if (rank != op->root) memcpy(op->recv, g->ops[op->root][idx].send, bytes);
+        else if (op->recv != op->send) memmove(op->recv, op->send, bytes);
+        return ncclSuccess;
+    case K_ALLGATHER:
+        for (int k = 0; k < g->size; k++) {
+            char *dst = (char *)op->recv + (size_t)k * bytes;
+            if (dst != g->ops[k][idx].send) memmove(dst, g->ops[k][idx].send, bytes);
+        }
+        return ncclSuccess;
+    case K_ALLREDUCE:
+        op->scratch = malloc(bytes ? bytes : 1);
+        if (!op->scratch) return ncclSystemError;
+        for (size_t i = 0; i < op->count; i++) reduce_element(g, idx, i, op, op->scratch);
+        return ncclSuccess;
+    }
+    return ncclInternalError;
+}
+
+static ncclResult_t run_batch(Comm *c, Op *ops, int n) {
+    Group *g = c->group;
+    g->ops[c->rank] = ops;
+    g->nops[c->rank] = n;
+    ncclResult_t r = rendezvous(g);
+    if (r) return r;
+    ncclResult_t result = lists_match(g);
+    for (int i = 0; i < n && result == ncclSuccess; i++) result = perform(g, c->rank, i);
+    ncclResult_t r2 = rendezvous(g); /* nobody reads our send buffers after this */
+    for (int i = 0; i < n; i++) {
+        if (ops[i].scratch) {
+            if (result == ncclSuccess && r2 == ncclSuccess)
+                memcpy(ops[i].recv, ops[i].scratch, ops[i].count * dtype_size(ops[i].dtype));
+            free(ops[i].scratch);
+            ops[i].scratch = NULL;
+        }
+    }
+    return result ? result : r2;
+}
+
+/* Run now, or record in this thread's open group. */
+static ncclResult_t submit(Comm *c, Op op) {
+    if (group_depth == 0) return run_batch(c, &op, 1);
+    if (pending_error) return pending_error;
+    if ((pending_comm && pending_comm != c) || npending == MAX_GROUP_OPS) {
+        /* The fake serves one communicator per thread and group: the pattern of
+         * comfy/multicuda.py, where each rank thread drives its own GPU. */
+        pending_error = ncclInvalidUsage;
+        return pending_error;
+    }
+    pending_comm = c;
+    pending[npending++] = op;
+    return ncclSuccess;
+}
+
+/* Argument errors are returned by the call itself and also fail the open group. */
+static ncclResult_t reject(ncclResult_t code) {
+    if (group_depth > 0 && !pending_error) pending_error = code;
+    return code;
+}
+
+ncclResult_t ncclGroupStart(void) {
+    int code = fail_code("ncclGroupStart");
+    if (code) return code;
+    group_depth++;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd(void) {
+    if (group_depth == 0) return ncclInvalidUsage;
+    if (--group_depth > 0) return ncclSuccess;
+    Comm *c = pending_comm;
+    int n = npending;
+    ncclResult_t error = pending_error;
+    pending_comm = NULL;
+    npending = 0;
+    pending_error = ncclSuccess;
+    int code = fail_code("ncclGroupEnd");
+    if (code) return code;
+    if (error) return error;
+    if (n == 0) return ncclSuccess;
+    return run_batch(c, pending, n);
+}
+
+ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count, int datatype, int root,
+                           ncclComm_t comm, cudaStream_t stream) {
+    (void)stream;
+    int code = fail_code("ncclBroadcast");
+    if (code) return reject(code);
+    Comm *c = comm;
+    if (!c || !dtype_size(datatype) || root < 0 || root >= c->group->size) return reject(ncclInvalidArgument);
+    Op op = {K_BROADCAST, sendbuff, recvbuff, count, datatype, 0, root, NULL};
+    return submit(c, op);
+}
+
+ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, int datatype,
+                           ncclComm_t comm, cudaStream_t stream) {
+    (void)stream;
+    int code = fail_code("ncclAllGather");
+    if (code) return reject(code);
+    Comm *c = comm;
+    if (!c || !dtype_size(datatype)) return reject(ncclInvalidArgument);
+    Op op = {K_ALLGATHER, sendbuff, recvbuff, sendcount, datatype, 0, 0, NULL};
+    return submit(c, op);
+}
+
+ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, int datatype, int redop,
+                           ncclComm_t comm, cudaStream_t stream) {
+    (void)stream;
+    int code = fail_code("ncclAllReduce");
+    if (code) return reject(code);
+    Comm *c = comm;
+    if (!c || redop < R_SUM || redop > R_MIN) return reject(ncclInvalidArgument);
+    if (datatype != T_FP32 && datatype != T_FP16 && datatype != T_BF16 && datatype != T_FP64 &&
+        datatype != T_INT32 && datatype != T_INT64)
+        return reject(ncclInvalidArgument);
+    Op op = {K_ALLREDUCE, sendbuff, recvbuff, count, datatype, redop, 0, NULL};
+    return submit(c, op);
+}
