@@ -27,7 +27,9 @@ def build_fake(name: str, defines: tuple[str, ...] = (), out_dir: str | os.PathL
     if compiler is None:
         raise FakeBuildError("no C compiler found (cc/gcc); install gcc to build the fake libraries")
     flags = ["-O2", "-shared", "-fPIC", "-pthread", *[f"-D{d}" for d in defines]]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    # The shared header is part of every fake: a change to it must rebuild them.
+    headers = b"".join(h.read_bytes() for h in sorted(FAKES_DIR.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
     target_dir = Path(out_dir or Path(tempfile.gettempdir()) / "minimax_h3_fakes")
     target_dir.mkdir(parents=True, exist_ok=True)
     target = target_dir / f"lib{name}-{digest}.so"

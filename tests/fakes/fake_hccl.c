@@ -19,6 +19,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "fake_common.h"
+
 typedef int HcclResult;
 typedef void *HcclComm;
 typedef void *aclrtStream;
@@ -48,46 +50,12 @@ typedef struct {
     int rank;
 } Comm;
 
-static int fail_code(const char *name) {
-    const char *spec = getenv("FAKE_HCCL_FAIL");
-    if (!spec) return 0;
-    size_t n = strlen(name);
-    if (strncmp(spec, name, n) == 0 && spec[n] == ':') return atoi(spec + n + 1);
-    return 0;
-}
-
-static long timeout_ms(void) {
-    const char *v = getenv("FAKE_HCCL_TIMEOUT_MS");
-    return v ? atol(v) : 20000;
-}
+static int fail_code(const char *name) { return fake_fail_code("FAKE_HCCL_FAIL", name); }
 
 /* Rendezvous of all ranks of the group; HCCL_E_TIMEOUT if some rank never comes. */
 static HcclResult rendezvous(Group *g) {
-    struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
-    long ms = timeout_ms();
-    deadline.tv_sec += ms / 1000;
-    deadline.tv_nsec += (ms % 1000) * 1000000L;
-    if (deadline.tv_nsec >= 1000000000L) { deadline.tv_sec += 1; deadline.tv_nsec -= 1000000000L; }
-
-    pthread_mutex_lock(&g->mu);
-    unsigned long gen = g->generation;
-    if (++g->arrived == g->size) {
-        g->arrived = 0;
-        g->generation++;
-        pthread_cond_broadcast(&g->cv);
-        pthread_mutex_unlock(&g->mu);
-        return HCCL_SUCCESS;
-    }
-    while (gen == g->generation) {
-        if (pthread_cond_timedwait(&g->cv, &g->mu, &deadline) == ETIMEDOUT && gen == g->generation) {
-            g->arrived--;
-            pthread_mutex_unlock(&g->mu);
-            return HCCL_E_TIMEOUT;
-        }
-    }
-    pthread_mutex_unlock(&g->mu);
-    return HCCL_SUCCESS;
+    return fake_wait_all(&g->mu, &g->cv, g->size, &g->arrived, &g->generation, "FAKE_HCCL_TIMEOUT_MS")
+               ? HCCL_E_TIMEOUT : HCCL_SUCCESS;
 }
 
 static size_t dtype_size(int dt) {
@@ -229,21 +197,6 @@ HcclResult HcclBroadcast(void *buf, uint64_t count, int dataType, uint32_t root,
     if (r) return r;
     if (c->rank != (int)root) memcpy(buf, g->recv[root], count * es);
     return rendezvous(g);
-}
-
-static float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
 }
 
 static float load(const void *p, size_t i, int dt) {
