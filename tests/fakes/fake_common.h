@@ -1,7 +1,7 @@
 /*
  * What the fake collective libraries (fake_hccl.c, fake_nccl.c) share: error injection
  * from an environment variable, a timed rendezvous of the ranks of one communicator
- * group, and bf16 <-> float conversion. Header-only (static functions) so each fake
+ * group, bf16 <-> float conversion and the element-wise reduce ops. Header-only (static functions) so each fake
  * still builds from its one .c file; tests/fakes/build.py hashes this file too.
  */
 #ifndef FAKE_COMMON_H
@@ -69,5 +69,10 @@ static uint16_t float_to_bf16(float f) {
     bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
     return (uint16_t)(bits >> 16);
 }
+
+/* a (op) b for the reduce ops both libraries number alike: 0 sum, 1 prod, 2 max, 3 min.
+ * A macro so that each type computes in its own arithmetic (fp32 sums stay fp32). */
+#define FAKE_COMBINE(a, b, op) \
+    ((op) == 0 ? (a) + (b) : (op) == 1 ? (a) * (b) : (op) == 2 ? ((a) > (b) ? (a) : (b)) : ((a) < (b) ? (a) : (b)))
 
 #endif

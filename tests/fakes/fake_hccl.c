@@ -217,24 +217,6 @@ static void store(void *p, size_t i, int dt, float v) {
     }
 }
 
-static float combine(float a, float b, int op) {
-    switch (op) {
-    case OP_SUM: return a + b;
-    case OP_PROD: return a * b;
-    case OP_MAX: return a > b ? a : b;
-    default: return a < b ? a : b;
-    }
-}
-
-static int32_t combine_i32(int32_t a, int32_t b, int op) {
-    switch (op) {
-    case OP_SUM: return a + b;
-    case OP_PROD: return a * b;
-    case OP_MAX: return a > b ? a : b;
-    default: return a < b ? a : b;
-    }
-}
-
 /* Every rank reduces all ranks' inputs in rank order: identical results everywhere. */
 HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op,
                          HcclComm comm, aclrtStream stream) {
@@ -252,11 +234,11 @@ HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataT
     for (uint64_t i = 0; i < count; i++) {
         if (dataType == DT_INT32) {
             int32_t acc = ((const int32_t *)g->send[0])[i];
-            for (int k = 1; k < g->size; k++) acc = combine_i32(acc, ((const int32_t *)g->send[k])[i], op);
+            for (int k = 1; k < g->size; k++) acc = FAKE_COMBINE(acc, ((const int32_t *)g->send[k])[i], op);
             ((int32_t *)recvBuf)[i] = acc;
         } else {
             float acc = load(g->send[0], i, dataType);
-            for (int k = 1; k < g->size; k++) acc = combine(acc, load(g->send[k], i, dataType), op);
+            for (int k = 1; k < g->size; k++) acc = FAKE_COMBINE(acc, load(g->send[k], i, dataType), op);
             store(recvBuf, i, dataType, acc);
         }
     }

@@ -148,33 +148,6 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 
 /* ---------------------------------------------------------------- arithmetic */
 
-static double combine(double a, double b, int op) {
-    switch (op) {
-    case R_SUM: return a + b;
-    case R_PROD: return a * b;
-    case R_MAX: return a > b ? a : b;
-    default: return a < b ? a : b;
-    }
-}
-
-static float combine_f(float a, float b, int op) {
-    switch (op) {
-    case R_SUM: return a + b;
-    case R_PROD: return a * b;
-    case R_MAX: return a > b ? a : b;
-    default: return a < b ? a : b;
-    }
-}
-
-static int64_t combine_i(int64_t a, int64_t b, int op) {
-    switch (op) {
-    case R_SUM: return a + b;
-    case R_PROD: return a * b;
-    case R_MAX: return a > b ? a : b;
-    default: return a < b ? a : b;
-    }
-}
-
 /* Element i of every rank's send buffer, combined in rank order: identical on every rank.
  * 16/32-bit floats accumulate in float (fp32 sums equal torch's rank-order sum). */
 static void reduce_element(Group *g, int idx, size_t i, const Op *op, void *out) {
@@ -187,7 +160,7 @@ static void reduce_element(Group *g, int idx, size_t i, const Op *op, void *out)
             float v = op->dtype == T_FP32 ? ((const float *)p)[i]
                     : op->dtype == T_FP16 ? (float)((const _Float16 *)p)[i]
                     : bf16_to_float(((const uint16_t *)p)[i]);
-            acc = k == 0 ? v : combine_f(acc, v, op->redop);
+            acc = k == 0 ? v : FAKE_COMBINE(acc, v, op->redop);
         }
         if (op->dtype == T_FP32) ((float *)out)[i] = acc;
         else if (op->dtype == T_FP16) ((_Float16 *)out)[i] = (_Float16)acc;
@@ -196,19 +169,19 @@ static void reduce_element(Group *g, int idx, size_t i, const Op *op, void *out)
     }
     case T_FP64: {
         double acc = ((const double *)first->send)[i];
-        for (int k = 1; k < g->size; k++) acc = combine(acc, ((const double *)g->ops[k][idx].send)[i], op->redop);
+        for (int k = 1; k < g->size; k++) acc = FAKE_COMBINE(acc, ((const double *)g->ops[k][idx].send)[i], op->redop);
         ((double *)out)[i] = acc;
         break;
     }
     case T_INT32: {
         int64_t acc = ((const int32_t *)first->send)[i];
-        for (int k = 1; k < g->size; k++) acc = combine_i(acc, ((const int32_t *)g->ops[k][idx].send)[i], op->redop);
+        for (int k = 1; k < g->size; k++) acc = FAKE_COMBINE(acc, (int64_t)((const int32_t *)g->ops[k][idx].send)[i], op->redop);
         ((int32_t *)out)[i] = (int32_t)acc;
         break;
     }
     case T_INT64: {
         int64_t acc = ((const int64_t *)first->send)[i];
-        for (int k = 1; k < g->size; k++) acc = combine_i(acc, ((const int64_t *)g->ops[k][idx].send)[i], op->redop);
+        for (int k = 1; k < g->size; k++) acc = FAKE_COMBINE(acc, ((const int64_t *)g->ops[k][idx].send)[i], op->redop);
         ((int64_t *)out)[i] = acc;
         break;
     }
