@@ -7,7 +7,8 @@
 - `FlatCollectiveBackend`: turns the coordinator's all-gather-V and all-reduce into
   calls on flat device buffers, issued by each rank thread on its device's current
   stream, synchronized before the results are used. Subclasses supply the library
-  calls (`_all_gather_v_flat`, `_all_reduce_flat`).
+  calls (`_all_gather_v_flat`, `_all_reduce_flat`, and optionally `_all_to_all_v_flat`
+  with `has_all_to_all_v` true; without it the coordinator emulates all-to-all).
 - `CommunicatorBackend`: a `FlatCollectiveBackend` with one library communicator per
   rank device, made by the library's single-process "init all" call and destroyed on close.
 """
@@ -22,7 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from comfy.multidevice import BackendUnavailable, CollectiveError, gathered_shape, synchronize
+from comfy.multidevice import (BackendUnavailable, CollectiveError, chunk_shape, gathered_shape,
+                               synchronize)
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,36 @@ class FlatCollectiveBackend:
     def _all_reduce_flat(self, rank, send, recv, op, stream):
         raise NotImplementedError
 
+    # Optional: all-to-all-V on flat buffers (counts/displacements in elements, per peer).
+    has_all_to_all_v = False
+
+    def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
+                           recv_displs, stream):
+        raise NotImplementedError
+
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+        device = self.coordinator.devices[rank]
+        world = len(splits)
+        out = []
+        for t, tensor in enumerate(tensors):
+            send = _pack_chunks(tensor, splits[rank], split_dim)
+            send_counts = [_numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
+            send_displs = [sum(send_counts[:j]) for j in range(world)]
+            recv_shapes = [chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
+                           for src in range(world)]
+            recv_counts = [_numel(shape) for shape in recv_shapes]
+            recv_displs = [sum(recv_counts[:i]) for i in range(world)]
+            recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=device)
+            stream = current_stream_handle(device)  # read right before the call
+            keepalive = self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs,
+                                                recv_counts, recv_displs, stream)
+            synchronize(device)
+            del keepalive
+            parts = [recv.narrow(0, d, c).view(shape)
+                     for shape, c, d in zip(recv_shapes, recv_counts, recv_displs)]
+            out.append(torch.cat(parts, dim=cat_dim))
+        return out
+
     def all_gather_v(self, rank, tensors, dims, metas, slot):
         device = self.coordinator.devices[rank]
         out = []
@@ -203,7 +235,15 @@ def _numel(shape) -> int:
     return n
 
 
-def _unflatten(flat: torch.Tensor, metas, counts, displs, dim: int) -> torch.Tensor:
+def _pack_chunks(tensor: torch.Tensor, sizes, dim: int) -> torch.Tensor:
+    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer."""
+    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+        return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
+    return torch.cat([c.reshape(-1) for c in tensor.split(list(sizes), dim)])
+
+
+def unflatten_gathered(flat: torch.Tensor, metas, counts, displs, dim: int) -> torch.Tensor:
+    """The flat rank-major all-gather buffer -> the concat of the shards along `dim`."""
     if dim == 0:  # rank-major flat layout already is the concat along dim 0
         return flat.view(gathered_shape(metas, 0))
     parts = [flat.narrow(0, d, c).view(m.shape) for m, c, d in zip(metas, counts, displs)]
@@ -244,3 +284,6 @@ class CommunicatorBackend(FlatCollectiveBackend):
                 self._destroy_comm(comm)
             except CollectiveLibraryError as exc:
                 log.warning("%s", exc)
+
+
+_unflatten = unflatten_gathered  # the earlier private name

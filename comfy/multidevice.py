@@ -313,7 +313,7 @@ class PeerCopyBackend:
             out.append(torch.cat(parts, dim=dim))
         return out
 
-    def all_to_all_v(self, rank, tensors, splits, split_dim, cat_dim, slot):
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
         device = self.coordinator.devices[rank]
         out = []
         for t in range(len(tensors)):
@@ -604,9 +604,9 @@ class SequenceParallelCoordinator:
         metas = [m[0] for m in meta_slot]
         all_splits = [m[1] for m in meta_slot]
         check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
-        native = getattr(self.backend, "all_to_all_v", None)
-        if native is not None:
-            out = native(rank, tensors, all_splits, split_dim, cat_dim, data_slot)
+        if getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v")):
+            out = self.backend.all_to_all_v(rank, tensors, metas, all_splits, split_dim, cat_dim,
+                                            data_slot)
         else:
             out = self._all_to_all_v_by_gather(rank, tensors, metas, all_splits, split_dim, cat_dim,
                                                data_slot)

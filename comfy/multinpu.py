@@ -60,6 +60,14 @@ HCCL_FUNCTIONS = (
     CFunction("HcclAllGatherV", HcclResult,
               (buffer, c_uint64, buffer, c_void_p, c_void_p, HcclDataType, HcclComm, aclrtStream),
               optional=True),
+    # HcclAlltoAllV(sendBuf, sendCounts[u64 host], sdispls[u64 host], sendType,
+    #               recvBuf, recvCounts[u64 host], rdispls[u64 host], recvType, comm, stream)
+    # (hccl.h; counts and displacements in elements). Optional: without it the coordinator
+    # all-gathers the packed send buffers instead.
+    CFunction("HcclAlltoAllV", HcclResult,
+              (buffer, c_void_p, c_void_p, HcclDataType, buffer, c_void_p, c_void_p, HcclDataType,
+               HcclComm, aclrtStream),
+              optional=True),
     # HcclAllGather(sendBuf, recvBuf, sendCount, dataType, comm, stream)
     CFunction("HcclAllGather", HcclResult,
               (buffer, buffer, c_uint64, HcclDataType, HcclComm, aclrtStream)),
@@ -107,6 +115,15 @@ class HcclLibrary(CollectiveLibrary):
     def all_gather_v(self, send, send_count, recv, counts, displs, dtype, comm, stream) -> None:
         self.call("HcclAllGatherV", send, send_count, recv, counts, displs, dtype, comm, stream)
 
+    @property
+    def has_all_to_all_v(self) -> bool:
+        return self.lib.has("HcclAlltoAllV")
+
+    def all_to_all_v(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
+                     comm, stream) -> None:
+        self.call("HcclAlltoAllV", send, send_counts, send_displs, dtype, recv, recv_counts,
+                  recv_displs, dtype, comm, stream)
+
     def all_gather(self, send, recv, count, dtype, comm, stream) -> None:
         self.call("HcclAllGather", send, recv, count, dtype, comm, stream)
 
@@ -150,6 +167,21 @@ class HcclBackend(CommunicatorBackend):
                 self.hccl.broadcast(recv.data_ptr() + displ * itemsize, count, dtype, root,
                                     comm, stream)
         return None
+
+    @property
+    def has_all_to_all_v(self) -> bool:
+        return self.hccl.has_all_to_all_v
+
+    def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
+                           recv_displs, stream):
+        n = len(send_counts)
+        host = [(c_uint64 * n)(*values)  # host arrays the device reads asynchronously
+                for values in (send_counts, send_displs, recv_counts, recv_displs)]
+        dtype = hccl_dtype(send.dtype)
+        self.hccl.all_to_all_v(send.data_ptr(), ctypes.addressof(host[0]), ctypes.addressof(host[1]),
+                               recv.data_ptr(), ctypes.addressof(host[2]), ctypes.addressof(host[3]),
+                               dtype, self.comms[rank], stream)
+        return host
 
     def _all_reduce_flat(self, rank, send, recv, op, stream):
         self.hccl.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(), hccl_dtype(send.dtype),

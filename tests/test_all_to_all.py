@@ -199,3 +199,62 @@ def test_single_rank_moves_nothing():
         out = coord.run(lambda rank, comm: (comm.exchange([x], 0)[0], comm.all_to_all_v(x, [4], 0)))
         assert torch.equal(out[0][0], x) and torch.equal(out[0][1], x)
         assert coord.byte_counts()[0]["sent"] == coord.byte_counts()[0]["received"] == 0
+
+
+# ----------------------------------------------------------------------------- HCCL binding
+
+def test_hccl_backend_uses_alltoallv_when_the_library_has_it(monkeypatch, fake_hccl_path,
+                                                              fake_hccl_no_alltoallv_path):
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl") as coord:
+        assert coord.backend.has_all_to_all_v
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_no_alltoallv_path)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl") as coord:
+        assert not coord.backend.has_all_to_all_v
+
+
+def test_hccl_alltoallv_marshaling():
+    # HcclAlltoAllV(sendBuf, sendCounts, sdispls, sendType, recvBuf, recvCounts, rdispls,
+    #               recvType, comm, stream): host uint64 arrays, counts in elements.
+    import ctypes
+    from types import SimpleNamespace
+    from comfy.ctypes_collective import CLibrary
+    from comfy.multinpu import HcclBackend, HcclLibrary
+
+    calls = []
+
+    def init_all(n, devices, comms):
+        for i in range(n):
+            comms[i] = 0x2000 + i
+        return 0
+
+    functions = {
+        "HcclGetErrorString": lambda code: b"fake",
+        "HcclCommInitAll": init_all,
+        "HcclCommDestroy": lambda comm: 0,
+        "HcclAlltoAllV": lambda *args: calls.append(args) or 0,
+    }
+    lib = HcclLibrary(lib=CLibrary.from_functions(functions))
+    backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 3), library=lib)
+    assert backend.has_all_to_all_v
+    send = torch.zeros(12, dtype=torch.bfloat16)
+    recv = torch.empty(9, dtype=torch.bfloat16)
+    keep = backend._all_to_all_v_flat(2, send, recv, [4, 0, 8], [0, 4, 4], [3, 3, 3], [0, 3, 6], None)
+    (args,) = calls
+    sptr, scounts, sdispls, stype, rptr, rcounts, rdispls, rtype, comm, stream = args
+    assert (sptr, rptr) == (send.data_ptr(), recv.data_ptr())
+    read = lambda addr: list((ctypes.c_uint64 * 3).from_address(addr))  # noqa: E731
+    assert read(scounts) == [4, 0, 8] and read(sdispls) == [0, 4, 4]
+    assert read(rcounts) == [3, 3, 3] and read(rdispls) == [0, 3, 6]
+    assert stype == rtype == 11  # bf16
+    assert comm == 0x2002 and stream is None
+    del keep
+
+
+def test_fake_hccl_alltoallv_error_code_is_a_clear_exception(monkeypatch, fake_hccl_path):
+    from comfy.multinpu import HcclError
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclAlltoAllV:4")
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl", timeout_s=10) as coord:
+        with pytest.raises(HcclError, match=r"HcclAlltoAllV failed with HcclResult 4"):
+            coord.run(lambda rank, comm: comm.all_to_all_v(torch.ones(2), [1, 1], 0))
