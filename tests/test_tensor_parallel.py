@@ -1,0 +1,448 @@
+"""Tensor-parallel decoder (comfy/tensor_parallel.py) against the single-device result.
+
+Model: the miniature Llama/Qwen-style decoder (8 query heads, 2 KV heads, so W=4 is the
+KV-replication case). Every parallel result is compared with the same model run on one
+device, same inputs:
+  fp32: max |TP - single| <= 1e-5 * max |single|.
+  bf16: max |TP - single| <= 2**-5 * max |single| (4 to 8 bf16 ulps at the output's
+        scale; observed up to ~0.011). Why: bf16 keeps 8 significant bits (relative
+        rounding 2**-8 to 2**-7 of a value); the parallel run
+        sums each row-parallel layer's partial products in another order and rounds the W
+        partials to bf16 before the all-reduce, so every such layer may differ by an
+        ulp or two, and 2 layers x 2 row-parallel projections compound. The test also
+        checks the parallel bf16 run is no further from the fp32 result than about the
+        single-device bf16 run is, i.e. the split costs no accuracy class.
+
+The upstream ComfyUI conversion (apply_tensor_parallel_text_encoder) cannot run against
+upstream here (ComfyUI is not installed); it is tested on a small module tree written
+below that mirrors upstream's attribute layout (CLIP.cond_stage_model.<clip name>
+.transformer.model / .visual, get_input_embeddings, patcher.patches), with the miniature
+decoder as the language model.
+"""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from comfy.multidevice import CollectiveAborted, SequenceParallelCoordinator
+from comfy.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelDecoder,
+                                   TensorParallelError, apply_tensor_parallel_text_encoder,
+                                   build_tensor_parallel_decoder, check_head_split, head_shard,
+                                   prefixed_weights, remove_tensor_parallel_text_encoder,
+                                   shard_decoder, weight_bytes)
+from comfy.text_encoders.miniature_decoder import MiniatureDecoderConfig, build_miniature_decoder
+
+FP32_REL_TOL = 1e-5
+BF16_REL_TOL = 2.0 ** -5
+
+
+@pytest.fixture(params=["peer", "hccl"])
+def backend(request, monkeypatch):
+    if request.param == "hccl":
+        request.getfixturevalue("use_fake_hccl")
+    return request.param
+
+
+def coordinator(world, backend="peer"):
+    return SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30)
+
+
+def inputs(cfg, seed=0, batch=2, seq=13, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(batch, seq, cfg.hidden_size, generator=gen).to(dtype)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, -4:] = 0  # the second prompt is padded
+    return embeds, mask
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def expected_rank_bytes(cfg, world, itemsize):
+    """Bytes one rank must hold, from the config alone (the split this project promises)."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_local = cfg.num_attention_heads // world
+    kv_local = max(cfg.num_key_value_heads // world, 1)  # replicated when W > KV heads
+    split = (q_local * d * h            # q_proj rows
+             + 2 * kv_local * d * h     # k_proj, v_proj rows
+             + h * q_local * d          # o_proj columns
+             + 2 * (inter // world) * h  # gate, up rows
+             + h * (inter // world))    # down_proj columns
+    replicated = 2 * h + (2 * d if cfg.qk_norm else 0)  # block norms, q/k norms
+    total = cfg.num_hidden_layers * (split + replicated) + cfg.vocab_size * h
+    total += h if cfg.final_norm else 0
+    return total * itemsize
+
+
+LAYOUTS = {
+    "separate": MiniatureDecoderConfig(),
+    "fused": MiniatureDecoderConfig(merged_qkv=True, merged_mlp=True, final_norm=True),
+}
+
+
+# ----------------------------------------------------------------------------- exactness
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hidden_states_match_single_device_fp32(backend, world, layout):
+    cfg = LAYOUTS[layout]
+    model = build_miniature_decoder(cfg, seed=3)
+    embeds, mask = inputs(cfg)
+    want, want_mid = model(embeds=embeds.clone(), attention_mask=mask, intermediate_output=0)
+    with coordinator(world, backend) as coord:
+        assert coord.backend_name == backend
+        tp = build_tensor_parallel_decoder(model, coord)
+        got, got_mid = tp(embeds=embeds, attention_mask=mask, intermediate_output=0)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert rel_err(got, want) <= FP32_REL_TOL
+    assert rel_err(got_mid, want_mid) <= FP32_REL_TOL
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hidden_states_match_single_device_bf16(world):
+    cfg = LAYOUTS["separate"]
+    model32 = build_miniature_decoder(cfg, seed=4)
+    model16 = build_miniature_decoder(cfg, seed=4, dtype=torch.bfloat16)
+    embeds, mask = inputs(cfg)
+    exact, _ = model32(embeds=embeds.clone(), attention_mask=mask)
+    single, _ = model16(embeds=embeds.to(torch.bfloat16), attention_mask=mask)
+    with coordinator(world) as coord:
+        got, _ = build_tensor_parallel_decoder(model16, coord)(
+            embeds=embeds.to(torch.bfloat16), attention_mask=mask)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, single) <= BF16_REL_TOL
+    # Same accuracy class as the single-device bf16 run, measured against fp32.
+    assert rel_err(got, exact) <= 2 * rel_err(single, exact) + 2.0 ** -8
+
+
+def test_input_ids_path_and_replicated_embedding():
+    cfg = LAYOUTS["separate"]
+    model = build_miniature_decoder(cfg, seed=5)
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    want, _ = model(input_ids=ids)
+    with coordinator(2) as coord:
+        got, _ = build_tensor_parallel_decoder(model, coord)(input_ids=ids)
+    assert rel_err(got, want) <= FP32_REL_TOL
+
+
+def test_callers_inputs_are_not_overwritten():
+    # The blocks write into their input buffer (as upstream's do); the fan-out gives each
+    # rank its own copy, so the caller's tensor and the ranks never alias.
+    cfg = LAYOUTS["separate"]
+    model = build_miniature_decoder(cfg, seed=6)
+    embeds, _ = inputs(cfg)
+    before = embeds.clone()
+    with coordinator(2) as coord:
+        build_tensor_parallel_decoder(model, coord)(embeds=embeds)
+    assert torch.equal(embeds, before)
+
+
+def test_output_is_writable_under_no_grad_and_inference_mode_is_mirrored():
+    cfg = LAYOUTS["separate"]
+    model = build_miniature_decoder(cfg, seed=7)
+    embeds, _ = inputs(cfg)
+    with coordinator(2) as coord:
+        tp = build_tensor_parallel_decoder(model, coord)
+        with torch.no_grad():
+            out, _ = tp(embeds=embeds)
+            out[0, 0] = 1.0  # upstream's token weighting edits the output in place
+        assert not out.is_inference()
+        with torch.inference_mode():
+            out, _ = tp(embeds=embeds)
+        assert out.is_inference()
+
+
+# ----------------------------------------------------------------------------- head plan
+
+def test_head_plan_matches_gqa_grouping():
+    # Query head h reads KV head h // (q/kv); every rank's query heads must read exactly
+    # the KV heads that rank holds.
+    for q, kv in [(8, 2), (64, 8), (8, 8), (8, 1)]:
+        for world in [w for w in (1, 2, 4, 8, 16, 32, 64) if q % w == 0 and (kv % w == 0 or w % kv == 0)]:
+            for rank in range(world):
+                s = head_shard(q, kv, world, rank)
+                assert s.q_count == q // world and s.kv_count == max(kv // world, 1)
+                needed = {h // (q // kv) for h in range(s.q_start, s.q_start + s.q_count)}
+                assert needed == set(range(s.kv_start, s.kv_start + s.kv_count))
+
+
+@pytest.mark.parametrize("q,kv,world,words", [
+    (8, 2, 3, ["8 query heads", "W=3"]),
+    (12, 4, 3, ["4 KV heads", "W=3"]),
+    (12, 4, 6, ["4 KV heads", "W=6"]),
+    (8, 3, 2, ["8 query heads", "3 KV heads"]),
+])
+def test_unsplittable_heads_error_names_counts(q, kv, world, words):
+    with pytest.raises(TensorParallelError) as info:
+        check_head_split(q, kv, world)
+    for word in words:
+        assert word in str(info.value)
+    assert "use W in" in str(info.value) or "KV heads" in str(info.value)
+
+
+def test_unsplittable_model_fails_before_any_rank_work():
+    cfg = MiniatureDecoderConfig(num_attention_heads=6, num_key_value_heads=2)  # 6 % 4 != 0
+    model = build_miniature_decoder(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with coordinator(4) as coord:
+        calls = []
+        coord.run = lambda *a, **k: calls.append(a)  # must never be reached
+        with pytest.raises(TensorParallelError, match=r"6 query heads over W=4"):
+            build_tensor_parallel_decoder(model, coord)
+        assert calls == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_unsplittable_mlp_width_error():
+    model = build_miniature_decoder(MiniatureDecoderConfig(intermediate_size=130))
+    with coordinator(4) as coord, pytest.raises(TensorParallelError, match=r"width 130 over W=4"):
+        build_tensor_parallel_decoder(model, coord)
+
+
+# ----------------------------------------------------------------------------- memory
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_rank_weight_bytes_follow_the_formula(world, layout):
+    cfg = LAYOUTS[layout]
+    model = build_miniature_decoder(cfg, dtype=torch.bfloat16)
+    assert weight_bytes(model) == expected_rank_bytes(cfg, 1, 2)
+    with coordinator(world) as coord:
+        tp = build_tensor_parallel_decoder(model, coord)
+        per_rank = [weight_bytes(s) for s in tp.shards]
+    assert per_rank == [expected_rank_bytes(cfg, world, 2)] * world
+    if world > 1:
+        assert per_rank[0] < weight_bytes(model) / world + expected_rank_bytes(cfg, world, 2) / 2
+
+
+class ReadOnlyBase(torch.Tensor):
+    """Stand-in for the shared checkpoint's read-only views: writes raise, and the test
+    records every byte copied out of it and any whole-tensor materialization."""
+
+    copied_bytes = 0
+    whole_copies = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if args and isinstance(args[0], ReadOnlyBase) and name.endswith("_") and not name.startswith("__"):
+            raise RuntimeError(f"write to read-only checkpoint tensor ({name})")
+        if name in ("to", "clone", "contiguous", "cpu", "float", "bfloat16"):
+            cls.whole_copies.append(name)
+        if name == "copy_" and isinstance(args[1], ReadOnlyBase):
+            cls.copied_bytes += args[1].numel() * args[1].element_size()
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_slicing_a_read_only_base_copies_only_each_ranks_share():
+    cfg = LAYOUTS["fused"]
+    model = build_miniature_decoder(cfg, seed=8)
+    # One flat buffer holding every tensor, like a checkpoint base; keys carry a prefix.
+    state = model.state_dict()
+    flat = torch.cat([t.reshape(-1) for t in state.values()])
+    snapshot = flat.clone()
+    base, offset = {}, 0
+    for key, t in state.items():
+        view = flat.narrow(0, offset, t.numel()).view(t.shape)
+        base["model." + key] = view.as_subclass(ReadOnlyBase)
+        offset += t.numel()
+    with pytest.raises(RuntimeError, match="read-only"):
+        base["model.layers.0.mlp.down_proj.weight"].mul_(2)
+    world = 4
+    for rank in range(world):
+        ReadOnlyBase.copied_bytes, ReadOnlyBase.whole_copies = 0, []
+        comm = SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"))
+        shard = shard_decoder(model, comm, weights=prefixed_weights(base, "model."))
+        assert ReadOnlyBase.whole_copies == []
+        assert ReadOnlyBase.copied_bytes == expected_rank_bytes(cfg, world, 4)
+        assert weight_bytes(shard) == expected_rank_bytes(cfg, world, 4)  # no view pins the base
+        assert all(type(p) is nn.Parameter for p in shard.parameters())
+    assert torch.equal(flat, snapshot)
+
+
+def test_weights_from_a_state_dict_match_module_weights():
+    cfg = LAYOUTS["separate"]
+    model = build_miniature_decoder(cfg, seed=9)
+    blank = build_miniature_decoder(cfg, seed=99)  # same layout, other values
+    embeds, _ = inputs(cfg)
+    want, _ = model(embeds=embeds.clone())
+    with coordinator(2) as coord:
+        got, _ = build_tensor_parallel_decoder(blank, coord, weights=model.state_dict())(embeds=embeds)
+    assert rel_err(got, want) <= FP32_REL_TOL
+
+
+def test_missing_or_misshaped_weight_is_named():
+    cfg = LAYOUTS["separate"]
+    model = build_miniature_decoder(cfg)
+    sd = model.state_dict()
+    del sd["layers.1.self_attn.k_proj.weight"]
+    with coordinator(2) as coord:
+        with pytest.raises(TensorParallelError, match=r"layers\.1\.self_attn\.k_proj\.weight"):
+            build_tensor_parallel_decoder(model, coord, weights=sd)
+        sd = model.state_dict()
+        sd["layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+        with pytest.raises(TensorParallelError, match=r"up_proj\.weight.*\[3, 3\]"):
+            build_tensor_parallel_decoder(model, coord, weights=sd)
+
+
+def test_decoder_is_not_modified():
+    cfg = LAYOUTS["separate"]
+    model = build_miniature_decoder(cfg, seed=10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with coordinator(4) as coord:
+        build_tensor_parallel_decoder(model, coord)
+    attn = model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads, attn.inner_size) == (8, 2, 8 * cfg.head_dim)
+    assert isinstance(attn.q_proj, nn.Linear) and model.config.num_attention_heads == 8
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ----------------------------------------------------------------------------- layers, failures
+
+def test_row_parallel_bias_is_added_once(backend):
+    gen = torch.Generator().manual_seed(11)
+    weight, bias, x = torch.randn(5, 8, generator=gen), torch.randn(5, generator=gen), torch.randn(3, 8, generator=gen)
+    want = torch.nn.functional.linear(x, weight, bias)
+
+    def run(rank, comm):
+        col = ColumnParallelLinear.from_full(torch.eye(8), None, [(rank * 4, 4)], comm.device)
+        row = RowParallelLinear.from_full(weight, bias, rank * 4, 4, comm)
+        return row(col(x))
+
+    with coordinator(2, backend) as coord:
+        outs = coord.run(run)
+    for out in outs:
+        assert rel_err(out, want) <= FP32_REL_TOL
+
+
+def test_a_failing_rank_does_not_hang_the_others():
+    cfg = LAYOUTS["separate"]
+    model = build_miniature_decoder(cfg)
+    embeds, _ = inputs(cfg)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=20) as coord:
+        tp = build_tensor_parallel_decoder(model, coord)
+
+        def broken(x):
+            raise RuntimeError("rank 1 MLP exploded")
+
+        tp.shards[1].layers[0].mlp.forward = broken
+        with pytest.raises(RuntimeError, match="exploded") as info:
+            tp(embeds=embeds)
+        assert not isinstance(info.value, CollectiveAborted)
+
+
+def test_generation_is_refused():
+    model = build_miniature_decoder(LAYOUTS["separate"])
+    with coordinator(2) as coord:
+        tp = build_tensor_parallel_decoder(model, coord)
+        with pytest.raises(TensorParallelError, match="generation"):
+            tp(embeds=torch.zeros(1, 2, 64), past_key_values=[])
+
+
+# ----------------------------------------------------------------------------- upstream mirror
+# A module tree with upstream ComfyUI's attribute layout (see the notes in
+# comfy/tensor_parallel.py): CLIP -> cond_stage_model (SD1ClipModel: `.clip` names the
+# child) -> SDClipModel -> `.transformer` (Qwen3VL: `.model` language model, `.visual`,
+# get_input_embeddings() -> model.embed_tokens) ; CLIP.patcher.patches.
+
+class MirrorQwen3VL(nn.Module):
+    def __init__(self, decoder):
+        super().__init__()
+        self.model = decoder
+        self.visual = nn.Linear(4, decoder.config.hidden_size)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def forward(self, input_ids, attention_mask=None, embeds=None, intermediate_output=None):
+        return self.model(input_ids, attention_mask=attention_mask, embeds=embeds,
+                          intermediate_output=intermediate_output)
+
+
+class MirrorSDClipModel(nn.Module):
+    def __init__(self, decoder):
+        super().__init__()
+        self.transformer = MirrorQwen3VL(decoder)
+
+    def encode(self, ids):
+        embeds = self.transformer.get_input_embeddings()(ids)
+        return self.transformer(None, embeds=embeds)[0]
+
+
+class MirrorSD1ClipModel(nn.Module):
+    def __init__(self, decoder):
+        super().__init__()
+        self.clip = "qwen3vl_32b"
+        self.qwen3vl_32b = MirrorSDClipModel(decoder)
+
+
+def mirror_clip(cfg, seed=12, patches=None):
+    cond = MirrorSD1ClipModel(build_miniature_decoder(cfg, seed=seed))
+    return SimpleNamespace(cond_stage_model=cond, patcher=SimpleNamespace(patches=patches or {}))
+
+
+def test_upstream_clip_conversion_matches_and_can_be_undone(backend, caplog):
+    cfg = LAYOUTS["separate"]
+    clip = mirror_clip(cfg)
+    te = clip.cond_stage_model.qwen3vl_32b
+    original = te.transformer.model
+    ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    want = te.encode(ids)
+    with coordinator(4, backend) as coord:
+        with caplog.at_level(logging.INFO, logger="comfy.tensor_parallel"):
+            assert apply_tensor_parallel_text_encoder(clip, coord) is clip
+        wrapper = te.transformer.model
+        assert isinstance(wrapper, TensorParallelDecoder) and wrapper.source_decoder is original
+        assert te.transformer.get_input_embeddings() is original.embed_tokens
+        assert "vision tower is not split" in caplog.text
+        assert rel_err(te.encode(ids), want) <= FP32_REL_TOL
+        # The wrapper's registered modules are only what the CLIP's own patcher should move.
+        assert {n for n, _ in wrapper.named_children()} == {"embed_tokens"}
+        assert apply_tensor_parallel_text_encoder(clip, coord) is clip
+        assert te.transformer.model is wrapper  # same coordinator: no-op
+        with coordinator(2, backend) as other:
+            apply_tensor_parallel_text_encoder(clip, other)  # re-split from the kept original
+            assert te.transformer.model.world_size == 2
+            assert rel_err(te.encode(ids), want) <= FP32_REL_TOL
+    remove_tensor_parallel_text_encoder(clip)
+    assert te.transformer.model is original
+    assert torch.equal(te.encode(ids), want)
+
+
+def test_upstream_clip_from_checkpoint_weights():
+    cfg = LAYOUTS["fused"]
+    clip = mirror_clip(cfg)
+    te = clip.cond_stage_model.qwen3vl_32b
+    ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    want = te.encode(ids)
+    file_tensors = te.transformer.state_dict()  # keys as in a text-encoder file: "model.layers..."
+    assert "model.layers.0.self_attn.qkv_proj.weight" in file_tensors
+    with coordinator(2) as coord:
+        apply_tensor_parallel_text_encoder(clip, coord, weights=file_tensors)
+        assert rel_err(te.encode(ids), want) <= FP32_REL_TOL
+
+
+def test_upstream_clip_errors_leave_it_unchanged():
+    lora = {"qwen3vl_32b.transformer.model.layers.0.self_attn.q_proj.weight": [("lora",)]}
+    clip = mirror_clip(LAYOUTS["separate"], patches=lora)
+    original = clip.cond_stage_model.qwen3vl_32b.transformer.model
+    with coordinator(2) as coord:
+        with pytest.raises(TensorParallelError, match="CLIP LoRA"):
+            apply_tensor_parallel_text_encoder(clip, coord)
+        assert clip.cond_stage_model.qwen3vl_32b.transformer.model is original
+        clip = mirror_clip(LAYOUTS["separate"])
+        with coordinator(3) as three, pytest.raises(TensorParallelError, match="8 query heads over W=3"):
+            apply_tensor_parallel_text_encoder(clip, three)
+        assert clip.cond_stage_model.qwen3vl_32b.transformer.model is not None
+        assert isinstance(clip.cond_stage_model.qwen3vl_32b.transformer.model.layers[0].self_attn.q_proj,
+                          nn.Linear)
+        with pytest.raises(TensorParallelError, match="cond_stage_model"):
+            apply_tensor_parallel_text_encoder(object(), coord)
+        not_llama = SimpleNamespace(cond_stage_model=SimpleNamespace(clip="t5xxl", t5xxl=object()))
+        with pytest.raises(TensorParallelError, match="t5xxl"):
+            apply_tensor_parallel_text_encoder(not_llama, coord)
