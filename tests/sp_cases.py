@@ -1,0 +1,71 @@
+"""Shared inputs for the sequence-parallel tests: tiny miniature models and packed layouts."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from comfy.ldm.minimax.miniature import MiniatureConfig, build_miniature
+
+TINY = MiniatureConfig(hidden_size=32, num_layers=3, token_refiner_num_layers=1, num_attention_heads=3,
+                       attention_head_dim=16, ffn_hidden_size=48, text_dim=24, timestep_input_dim=16,
+                       time_embed_hidden_size=32, time_embed_dim=16, rope_inv_freq_len=2)
+
+
+def tiny_model(dtype=torch.float32, seed=0):
+    return build_miniature(TINY, seed=seed, dtype=dtype)
+
+
+def replicas(model, world):
+    return [copy.deepcopy(model) for _ in range(world)]
+
+
+def make_inputs(case: str, seed: int = 0):
+    """(x, timestep, context, kwargs) for a named layout.
+
+    plain      text 7 | audio 10 | video 18 rows: S = 35, divisible by none of 2, 3, 4
+    cond_refs  text | cond | ref_img | ref_img | ref_audio | audio | video, text tag runs
+    masked     partial video and audio denoise masks: per-token modulation rows
+    tiny       S = 5: barely above W = 4
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    kwargs = {}
+    if case == "plain":
+        video, audio, text = rnd(1, 24, 3, 4, 6), rnd(1, 32, 2, 5), rnd(1, 7, 24)
+    elif case == "cond_refs":
+        video, audio, text = rnd(1, 24, 2, 4, 6), rnd(1, 32, 2, 4), rnd(1, 6, 24)
+        kwargs["minimax_payload"] = {
+            "cond_video_latents": [rnd(1, 24, 1, 4, 6)],
+            "ref_image_latents": [rnd(1, 24, 1, 2, 4), rnd(1, 24, 1, 4, 2)],
+            "ref_audio_latents": [rnd(1, 32, 2, 3)],
+            "text_token_tags": torch.tensor([1, 1, 0, 0, 0, 2]),
+        }
+    elif case == "masked":
+        video, audio, text = rnd(1, 24, 3, 4, 6), rnd(1, 32, 2, 6), rnd(1, 5, 24)
+        mask = torch.ones(1, 1, 3, 4, 6)
+        mask[:, :, 0] = 0.0          # first frame kept (cond-like rows)
+        mask[:, :, 1, :2, :2] = 0.5  # a partially regenerated patch
+        audio_mask = torch.ones(1, 1, 2, 6)
+        audio_mask[..., :2] = 0.25
+        kwargs.update(denoise_mask=mask, audio_denoise_mask=audio_mask)
+    elif case == "tiny":
+        video, audio, text = rnd(1, 24, 1, 2, 2), rnd(1, 32, 2, 1), rnd(1, 2, 24)
+    else:
+        raise ValueError(case)
+    timestep = torch.tensor([640.0])
+    return [video, audio], timestep, text, kwargs
+
+
+CASES = ("plain", "cond_refs", "masked", "tiny")
+
+
+def rel_diff(out, ref) -> float:
+    """max |out - ref| over both streams, relative to the largest |ref| value."""
+    diff = max(float((o.float() - r.float()).abs().max()) for o, r in zip(out, ref))
+    scale = max(float(r.float().abs().max()) for r in ref)
+    return diff / scale

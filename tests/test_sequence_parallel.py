@@ -1,0 +1,387 @@
+"""Sequence-parallel DiT: W ranks against the single-device forward of the same model and inputs.
+
+Tolerances: fp32 max |diff| <= 1e-5 x max |reference| (the ranks compute every output row from
+the same weights and the same full K/V; only kernel tiling over a different number of query rows
+can change the last bits). bf16: <= 1e-2 x max |reference|: the same argument, but one changed
+rounding in a bf16 op is 2^-8 = 3.9e-3 relative and a few can add up through the residual
+stream of 3 blocks (the output heads run in fp32, so nothing is lost after the last block).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import pytest
+import torch
+
+from comfy.ldm.minimax import miniature
+from comfy.ldm.minimax.miniature import build_layout
+from comfy.ldm.minimax.sequence_parallel import (WRAPPER_KEY, enable_sequence_parallel,
+                                                 enable_sequence_parallel_on_patcher,
+                                                 disable_sequence_parallel_on_patcher,
+                                                 install_rank_sequence_parallel,
+                                                 supports_sequence_parallel)
+from comfy.multidevice import SequenceParallelCoordinator
+from comfy.sequence_parallel import (AllGatherKV, SequenceParallelError, ShardPlan, copy_for_rank,
+                                     make_kv_strategy, slice_mod_segments, take_rows)
+from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas, tiny_model
+
+FP32_TOL = 1e-5
+BF16_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def model32():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def references(model32):
+    out = {}
+    with torch.inference_mode():
+        for case in CASES:
+            x, t, ctx, kw = make_inputs(case)
+            out[case] = model32(x, t, ctx, **kw)
+    return out
+
+
+@pytest.fixture(params=["peer", "hccl"])
+def backend(request):
+    if request.param == "hccl":
+        request.getfixturevalue("use_fake_hccl")
+    return request.param
+
+
+def run_sp(model, world, backend, case, sp_mode="allgather", seed=0):
+    x, t, ctx, kw = make_inputs(case, seed)
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model, world), coord, sp_mode=sp_mode)
+        with torch.inference_mode():
+            out = sp(x, t, ctx, **kw)
+        return out, sp
+
+
+# ----------------------------------------------------------------------------- the parity matrix
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_parity_fp32(model32, references, backend, world, case):
+    out, sp = run_sp(model32, world, backend, case)
+    ref = references[case]
+    assert [o.shape for o in out] == [r.shape for r in ref]
+    assert rel_diff(out, ref) <= FP32_TOL
+    seq_len = sum(sp.tokens_per_rank())
+    assert sp.tokens_per_rank() == [b - a for a, b in ShardPlan.edges(seq_len, world)]
+    if world > 1:  # K and V of every block plus the final row gather crossed between ranks
+        assert sp.bytes_exchanged_last_forward() > 0
+
+
+def test_matrix_covers_the_hard_layouts(model32):
+    """The parity matrix above includes every shape of shard the issue names."""
+    seen = set()
+    for case in CASES:
+        x, _, ctx, kw = make_inputs(case)
+        payload = kw.get("minimax_payload", {})
+        layout = build_layout(ctx.shape[1], (x[0].shape[2], x[0].shape[3] // 2, x[0].shape[4] // 2),
+                              x[1].shape[-1], [z.shape[2] for z in payload.get("cond_video_latents", [])],
+                              [(z.shape[3] // 2, z.shape[4] // 2) for z in payload.get("ref_image_latents", [])],
+                              [z.shape[-1] for z in payload.get("ref_audio_latents", [])])
+        s = layout.seq_len
+        kinds = {k for _, _, k in layout.segments}
+        for world in (2, 3, 4):
+            if s % world:
+                seen.add("S not divisible by W")
+            if world < s <= world + 2:
+                seen.add("S barely above W")
+            for a, b in ShardPlan.edges(s, world)[1:]:
+                if any(sa < a < sb for sa, sb, _ in layout.segments):
+                    seen.add("shard edge inside a segment")
+            va, vb = layout.span("video")
+            if any(a >= va and b <= vb for a, b in ShardPlan.edges(s, world)):
+                seen.add("a rank holding only video rows")
+        if {"cond", "ref_img", "ref_audio"} <= kinds:
+            seen.add("cond and reference segments")
+    assert seen == {"S not divisible by W", "S barely above W", "shard edge inside a segment",
+                    "a rank holding only video rows", "cond and reference segments"}
+
+
+def test_masked_case_has_per_token_rows_cut_by_shard_edges(model32):
+    """The 'masked' layout feeds tensor rows to the blocks, and W=4 cuts such a span."""
+    x, t, ctx, kw = make_inputs("masked")
+    seen = []
+
+    def spy(args, extra):
+        seen.append(args["mod_segments"])
+        return extra["original_block"](args)
+
+    with torch.inference_mode():
+        model32(x, t, ctx, transformer_options={"patches_replace": {"dit": {("double_block", 0): spy}}}, **kw)
+    tensor_spans = [(a, b) for a, b, row in seen[0] if torch.is_tensor(row) and row.dim() == 1]
+    assert len(tensor_spans) == 2  # audio and video
+    s = seen[0][-1][1]
+    edges = [a for a, _ in ShardPlan.edges(s, 4)[1:]]
+    assert any(a < e < b for a, b in tensor_spans for e in edges)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_bf16(world):
+    model = tiny_model(torch.bfloat16, seed=1)
+    for case in ("plain", "masked"):
+        x, t, ctx, kw = make_inputs(case, seed=3)
+        with torch.inference_mode():
+            ref = model(x, t, ctx, **kw)
+        out, _ = run_sp(model, world, "peer", case, seed=3)
+        assert out[0].dtype == ref[0].dtype
+        assert rel_diff(out, ref) <= BF16_TOL
+
+
+def euler_sample(forward, x, context, steps, kwargs):
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    x = [z.clone() for z in x]
+    for i in range(steps):
+        v = forward(x, (sigmas[i] * 1000).reshape(1), context, **kwargs)
+        x = [z + (sigmas[i + 1] - sigmas[i]) * d for z, d in zip(x, v)]
+    return x
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [3, 4])
+def test_euler_sampling_loop_matches(model32, backend, world):
+    x, _, ctx, kw = make_inputs("cond_refs", seed=5)
+    with torch.inference_mode():
+        ref = euler_sample(model32, x, ctx, 4, kw)
+        with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30) as coord:
+            sp = enable_sequence_parallel(replicas(model32, world), coord)
+            out = euler_sample(sp, x, ctx, 4, kw)
+    assert rel_diff(out, ref) <= FP32_TOL
+
+
+# ----------------------------------------------------------------------------- the SP region
+
+def test_text_refiner_attention_is_not_exchanged(model32):
+    """Per rank and forward: one K/V exchange per DiT block plus the final gather, nothing else."""
+    _, sp = run_sp(model32, 2, "peer", "plain")
+    for traffic in sp.fan_out.last_traffic:
+        assert traffic.exchanges == TINY.num_layers + 1
+    assert TINY.token_refiner_num_layers > 0  # the refiner ran its attention, unexchanged
+
+
+def test_user_attention_override_still_runs(model32, references):
+    calls = []
+    lock = threading.Lock()
+
+    def user_override(func, *args, **kwargs):
+        with lock:
+            calls.append(tuple(args[1].shape))  # k as the user override sees it
+        return func(*args, **kwargs)
+
+    x, t, ctx, kw = make_inputs("plain")
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, 2), coord)
+        with torch.inference_mode():
+            out = sp(x, t, ctx, transformer_options={"optimized_attention_override": user_override}, **kw)
+    assert rel_diff(out, references["plain"]) <= FP32_TOL
+    # per rank: refiner layers + blocks; blocks see the full K ([1, heads, 35, head_dim])
+    assert len(calls) == 2 * (TINY.token_refiner_num_layers + TINY.num_layers)
+    full = [c for c in calls if c[2] == 35]
+    assert len(full) == 2 * TINY.num_layers
+
+
+def test_callers_transformer_options_are_not_modified(model32):
+    x, t, ctx, kw = make_inputs("plain")
+    options = {"patches_replace": {"dit": {}}, "sample_sigmas": torch.tensor([1.0, 0.5])}
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, 2), coord)
+        with torch.inference_mode():
+            sp(x, t, ctx, transformer_options=options, **kw)
+    assert options["patches_replace"] == {"dit": {}}
+    assert set(options) == {"patches_replace", "sample_sigmas"}
+
+
+def test_bypassed_override_is_an_error_not_a_wrong_result(model32, monkeypatch):
+    monkeypatch.setattr(miniature, "attention",
+                        lambda q, k, v, heads, transformer_options=None, **kw:
+                        miniature.scaled_dot_product(q, k, v, heads, **kw))
+    x, t, ctx, kw = make_inputs("plain")
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, 2), coord)
+        with pytest.raises(SequenceParallelError, match="did not call the attention override"):
+            with torch.inference_mode():
+                sp(x, t, ctx, **kw)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_rank_does_not_hang_the_others(model32):
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("rank 2 broke in its MLP")
+
+    models = replicas(model32, 3)
+    models[2].blocks[1].mlp = Broken()
+    x, t, ctx, kw = make_inputs("plain")
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(models, coord)
+        with pytest.raises(RuntimeError, match="rank 2 broke"):
+            with torch.inference_mode():
+                sp(x, t, ctx, **kw)
+        # the coordinator is usable again afterwards
+        sp_ok = enable_sequence_parallel(replicas(model32, 3), coord)
+        with torch.inference_mode():
+            sp_ok(x, t, ctx, **kw)
+
+
+def test_rank_threads_inherit_inference_mode(model32):
+    out, _ = run_sp(model32, 2, "peer", "plain")
+    assert out[0].is_inference() and not out[0].requires_grad
+
+
+# ----------------------------------------------------------------------------- per-rank interface
+
+class MinimalComm:
+    """Only the per-rank interface a torch.distributed communicator also offers."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
+
+    def exchange(self, tensors, cat_dims):
+        return self._comm.exchange(tensors, cat_dims)
+
+    def all_reduce(self, tensor, op="sum"):
+        return self._comm.all_reduce(tensor, op)
+
+
+def test_one_rank_per_caller_with_the_minimal_comm_interface(model32, references):
+    """The multi-process pattern: every rank calls its own forward after install_rank_sequence_parallel."""
+    world = 3
+    models = replicas(model32, world)
+    x, t, ctx, kw = make_inputs("masked")
+
+    def rank_forward(rank, comm, model):
+        options = {}
+        install_rank_sequence_parallel(model, MinimalComm(comm), options, "allgather")
+        with torch.inference_mode():
+            return model(copy_for_rank(x, comm.device), t, ctx, transformer_options=options, **kw)
+
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        outs = coord.run(rank_forward, models)
+    for out in outs:
+        assert rel_diff(out, references["masked"]) <= FP32_TOL
+
+
+# ----------------------------------------------------------------------------- helpers and errors
+
+def test_shard_plan_edges():
+    for s in range(4, 40):
+        for w in range(1, 5):
+            edges = ShardPlan.edges(s, w)
+            assert edges[0][0] == 0 and edges[-1][1] == s
+            assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+            lengths = [b - a for a, b in edges]
+            assert max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
+            assert [(ShardPlan(s, w, r).start, ShardPlan(s, w, r).stop) for r in range(w)] == edges
+    with pytest.raises(ValueError, match="at most 3 ranks"):
+        ShardPlan(3, 4, 0)
+
+
+def test_slice_mod_segments_int_and_per_token_rows():
+    per_token = torch.tensor([7, 8, 9, 10, 11])
+    segments = [(0, 3, 4), (3, 8, per_token), (8, 10, 5)]
+    full = [4, 4, 4, 7, 8, 9, 10, 11, 5, 5]
+    for world in (1, 2, 3, 4):
+        rebuilt = []
+        for r in range(world):
+            plan = ShardPlan(10, world, r)
+            local = slice_mod_segments(segments, plan)
+            assert local[0][0] == 0 and local[-1][1] == plan.length
+            for a, b, row in local:
+                rebuilt.extend(row.tolist() if torch.is_tensor(row) else [row] * (b - a))
+        assert rebuilt == full
+    with pytest.raises(SequenceParallelError, match="per-token rows"):
+        slice_mod_segments([(0, 10, torch.arange(4))], ShardPlan(10, 2, 0))
+
+
+def test_take_rows_checks_the_sequence_length():
+    table = torch.randn(1, 12, 1, 3, 2, 2)
+    assert torch.equal(take_rows(table, ShardPlan(12, 3, 1), 1), table[:, 4:8])
+    assert take_rows(None, ShardPlan(12, 3, 1), 1) is None
+    with pytest.raises(SequenceParallelError, match="expected 13 sequence rows"):
+        take_rows(table, ShardPlan(13, 3, 1), 1)
+
+
+def test_sp_mode_is_validated_before_anything_runs(model32):
+    assert isinstance(make_kv_strategy("allgather"), AllGatherKV)
+    assert isinstance(make_kv_strategy(None), AllGatherKV)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        with pytest.raises(ValueError, match="unknown sequence-parallel mode 'ring'.*allgather"):
+            enable_sequence_parallel(replicas(model32, 2), coord, sp_mode="ring")
+
+
+def test_allgather_rejects_masks():
+    with pytest.raises(SequenceParallelError, match="mask"):
+        AllGatherKV().attend(None, None, None, None, None, 2, mask=torch.ones(1))
+
+
+def test_replica_errors(model32):
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        with pytest.raises(ValueError, match="1 model replicas for 2 ranks"):
+            enable_sequence_parallel([model32], coord)
+        meta = tiny_model().to("meta")
+        with pytest.raises(ValueError, match="replica 1 is on meta"):
+            enable_sequence_parallel([model32, meta], coord)
+        with pytest.raises(SequenceParallelError, match="MiniMax-H3"):
+            enable_sequence_parallel([model32, torch.nn.Linear(2, 2)], coord)
+    assert supports_sequence_parallel(model32)
+    assert not supports_sequence_parallel(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- ComfyUI entry point
+
+class FakePatcher:
+    """The part of ComfyUI's ModelPatcher the entry point uses."""
+
+    def __init__(self, diffusion_model):
+        self.model = types.SimpleNamespace(diffusion_model=diffusion_model)
+        self.wrappers = {}
+
+    def add_wrapper_with_key(self, wrapper_type, key, wrapper):
+        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
+
+    def remove_wrappers_with_key(self, wrapper_type, key):
+        self.wrappers.get(wrapper_type, {}).pop(key, None)
+
+
+@pytest.fixture
+def fake_patcher_extension(monkeypatch):
+    module = types.ModuleType("comfy.patcher_extension")
+    module.WrappersMP = types.SimpleNamespace(DIFFUSION_MODEL="diffusion_model")
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", module)
+    return module
+
+
+def test_patcher_entry_point(model32, references, fake_patcher_extension):
+    models = replicas(model32, 3)
+    primary = FakePatcher(models[0])
+    x, t, ctx, kw = make_inputs("cond_refs")
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=30) as coord:
+        with pytest.raises(ValueError, match="2 replicas for 3 ranks"):
+            enable_sequence_parallel_on_patcher(primary, coord, [None, models[1]])
+        assert primary.wrappers == {}  # nothing installed by the failed call
+        replica_patchers = [primary, FakePatcher(models[1]), FakePatcher(models[2])]
+        enable_sequence_parallel_on_patcher(primary, coord, replica_patchers)
+        enable_sequence_parallel_on_patcher(primary, coord, replica_patchers)  # re-enable replaces
+        assert len(primary.wrappers["diffusion_model"][WRAPPER_KEY]) == 1
+        # what ComfyUI's sampling does: the patcher's wrappers go into transformer_options
+        options = {"wrappers": primary.wrappers}
+        with torch.inference_mode():
+            out = primary.model.diffusion_model(x, t, ctx, transformer_options=options, **kw)
+            ref = model32(x, t, ctx, **kw)
+        assert rel_diff(out, ref) <= FP32_TOL
+        fan_out = primary.wrappers["diffusion_model"][WRAPPER_KEY][0]
+        assert [s.tokens for s in fan_out.last_rank_states] == [
+            b - a for a, b in ShardPlan.edges(sum(s.tokens for s in fan_out.last_rank_states), 3)]
+    disable_sequence_parallel_on_patcher(primary)
+    assert primary.wrappers["diffusion_model"] == {}
