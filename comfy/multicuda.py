@@ -12,6 +12,10 @@ only records the calls and launches them together at `ncclGroupEnd`, so the W
 broadcasts of a rank cannot block each other. When every shard has the same length
 the exchange is a single `ncclAllGather` instead.
 
+All-to-all-V is one group of `ncclSend` / `ncclRecv` per peer (NCCL >= 2.7; without them
+the coordinator all-gathers the packed send buffers instead); the rank's own chunk is a
+local copy.
+
 Library: `NCCL_SO_PATH`, else `libnccl.so.2` from the loader path (the CUDA builds of
 torch ship it).
 """
@@ -81,6 +85,12 @@ NCCL_FUNCTIONS = (
     # ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)
     CFunction("ncclAllReduce", ncclResult_t,
               (buffer, buffer, c_size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t)),
+    # ncclSend(sendbuff, count, datatype, peer, comm, stream) / ncclRecv(recvbuff, count,
+    # datatype, peer, comm, stream): NCCL >= 2.7, used for all-to-all-V.
+    CFunction("ncclSend", ncclResult_t,
+              (buffer, c_size_t, ncclDataType_t, c_int, ncclComm_t, cudaStream_t), optional=True),
+    CFunction("ncclRecv", ncclResult_t,
+              (buffer, c_size_t, ncclDataType_t, c_int, ncclComm_t, cudaStream_t), optional=True),
 )
 
 
@@ -128,6 +138,16 @@ class NcclLibrary(CollectiveLibrary):
     def all_reduce(self, send, recv, count, dtype, op, comm, stream) -> None:
         self.call("ncclAllReduce", send, recv, count, dtype, op, comm, stream)
 
+    @property
+    def has_send_recv(self) -> bool:
+        return self.lib.has("ncclSend") and self.lib.has("ncclRecv")
+
+    def send(self, buf, count, dtype, peer, comm, stream) -> None:
+        self.call("ncclSend", buf, count, dtype, peer, comm, stream)
+
+    def recv(self, buf, count, dtype, peer, comm, stream) -> None:
+        self.call("ncclRecv", buf, count, dtype, peer, comm, stream)
+
 
 class NcclBackend(CommunicatorBackend):
     name = "nccl"
@@ -164,6 +184,35 @@ class NcclBackend(CommunicatorBackend):
         except BaseException:
             # Close the group so this thread's NCCL state is clean; the first error wins.
             self.nccl.lib["ncclGroupEnd"]()
+            raise
+        self.nccl.group_end()
+        return None
+
+    @property
+    def has_all_to_all_v(self) -> bool:
+        return self.nccl.has_send_recv
+
+    def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
+                           recv_displs, stream):
+        recv.narrow(0, recv_displs[rank], recv_counts[rank]).copy_(
+            send.narrow(0, send_displs[rank], send_counts[rank]))
+        dtype = nccl_dtype(send.dtype)
+        comm = self.comms[rank]
+        itemsize = send.element_size()
+        self.nccl.group_start()
+        try:
+            for peer in range(len(send_counts)):
+                # Zero counts are skipped on both sides alike (the peer knows our count).
+                if peer == rank:
+                    continue
+                if send_counts[peer]:
+                    self.nccl.send(send.data_ptr() + send_displs[peer] * itemsize, send_counts[peer],
+                                   dtype, peer, comm, stream)
+                if recv_counts[peer]:
+                    self.nccl.recv(recv.data_ptr() + recv_displs[peer] * itemsize, recv_counts[peer],
+                                   dtype, peer, comm, stream)
+        except BaseException:
+            self.nccl.lib["ncclGroupEnd"]()  # leave this thread's NCCL group state clean
             raise
         self.nccl.group_end()
         return None

@@ -35,3 +35,9 @@ def use_fake_nccl(monkeypatch, fake_nccl_path):
 def fake_hccl_no_alltoallv_path(tmp_path_factory):
     return build_fake("fake_hccl", defines=("FAKE_NO_ALLTOALLV",),
                       out_dir=tmp_path_factory.mktemp("fake_hccl_noa2a"))
+
+
+@pytest.fixture(scope="session")
+def fake_nccl_no_sendrecv_path(tmp_path_factory):
+    return build_fake("fake_nccl", defines=("FAKE_NO_SENDRECV",),
+                      out_dir=tmp_path_factory.mktemp("fake_nccl_nop2p"))

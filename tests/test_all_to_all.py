@@ -13,18 +13,21 @@ import torch
 from comfy.multidevice import CollectiveError, SequenceParallelCoordinator
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
-BACKENDS = ["peer", "hccl", "hccl-no-alltoallv"]
+BACKENDS = ["peer", "hccl", "hccl-no-alltoallv", "nccl", "nccl-no-sendrecv"]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch, fake_hccl_path, fake_hccl_no_alltoallv_path):
-    """The backend name to pass to the coordinator (fake libraries on CPU tensors)."""
-    if request.param == "hccl":
-        monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
-    elif request.param == "hccl-no-alltoallv":
-        monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_no_alltoallv_path)
-        return "hccl"
-    return request.param
+def backend(request, monkeypatch, fake_hccl_path, fake_hccl_no_alltoallv_path, fake_nccl_path,
+            fake_nccl_no_sendrecv_path):
+    """The backend name to pass to the coordinator (fake libraries on CPU tensors); the
+    "-no-..." variants are libraries without the all-to-all calls (the all-gather fallback)."""
+    libraries = {"hccl": ("HCCL_SO_PATH", fake_hccl_path),
+                 "hccl-no-alltoallv": ("HCCL_SO_PATH", fake_hccl_no_alltoallv_path),
+                 "nccl": ("NCCL_SO_PATH", fake_nccl_path),
+                 "nccl-no-sendrecv": ("NCCL_SO_PATH", fake_nccl_no_sendrecv_path)}
+    if request.param in libraries:
+        monkeypatch.setenv(*libraries[request.param])
+    return request.param.split("-")[0]
 
 
 def uneven(total, world):
@@ -257,4 +260,58 @@ def test_fake_hccl_alltoallv_error_code_is_a_clear_exception(monkeypatch, fake_h
     monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclAlltoAllV:4")
     with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl", timeout_s=10) as coord:
         with pytest.raises(HcclError, match=r"HcclAlltoAllV failed with HcclResult 4"):
+            coord.run(lambda rank, comm: comm.all_to_all_v(torch.ones(2), [1, 1], 0))
+
+
+# ----------------------------------------------------------------------------- NCCL binding
+
+def test_nccl_backend_uses_send_recv_when_the_library_has_them(monkeypatch, fake_nccl_path,
+                                                               fake_nccl_no_sendrecv_path):
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="nccl") as coord:
+        assert coord.backend.has_all_to_all_v
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_no_sendrecv_path)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="nccl") as coord:
+        assert not coord.backend.has_all_to_all_v
+
+
+def test_nccl_alltoallv_is_one_group_of_sends_and_receives():
+    # ncclSend(sendbuff, count, datatype, peer, comm, stream), ncclRecv(recvbuff, ...), in
+    # elements; zero counts and the rank's own chunk are not sent.
+    from types import SimpleNamespace
+    from comfy.ctypes_collective import CLibrary
+    from comfy.multicuda import NcclBackend, NcclLibrary
+
+    calls = []
+
+    def init_all(comms, n, devices):
+        for i in range(n):
+            comms[i] = 0x3000 + i
+        return 0
+
+    record = lambda name: (lambda *args: calls.append((name, *args)) or 0)  # noqa: E731
+    functions = {"ncclGetErrorString": lambda code: b"fake", "ncclCommInitAll": init_all,
+                 "ncclCommDestroy": lambda comm: 0}
+    functions.update({name: record(name) for name in ("ncclGroupStart", "ncclGroupEnd", "ncclSend",
+                                                      "ncclRecv")})
+    lib = NcclLibrary(lib=CLibrary.from_functions(functions))
+    backend = NcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 3), library=lib)
+    send = torch.arange(10, dtype=torch.float32)
+    recv = torch.full((7,), -1.0)
+    backend._all_to_all_v_flat(1, send, recv, [4, 2, 4], [0, 4, 6], [0, 2, 5], [0, 0, 2], None)
+    p, q = send.data_ptr(), recv.data_ptr()
+    assert calls == [("ncclGroupStart",),
+                     ("ncclSend", p, 4, 7, 0, 0x3001, None),  # no receive from rank 0: 0 rows
+                     ("ncclSend", p + 6 * 4, 4, 7, 2, 0x3001, None),
+                     ("ncclRecv", q + 2 * 4, 5, 7, 2, 0x3001, None),
+                     ("ncclGroupEnd",)]
+    assert recv[:2].tolist() == [4.0, 5.0]  # the own chunk, copied locally
+
+
+def test_fake_nccl_send_error_is_a_clear_exception(monkeypatch, fake_nccl_path):
+    from comfy.multicuda import NcclError
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    monkeypatch.setenv("FAKE_NCCL_FAIL", "ncclSend:3")
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="nccl", timeout_s=10) as coord:
+        with pytest.raises(NcclError, match=r"ncclSend failed with ncclResult_t 3"):
             coord.run(lambda rank, comm: comm.all_to_all_v(torch.ones(2), [1, 1], 0))

@@ -16,6 +16,11 @@
  * Knobs (read on every call):
  *   FAKE_NCCL_FAIL=Name:code   the function Name returns code (on every rank, before any wait)
  *   FAKE_NCCL_TIMEOUT_MS=n     a rendezvous waits at most n ms (default 20000), then ncclTimeout
+ *
+ * Point-to-point (ncclSend / ncclRecv) operations take part in a batch too, but are not
+ * matched position by position: the k-th receive of rank r from peer p pairs with the k-th
+ * send of p to r, and a pair whose counts or types differ is ncclInvalidUsage. Build with
+ * -DFAKE_NO_SENDRECV to leave them out (NCCL before 2.7).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -36,7 +41,7 @@ enum { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInt
 enum { T_INT8 = 0, T_UINT8 = 1, T_INT32 = 2, T_UINT32 = 3, T_INT64 = 4, T_UINT64 = 5,
        T_FP16 = 6, T_FP32 = 7, T_FP64 = 8, T_BF16 = 9 };
 enum { R_SUM = 0, R_PROD = 1, R_MAX = 2, R_MIN = 3 };
-typedef enum { K_BROADCAST, K_ALLGATHER, K_ALLREDUCE } Kind;
+typedef enum { K_BROADCAST, K_ALLGATHER, K_ALLREDUCE, K_SEND, K_RECV } Kind;
 
 #define MAX_RANKS 64
 #define MAX_GROUP_OPS 512
@@ -48,7 +53,7 @@ typedef struct {
     size_t count;
     int dtype;
     int redop;
-    int root;
+    int root;            /* the peer, for K_SEND / K_RECV */
     void *scratch; /* all-reduce result until the second rendezvous */
 } Op;
 
@@ -191,19 +196,45 @@ static void reduce_element(Group *g, int idx, size_t i, const Op *op, void *out)
 
 /* ---------------------------------------------------------------- batches */
 
-/* Every rank checks every rank's list the same way, so all return the same verdict. */
+static int is_p2p(const Op *op) { return op->kind == K_SEND || op->kind == K_RECV; }
+
+/* The index in rank k's list of its n-th collective (non point-to-point) operation, or -1. */
+static int nth_collective(Group *g, int k, int n) {
+    for (int i = 0; i < g->nops[k]; i++)
+        if (!is_p2p(&g->ops[k][i]) && n-- == 0) return i;
+    return -1;
+}
+
+/* Every rank checks every rank's list the same way, so all return the same verdict.
+ * Collective operations must match in order; point-to-point ones are paired in perform(). */
 static ncclResult_t lists_match(Group *g) {
-    int n = g->nops[0];
-    for (int k = 1; k < g->size; k++) {
-        if (g->nops[k] != n) return ncclInvalidUsage;
-        for (int i = 0; i < n; i++) {
-            const Op *a = &g->ops[0][i], *b = &g->ops[k][i];
+    for (int n = 0;; n++) {
+        int first = nth_collective(g, 0, n);
+        for (int k = 1; k < g->size; k++) {
+            int i = nth_collective(g, k, n);
+            /* same position too: perform() reads the peers' collective at the same index */
+            if (i != first) return ncclInvalidUsage;
+            if (i < 0) continue;
+            const Op *a = &g->ops[0][first], *b = &g->ops[k][i];
             if (a->kind != b->kind || a->count != b->count || a->dtype != b->dtype ||
                 a->root != b->root || a->redop != b->redop)
                 return ncclInvalidUsage;
         }
+        if (first < 0) return ncclSuccess;
     }
-    return ncclSuccess;
+}
+
+/* The send of rank `from` to rank `to` that pairs with `to`'s receive at index idx. */
+static const Op *matching_send(Group *g, int to, int idx) {
+    const Op *recv = &g->ops[to][idx];
+    int from = recv->root, nth = 0;
+    for (int i = 0; i < idx; i++)
+        if (g->ops[to][i].kind == K_RECV && g->ops[to][i].root == from) nth++;
+    for (int i = 0; i < g->nops[from]; i++) {
+        const Op *op = &g->ops[from][i];
+        if (op->kind == K_SEND && op->root == to && nth-- == 0) return op;
+    }
+    return NULL;
 }
 
 static ncclResult_t perform(Group *g, int rank, int idx) {
@@ -225,6 +256,14 @@ static ncclResult_t perform(Group *g, int rank, int idx) {
         if (!op->scratch) return ncclSystemError;
         for (size_t i = 0; i < op->count; i++) reduce_element(g, idx, i, op, op->scratch);
         return ncclSuccess;
+    case K_SEND:
+        return ncclSuccess; /* the receiver copies */
+    case K_RECV: {
+        const Op *send = matching_send(g, rank, idx);
+        if (!send || send->count != op->count || send->dtype != op->dtype) return ncclInvalidUsage;
+        memcpy(op->recv, send->send, bytes);
+        return ncclSuccess;
+    }
     }
     return ncclInternalError;
 }
@@ -328,3 +367,28 @@ ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, i
     Op op = {K_ALLREDUCE, sendbuff, recvbuff, count, datatype, redop, 0, NULL};
     return submit(c, op);
 }
+
+#ifndef FAKE_NO_SENDRECV
+/* ncclSend(sendbuff, count, datatype, peer, comm, stream) / ncclRecv(recvbuff, ...): nccl.h. */
+static ncclResult_t point_to_point(Kind kind, const char *name, const void *sendbuff, void *recvbuff,
+                                   size_t count, int datatype, int peer, ncclComm_t comm) {
+    int code = fail_code(name);
+    if (code) return reject(code);
+    Comm *c = comm;
+    if (!c || !dtype_size(datatype) || peer < 0 || peer >= c->group->size) return reject(ncclInvalidArgument);
+    Op op = {kind, sendbuff, recvbuff, count, datatype, 0, peer, NULL};
+    return submit(c, op);
+}
+
+ncclResult_t ncclSend(const void *sendbuff, size_t count, int datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+    (void)stream;
+    return point_to_point(K_SEND, "ncclSend", sendbuff, NULL, count, datatype, peer, comm);
+}
+
+ncclResult_t ncclRecv(void *recvbuff, size_t count, int datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+    (void)stream;
+    return point_to_point(K_RECV, "ncclRecv", NULL, recvbuff, count, datatype, peer, comm);
+}
+#endif
