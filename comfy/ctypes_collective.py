@@ -212,7 +212,7 @@ class FlatCollectiveBackend:
             keepalive = self._all_gather_v_flat(rank, send, recv, counts, displs, stream)
             synchronize(device)
             del keepalive
-            out.append(_unflatten(recv, shard_metas, counts, displs, dim))
+            out.append(unflatten_gathered(recv, shard_metas, counts, displs, dim))
         return out
 
     def all_reduce(self, rank, tensor, op, slot):
@@ -284,6 +284,3 @@ class CommunicatorBackend(FlatCollectiveBackend):
                 self._destroy_comm(comm)
             except CollectiveLibraryError as exc:
                 log.warning("%s", exc)
-
-
-_unflatten = unflatten_gathered  # the earlier private name

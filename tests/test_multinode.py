@@ -1,0 +1,310 @@
+"""comfy/multinode.py: one rank per process over torch.distributed (gloo on CPU).
+
+Each test starts W real processes. Every process builds all ranks' shards from the same
+seeds, so it can compute the single-process reference (torch.cat of the shards) itself
+and compare its own exchange result with it; it sends back only plain verdicts. Exchanges
+must be bit-exact. Gloo's all-reduce sums in its own order, so fp32 sums are compared with
+the float64 sum at a tolerance of 1e-6 x the sum of magnitudes (a few fp32 roundings), and
+the ranks' results must be bit-identical to each other; max is exact.
+
+Hard limits: a pytest-timeout per test, a join timeout per process, and a kill of every
+process still alive afterwards. Processes start with "spawn" (a clean interpreter each).
+"""
+
+import hashlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+from comfy.multinode import (TorchrunEnvError, dist_backend_for, launched_by_torchrun,
+                             read_torchrun_env)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+JOIN_TIMEOUT_S = 90
+
+
+# ----------------------------------------------------------------------------- harness
+
+def _entry(rank, world, init, worker_name, results, env):
+    """Process body: join the group, run the named worker, report (rank, status, payload)."""
+    os.environ.update(env)
+    torch.set_num_threads(1)  # W processes share 2 cores
+    comm = None
+    try:
+        from comfy import multinode
+        if init == "env":
+            comm = multinode.init_from_env(device="cpu", timeout_s=float(env["TEST_DIST_TIMEOUT_S"]))
+        else:
+            comm = multinode.init_process_group(rank, world, "cpu", init_method=init,
+                                                timeout_s=float(env["TEST_DIST_TIMEOUT_S"]))
+        payload = globals()[worker_name](comm)
+        results.put((rank, "ok", payload))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if comm is not None:
+            comm.close()
+
+
+def run_ranks(world, worker_name, tmp_path, init="file", env=None, dist_timeout_s=60):
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "comfy.multinode", "tests.test_multinode"])
+    results = ctx.Queue()
+    env = {"TEST_DIST_TIMEOUT_S": str(dist_timeout_s), **(env or {})}
+    if init == "file":
+        init = f"file://{tmp_path / 'rendezvous'}"
+    procs = []
+    for rank in range(world):
+        rank_env = dict(env)
+        if init == "env":
+            rank_env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        procs.append(ctx.Process(target=_entry, args=(rank, world, init, worker_name, results, rank_env),
+                                 daemon=True))
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    out = {}
+    try:
+        while len(out) < world and time.monotonic() < deadline:
+            try:
+                rank, status, payload = results.get(timeout=0.5)
+                out[rank] = (status, payload)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs) and results.empty():
+                    break
+        grace = time.monotonic() + 10  # all reported: give the processes a moment to exit
+        for p in procs:
+            p.join(timeout=max(0.1, min(deadline, grace) - time.monotonic()))
+    finally:
+        for p in procs:  # never leave a process behind
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = sorted(set(range(world)) - set(out))
+    assert not missing, f"rank(s) {missing} reported nothing (exit codes {[p.exitcode for p in procs]})"
+    return out
+
+
+def payloads(out):
+    errors = {r: p for r, (s, p) in out.items() if s != "ok"}
+    assert not errors, "\n".join(f"rank {r}: {p}" for r, p in errors.items())
+    return [out[r][1] for r in sorted(out)]
+
+
+def free_loopback_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- workers
+
+def shards_for(world, lengths, dim, dtype, seed, base=(3, 5, 7)):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(world):
+        shape = list(base)
+        shape[dim] = lengths[r]
+        out.append(torch.randn(*shape, generator=gen).to(dtype))
+    return out
+
+
+def digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def exactness_worker(comm):
+    """Exchanges, all-to-all and all-reduce against references; returns verdicts."""
+    W, r = comm.world_size, comm.rank
+    verdicts = {}
+    uneven = [11 * (k + 1) // W - 11 * k // W for k in range(W)]
+    for dtype in DTYPES:
+        for dim in (0, 1, -1):
+            a = shards_for(W, uneven, dim % 3, dtype, seed=1)
+            b = shards_for(W, [2 * n + 1 for n in uneven], 0, dtype, seed=2)
+            c = shards_for(W, [4] * W, 2, dtype, seed=3)  # equal lengths: the all-gather path
+            got = comm.exchange([a[r], b[r], c[r]], [dim, 0, 2])
+            want = [torch.cat(a, dim), torch.cat(b, 0), torch.cat(c, 2)]
+            verdicts[f"exchange {dtype} dim {dim}"] = all(
+                g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+    empty = [torch.zeros(0, 4) if k == 0 else torch.full((k, 4), float(k)) for k in range(W)]
+    verdicts["exchange with an empty shard"] = torch.equal(comm.exchange([empty[r]], 0)[0], torch.cat(empty))
+    # all_to_all_v: rank i sends (i + j) % 3 rows to rank j.
+    splits = [[(i + j) % 3 for j in range(W)] for i in range(W)]
+    inputs = [torch.arange(sum(splits[i]) * 2, dtype=torch.float32).view(-1, 2) + 100 * i for i in range(W)]
+    got = comm.all_to_all_v(inputs[r], splits[r], 0)
+    want = torch.cat([torch.split(inputs[i], splits[i])[r] for i in range(W)])
+    verdicts["all_to_all_v"] = torch.equal(got, want)
+    # all_reduce
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(6, 9, generator=gen) for _ in range(W)]
+    before = xs[r].clone()
+    total = comm.all_reduce(xs[r], "sum")
+    exact = sum(x.double() for x in xs)
+    scale = float(sum(x.double().abs() for x in xs).max())
+    verdicts["all_reduce sum fp32 within 1e-6 of scale"] = float((total.double() - exact).abs().max()) <= 1e-6 * scale
+    verdicts["all_reduce max exact"] = torch.equal(comm.all_reduce(xs[r], "max"), torch.stack(xs).amax(0))
+    hb = [torch.randn(32, generator=gen).to(torch.bfloat16) for _ in range(W)]
+    hsum = comm.all_reduce(hb[r], "sum")
+    hscale = float(sum(x.float().abs() for x in hb).max())
+    # bf16: each partial sum may round once (W-1 adds), 2^-8 relative each.
+    verdicts["all_reduce sum bf16 within rounding"] = (
+        hsum.dtype == torch.bfloat16 and
+        float((hsum.float() - sum(x.float() for x in hb)).abs().max()) <= (W - 1) * 2 ** -8 * hscale)
+    verdicts["all_reduce leaves its input alone"] = torch.equal(xs[r], before)
+    comm.barrier()
+    counts = comm.byte_counts()
+    verdicts["byte counts recorded"] = counts["calls"] > 0 and set(counts["by_op"]) == {"exchange", "all_to_all_v", "all_reduce"}
+    return {"verdicts": verdicts, "sum_digest": digest(total), "bf16_digest": digest(hsum),
+            "backend": comm.backend_name, "rank": comm.rank, "world": comm.world_size}
+
+
+def mismatch_then_recover_worker(comm):
+    """Shapes that cannot be concatenated: every rank raises the same clear error, and the
+    group is still in step afterwards."""
+    from comfy.multidevice import CollectiveError
+    shard = torch.ones(2, 3 + comm.rank)  # differs outside the concat dim 0
+    try:
+        comm.exchange([shard], 0)
+        message = None
+    except CollectiveError as exc:
+        message = str(exc)
+    try:
+        comm.exchange([shard, shard], 1) if comm.rank else comm.exchange([shard], 1)
+        count_message = None
+    except CollectiveError as exc:
+        count_message = str(exc)
+    after = comm.exchange([torch.full((1,), float(comm.rank))], 0)[0]
+    return {"message": message, "count_message": count_message,
+            "after_ok": torch.equal(after, torch.arange(float(comm.world_size)))}
+
+
+def failing_rank_worker(comm):
+    """Rank 1 raises after two exchanges; the others are already waiting in the third."""
+    for _ in range(2):
+        comm.exchange([torch.ones(comm.rank + 1, 2)], 0)
+    if comm.rank == 1:
+        raise ValueError("rank one could not continue")
+    return _wait_in_exchange(comm)
+
+
+def stuck_rank_worker(comm):
+    """Rank 1 stops taking part without exiting (a hung process): the others must give up
+    after the process group's timeout."""
+    comm.exchange([torch.ones(1)], 0)
+    if comm.rank == 1:
+        time.sleep(3.5)  # longer than the 2 s collective timeout
+        return {"error_type": None}
+    return _wait_in_exchange(comm)
+
+
+def _wait_in_exchange(comm):
+    start = time.monotonic()
+    try:
+        comm.exchange([torch.ones(2, 2)], 0)
+    except Exception as exc:  # noqa: BLE001 - the type and text are the point of the test
+        return {"error_type": type(exc).__name__, "error": str(exc), "after_s": time.monotonic() - start}
+    return {"error_type": None}
+
+
+# ----------------------------------------------------------------------------- tests
+
+def check_exactness(results, world):
+    first = results[0]
+    for res in results:
+        assert res["backend"] == "gloo" and res["world"] == world
+        failed = [name for name, ok in res["verdicts"].items() if not ok]
+        assert not failed, f"rank {res['rank']}: {failed}"
+        assert len(res["verdicts"]) == 3 * 3 + 7
+        # Every rank holds the same all-reduce bits.
+        assert res["sum_digest"] == first["sum_digest"] and res["bf16_digest"] == first["bf16_digest"]
+
+
+@pytest.mark.timeout(120)
+def test_two_processes_from_torchrun_environment_over_loopback(tmp_path):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_loopback_port())}
+    check_exactness(payloads(run_ranks(2, "exactness_worker", tmp_path, init="env", env=env)), 2)
+
+
+@pytest.mark.timeout(120)
+def test_three_processes_exact_and_bad_shapes_fail_everywhere(tmp_path):
+    out = payloads(run_ranks(3, "exactness_worker", tmp_path))
+    check_exactness(out, 3)
+    (tmp_path / "second").mkdir()
+    out = payloads(run_ranks(3, "mismatch_then_recover_worker", tmp_path / "second"))
+    for res in out:
+        assert "differ outside the concat dim 0" in res["message"]
+        assert "disagree on the number" in res["count_message"]
+        assert res["after_ok"]
+    assert len({res["message"] for res in out}) == 1  # the same error on every rank
+
+
+@pytest.mark.timeout(120)
+def test_four_processes_exact(tmp_path):
+    check_exactness(payloads(run_ranks(4, "exactness_worker", tmp_path)), 4)
+
+
+@pytest.mark.timeout(120)
+def test_a_raising_process_makes_the_others_fail_instead_of_hanging(tmp_path):
+    start = time.monotonic()
+    out = run_ranks(3, "failing_rank_worker", tmp_path, dist_timeout_s=60)
+    elapsed = time.monotonic() - start
+    status, text = out[1]
+    assert status == "error" and "rank one could not continue" in text
+    for rank in (0, 2):
+        status, res = out[rank]
+        assert status == "ok", res
+        assert res["error_type"] == "CollectiveError", res
+        assert f"rank {rank}/3: exchange failed" in res["error"]
+        assert "another process probably failed" in res["error"]
+        assert res["after_s"] < 30  # the peer's exit, not the 60 s collective timeout, ended it
+    assert elapsed < 60
+
+
+# ----------------------------------------------------------------------------- environment
+
+def test_torchrun_environment_is_read_and_checked():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.5",
+           "MASTER_PORT": "29500"}
+    parsed = read_torchrun_env(env)
+    assert (parsed.rank, parsed.world_size, parsed.local_rank, parsed.master_addr, parsed.master_port) == \
+        (1, 2, 0, "10.0.0.5", 29500)
+    assert launched_by_torchrun(env) and not launched_by_torchrun({})
+    with pytest.raises(TorchrunEnvError, match="MASTER_ADDR, MASTER_PORT not set.*torchrun"):
+        read_torchrun_env({k: v for k, v in env.items() if not k.startswith("MASTER")})
+    with pytest.raises(TorchrunEnvError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
+        read_torchrun_env({**env, "RANK": "2"})
+    with pytest.raises(TorchrunEnvError, match="WORLD_SIZE='two' is not an integer"):
+        read_torchrun_env({**env, "WORLD_SIZE": "two"})
+    with pytest.raises(TorchrunEnvError, match="MASTER_PORT=70000 is not a TCP port"):
+        read_torchrun_env({**env, "MASTER_PORT": "70000"})
+
+
+def test_backend_follows_the_device_kind():
+    assert dist_backend_for(torch.device("cpu")) == "gloo"
+    assert dist_backend_for(torch.device("cuda", 1)) == "nccl"
+    with pytest.raises(ValueError, match="no torch.distributed backend for device meta"):
+        dist_backend_for(torch.device("meta"))
+
+
+def test_communicator_needs_an_initialized_group():
+    from comfy.multinode import DistributedComm
+    with pytest.raises(RuntimeError, match="init_from_env"):
+        DistributedComm("cpu")
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_process_makes_the_others_time_out(tmp_path):
+    out = run_ranks(3, "stuck_rank_worker", tmp_path, dist_timeout_s=2)
+    for rank in (0, 2):
+        status, res = out[rank]
+        assert status == "ok", res
+        assert res["error_type"] == "CollectiveError", res
+        assert f"rank {rank}/3: exchange failed" in res["error"]
+        assert 1.5 < res["after_s"] < 20, res
