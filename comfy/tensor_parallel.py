@@ -27,8 +27,10 @@ fresh tensor of the slice's size. No rank ever holds or creates a full copy.
 Entry points
   shard_decoder(decoder, comm, weights=None)            one rank's shard (any communicator)
   build_tensor_parallel_decoder(decoder, coordinator)   all shards + a fan-out module
-  apply_tensor_parallel_text_encoder(clip, coordinator) upstream ComfyUI CLIP, in place
-  remove_tensor_parallel_text_encoder(clip)             undo the above
+  tensor_parallel_clip(clip, coordinator)               upstream ComfyUI CLIP -> a new CLIP
+                                                        (the node's entry point; input untouched)
+  apply_tensor_parallel_text_encoder(clip, coordinator) the same, in place on `clip`
+  remove_tensor_parallel_text_encoder(clip)             undo the in-place version
 """
 
 from __future__ import annotations
@@ -379,6 +381,16 @@ class prefixed_weights(Mapping):
 
 # ----------------------------------------------------------------------------- sharding
 
+def _shallow_module_copy(module: nn.Module) -> nn.Module:
+    """Same class and attributes, but its own parameter/buffer/child/hook containers, so
+    assigning into the copy never changes the original."""
+    new = copy.copy(module)
+    for key, value in module.__dict__.items():
+        if key.startswith("_") and isinstance(value, (dict, set)):
+            new.__dict__[key] = copy.copy(value)
+    return new
+
+
 def _clone_structure(module: nn.Module, prefix: str, device, source: _WeightSource,
                      skip: set[str]) -> nn.Module:
     """A copy of `module` whose replicated tensors are fresh copies on `device`.
@@ -388,10 +400,7 @@ def _clone_structure(module: nn.Module, prefix: str, device, source: _WeightSour
     original is never modified. Children whose qualified name is in `skip` are left out
     (the caller installs parallel layers there).
     """
-    new = copy.copy(module)
-    for key, value in module.__dict__.items():  # registries and hook dicts: own containers
-        if key.startswith("_") and isinstance(value, (dict, set)):
-            new.__dict__[key] = copy.copy(value)
+    new = _shallow_module_copy(module)
     for name, param in module._parameters.items():
         new._parameters[name] = None if param is None else _frozen(
             copy_whole(source.get(prefix + name), device))
@@ -661,6 +670,9 @@ def build_tensor_parallel_decoder(decoder: nn.Module, coordinator,
 #   (torch.add(..., out=x)), hence the per-rank input copies in TensorParallelDecoder.
 # - Weights in a text-encoder file are named relative to `transformer`, so the language
 #   model's tensors carry the prefix "model." (loaded by SDClipModel.load_sd).
+# - comfy.sd.CLIP.clone() returns a new CLIP with patcher = self.patcher.clone() and the
+#   *same* cond_stage_model object; ModelPatcher.clone() builds a patcher around the same
+#   `.model` (ModelPatcher keeps the module it manages in its `model` attribute).
 # - Upstream's CLIP patcher applies weight patches (e.g. a CLIP LoRA) when it loads the
 #   model; `clip.patcher.patches` maps state-dict keys of cond_stage_model to patches.
 
@@ -680,6 +692,22 @@ def _locate_language_model(clip) -> tuple[Any, nn.Module, str]:
             f"cond_stage_model.<clip name>.transformer.model (clip name {name!r}); "
             "tensor parallel supports the Llama/Qwen-family text encoders (e.g. CLIPLoader type minimax)")
     return transformer, model, f"{name}.transformer.model."
+
+
+def _checked_source(clip, coordinator) -> nn.Module:
+    """The single-device language model to split, after every check that can fail."""
+    _, model, key_prefix = _locate_language_model(clip)
+    if isinstance(model, TensorParallelDecoder):
+        model = model.source_decoder  # re-split from the kept original
+    patcher = getattr(clip, "patcher", None)
+    patched = [k for k in (getattr(patcher, "patches", None) or {}) if k.startswith(key_prefix)]
+    if patched:
+        raise TensorParallelError(
+            f"the CLIP carries {len(patched)} weight patch(es) on its language model (e.g. "
+            f"{patched[0]!r}, from a CLIP LoRA); tensor parallel slices unpatched weights. "
+            "Remove the CLIP LoRA or keep the text encoder on one card")
+    check_decoder_split(model, coordinator.world_size)
+    return model
 
 
 def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, torch.Tensor] | None = None,
@@ -704,18 +732,10 @@ def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, 
     no-op; with another coordinator the encoder is re-split from the kept original.
     Errors (TensorParallelError) are raised before anything is changed.
     """
-    transformer, model, key_prefix = _locate_language_model(clip)
-    if isinstance(model, TensorParallelDecoder):
-        if model.coordinator is coordinator:
-            return clip
-        model = model.source_decoder
-    patcher = getattr(clip, "patcher", None)
-    patched = [k for k in (getattr(patcher, "patches", None) or {}) if k.startswith(key_prefix)]
-    if patched:
-        raise TensorParallelError(
-            f"the CLIP carries {len(patched)} weight patch(es) on its language model (e.g. "
-            f"{patched[0]!r}, from a CLIP LoRA); tensor parallel slices unpatched weights. "
-            "Remove the CLIP LoRA or keep the text encoder on one card")
+    transformer, model, _ = _locate_language_model(clip)
+    if isinstance(model, TensorParallelDecoder) and model.coordinator is coordinator:
+        return clip
+    model = _checked_source(clip, coordinator)
     source = prefixed_weights(weights, weights_prefix) if weights is not None else None
     wrapper = build_tensor_parallel_decoder(model, coordinator, weights=source)
     transformer.model = wrapper
@@ -727,6 +747,35 @@ def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, 
              len(model.layers), coordinator.world_size, ", ".join(map(str, coordinator.devices)),
              _device_of(model))
     return clip
+
+
+def tensor_parallel_clip(clip, coordinator, weights: Mapping[str, torch.Tensor] | None = None,
+                         weights_prefix: str = "model.") -> Any:
+    """A new CLIP whose language model runs tensor parallel over `coordinator`; `clip` is untouched.
+
+    The entry point for MultiNPUParallelConfig. Same arguments, checks and result as
+    apply_tensor_parallel_text_encoder, but on a copy: clip.clone() (upstream: a new CLIP
+    whose patcher is a clone, both still sharing the one cond_stage_model), then fresh
+    shallow copies of the objects on the path cond_stage_model -> <clip name> ->
+    transformer, so that replacing transformer.model in the copy leaves the input CLIP's
+    encoder as it was. Everything else (tokenizer, vision tower, embeddings, the
+    single-device language model) is shared, not copied. The copy's patcher is pointed
+    at the copied cond_stage_model. Errors are raised before anything is copied.
+    """
+    _checked_source(clip, coordinator)  # fail before copying anything
+    new = clip.clone() if hasattr(clip, "clone") else copy.copy(clip)
+    cond = clip.cond_stage_model
+    new_cond = _shallow_module_copy(cond) if isinstance(cond, nn.Module) else copy.copy(cond)
+    inner = getattr(cond, cond.clip)
+    new_inner = _shallow_module_copy(inner)
+    new_inner.transformer = _shallow_module_copy(inner.transformer)
+    setattr(new_cond, cond.clip, new_inner)
+    new.cond_stage_model = new_cond
+    patcher = getattr(new, "patcher", None)
+    if getattr(patcher, "model", None) is cond:  # upstream's patcher manages cond_stage_model
+        patcher.model = new_cond
+    return apply_tensor_parallel_text_encoder(new, coordinator, weights=weights,
+                                              weights_prefix=weights_prefix)
 
 
 def remove_tensor_parallel_text_encoder(clip) -> Any:
@@ -748,5 +797,5 @@ __all__ = [
     "copy_rows", "copy_columns", "copy_whole", "ColumnParallelLinear", "RowParallelLinear",
     "inspect_decoder", "check_decoder_split", "prefixed_weights", "shard_decoder",
     "weight_bytes", "TensorParallelDecoder", "build_tensor_parallel_decoder",
-    "apply_tensor_parallel_text_encoder", "remove_tensor_parallel_text_encoder",
+    "tensor_parallel_clip", "apply_tensor_parallel_text_encoder", "remove_tensor_parallel_text_encoder",
 ]

@@ -32,7 +32,7 @@ from comfy.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, Tens
                                    TensorParallelError, apply_tensor_parallel_text_encoder,
                                    build_tensor_parallel_decoder, check_head_split, head_shard,
                                    prefixed_weights, remove_tensor_parallel_text_encoder,
-                                   shard_decoder, weight_bytes)
+                                   shard_decoder, tensor_parallel_clip, weight_bytes)
 from comfy.text_encoders.miniature_decoder import MiniatureDecoderConfig, build_miniature_decoder
 
 FP32_REL_TOL = 1e-5
@@ -381,9 +381,35 @@ class MirrorSD1ClipModel(nn.Module):
         self.qwen3vl_32b = MirrorSDClipModel(decoder)
 
 
+class MirrorPatcher:
+    """Like upstream's ModelPatcher: manages `.model`; clone() shares it and copies patches."""
+
+    def __init__(self, model, patches):
+        self.model, self.patches = model, patches
+
+    def clone(self):
+        return MirrorPatcher(self.model, dict(self.patches))
+
+
+class MirrorCLIP:
+    """Like upstream's comfy.sd.CLIP: clone() = new CLIP, cloned patcher, same cond_stage_model."""
+
+    clones = 0
+
+    def __init__(self, cond, patches):
+        self.cond_stage_model = cond
+        self.patcher = MirrorPatcher(cond, patches)
+
+    def clone(self):
+        MirrorCLIP.clones += 1
+        n = MirrorCLIP.__new__(MirrorCLIP)
+        n.patcher = self.patcher.clone()
+        n.cond_stage_model = self.cond_stage_model
+        return n
+
+
 def mirror_clip(cfg, seed=12, patches=None):
-    cond = MirrorSD1ClipModel(build_miniature_decoder(cfg, seed=seed))
-    return SimpleNamespace(cond_stage_model=cond, patcher=SimpleNamespace(patches=patches or {}))
+    return MirrorCLIP(MirrorSD1ClipModel(build_miniature_decoder(cfg, seed=seed)), patches or {})
 
 
 def test_upstream_clip_conversion_matches_and_can_be_undone(backend, caplog):
@@ -446,3 +472,35 @@ def test_upstream_clip_errors_leave_it_unchanged():
         not_llama = SimpleNamespace(cond_stage_model=SimpleNamespace(clip="t5xxl", t5xxl=object()))
         with pytest.raises(TensorParallelError, match="t5xxl"):
             apply_tensor_parallel_text_encoder(not_llama, coord)
+
+
+def test_tensor_parallel_clip_returns_a_new_clip_and_leaves_the_input_alone(backend):
+    cfg = LAYOUTS["separate"]
+    clip = mirror_clip(cfg)
+    cond = clip.cond_stage_model
+    original = cond.qwen3vl_32b.transformer.model
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    want = cond.qwen3vl_32b.encode(ids)
+    with coordinator(4, backend) as coord:
+        new = tensor_parallel_clip(clip, coord)
+        assert new is not clip and new.cond_stage_model is not cond
+        assert new.patcher.model is new.cond_stage_model and clip.patcher.model is cond
+        new_te = new.cond_stage_model.qwen3vl_32b
+        assert isinstance(new_te.transformer.model, TensorParallelDecoder)
+        assert new_te.transformer.visual is cond.qwen3vl_32b.transformer.visual  # shared, not copied
+        assert rel_err(new_te.encode(ids), want) <= FP32_REL_TOL
+    # The input CLIP still runs its single-device encoder, unchanged.
+    assert cond.qwen3vl_32b.transformer.model is original
+    assert clip.cond_stage_model.qwen3vl_32b is not new_te
+    assert torch.equal(cond.qwen3vl_32b.encode(ids), want)
+
+
+def test_tensor_parallel_clip_fails_before_copying():
+    lora = {"qwen3vl_32b.transformer.model.layers.1.mlp.down_proj.weight": [("lora",)]}
+    with coordinator(2) as two, coordinator(3) as three:
+        for clip, coord, match in [(mirror_clip(LAYOUTS["separate"], patches=lora), two, "CLIP LoRA"),
+                                   (mirror_clip(LAYOUTS["separate"]), three, "W=3")]:
+            clones = MirrorCLIP.clones
+            with pytest.raises(TensorParallelError, match=match):
+                tensor_parallel_clip(clip, coord)
+            assert MirrorCLIP.clones == clones
