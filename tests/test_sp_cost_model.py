@@ -1,0 +1,104 @@
+"""The sequence-parallel cost model (comfy/sp_cost_model.py) and the H3 projection (bench/project_h3.py).
+
+The byte formulas are checked here for their algebra (closed forms, conservation, the
+allgather/ulysses relations); tests/test_ulysses.py checks them against the byte counters of
+real runs of the miniature.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comfy.sp_cost_model import (DiTShape, attention_traffic, choose_sp_mode, forward_flops,
+                                 forward_traffic, shard_sizes, ulysses_degree)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_ulysses_degree_is_the_largest_common_divisor_group():
+    assert [ulysses_degree(w, 56) for w in range(1, 9)] == [1, 2, 1, 4, 1, 2, 7, 8]
+    assert ulysses_degree(4, 2) == 2 and ulysses_degree(6, 4) == 2 and ulysses_degree(3, 4) == 1
+    with pytest.raises(ValueError, match="heads >= 1"):
+        ulysses_degree(4, 0)
+
+
+@pytest.mark.parametrize("world", [2, 4, 7, 8])
+def test_closed_forms_when_everything_divides(world):
+    seq, heads, dim, item = 56 * 8 * 3, 56, 128, 2
+    unit = seq * heads * dim * item
+    for rank in range(world):
+        ag = attention_traffic("allgather", seq, world, rank, heads, dim, item)
+        ul = attention_traffic("ulysses", seq, world, rank, heads, dim, item)
+        assert ag.received == 2 * unit * (world - 1) // world
+        assert ul.received == 4 * unit * (world - 1) // world ** 2  # q, k, v in + out back
+        assert ag.sent == ag.received and ul.sent == ul.received
+
+
+@pytest.mark.parametrize("world,heads", [(3, 4), (4, 4), (4, 2), (6, 4), (5, 7), (8, 56)])
+@pytest.mark.parametrize("seq", [11, 97, 1000])
+def test_what_ranks_send_the_others_receive(world, heads, seq):
+    if seq < world:
+        pytest.skip("fewer rows than ranks")
+    for mode in ("allgather", "ulysses"):
+        flows = [attention_traffic(mode, seq, world, r, heads, 8, 4) for r in range(world)]
+        assert sum(f.sent for f in flows) == sum(f.received for f in flows)
+
+
+def test_degree_one_is_exactly_allgather():
+    for rank in range(3):
+        assert attention_traffic("ulysses", 100, 3, rank, 5, 16, 2, degree=1) == \
+            attention_traffic("allgather", 100, 3, rank, 5, 16, 2)
+
+
+def test_one_rank_moves_nothing_and_bad_modes_are_named():
+    assert attention_traffic("ulysses", 10, 1, 0, 4, 8, 4).received == 0
+    with pytest.raises(ValueError, match="'ring'"):
+        attention_traffic("ring", 10, 2, 0, 4, 8, 4)
+    with pytest.raises(ValueError, match="degree 3 does not divide"):
+        attention_traffic("ulysses", 10, 4, 0, 6, 8, 4, degree=3)
+
+
+def test_auto_prefers_fewer_bytes_and_allgather_on_ties():
+    assert [choose_sp_mode(w, 56) for w in range(1, 9)] == [
+        "allgather", "allgather", "allgather", "ulysses", "allgather", "ulysses", "ulysses", "ulysses"]
+    assert choose_sp_mode(3, 4) == "allgather" and choose_sp_mode(4, 2) == "ulysses"
+
+
+def test_flops_of_h3_are_mostly_attention_at_15_seconds():
+    flops = forward_flops(DiTShape(), 109_062)
+    # per token per block: 2 * 5376 * (3*7168 + 7168 + 2*14336 + 14336) multiply-adds
+    assert flops["linear"] == 2 * 5376 * 71680 * 109_062 * 50
+    assert 0.79 < flops["attention"] / flops["total"] < 0.81  # shared/UPSTREAM_H3.md: ~80%
+
+
+def test_forward_traffic_adds_the_final_gather():
+    shape = DiTShape(hidden=10, blocks=3, heads=2, head_dim=4, ffn=8)
+    t = forward_traffic("allgather", shape, 7, 2, 1, itemsize=4)
+    own = shard_sizes(7, 2)[1]
+    assert t["final_gather"].received == (7 - own) * 10 * 4
+    assert t["total"].received == t["attention"].received + t["final_gather"].received
+    assert t["attention"].received == 3 * attention_traffic("allgather", 7, 2, 1, 2, 4, 4).received
+
+
+def test_projection_prints_json_last_and_writes_the_plot(tmp_path):
+    plot = tmp_path / "speedup.png"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "project_h3.py"), "--plot", str(plot)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    tokens = result["workloads"]["768p_15s"]["tokens"]
+    assert (tokens["video"], tokens["audio"]) == (107_856, 1_206)  # shared/UPSTREAM_H3.md
+    five = result["workloads"]["768p_5s"]["tokens"]
+    assert (five["video"], five["audio"]) == (37_296, 414)
+    bytes_w8 = result["workloads"]["768p_15s"]["bytes_received_per_rank_per_step"]
+    assert bytes_w8["ulysses"]["8"] < bytes_w8["allgather"]["8"] / 3
+    assert {p["name"] for p in result["profiles"]} >= {"ascend-910b", "nvidia-h100-sxm", "nvidia-h200-sxm"}
+    assert all(p["sources"] for p in result["profiles"])
+    assert result["seed"]["measured"]["end_to_end_s_turbo_8_steps"] == 495.79
+    assert 0 < result["seed"]["implied_achieved_compute_fraction"] < 1
+    from PIL import Image
+    with Image.open(plot) as image:
+        assert image.format == "PNG" and image.size[0] > 400
