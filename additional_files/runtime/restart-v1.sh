@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# (Re)start ComfyUI with the MiniMax-H3 multi-device settings, as a clean new process.
+#
+#   runtime/restart-v1.sh [extra main.py arguments...]
+#
+# 1. Stops the server this script started before (runtime/stop-v1.sh: by its pid file,
+#    never by process name) and waits until it is gone, so its device memory is free.
+# 2. Sets the environment (each only when not already set):
+#      ASCEND_RT_VISIBLE_DEVICES     0,1,2,3   the NPUs ComfyUI may use
+#      COMFYUI_MULTI_DEVICE_BACKEND  auto      auto | hccl | nccl | peer
+#      PYTORCH_NPU_ALLOC_CONF        expandable_segments:True   (less fragmentation)
+#      PYTORCH_CUDA_ALLOC_CONF       expandable_segments:True
+#      MINIMAX_H3_MODELS             <ComfyUI>/models   (read by extra_model_paths.yaml)
+# 3. Starts <ComfyUI>/main.py --listen HOST --port PORT in its own session, output to
+#    runtime/comfyui.log (the previous log is kept as runtime/comfyui.previous.log).
+# 4. Waits until http://HOST:PORT/ answers. If the process exits or the wait times out,
+#    prints the first exception line of the log, stops what it started and exits 1.
+#
+# Settings (environment): COMFYUI_DIR (default: the folder above runtime/), COMFYUI_PYTHON
+# (default: <ComfyUI>/venv/bin/python or <ComfyUI>/.venv/bin/python if present, else python3),
+# COMFYUI_HOST (127.0.0.1), COMFYUI_PORT (8188), COMFYUI_ARGS (more main.py arguments),
+# COMFYUI_START_TIMEOUT_S (900: loading weights onto 4 cards takes a while),
+# COMFYUI_STOP_TIMEOUT_S (60).
+set -euo pipefail
+
+RUNTIME_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+COMFYUI_DIR="${COMFYUI_DIR:-$(dirname "$RUNTIME_DIR")}"
+HOST="${COMFYUI_HOST:-127.0.0.1}"
+PORT="${COMFYUI_PORT:-8188}"
+START_TIMEOUT_S="${COMFYUI_START_TIMEOUT_S:-900}"
+PID_FILE="$RUNTIME_DIR/comfyui.pid"
+LOG_FILE="$RUNTIME_DIR/comfyui.log"
+
+fail() {
+    echo "restart-v1.sh: error: $*" >&2
+    exit 1
+}
+
+[ -f "$COMFYUI_DIR/main.py" ] || fail "no main.py in $COMFYUI_DIR; set COMFYUI_DIR to your ComfyUI checkout"
+case "$PORT" in ''|*[!0-9]*) fail "COMFYUI_PORT='$PORT' is not a port number" ;; esac
+case "$START_TIMEOUT_S" in ''|*[!0-9]*) fail "COMFYUI_START_TIMEOUT_S='$START_TIMEOUT_S' is not a whole number of seconds" ;; esac
+
+if [ -n "${COMFYUI_PYTHON:-}" ]; then
+    PYTHON="$COMFYUI_PYTHON"
+elif [ -x "$COMFYUI_DIR/venv/bin/python" ]; then
+    PYTHON="$COMFYUI_DIR/venv/bin/python"
+elif [ -x "$COMFYUI_DIR/.venv/bin/python" ]; then
+    PYTHON="$COMFYUI_DIR/.venv/bin/python"
+else
+    PYTHON="python3"
+fi
+command -v "$PYTHON" >/dev/null 2>&1 || fail "Python '$PYTHON' not found; set COMFYUI_PYTHON"
+
+# 1. A clean process: whatever ran before (an out-of-memory run included) is gone first.
+"$RUNTIME_DIR/stop-v1.sh" || fail "could not stop the running server (see above)"
+
+# 2. Environment.
+export ASCEND_RT_VISIBLE_DEVICES="${ASCEND_RT_VISIBLE_DEVICES:-0,1,2,3}"
+export COMFYUI_MULTI_DEVICE_BACKEND="${COMFYUI_MULTI_DEVICE_BACKEND:-auto}"
+export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+export MINIMAX_H3_MODELS="${MINIMAX_H3_MODELS:-$COMFYUI_DIR/models}"
+
+# 3. Start in a new session (its own process group), detached from this terminal.
+[ -f "$LOG_FILE" ] && mv -f "$LOG_FILE" "$RUNTIME_DIR/comfyui.previous.log"
+echo "restart-v1.sh: starting ComfyUI in $COMFYUI_DIR on $HOST:$PORT (devices $ASCEND_RT_VISIBLE_DEVICES, backend $COMFYUI_MULTI_DEVICE_BACKEND); log $LOG_FILE"
+# shellcheck disable=SC2086  # COMFYUI_ARGS is a list of words on purpose
+(
+    cd "$COMFYUI_DIR"
+    exec "$PYTHON" -c 'import os, sys; os.setsid(); os.execv(sys.executable, [sys.executable] + sys.argv[1:])' \
+        main.py --listen "$HOST" --port "$PORT" ${COMFYUI_ARGS:-} "$@" </dev/null >>"$LOG_FILE" 2>&1
+) &
+PID=$!
+# The pid file holds the pid and the process start time, so that a later stop can tell this
+# process from an unrelated one that got the same pid after a crash or a reboot.
+stat_after_name() {  # /proc/PID/stat after the command name: 1 state, ..., 20 start time
+    local stat
+    { read -r stat < "/proc/$1/stat"; } 2>/dev/null || return 1
+    echo "${stat##*) }"
+}
+START_TICKS="$(stat_after_name "$PID" | cut -d' ' -f20 || true)"
+echo "$PID $START_TICKS" > "$PID_FILE"
+
+running() {  # our child counts as gone once it is a zombie
+    local fields
+    fields="$(stat_after_name "$PID")" || return 1
+    case "${fields%% *}" in Z|X) return 1 ;; esac
+}
+
+first_exception() {
+    # The line that names the exception ("RuntimeError: ...", "torch.OutOfMemoryError: ...").
+    grep -m1 -E '^([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception|Exit|Interrupt)(:|$)' "$LOG_FILE" 2>/dev/null || true
+}
+
+explain_and_fail() {
+    local why="$1" line
+    line="$(first_exception)"
+    if [ -n "$line" ]; then
+        echo "restart-v1.sh: first exception in $LOG_FILE: $line" >&2
+        case "$line" in
+            *"out of memory"*|*OutOfMemory*)
+                echo "restart-v1.sh: the cards ran out of memory: use fewer frames or a lower resolution, or check that no other process holds the cards (npu-smi info); a restart starts from a clean process" >&2 ;;
+        esac
+    else
+        echo "restart-v1.sh: no exception in the log; its last lines:" >&2
+        tail -n 20 "$LOG_FILE" >&2 || true
+    fi
+    "$RUNTIME_DIR/stop-v1.sh" >/dev/null 2>&1 || true
+    fail "$why"
+}
+
+# 4. Wait for the HTTP port.
+deadline=$((SECONDS + START_TIMEOUT_S))
+while :; do
+    if ! running; then
+        wait "$PID" 2>/dev/null && status=0 || status=$?
+        explain_and_fail "ComfyUI exited (status $status) before it answered on $HOST:$PORT"
+    fi
+    if "$PYTHON" - "$HOST" "$PORT" <<'PY' 2>/dev/null
+import sys, urllib.error, urllib.request
+host, port = sys.argv[1], sys.argv[2]
+try:
+    urllib.request.urlopen(f"http://{host}:{port}/", timeout=2)
+except urllib.error.HTTPError:
+    pass  # any HTTP answer means the server is up
+except Exception:
+    sys.exit(1)
+PY
+    then
+        echo "restart-v1.sh: ComfyUI is up: http://$HOST:$PORT/ (pid $PID)"
+        exit 0
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+        explain_and_fail "ComfyUI did not answer on $HOST:$PORT within ${START_TIMEOUT_S}s (COMFYUI_START_TIMEOUT_S)"
+    fi
+    sleep 1
+done

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Install or remove the MiniMax-H3 overlay in a ComfyUI checkout.
+
+Called by `install_deps_minimax_h3.sh --comfyui DIR [--uninstall]`; usable on its own:
+
+  tools/comfyui_overlay.py check     --comfyui DIR [--uninstall]   validate, change nothing
+  tools/comfyui_overlay.py apply     --comfyui DIR
+  tools/comfyui_overlay.py uninstall --comfyui DIR
+
+What it installs:
+- comfy-ui-changes.patch (new files only) through `git apply`, after `git apply --check`;
+- additional_files/: workflows into DIR/user/default/workflows/, sample inputs into DIR/input/,
+  the service scripts into DIR/runtime/, extra_model_paths.yaml into DIR/ unless DIR already
+  has one (then it says so and leaves DIR's file alone).
+
+Every check runs before anything is written; a failure while writing undoes what this run
+wrote. A second `apply` finds everything in place and changes nothing. `uninstall` removes
+only files whose content is still ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+REQUIRED_ENTRIES = ("main.py", "comfy", "comfy_extras", "custom_nodes")
+# additional_files/<first part> -> where it goes inside the ComfyUI checkout.
+EXTRA_DESTINATIONS = {
+    "workflows": Path("user/default/workflows"),
+    "input": Path("input"),
+    "runtime": Path("runtime"),
+    "extra_model_paths.yaml": Path("extra_model_paths.yaml"),
+}
+# DIR's own copy of this file is the user's configuration: never replaced, never removed.
+USER_OWNED_IF_PRESENT = {Path("extra_model_paths.yaml")}
+SKIPPED_SUFFIXES = (".log", ".pid", ".pyc")
+
+
+class OverlayError(RuntimeError):
+    """Something stops the install; the message says what and how to fix it."""
+
+
+def say(message: str) -> None:
+    print(f"comfyui_overlay: {message}", flush=True)
+
+
+# ----------------------------------------------------------------------------- the checkout
+
+def validate_checkout(comfyui: Path) -> Path:
+    if not comfyui.is_dir():
+        raise OverlayError(f"{comfyui} is not a directory; pass --comfyui the folder of your ComfyUI "
+                           f"checkout (the one that holds main.py)")
+    missing = [name for name in REQUIRED_ENTRIES
+               if not (comfyui / name).is_file() and not (comfyui / name).is_dir()]
+    if missing:
+        raise OverlayError(f"{comfyui} does not look like a ComfyUI checkout: it has no "
+                           f"{', '.join(missing)}; pass --comfyui the folder that holds main.py, "
+                           f"comfy/, comfy_extras/ and custom_nodes/")
+    return comfyui.resolve()
+
+
+def _git_env(comfyui: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE")}
+    # Never let git climb to a repository above DIR: `git apply` run from a subfolder of an
+    # unrelated repository would silently skip every path outside that subfolder.
+    env["GIT_CEILING_DIRECTORIES"] = str(comfyui.parent)
+    return env
+
+
+def _git(comfyui: Path, *args: str) -> subprocess.CompletedProcess:
+    if shutil.which("git") is None:
+        raise OverlayError("git is not installed; it applies the patch (install git, e.g. "
+                           "`apt-get install git`, then rerun)")
+    return subprocess.run(["git", *args], cwd=comfyui, env=_git_env(comfyui),
+                          capture_output=True, text=True, timeout=300)
+
+
+def checkout_commit(comfyui: Path) -> str | None:
+    """DIR's git commit, or None when DIR is not the top of a git checkout."""
+    top = _git(comfyui, "rev-parse", "--show-toplevel")
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != comfyui:
+        return None
+    head = _git(comfyui, "rev-parse", "HEAD")
+    return head.stdout.strip() if head.returncode == 0 else None
+
+
+def pinned_commit(pins_file: Path) -> str:
+    try:
+        return json.loads(pins_file.read_text())["upstream"]["commit"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OverlayError(f"cannot read upstream.commit from {pins_file}: {exc!r}; restore the "
+                           f"file from git") from None
+
+
+def report_commit(comfyui: Path, pins_file: Path) -> None:
+    pinned, found = pinned_commit(pins_file), checkout_commit(comfyui)
+    if found is None:
+        say(f"warning: cannot tell which ComfyUI commit {comfyui} is (not the top of a git "
+            f"checkout); this overlay was tested against ComfyUI {pinned}")
+    elif found != pinned:
+        say(f"warning: {comfyui} is at ComfyUI commit {found}, but this overlay was tested against "
+            f"{pinned} (source_deps_info.json upstream.commit); it usually works, and if it does "
+            f"not, check out {pinned}")
+    else:
+        say(f"{comfyui} is at the pinned ComfyUI commit {pinned}")
+
+
+# ----------------------------------------------------------------------------- the patch
+
+def patch_paths(patch: Path) -> list[str]:
+    prefix = "+++ b/"
+    names = [line[len(prefix):].rstrip("\n") for line in patch.read_text().splitlines()
+             if line.startswith(prefix)]
+    if not names:
+        raise OverlayError(f"{patch} holds no files; regenerate it with tools/make_patch.py")
+    return names
+
+
+def patch_state(comfyui: Path, patch: Path) -> str:
+    """'absent', 'applied', or 'conflict' (neither applies cleanly)."""
+    if _git(comfyui, "apply", "--check", str(patch)).returncode == 0:
+        return "absent"
+    if _git(comfyui, "apply", "--reverse", "--check", str(patch)).returncode == 0:
+        return "applied"
+    return "conflict"
+
+
+def explain_conflict(comfyui: Path, patch: Path, uninstalling: bool) -> OverlayError:
+    detail = _git(comfyui, "apply", "--check", str(patch)).stderr.strip()
+    present = [p for p in patch_paths(patch) if (comfyui / p).exists()]
+    if uninstalling:
+        return OverlayError(f"the overlay in {comfyui} is not the one in {patch.name} (files were "
+                            f"edited, or another version was installed): {', '.join(present) or detail}; "
+                            f"nothing was removed; restore or delete those files by hand")
+    where = (f"these overlay files already exist with other content: {', '.join(present)}"
+             if present else f"git apply --check says: {detail}")
+    return OverlayError(f"cannot apply {patch.name} to {comfyui}: {where}. Nothing was changed. An "
+                        f"older version of this overlay may be installed: remove it with the "
+                        f"checkout that installed it (--uninstall), or delete those files, then rerun")
+
+
+def _git_apply(comfyui: Path, patch: Path, *flags: str) -> None:
+    result = _git(comfyui, "apply", *flags, str(patch))
+    if result.returncode != 0:
+        raise OverlayError(f"git apply {' '.join(flags)} {patch.name} failed in {comfyui}: "
+                           f"{result.stderr.strip()}")
+
+
+def _remove_bytecode_and_empty_dirs(comfyui: Path, removed: list[str]) -> None:
+    """After removing files: their .pyc files, then folders left empty (rmdir never removes content)."""
+    folders = set()
+    for rel in removed:
+        path = comfyui / rel
+        for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+            pyc.unlink()
+        folders.update([path.parent / "__pycache__", *[p for p in path.parents
+                                                      if comfyui in p.parents]])
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # not empty or not there: it holds something that is not ours
+
+
+# ----------------------------------------------------------------------------- additional files
+
+@dataclass(frozen=True)
+class ExtraFile:
+    source: Path
+    target: Path  # relative to the ComfyUI checkout
+
+
+def extra_files(extras_dir: Path) -> list[ExtraFile]:
+    files = []
+    if not extras_dir.is_dir():
+        raise OverlayError(f"{extras_dir} is missing; run this from a full checkout of the repository")
+    for source in sorted(extras_dir.rglob("*")):
+        if not source.is_file() or source.name.endswith(SKIPPED_SUFFIXES) or "__pycache__" in source.parts:
+            continue
+        rel = source.relative_to(extras_dir)
+        if rel.parts[0] not in EXTRA_DESTINATIONS:
+            raise OverlayError(f"{source} has no install destination (known: "
+                               f"{', '.join(EXTRA_DESTINATIONS)}); add it to EXTRA_DESTINATIONS")
+        files.append(ExtraFile(source, EXTRA_DESTINATIONS[rel.parts[0]].joinpath(*rel.parts[1:])))
+    return files
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    return a.is_file() and b.is_file() and hashlib.sha256(a.read_bytes()).digest() == \
+        hashlib.sha256(b.read_bytes()).digest()
+
+
+def plan_extras(comfyui: Path, extras: list[ExtraFile]) -> list[ExtraFile]:
+    """The extra files to copy; raises, before anything is written, on a file DIR has with other content."""
+    to_copy, clashes = [], []
+    for extra in extras:
+        target = comfyui / extra.target
+        if not target.exists():
+            to_copy.append(extra)
+        elif _same_content(extra.source, target):
+            continue
+        elif extra.target in USER_OWNED_IF_PRESENT:
+            say(f"{extra.target} already exists in {comfyui} and differs from ours; left as it is "
+                f"(merge the minimax_h3 entries from {extra.source} by hand if you want them)")
+        else:
+            clashes.append(str(extra.target))
+    if clashes:
+        raise OverlayError(f"{comfyui} already has {', '.join(clashes)} with other content (your edits, "
+                           f"or another version); nothing was changed; move those files away, then rerun")
+    return to_copy
+
+
+def copy_extras(comfyui: Path, to_copy: list[ExtraFile]) -> list[str]:
+    written = []
+    try:
+        for extra in to_copy:
+            target = comfyui / extra.target
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(extra.source, target)
+            shutil.copymode(extra.source, target)
+            written.append(str(extra.target))
+    except OSError:
+        for rel in written:
+            (comfyui / rel).unlink(missing_ok=True)
+        _remove_bytecode_and_empty_dirs(comfyui, written)
+        raise
+    return written
+
+
+# ----------------------------------------------------------------------------- commands
+
+def check(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, uninstalling: bool,
+          report: bool = True) -> str:
+    comfyui = validate_checkout(comfyui)
+    if not patch.is_file():
+        raise OverlayError(f"{patch} is missing; regenerate it with tools/make_patch.py")
+    if report:
+        report_commit(comfyui, pins)
+    state = patch_state(comfyui, patch)
+    if state == "conflict":
+        raise explain_conflict(comfyui, patch, uninstalling)
+    if not uninstalling:
+        plan_extras(comfyui, extra_files(extras_dir))
+    return state
+
+
+def apply(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: bool = True) -> None:
+    state = check(comfyui, patch, pins, extras_dir, uninstalling=False, report=report)
+    comfyui = comfyui.resolve()
+    to_copy = plan_extras(comfyui, extra_files(extras_dir))
+    if state == "applied" and not to_copy:
+        say(f"already installed in {comfyui}: the patch is applied and every additional file is in "
+            f"place; nothing changed")
+        return
+    if state == "absent":
+        _git_apply(comfyui, patch)
+        say(f"applied {patch.name} ({len(patch_paths(patch))} new files) to {comfyui}")
+    else:
+        say(f"{patch.name} is already applied in {comfyui}")
+    try:
+        written = copy_extras(comfyui, to_copy)
+    except OSError as exc:
+        if state == "absent":
+            _git_apply(comfyui, patch, "--reverse")
+            _remove_bytecode_and_empty_dirs(comfyui, patch_paths(patch))
+        raise OverlayError(f"copying the additional files into {comfyui} failed ({exc}); what this "
+                           f"run wrote was removed again") from None
+    for rel in written:
+        say(f"installed {rel}")
+
+
+def uninstall(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: bool = True) -> None:
+    state = check(comfyui, patch, pins, extras_dir, uninstalling=True, report=report)
+    comfyui = comfyui.resolve()
+    pid_file = comfyui / "runtime" / "comfyui.pid"
+    if pid_file.exists():
+        raise OverlayError(f"{pid_file} exists: the ComfyUI service may be running; stop it with "
+                           f"runtime/stop-v1.sh, then rerun --uninstall")
+    ours = [e for e in extra_files(extras_dir) if e.target not in USER_OWNED_IF_PRESENT
+            or _same_content(e.source, comfyui / e.target)]
+    if state == "applied":
+        _git_apply(comfyui, patch, "--reverse")
+        _remove_bytecode_and_empty_dirs(comfyui, patch_paths(patch))
+        say(f"removed the {len(patch_paths(patch))} overlay files of {patch.name} from {comfyui}")
+    else:
+        say(f"{patch.name} is not applied in {comfyui}; no overlay file to remove")
+    removed = []
+    for extra in ours:
+        target = comfyui / extra.target
+        if _same_content(extra.source, target):
+            target.unlink()
+            removed.append(str(extra.target))
+        elif target.exists():
+            say(f"kept {extra.target}: its content is no longer ours (edited?)")
+    _remove_bytecode_and_empty_dirs(comfyui, removed)
+    if removed:
+        say(f"removed {len(removed)} additional files")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/comfyui_overlay.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("check", "apply", "uninstall"))
+    parser.add_argument("--comfyui", type=Path, required=True, help="the ComfyUI checkout")
+    parser.add_argument("--uninstall", action="store_true", help="with check: check for removal")
+    parser.add_argument("--patch", type=Path, default=REPO_DIR / "comfy-ui-changes.patch")
+    parser.add_argument("--pins", type=Path, default=REPO_DIR / "source_deps_info.json")
+    parser.add_argument("--extras", type=Path, default=REPO_DIR / "additional_files")
+    parser.add_argument("--checked", action="store_true",
+                        help="the caller already ran `check`: don't report the commit again")
+    args = parser.parse_args(argv)
+    paths = (args.comfyui, args.patch.resolve(), args.pins, args.extras)
+    try:
+        if args.command == "check":
+            check(*paths, uninstalling=args.uninstall)
+        elif args.command == "apply":
+            apply(*paths, report=not args.checked)
+        else:
+            uninstall(*paths, report=not args.checked)
+    except OverlayError as exc:
+        print(f"comfyui_overlay: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
