@@ -141,6 +141,12 @@ def exactness_worker(comm):
     got = comm.all_to_all_v(inputs[r], splits[r], 0)
     want = torch.cat([torch.split(inputs[i], splits[i])[r] for i in range(W)])
     verdicts["all_to_all_v"] = torch.equal(got, want)
+    # all_to_all_v across dims, as Ulysses uses it: sequence shards [1, H, S_r, D] (S = 11
+    # uneven) -> head shards [1, H_j, S, D] (H = 5 uneven)
+    heads = [5 * (k + 1) // W - 5 * k // W for k in range(W)]
+    full = torch.randn(1, 5, 11, 3, generator=torch.Generator().manual_seed(9))
+    by_head = comm.all_to_all_v(full.split(uneven, 2)[r], heads, 1, cat_dim=2)
+    verdicts["all_to_all_v sequence -> heads"] = torch.equal(by_head, full.split(heads, 1)[r])
     # all_reduce
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(6, 9, generator=gen) for _ in range(W)]
@@ -221,7 +227,7 @@ def check_exactness(results, world):
         assert res["backend"] == "gloo" and res["world"] == world
         failed = [name for name, ok in res["verdicts"].items() if not ok]
         assert not failed, f"rank {res['rank']}: {failed}"
-        assert len(res["verdicts"]) == 3 * 3 + 7
+        assert len(res["verdicts"]) == 3 * 3 + 8
         # Every rank holds the same all-reduce bits.
         assert res["sum_digest"] == first["sum_digest"] and res["bf16_digest"] == first["bf16_digest"]
 
