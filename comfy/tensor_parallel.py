@@ -661,6 +661,10 @@ def build_tensor_parallel_decoder(decoder: nn.Module, coordinator,
 #   config, head_dim 128, intermediate 25600, 50 layers, merged_qkv/merged_mlp False).
 #   Its forward computes RoPE (interleaved MRoPE) and the mask from its own inputs, on
 #   x's device, then runs the layers with optimized_attention_for_device(x.device).
+#   It runs each layer through comfy.model_prefetch.prefetch_queue_pop; the prefetch
+#   queue is None unless prefetch_dynamic_vbars is requested, which Llama2_ only does
+#   with a KV cache (generation), so for encoding each layer is simply called. CUDA
+#   graph capture is likewise only enabled for KV-cache decoding.
 # - Attention: q_proj/k_proj/v_proj (or qkv_proj when config.merged_qkv), o_proj without
 #   bias, per-head q_norm/k_norm RMSNorms over head_dim; forward views q/k/v with
 #   self.num_heads / self.num_kv_heads / self.head_dim, splits a fused qkv output with

@@ -76,15 +76,22 @@ def expected_rank_bytes(cfg, world, itemsize):
              + h * q_local * d          # o_proj columns
              + 2 * (inter // world) * h  # gate, up rows
              + h * (inter // world))    # down_proj columns
-    replicated = 2 * h + (2 * d if cfg.qk_norm else 0)  # block norms, q/k norms
-    total = cfg.num_hidden_layers * (split + replicated) + cfg.vocab_size * h
-    total += h if cfg.final_norm else 0
+    if cfg.qkv_bias:
+        split += (q_local + 2 * kv_local) * d
+    total = cfg.num_hidden_layers * split + replicated_elements(cfg)
     return total * itemsize
+
+
+def replicated_elements(cfg):
+    """Elements every rank holds whole: embeddings and norms."""
+    h = cfg.hidden_size
+    per_layer = 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)  # block norms, q/k norms
+    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * h + (h if cfg.final_norm else 0)
 
 
 LAYOUTS = {
     "separate": MiniatureDecoderConfig(),
-    "fused": MiniatureDecoderConfig(merged_qkv=True, merged_mlp=True, final_norm=True),
+    "fused": MiniatureDecoderConfig(merged_qkv=True, merged_mlp=True, final_norm=True, qkv_bias=True),
 }
 
 
@@ -219,8 +226,11 @@ def test_rank_weight_bytes_follow_the_formula(world, layout):
         tp = build_tensor_parallel_decoder(model, coord)
         per_rank = [weight_bytes(s) for s in tp.shards]
     assert per_rank == [expected_rank_bytes(cfg, world, 2)] * world
-    if world > 1:
-        assert per_rank[0] < weight_bytes(model) / world + expected_rank_bytes(cfg, world, 2) / 2
+    # Without KV replication (W <= KV heads) a rank holds exactly 1/W of the split weights;
+    # beyond that (W=4 over 2 KV heads) the formula above adds each rank's whole KV head.
+    replicated = replicated_elements(cfg) * 2
+    if world <= cfg.num_key_value_heads:
+        assert (per_rank[0] - replicated) * world == weight_bytes(model) - replicated
 
 
 class ReadOnlyBase(torch.Tensor):

@@ -42,6 +42,7 @@ class MiniatureDecoderConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     qk_norm: bool = True        # Qwen3: RMSNorm over head_dim on every query and key head
+    qkv_bias: bool = False      # Qwen2.5-style biases on the q/k/v projections
     merged_qkv: bool = False    # one fused q|k|v projection instead of three
     merged_mlp: bool = False    # one fused gate|up projection instead of two
     final_norm: bool = False    # H3 reads the last layer's output unnormalised
@@ -84,12 +85,13 @@ class MiniatureAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.merged_qkv = cfg.merged_qkv
         hidden = cfg.hidden_size
+        bias = cfg.qkv_bias
         if self.merged_qkv:
-            self.qkv_proj = nn.Linear(hidden, self.inner_size + 2 * self.kv_size, bias=False)
+            self.qkv_proj = nn.Linear(hidden, self.inner_size + 2 * self.kv_size, bias=bias)
         else:
-            self.q_proj = nn.Linear(hidden, self.inner_size, bias=False)
-            self.k_proj = nn.Linear(hidden, self.kv_size, bias=False)
-            self.v_proj = nn.Linear(hidden, self.kv_size, bias=False)
+            self.q_proj = nn.Linear(hidden, self.inner_size, bias=bias)
+            self.k_proj = nn.Linear(hidden, self.kv_size, bias=bias)
+            self.v_proj = nn.Linear(hidden, self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.inner_size, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
