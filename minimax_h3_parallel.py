@@ -20,13 +20,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # ----------------------------------------------------------------------------- run
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.set_defaults(handler=None, unavailable="run is not implemented in this checkout yet")
+    from comfy.minimax_h3_dry_run import add_arguments
+    add_arguments(parser, repo_dir=Path(__file__).resolve().parent)
+    parser.set_defaults(handler=run_main)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """The dry run (comfy/minimax_h3_dry_run.py): miniature DiT, W ranks vs one device."""
+    from comfy.minimax_h3_dry_run import run
+    return run(args)
 
 
 # ----------------------------------------------------------------------------- doctor
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.set_defaults(handler=None, unavailable="doctor is not implemented in this checkout yet")
+    """Devices, backends, environment and a self-test exchange (comfy/multidevice_doctor.py)."""
+    from comfy.multidevice_doctor import add_arguments, main
+    add_arguments(parser)
+    parser.set_defaults(handler=main)
 
 
 # ----------------------------------------------------------------------------- main

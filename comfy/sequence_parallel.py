@@ -197,28 +197,6 @@ def install_exchanging_attention(transformer_options: dict, comm, strategy) -> E
     return exchanging
 
 
-class TrafficCountingComm:
-    """Wraps a per-rank communicator and counts the bytes this rank received from the others."""
-
-    def __init__(self, comm):
-        self.comm = comm
-        self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
-        self.bytes_received = 0
-        self.exchanges = 0
-
-    def exchange(self, tensors, cat_dims):
-        tensors = list(tensors)
-        out = self.comm.exchange(tensors, cat_dims)
-        self.exchanges += 1
-        self.bytes_received += sum(o.nbytes for o in out) - sum(t.nbytes for t in tensors)
-        return out
-
-    def all_reduce(self, tensor, op="sum"):
-        out = self.comm.all_reduce(tensor, op)
-        self.bytes_received += tensor.nbytes * (self.world_size - 1)
-        return out
-
-
 # ----------------------------------------------------------------------------- fan-out
 
 def copy_for_rank(obj: Any, device: torch.device) -> Any:
@@ -292,7 +270,8 @@ class SequenceParallelFanOut:
         # ComfyUI's diffusion models take (x, timestep, context, transformer_options, ...)
         self.transformer_options_index = transformer_options_index
         self.last_rank_states: list[Any] = [None] * coordinator.world_size
-        self.last_traffic: list[TrafficCountingComm | None] = [None] * coordinator.world_size
+        # per rank: {"received": bytes, "calls": collectives} of the last forward
+        self.last_traffic: list[dict] = [{"received": 0, "calls": 0}] * coordinator.world_size
 
     @property
     def world_size(self) -> int:
@@ -309,16 +288,23 @@ class SequenceParallelFanOut:
         def run_rank(rank, comm, rank_inputs):
             rank_args, rank_kwargs = rank_inputs
             options = self._transformer_options(rank_args, rank_kwargs)
-            counting = TrafficCountingComm(comm)
-            self.last_traffic[rank] = counting
             model = executors[rank].class_obj
             if self.prepare_rank is not None:
-                self.last_rank_states[rank] = self.prepare_rank(rank, counting, model, options)
+                self.last_rank_states[rank] = self.prepare_rank(rank, comm, model, options)
             log.debug("rank %d: forward on %s", rank, comm.device)
             return _run_with_grad_mode(lambda: executors[rank](*rank_args, **rank_kwargs),
                                        grad_enabled, inference)
 
-        return self.coordinator.run(run_rank, inputs)[0]
+        before = self._traffic_counts()
+        results = self.coordinator.run(run_rank, inputs)
+        after = self._traffic_counts()
+        self.last_traffic = [{"received": a["received"] - b["received"], "calls": a["calls"] - b["calls"]}
+                             for a, b in zip(after, before)]
+        return results[0]
+
+    def _traffic_counts(self) -> list[dict]:
+        counts = getattr(self.coordinator, "byte_counts", None)
+        return counts() if counts is not None else [{"received": 0, "calls": 0}] * self.world_size
 
     def _transformer_options(self, args: list, kwargs: dict) -> dict:
         if "transformer_options" in kwargs:
@@ -335,4 +321,4 @@ class SequenceParallelFanOut:
 
     def bytes_received_last_forward(self) -> int:
         """Bytes all ranks together received from each other in the last forward."""
-        return sum(t.bytes_received for t in self.last_traffic if t is not None)
+        return sum(t["received"] for t in self.last_traffic)
