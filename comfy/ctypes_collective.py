@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from comfy.multidevice import (BackendUnavailable, CollectiveError, chunk_shape, gathered_shape,
-                               synchronize)
+from comfy.multidevice import (BackendUnavailable, CollectiveError, chunk_shape, concat_received,
+                               gathered_shape, synchronize)
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class FlatCollectiveBackend:
             del keepalive
             parts = [recv.narrow(0, d, c).view(shape)
                      for shape, c, d in zip(recv_shapes, recv_counts, recv_displs)]
-            out.append(torch.cat(parts, dim=cat_dim))
+            out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
         return out
 
     def all_gather_v(self, rank, tensors, dims, metas, slot):

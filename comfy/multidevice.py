@@ -260,15 +260,28 @@ def check_all_to_all_metadata(per_rank: Sequence[Sequence[ShardMeta]], splits: S
                     f"all_to_all_v tensor {t}: rank {i} has {metas[t].shape}/{metas[t].dtype}, "
                     f"rank 0 has {first.shape}/{first.dtype}")
         for j in range(world):  # every chunk sent to rank j must fit next to the others
-            want = chunk_shape(first.shape, split_dim, splits[0][j])
-            for i in range(1, world):
+            sources = [i for i in range(world) if splits[i][j]] or list(range(world))
+            ref = sources[0]
+            want = chunk_shape(per_rank[ref][t].shape, split_dim, splits[ref][j])
+            for i in sources[1:]:
                 got = chunk_shape(per_rank[i][t].shape, split_dim, splits[i][j])
                 if [s for d, s in enumerate(got) if d != cat_dim] != \
                         [s for d, s in enumerate(want) if d != cat_dim]:
                     raise CollectiveError(
                         f"all_to_all_v tensor {t}: the chunk rank {i} sends to rank {j} has shape "
-                        f"{got}, rank 0's has {want}; they must agree outside the concat dim "
+                        f"{got}, rank {ref}'s has {want}; they must agree outside the concat dim "
                         f"{cat_dim}")
+
+
+def concat_received(parts: Sequence[torch.Tensor], sizes: Sequence[int], cat_dim: int) -> torch.Tensor:
+    """A rank's all-to-all result: the chunks it received, in source order, along cat_dim.
+
+    A source whose split size for this rank is 0 takes no part (its empty chunk need not fit
+    the others), so a sub-group of ranks can exchange through one world-wide call; when every
+    chunk is empty they are concatenated as they are.
+    """
+    kept = [p for p, n in zip(parts, sizes) if n] or list(parts)
+    return torch.cat(kept, dim=cat_dim)
 
 
 def normalize_dims(tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int]) -> list[int]:
@@ -322,7 +335,7 @@ class PeerCopyBackend:
                 offset = sum(splits[src][:rank])
                 chunk = src_tensors[t].narrow(split_dim, offset, splits[src][rank])
                 parts.append(_on_device(chunk, device))
-            out.append(torch.cat(parts, dim=cat_dim))
+            out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
         return out
 
     def all_reduce(self, rank, tensor, op, slot):
@@ -582,7 +595,9 @@ class SequenceParallelCoordinator:
         received, in source-rank order, concatenated along `cat_dim` (default `split_dim`).
 
         Ranks may hold different shapes along `cat_dim` and send different sizes; the chunks
-        arriving at one rank must agree outside `cat_dim`. A single tensor in, a single out.
+        arriving at one rank must agree outside `cat_dim`, except that a zero split sends
+        nothing and its chunk is left out (a sub-group exchange through one call). A single
+        tensor in, a single out.
         """
         single = isinstance(tensors, torch.Tensor)
         tensors = [tensors] if single else list(tensors)
@@ -640,7 +655,7 @@ class SequenceParallelCoordinator:
                 shape = chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
                 parts.append(gathered.narrow(0, offset, sizes[rank]).view(shape))
                 base += sum(sizes)
-            out.append(torch.cat(parts, dim=cat_dim))
+            out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
         return out
 
     def all_reduce(self, rank: int, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -31,7 +31,8 @@ import torch
 
 from comfy.ctypes_collective import unflatten_gathered
 from comfy.multidevice import (VALID_REDUCE_OPS, CollectiveError, ShardMeta, check_all_to_all_metadata,
-                               check_exchange_metadata, check_send_splits, chunk_shape, nbytes,
+                               check_exchange_metadata, check_send_splits, chunk_shape,
+                               concat_received, nbytes,
                                normalize_dims, numel, resolve_device, set_thread_device,
                                timeout_from_env)
 
@@ -193,7 +194,7 @@ class DistributedComm:
                        output_split_sizes=in_counts, input_split_sizes=[c.numel() for c in chunks],
                        group=self.group)
             parts = [p.view(s) for p, s in zip(torch.split(recv, in_counts), in_shapes)]
-            out.append(torch.cat(parts, dim=cat_dim).to(self.device))
+            out.append(concat_received(parts, [s[self.rank] for s in all_splits], cat_dim).to(self.device))
             item = tensor.element_size()
             sent += sum(c.numel() for j, c in enumerate(chunks) if j != self.rank) * item
             received += sum(n for src, n in enumerate(in_counts) if src != self.rank) * item

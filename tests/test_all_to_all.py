@@ -315,3 +315,26 @@ def test_fake_nccl_send_error_is_a_clear_exception(monkeypatch, fake_nccl_path):
     with SequenceParallelCoordinator(["cpu"] * 2, backend="nccl", timeout_s=10) as coord:
         with pytest.raises(NcclError, match=r"ncclSend failed with ncclResult_t 3"):
             coord.run(lambda rank, comm: comm.all_to_all_v(torch.ones(2), [1, 1], 0))
+
+
+def test_zero_splits_make_a_sub_group_exchange(backend):
+    # Ranks {0, 1} and {2, 3} each swap heads for sequence rows inside their pair, through one
+    # world-wide call: a zero split sends nothing and its (ill-fitting) empty chunk is left out.
+    world, heads = 4, 3
+    rows = [2, 3, 1, 4]
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(1, heads, rows[r], 2, generator=gen) for r in range(world)]
+    head_split = [1, 2]  # member 0 gets head 0, member 1 heads 1..2
+
+    def splits_of(rank):
+        group = rank // 2
+        return [head_split[j % 2] if j // 2 == group else 0 for j in range(world)]
+
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: comm.all_to_all_v(x, splits_of(rank), 1, cat_dim=2),
+                        inputs)
+    for rank, got in enumerate(out):
+        group, member = divmod(rank, 2)
+        members = (2 * group, 2 * group + 1)
+        want = torch.cat([inputs[m].split(head_split, 1)[member] for m in members], 2)
+        assert torch.equal(got, want)
