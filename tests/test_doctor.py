@@ -1,0 +1,139 @@
+"""`minimax_h3_parallel.py doctor`: the CLI's exit codes and JSON (subprocesses), and the
+report's content for the backends (in process, over the fake libraries)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comfy import multidevice_doctor as doctor
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = REPO / "minimax_h3_parallel.py"
+
+# Variables that would change what the doctor selects on a developer's machine.
+_STEERING = ("COMFYUI_MULTI_DEVICE_BACKEND", "HCCL_SO_PATH", "NCCL_SO_PATH", "RANK", "WORLD_SIZE",
+             "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+
+
+def run_doctor(*args, env=None):
+    base = {k: v for k, v in os.environ.items() if k not in _STEERING}
+    return subprocess.run([sys.executable, str(CLI), "doctor", *args], capture_output=True, text=True,
+                          timeout=120, env={**base, **(env or {})}, cwd=REPO)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in _STEERING:
+        monkeypatch.delenv(name, raising=False)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+@pytest.mark.timeout(150)
+def test_json_report_exits_zero_on_this_machine():
+    proc = run_doctor("--json", env={"HCCL_BUFFSIZE": "200"})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] is True and report["reason"] is None
+    assert set(report["backends"]) == {"peer", "hccl", "nccl", "torch.distributed"}
+    assert report["versions"]["torch"] and report["versions"]["python"]
+    test = report["self_test"]
+    assert test["ok"] and all(test["checks"].values())
+    if report["devices"]["npu"]["count"] == 0 and report["devices"]["cuda"]["count"] == 0:
+        # No accelerator: CPU ranks and peer-copy, as documented.
+        assert test["devices"] == ["cpu"] * doctor.CPU_SELF_TEST_RANKS and test["backend"] == "peer"
+    assert report["environment"]["HCCL_BUFFSIZE"] == "200"  # every HCCL_* variable is shown
+    assert "COMFYUI_MULTI_DEVICE_BACKEND" in report["environment"]
+
+
+@pytest.mark.timeout(150)
+def test_too_many_devices_exits_nonzero_naming_the_count_found():
+    proc = run_doctor("--devices", "64")
+    assert proc.returncode == 1
+    report = doctor.collect_report(count=64)  # the same selection, in process
+    found = report["devices"]["npu"]["count"] or report["devices"]["cuda"]["count"]
+    assert f"found {found}" in proc.stderr and "64" in proc.stderr
+    assert "result     NOT OK" in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_forced_backend_that_cannot_start_exits_nonzero(tmp_path):
+    proc = run_doctor("--json", "--device-kind", "cpu", "--backend", "hccl",
+                      env={"HCCL_SO_PATH": str(tmp_path / "missing.so")})
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert not report["ok"] and "HCCL_SO_PATH" in report["reason"]
+    assert report["backends"]["hccl"]["loaded"] is False
+    assert "HCCL_SO_PATH" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- report content
+
+def test_backends_over_the_fake_libraries(monkeypatch, fake_nccl_path, fake_hccl_no_allgatherv_path):
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_no_allgatherv_path)
+    report = doctor.collect_report(device_kind="cpu", count=3, backend="nccl", timeout_s=20)
+    assert report["ok"], report["reason"]
+    nccl, hccl = report["backends"]["nccl"], report["backends"]["hccl"]
+    assert nccl["usable"] and nccl["path"] == fake_nccl_path and nccl["path_from"] == "NCCL_SO_PATH"
+    for name in ("ncclCommInitAll", "ncclGroupStart", "ncclGroupEnd", "ncclBroadcast", "ncclAllGather",
+                 "ncclAllReduce", "ncclCommDestroy", "ncclGetErrorString"):
+        assert nccl["symbols"][name] is True
+    assert "ncclBroadcast" in nccl["exchange_method"]
+    assert hccl["usable"] and hccl["symbols"]["HcclAllGatherV"] is False and not hccl["all_gather_v"]
+    assert hccl["exchange_method"] == "one HcclBroadcast per rank"
+    test = report["self_test"]
+    assert test["backend"] == "nccl" and test["world_size"] == 3 and test["ok"]
+    assert "NCCL_SO_PATH" in report["environment"]
+
+
+def test_a_library_without_required_symbols_is_not_usable(monkeypatch, fake_hccl_path):
+    monkeypatch.setenv("NCCL_SO_PATH", fake_hccl_path)  # loads, but it is not NCCL
+    nccl = doctor.backends_report()["nccl"]
+    assert nccl["loaded"] and not nccl["usable"]
+    assert "ncclCommInitAll" in nccl["missing_required"]
+
+
+def test_self_test_failure_is_reported_with_the_library_error(monkeypatch, fake_nccl_path):
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    monkeypatch.setenv("FAKE_NCCL_FAIL", "ncclBroadcast:3")
+    report = doctor.collect_report(device_kind="cpu", count=2, backend="nccl", timeout_s=20)
+    assert not report["ok"]
+    assert "ncclBroadcast failed with ncclResult_t 3" in report["reason"]
+
+
+def test_bad_backend_variable_is_the_reason(monkeypatch):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "mpi")
+    report = doctor.collect_report()
+    assert not report["ok"] and "auto, hccl, nccl, peer" in report["reason"]
+
+
+def inventory(npu=0, cuda=0):
+    return {"npu": {"count": npu}, "cuda": {"count": cuda}, "cpu": {"count": 2}}
+
+
+def test_device_selection():
+    assert doctor.select_devices("auto", None, inventory()) == ["cpu", "cpu"]
+    assert doctor.select_devices("cpu", 3, inventory()) == ["cpu"] * 3
+    assert doctor.select_devices("auto", None, inventory(npu=4)) == ["npu:0", "npu:1", "npu:2", "npu:3"]
+    assert doctor.select_devices("auto", 2, inventory(cuda=8)) == ["cuda:0", "cuda:1"]
+    with pytest.raises(doctor.DoctorFailure, match=r"asked for 4 npu device\(s\) but found 2 npu.*--devices 2"):
+        doctor.select_devices("npu", 4, inventory(npu=2))
+    with pytest.raises(doctor.DoctorFailure, match=r"found 0 cuda device\(s\) \(CUDA_VISIBLE_DEVICES"):
+        doctor.select_devices("cuda", None, inventory(npu=2))
+    with pytest.raises(doctor.DoctorFailure, match="found 0 accelerators.*--device-kind cpu"):
+        doctor.select_devices("auto", 2, inventory())
+    with pytest.raises(doctor.DoctorFailure, match="positive"):
+        doctor.select_devices("cpu", 0, inventory())
+
+
+def test_text_report_names_every_part(monkeypatch, fake_nccl_path):
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    text = doctor.format_text(doctor.collect_report(device_kind="cpu", backend="nccl", timeout_s=20))
+    for part in ("platform", "torch", "npu", "cuda", "cpu", "backends", "hccl:", "nccl: usable",
+                 "environment", "self-test  2 rank(s) on cpu, cpu, backend nccl: passed", "result     OK"):
+        assert part in text
