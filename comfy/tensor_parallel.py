@@ -29,6 +29,7 @@ Entry points
   build_tensor_parallel_decoder(decoder, coordinator)   all shards + a fan-out module
   tensor_parallel_clip(clip, coordinator)               upstream ComfyUI CLIP -> a new CLIP
                                                         (the node's entry point; input untouched)
+  check_tensor_parallel_clip(clip, world_size)          its checks alone, for planners
   apply_tensor_parallel_text_encoder(clip, coordinator) the same, in place on `clip`
   remove_tensor_parallel_text_encoder(clip)             undo the in-place version
 """
@@ -714,6 +715,19 @@ def _checked_source(clip, coordinator) -> nn.Module:
     return model
 
 
+def check_tensor_parallel_clip(clip, world_size: int) -> None:
+    """Every check tensor_parallel_clip makes for W=world_size, touching nothing.
+
+    For planners that validate before creating a coordinator; raises TensorParallelError.
+    """
+    _checked_source(clip, _WorldSize(world_size))
+
+
+@dataclass(frozen=True)
+class _WorldSize:
+    world_size: int
+
+
 def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, torch.Tensor] | None = None,
                                        weights_prefix: str = "model.") -> Any:
     """Put a ComfyUI CLIP's language model in tensor parallel over `coordinator`'s ranks.
@@ -801,5 +815,6 @@ __all__ = [
     "copy_rows", "copy_columns", "copy_whole", "ColumnParallelLinear", "RowParallelLinear",
     "inspect_decoder", "check_decoder_split", "prefixed_weights", "shard_decoder",
     "weight_bytes", "TensorParallelDecoder", "build_tensor_parallel_decoder",
-    "tensor_parallel_clip", "apply_tensor_parallel_text_encoder", "remove_tensor_parallel_text_encoder",
+    "tensor_parallel_clip", "check_tensor_parallel_clip", "apply_tensor_parallel_text_encoder",
+    "remove_tensor_parallel_text_encoder",
 ]

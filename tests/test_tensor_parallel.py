@@ -36,7 +36,8 @@ from comfy.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, Tens
                                    TensorParallelError, apply_tensor_parallel_text_encoder,
                                    build_tensor_parallel_decoder, check_head_split, head_shard,
                                    prefixed_weights, remove_tensor_parallel_text_encoder,
-                                   shard_decoder, tensor_parallel_clip, weight_bytes)
+                                   shard_decoder, tensor_parallel_clip, check_tensor_parallel_clip,
+                                   weight_bytes)
 from comfy.text_encoders.miniature_decoder import MiniatureDecoderConfig, build_miniature_decoder
 
 FP32_REL_TOL = 1e-5
@@ -507,6 +508,15 @@ def test_tensor_parallel_clip_returns_a_new_clip_and_leaves_the_input_alone(back
     assert cond.qwen3vl_32b.transformer.model is original
     assert clip.cond_stage_model.qwen3vl_32b is not new_te
     assert torch.equal(cond.qwen3vl_32b.encode(ids), want)
+
+
+def test_check_tensor_parallel_clip_alone():
+    clip = mirror_clip(LAYOUTS["separate"])
+    for world in (1, 2, 4, 8):
+        check_tensor_parallel_clip(clip, world)
+    with pytest.raises(TensorParallelError, match="8 query heads over W=3"):
+        check_tensor_parallel_clip(clip, 3)
+    assert isinstance(clip.cond_stage_model.qwen3vl_32b.transformer.model.layers[0].mlp.down_proj, nn.Linear)
 
 
 def test_tensor_parallel_clip_fails_before_copying():
