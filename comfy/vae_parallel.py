@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from comfy.device_replicas import ReplicaCache
 from comfy.multidevice import SequenceParallelCoordinator
 
 log = logging.getLogger(__name__)
@@ -221,52 +222,6 @@ class H3ChunkInterface:
                 f"{plan.output_frames}: the decoder's schedule changed, decode on one device")
 
 
-# ----------------------------------------------------------------------------- replicas
-
-def module_device(module) -> torch.device | None:
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return None
-
-
-def replica_on(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """A copy of `module` whose parameters and buffers live on `device`.
-
-    The tensors go straight from the source to the device (no intermediate CPU copy of the
-    whole module): deepcopy is told up front what every tensor becomes.
-    """
-    memo = {}
-    for p in module.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
-    for b in module.buffers():
-        memo[id(b)] = b.detach().to(device, copy=True)
-    return copy.deepcopy(module, memo)
-
-
-class ReplicaCache:
-    """One module per device: the module itself where its weights are, a cached copy elsewhere."""
-
-    def __init__(self, module):
-        self.module = module
-        self._copies: dict = {}
-
-    def get(self, device: torch.device):
-        device = torch.device(device)
-        home = module_device(self.module)
-        if home is None or home == device or not isinstance(self.module, torch.nn.Module):
-            return self.module
-        key = str(device)
-        if key not in self._copies:
-            log.info("video VAE: building a decoder replica on %s", device)
-            self._copies[key] = replica_on(self.module, device)
-        return self._copies[key]
-
-    def clear(self) -> None:
-        self._copies.clear()
-
-
 # ----------------------------------------------------------------------------- running
 
 def _run_on_devices(devices, runner, fn, per_rank_items):
@@ -309,7 +264,7 @@ class ChunkedDecode:
         self.devices = [torch.device(d) for d in devices]
         self.runner = runner
         self.merge_device = torch.device(merge_device) if merge_device is not None else self.devices[0]
-        self.replicas = replicas if replicas is not None else ReplicaCache(module)
+        self.replicas = replicas if replicas is not None else ReplicaCache(module, "video VAE decoder")
 
     def decode(self, z: torch.Tensor, output_buffer: torch.Tensor | None = None) -> torch.Tensor:
         if z.dim() != 5:

@@ -9,9 +9,9 @@ Feathered windows are checked for exactness where windows agree, and for continu
 import pytest
 import torch
 
+from comfy.device_replicas import replica_on
 from comfy.vae_parallel import (ChunkedDecode, H3ChunkSchedule, ParallelDecodeError, feather_weights,
-                                feather_windows, feathered_decode, linear_blend, replica_on,
-                                with_parallel_decode)
+                                feather_windows, feathered_decode, linear_blend, with_parallel_decode)
 from comfy.multidevice import SequenceParallelCoordinator
 from tests.small_vaes import TinyCausalDecoder, TinyCausalVideoVAE
 

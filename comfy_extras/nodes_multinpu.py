@@ -1,0 +1,243 @@
+"""The `MultiNPUParallelConfig` node and the role planner.
+
+One node on the canvas takes the loaded MODEL, CLIP, video VAE and audio VAE and returns the
+same four objects set up to run across the cards (DESIGN §6):
+
+  * `plan_roles(n_cards)` says, per component, which card(s) and which parallel mode;
+  * `configure_parallel(...)` validates the visible cards first (nothing is touched on an
+    error), then applies the plan through `comfy.parallel_roles.apply_role_plan`;
+  * `NODE_SCHEMA` is the node's interface as plain data (inputs, types, defaults, options,
+    outputs in order), read by the tests and by tools/make_workflows.py without ComfyUI;
+  * the V3 node class is built from that data on first use, so this module imports and its
+    logic runs without ComfyUI installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from comfy.device_inventory import SUPPORTED_CARD_COUNTS, DEVICE_KINDS, check_card_count
+
+log = logging.getLogger(__name__)
+
+NODE_ID = "MultiNPUParallelConfig"
+DISPLAY_NAME = "Multi-NPU Parallel Config"
+CATEGORY = "advanced/multigpu"  # next to upstream's MultiGPU CFG Split / Select * Device nodes
+DESCRIPTION = (
+    "Spread MiniMax-H3 over several cards of this server: the DiT runs sequence parallel, the "
+    "text encoder tensor parallel, the video VAE decodes its temporal chunks on all cards and "
+    "the audio VAE gets its own card (see plan per card count in the README). Place it right "
+    "after the loaders (and a LoRA loader), before every consumer of these four objects.")
+
+# Backend choices: "default" keeps COMFYUI_MULTI_DEVICE_BACKEND (or auto when unset).
+BACKEND_CHOICES = ("default", "auto", "hccl", "nccl", "peer")
+
+# The node's interface as plain data. "type" is ComfyUI's socket/widget type name.
+NODE_SCHEMA = {
+    "node_id": NODE_ID,
+    "display_name": DISPLAY_NAME,
+    "category": CATEGORY,
+    "description": DESCRIPTION,
+    "inputs": [
+        {"name": "model", "type": "MODEL",
+         "tooltip": "The MiniMax-H3 DiT (after any LoRA): runs sequence parallel on 4 or 8 cards."},
+        {"name": "clip", "type": "CLIP",
+         "tooltip": "The minimax text encoder: tensor parallel on 4 or 8 cards."},
+        {"name": "video_vae", "type": "VAE",
+         "tooltip": "The video VAE: decodes its temporal chunks on all cards, merged on card 0."},
+        {"name": "audio_vae", "type": "VAE", "tooltip": "The audio VAE: placed on the last card."},
+        {"name": "npu_count", "type": "COMBO", "options": list(SUPPORTED_CARD_COUNTS), "default": 4,
+         "tooltip": "How many cards to use. The visible cards are checked before any weight moves."},
+        {"name": "backend", "type": "COMBO", "options": list(BACKEND_CHOICES), "default": "default",
+         "optional": True, "advanced": True,
+         "tooltip": "Collective backend: default = COMFYUI_MULTI_DEVICE_BACKEND or auto; auto = "
+                    "HCCL on NPUs / NCCL on GPUs with peer-copy fallback; hccl/nccl fail loudly."},
+        {"name": "device_kind", "type": "COMBO", "options": list(DEVICE_KINDS), "default": "auto",
+         "optional": True, "advanced": True,
+         "tooltip": "auto = the one accelerator kind that is visible; cpu runs CPU ranks (tests)."},
+        {"name": "devices", "type": "STRING", "default": "", "optional": True, "advanced": True,
+         "tooltip": "Explicit cards, e.g. 'npu:0,npu:2,npu:4,npu:6'. Empty = the first npu_count "
+                    "visible cards."},
+    ],
+    "outputs": [
+        {"name": "MODEL", "type": "MODEL"},
+        {"name": "CLIP", "type": "CLIP"},
+        {"name": "video_vae", "type": "VAE"},
+        {"name": "audio_vae", "type": "VAE"},
+    ],
+}
+
+
+def schema_input(name: str) -> dict:
+    for spec in NODE_SCHEMA["inputs"]:
+        if spec["name"] == name:
+            return spec
+    raise KeyError(f"{NODE_ID} has no input named {name!r}")
+
+
+def widget_defaults() -> list:
+    """Widget values in schema order, as a UI workflow stores them in `widgets_values`."""
+    return [spec["default"] for spec in NODE_SCHEMA["inputs"] if "default" in spec]
+
+
+# ----------------------------------------------------------------------------- role plan
+
+COMPONENTS = ("dit", "text_encoder", "video_vae", "audio_vae")
+SINGLE = "single"
+SEQUENCE_PARALLEL = "sequence_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
+TEMPORAL_CHUNKS = "temporal_chunks"
+
+
+@dataclass(frozen=True)
+class Role:
+    """Where one component runs: its cards (plan indices, 0-based) and its parallel mode."""
+
+    component: str
+    cards: tuple
+    mode: str
+    merge_card: int | None = None  # temporal_chunks: the card the decoded chunks are merged on
+
+    def as_dict(self) -> dict:
+        out = {"cards": list(self.cards), "mode": self.mode}
+        if self.merge_card is not None:
+            out["merge_card"] = self.merge_card
+        return out
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    n_cards: int
+    dit: Role
+    text_encoder: Role
+    video_vae: Role
+    audio_vae: Role
+
+    def roles(self) -> list[Role]:
+        return [getattr(self, c) for c in COMPONENTS]
+
+    def as_dict(self) -> dict:
+        return {"n_cards": self.n_cards, **{r.component: r.as_dict() for r in self.roles()}}
+
+    def describe(self) -> str:
+        return "; ".join(f"{r.component} -> cards {list(r.cards)} ({r.mode})" for r in self.roles())
+
+
+def plan_roles(n_cards: int) -> RolePlan:
+    """Per component, the card(s) and the parallel mode for 1, 2, 4 or 8 cards (DESIGN §6).
+
+    1: everything on card 0. 2: everything on card 0 but the audio VAE (card 1).
+    4 and 8: DiT sequence parallel and text encoder tensor parallel on all cards, video VAE
+    chunks decoded on all cards and merged on card 0, audio VAE on the last card.
+    """
+    n = check_card_count(n_cards)
+    everyone = tuple(range(n))
+    last = n - 1
+    if n <= 2:
+        return RolePlan(
+            n_cards=n,
+            dit=Role("dit", (0,), SINGLE),
+            text_encoder=Role("text_encoder", (0,), SINGLE),
+            video_vae=Role("video_vae", (0,), SINGLE),
+            audio_vae=Role("audio_vae", (last,), SINGLE),
+        )
+    return RolePlan(
+        n_cards=n,
+        dit=Role("dit", everyone, SEQUENCE_PARALLEL),
+        text_encoder=Role("text_encoder", everyone, TENSOR_PARALLEL),
+        video_vae=Role("video_vae", everyone, TEMPORAL_CHUNKS, merge_card=0),
+        audio_vae=Role("audio_vae", (last,), SINGLE),
+    )
+
+
+def roles_table(counts=SUPPORTED_CARD_COUNTS) -> list[dict]:
+    """The plan for every supported count, as rows (for the README and the tests)."""
+    return [plan_roles(n).as_dict() for n in counts]
+
+
+# ----------------------------------------------------------------------------- configure
+
+def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
+                       device_kind="auto", devices="", inventory=None):
+    """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
+
+    Every check (card count, device kind, visible cards, backend name, the four inputs'
+    shape) runs before anything is cloned, moved or started; the inputs are never modified.
+    """
+    from comfy.device_inventory import select_devices
+    from comfy import parallel_roles
+
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend={backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}.")
+    plan = plan_roles(npu_count)
+    selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
+    parallel_roles.check_inputs(plan, model, clip, video_vae, audio_vae)
+    log.info("%s: %d card(s) %s; %s", NODE_ID, npu_count, ", ".join(map(str, selected)), plan.describe())
+    return parallel_roles.apply_role_plan(
+        plan, selected, model, clip, video_vae, audio_vae,
+        backend=None if backend == "default" else backend)
+
+
+# ----------------------------------------------------------------------------- ComfyUI node
+
+_NODE_CLASS = None
+
+
+def _io_input(io, spec: dict):
+    """One plain-data input spec -> the matching comfy_api io Input."""
+    import inspect
+
+    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae, "COMBO": io.Combo, "STRING": io.String}
+    cls = kinds[spec["type"]].Input
+    kwargs = {k: spec[k] for k in ("default", "options", "optional", "tooltip", "advanced") if k in spec}
+    accepted = inspect.signature(cls.__init__).parameters
+    if "advanced" in kwargs and "advanced" not in accepted:  # older ComfyUI: no advanced section
+        kwargs.pop("advanced")
+    return cls(spec["name"], **kwargs)
+
+
+def _io_output(io, spec: dict):
+    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae}
+    return kinds[spec["type"]].Output(display_name=spec["name"])
+
+
+def node_class():
+    """The V3 node class (built once, on first use: it needs ComfyUI's comfy_api)."""
+    global _NODE_CLASS
+    if _NODE_CLASS is not None:
+        return _NODE_CLASS
+    from comfy_api.latest import io
+
+    class MultiNPUParallelConfig(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(
+                node_id=NODE_SCHEMA["node_id"],
+                display_name=NODE_SCHEMA["display_name"],
+                category=NODE_SCHEMA["category"],
+                description=NODE_SCHEMA["description"],
+                inputs=[_io_input(io, s) for s in NODE_SCHEMA["inputs"]],
+                outputs=[_io_output(io, s) for s in NODE_SCHEMA["outputs"]],
+            )
+
+        @classmethod
+        def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
+                    device_kind="auto", devices="") -> io.NodeOutput:
+            return io.NodeOutput(*configure_parallel(
+                model, clip, video_vae, audio_vae, npu_count=int(npu_count), backend=backend,
+                device_kind=device_kind, devices=devices))
+
+    _NODE_CLASS = MultiNPUParallelConfig
+    return _NODE_CLASS
+
+
+async def comfy_entrypoint():
+    """ComfyUI's V3 extension hook: registers MultiNPUParallelConfig."""
+    from comfy_api.latest import ComfyExtension
+
+    class MultiNPUExtension(ComfyExtension):
+        async def get_node_list(self):
+            return [node_class()]
+
+    return MultiNPUExtension()
