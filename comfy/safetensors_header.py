@@ -1,0 +1,221 @@
+"""Our own parser and validator for the safetensors header.
+
+A safetensors file is: an 8-byte little-endian header length N, N bytes of UTF-8 JSON,
+then the data section. The JSON is an object mapping tensor names to
+{"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to the data section),
+plus an optional "__metadata__" object of string -> string.
+
+Every violation raises CheckpointError naming the file, the tensor and the problem. The
+checks follow the format's reference implementation: the tensors must tile the data
+section exactly (no overlap, no gap, nothing after the last one), so a file that passes
+here is one the reference loader accepts too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+HEADER_LENGTH_BYTES = 8
+MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
+METADATA_KEY = "__metadata__"
+
+# safetensors dtype name -> torch dtype name; entries torch does not have are left out.
+_DTYPE_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+    "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+}
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, tname) for name, tname in _DTYPE_NAMES.items() if hasattr(torch, tname)}
+DTYPE_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used: the message names the file, the tensor and the problem."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the header; begin/end are byte offsets into the data section."""
+    name: str
+    dtype_name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    header_bytes: int                 # N, the JSON length
+    tensors: dict[str, TensorInfo]    # in file order of their data
+    metadata: dict[str, str]          # "__metadata__", {} when absent
+
+    @property
+    def data_start(self) -> int:
+        """File offset of the data section."""
+        return HEADER_LENGTH_BYTES + self.header_bytes
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def parse_header_length(first_bytes: bytes, file_size: int, source: str) -> int:
+    """Validate the 8-byte length field against the file size; return N."""
+    if file_size < HEADER_LENGTH_BYTES or len(first_bytes) < HEADER_LENGTH_BYTES:
+        raise CheckpointError(
+            f"{source}: file is truncated: it has {min(file_size, len(first_bytes))} bytes, fewer "
+            f"than the {HEADER_LENGTH_BYTES}-byte header length field; re-download or re-save it")
+    (length,) = struct.unpack("<Q", first_bytes[:HEADER_LENGTH_BYTES])
+    if length < 2:
+        raise CheckpointError(
+            f"{source}: bad header length {length}: the JSON header needs at least 2 bytes ('{{}}'); "
+            "this is not a safetensors file")
+    if length > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{source}: bad header length {length}: above the format's limit of {MAX_HEADER_BYTES} "
+            "bytes; this is not a safetensors file (or its first 8 bytes are damaged)")
+    if length > file_size - HEADER_LENGTH_BYTES:
+        raise CheckpointError(
+            f"{source}: bad header length {length}: the file has only "
+            f"{file_size - HEADER_LENGTH_BYTES} bytes after the length field; the file is truncated "
+            "or not a safetensors file")
+    return length
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_header_json(header: bytes, data_size: int, source: str) -> SafetensorsHeader:
+    """Parse and validate the JSON header against a data section of `data_size` bytes."""
+    try:
+        text = header.decode("utf-8")
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{source}: bad JSON in the header: {exc}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(
+            f"{source}: the header is JSON {type(obj).__name__}, not an object of tensor entries")
+
+    metadata = obj.get(METADATA_KEY, {})
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError(f"{source}: '{METADATA_KEY}' must be an object of string -> string, "
+                              f"got {_short(metadata)}")
+
+    infos = [_parse_entry(name, entry, data_size, source)
+             for name, entry in obj.items() if name != METADATA_KEY]
+    tensors = _check_layout(infos, data_size, source)
+    return SafetensorsHeader(header_bytes=len(header), tensors=tensors, metadata=dict(metadata))
+
+
+def parse_safetensors_prefix(prefix: bytes, file_size: int | None = None,
+                             source: str = "<bytes>") -> SafetensorsHeader:
+    """Parse a header from the first bytes of a file of `file_size` bytes (default: len(prefix))."""
+    size = len(prefix) if file_size is None else file_size
+    length = parse_header_length(prefix, size, source)
+    header = prefix[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + length]
+    if len(header) < length:
+        raise CheckpointError(f"{source}: file is truncated inside the header: {len(header)} of "
+                              f"{length} header bytes present")
+    return parse_header_json(header, size - HEADER_LENGTH_BYTES - length, source)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _parse_entry(name: str, entry: Any, data_size: int, source: str) -> TensorInfo:
+    where = f"{source}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: entry must be an object with dtype, shape and data_offsets, "
+                              f"got {_short(entry)}")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    if missing:
+        raise CheckpointError(f"{where}: entry lacks {', '.join(missing)}")
+
+    dtype_name = entry["dtype"]
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {_short(dtype_name)}; supported: "
+                              f"{', '.join(sorted(SAFETENSORS_DTYPES))}")
+    dtype = SAFETENSORS_DTYPES[dtype_name]
+
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, "
+                              f"got {_short(shape)}")
+
+    offsets = entry["data_offsets"]
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_int(o) and o >= 0 for o in offsets)):
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end] with non-negative "
+                              f"integers, got {_short(offsets)}")
+    begin, end = offsets
+    if begin > end:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
+    if end > data_size:
+        raise CheckpointError(
+            f"{where}: data_offsets [{begin}, {end}] are out of range: the data section has "
+            f"{data_size} bytes (file truncated?)")
+
+    itemsize = dtype.itemsize
+    expected = math.prod(shape) * itemsize
+    if expected != end - begin:
+        raise CheckpointError(
+            f"{where}: shape {shape} x {itemsize} bytes ({dtype_name}) = {expected} bytes, but "
+            f"data_offsets [{begin}, {end}] hold {end - begin} bytes")
+    return TensorInfo(name, dtype_name, dtype, tuple(shape), begin, end)
+
+
+def _check_layout(infos: list[TensorInfo], data_size: int, source: str) -> dict[str, TensorInfo]:
+    """Tensors must tile [0, data_size) exactly: no overlap, no gap, nothing trailing."""
+    ordered = sorted(infos, key=lambda t: (t.begin, t.end))
+    position, previous = 0, None
+    for info in ordered:
+        if info.begin < position:
+            raise CheckpointError(
+                f"{source}: tensor {info.name!r} data_offsets [{info.begin}, {info.end}] overlap "
+                f"tensor {previous.name!r} [{previous.begin}, {previous.end}]")
+        if info.begin > position:
+            raise CheckpointError(
+                f"{source}: tensor {info.name!r} starts at data byte {info.begin} but the previous "
+                f"tensor ends at {position}: a gap of {info.begin - position} unaccounted bytes")
+        if info.end > position:
+            position, previous = info.end, info
+    if position != data_size:
+        raise CheckpointError(
+            f"{source}: the tensors cover {position} bytes but the data section has {data_size}: "
+            f"{data_size - position} trailing bytes belong to no tensor")
+    return {t.name: t for t in ordered}
