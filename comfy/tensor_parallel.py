@@ -52,6 +52,12 @@ class TensorParallelError(ValueError):
     """A model cannot be split as asked (head counts, widths, layout, weights)."""
 
 
+class QuantizedWeightsError(TensorParallelError):
+    """The weights are quantized or wrapped (e.g. the NVFP4 text-encoder file) and cannot be
+    sliced. Such a file is small enough for one card: planners may catch this and keep
+    the encoder on one card."""
+
+
 # ----------------------------------------------------------------------------- split plans
 
 @dataclass(frozen=True)
@@ -249,9 +255,10 @@ def _linear_weight_shape(module: nn.Module, where: str) -> tuple[int, int]:
         raise TensorParallelError(f"{where} has no 2-D weight (found {type(weight).__name__}); "
                                   "only plain dense linear layers can be split")
     if not weight.is_floating_point() or type(_plain(weight)) is not torch.Tensor:
-        raise TensorParallelError(
+        raise QuantizedWeightsError(
             f"{where}.weight is a {type(weight).__name__} of dtype {weight.dtype}; quantized or "
-            "wrapped weights cannot be sliced here: load the text encoder in bf16/fp16/fp32")
+            "wrapped weights cannot be sliced for tensor parallel: use the bf16/fp16/fp32 "
+            "text-encoder file, or keep this (smaller) encoder on one card")
     return tuple(weight.shape)
 
 
@@ -811,7 +818,7 @@ def _device_of(module: nn.Module) -> str:
 
 
 __all__ = [
-    "TensorParallelError", "HeadShard", "check_head_split", "head_shard", "width_shard",
+    "TensorParallelError", "QuantizedWeightsError", "HeadShard", "check_head_split", "head_shard", "width_shard",
     "copy_rows", "copy_columns", "copy_whole", "ColumnParallelLinear", "RowParallelLinear",
     "inspect_decoder", "check_decoder_split", "prefixed_weights", "shard_decoder",
     "weight_bytes", "TensorParallelDecoder", "build_tensor_parallel_decoder",

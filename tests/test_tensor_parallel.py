@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from comfy.multidevice import CollectiveAborted, SequenceParallelCoordinator
-from comfy.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelDecoder,
+from comfy.tensor_parallel import (ColumnParallelLinear, QuantizedWeightsError, RowParallelLinear,
+                                   TensorParallelDecoder,
                                    TensorParallelError, apply_tensor_parallel_text_encoder,
                                    build_tensor_parallel_decoder, check_head_split, head_shard,
                                    prefixed_weights, remove_tensor_parallel_text_encoder,
@@ -207,6 +208,19 @@ def test_unsplittable_model_fails_before_any_rank_work():
             build_tensor_parallel_decoder(model, coord)
         assert calls == []
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class WrappedWeight(torch.Tensor):
+    """Stands in for a quantized weight type (e.g. ComfyUI's NVFP4 tensors)."""
+
+
+def test_quantized_weights_are_refused_with_their_own_error():
+    model = build_miniature_decoder(LAYOUTS["separate"])
+    proj = model.layers[1].mlp.up_proj
+    proj.weight = nn.Parameter(proj.weight.detach().as_subclass(WrappedWeight), requires_grad=False)
+    clip = MirrorCLIP(MirrorSD1ClipModel(model), {})
+    with pytest.raises(QuantizedWeightsError, match=r"layers\.1\.mlp\.up_proj\.weight.*one card|quantized"):
+        check_tensor_parallel_clip(clip, 2)
 
 
 def test_unsplittable_mlp_width_error():
