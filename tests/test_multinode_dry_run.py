@@ -1,0 +1,53 @@
+"""`torchrun --nproc-per-node 2 minimax_h3_parallel.py run`: the dry run with one rank per
+process over gloo (loopback), checked against the single-device reference by rank 0.
+
+torchrun and its workers run in their own session, so a hung run is killed as a whole
+when the time limit passes.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comfy.minimax_h3_dry_run import REPORT_KEYS
+
+REPO = Path(__file__).resolve().parent.parent
+LIMIT_S = 240
+TINY = ["--cpu", "--steps", "2", "--frames", "5", "--width", "64", "--height", "64", "--text-tokens", "8",
+        "--hidden", "64", "--blocks", "2", "--heads", "2", "--head-dim", "16", "--no-progress"]
+
+
+def torchrun(nproc, *args):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(REPO / "minimax_h3_parallel.py"), "run", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun run did not finish in {LIMIT_S}s:\n{out[-2000:]}\n{err[-2000:]}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.timeout(LIMIT_S + 30)
+def test_torchrun_runs_one_rank_per_process_with_parity(tmp_path):
+    code, out, err = torchrun(2, *TINY, "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"))
+    assert code == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    report = json.loads(out.strip().splitlines()[-1])
+    assert set(REPORT_KEYS) <= set(report)
+    assert report["launcher"] == "torchrun" and report["world_size"] == 2
+    assert report["backend"] == "torch.distributed gloo" and report["devices"] == ["cpu", "cpu"]
+    assert sum(report["tokens_per_rank"]) == report["tokens"]
+    assert report["exchanged_bytes_per_step"] > 0
+    assert report["parity"] == "ok" and report["rel_diff"] <= 1e-5
+    assert (tmp_path / "out" / "report.json").exists()
+    assert out.count("MiniMax-H3 dry run under torchrun") == 1  # only rank 0 prints
