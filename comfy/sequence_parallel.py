@@ -136,12 +136,25 @@ class AllGatherKV:
         return attention_fn(q, k_full, v_full, heads, *args, **kwargs)
 
 
-KV_STRATEGIES: dict[str, type] = {"allgather": AllGatherKV}
+def _ulysses_kv():
+    from comfy.ulysses import UlyssesKV  # comfy/ulysses.py: all-to-all and hybrid exchanges
+    return UlyssesKV()
+
+
+def _auto_kv():
+    from comfy.ulysses import AutoKV  # picks allgather or ulysses by the byte model
+    return AutoKV()
+
+
+KV_STRATEGIES: dict[str, Callable] = {"allgather": AllGatherKV, "ulysses": _ulysses_kv, "auto": _auto_kv}
 DEFAULT_SP_MODE = "allgather"
 
 
-def make_kv_strategy(sp_mode: str | None = None):
-    """The K/V exchange strategy for an `sp_mode` string (None -> the default)."""
+def make_kv_strategy(sp_mode=None):
+    """The K/V exchange strategy for an `sp_mode` string (None -> the default), or for a
+    configured mode object with a `make_kv_strategy()` method (comfy.ulysses.SPMode)."""
+    if hasattr(sp_mode, "make_kv_strategy"):
+        return sp_mode.make_kv_strategy()
     name = (sp_mode or DEFAULT_SP_MODE).strip().lower()
     if name not in KV_STRATEGIES:
         raise ValueError(f"unknown sequence-parallel mode {sp_mode!r}; valid modes: "
