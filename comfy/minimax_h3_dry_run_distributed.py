@@ -125,6 +125,8 @@ def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": weights_source,
         "out": str(args.out), "launcher": "torchrun",
     }
+    for key in dry.REPORT_KEYS:  # keys the thread run has and this mode does not measure
+        report.setdefault(key, None)
     failed = 0.0
     ref_latents = None
     if lead and not args.no_reference:  # the others wait in the all_reduce below
