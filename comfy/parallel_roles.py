@@ -10,8 +10,9 @@ Plain Python over duck-typed objects, so it runs in the tests without ComfyUI:
 
 What each role becomes:
   DiT, sequence_parallel   the sequence-parallel adapter (comfy/ldm/minimax/sequence_parallel.py)
-                           over the planned cards; rank r > 0 runs a replica of the DiT on card r
-                           (see DitReplica), rank 0 the model itself on the first card.
+                           over the planned cards; rank 0 runs the model itself on the first
+                           card, rank r > 0 a replica on card r built from the shared checkpoint
+                           base (comfy/shared_checkpoint.py; see DitReplicas).
   text encoder, tensor_parallel   comfy/tensor_parallel.py splits the language model.
   video VAE, temporal_chunks      comfy/vae_parallel.py decodes the chunks on all planned cards.
   anything, single         placed on its card.
@@ -26,7 +27,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -126,49 +126,93 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
                 f"{'; '.join(problems)}. Connect the MiniMax-H3 UNETLoader (or its LoRA loader) output, "
                 f"or set npu_count to 1 or 2")
     if plan.text_encoder.mode == TENSOR_PARALLEL and _language_model(clip) is not None:
-        from comfy.tensor_parallel import _checked_source
-        # head/width split and CLIP-LoRA checks of tensor_parallel_clip, for W cards
-        _checked_source(clip, SimpleNamespace(world_size=len(plan.text_encoder.cards)))
+        from comfy.tensor_parallel import check_tensor_parallel_clip
+        check_tensor_parallel_clip(clip, len(plan.text_encoder.cards))  # head split, CLIP LoRA
 
 
 # ----------------------------------------------------------------------------- DiT
 
-class DitReplica:
-    """Rank r's DiT for the patcher path: the primary's current weights, copied to card r.
+class DitReplicas:
+    """The DiT of ranks 1..W-1 on the patcher path, one entry per rank for the SP adapter.
 
-    The copy is made at the first forward (when ComfyUI has loaded the primary and applied
-    its weight patches, e.g. a Turbo LoRA), and made again when the patches on the shared
-    weights change or the module is replaced. On the primary's own device the primary
-    module itself is used. The SP adapter reads `.diffusion_model` at every forward.
+    From the shared checkpoint base when it can be built (comfy/shared_checkpoint.py: the
+    loader's file read once per process, or the model's own CPU weights zero-copy; the MODEL's
+    weight patches, e.g. a Turbo LoRA loaded before this node, applied identically on every
+    rank): made resident on the first forward, dropped again by `unload()`.
+
+    ComfyUI records on the shared model which patch set its weights carry right now
+    (ModelPatcher sets model.current_weight_patches_uuid when it patches them). When that is
+    another set than the MODEL this node received had (a LoRA loader placed *after* the
+    node), replicas built from the base would miss it; then, and when no base can be built,
+    the primary's loaded weights are copied to the other cards instead (device to device),
+    and copied again when the patch set changes.
     """
 
-    def __init__(self, primary, device):
+    def __init__(self, primary, devices: Sequence[torch.device]):
         self.primary = primary
-        self.device = torch.device(device)
-        self._module = None
-        self._version = None
+        self.devices = list(devices)
+        self.base_replicas = None
+        self.base_problem: str | None = None
+        self.armed = False  # until the adapter is installed, entries only serve its checks
+        self._copies: dict = {}
+        self._copy_version = None
+        try:
+            from comfy.shared_checkpoint import comfy_diffusion_model_replicas
+            self.base_replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
+        except Exception as exc:  # any reason the base cannot serve: the copy path always can
+            self.base_problem = f"{type(exc).__name__}: {exc}"
+            log.warning("DiT replicas: no shared checkpoint base (%s); the loaded weights will be "
+                        "copied to %s at the first step", self.base_problem, ", ".join(map(str, self.devices)))
+
+    def entries(self) -> list:
+        return [_RankDit(self, i) for i in range(len(self.devices))]
+
+    def _applied_patches(self):
+        return getattr(getattr(self.primary, "model", None), "current_weight_patches_uuid", None)
+
+    def uses_base(self) -> bool:
+        applied = self._applied_patches()
+        return self.base_replicas is not None and (
+            applied is None or applied == getattr(self.primary, "patches_uuid", None))
+
+    def module(self, index: int):
+        if self.uses_base():
+            replica = self.base_replicas[index]
+            return replica.load().module if self.armed else replica.module
+        source = dit_module(self.primary)
+        device = self.devices[index]
+        if not self.armed or module_device(source) in (None, device):
+            return source
+        version = (id(source), self._applied_patches())
+        if version != self._copy_version:
+            _refuse_partially_loaded(source)
+            self._copies.clear()  # stale copies go before new ones are made
+            self._copy_version = version
+            if self.base_replicas is not None:
+                log.info("DiT replicas: the weights carry patches added after this node (e.g. a LoRA "
+                         "loader placed after it); copying the loaded weights to the other cards")
+        if index not in self._copies:
+            self._copies[index] = replica_on(source, device)
+        return self._copies[index]
+
+    def unload(self) -> int:
+        """Drop the replicas' device residency (the base stays in RAM); return the bytes dropped."""
+        dropped = self.base_replicas.unload() if self.base_replicas is not None else 0
+        self._copies.clear()
+        self._copy_version = None
+        return dropped
+
+
+class _RankDit:
+    """What the SP adapter resolves each forward: `.diffusion_model` of one rank."""
+
+    def __init__(self, replicas: DitReplicas, index: int):
+        self.replicas = replicas
+        self.index = index
 
     @property
     def diffusion_model(self):
-        source = dit_module(self.primary)
-        if module_device(source) in (None, self.device):
-            return source
-        # ComfyUI records on the model which patch set its weights carry right now
-        # (ModelPatcher sets model.current_weight_patches_uuid when it patches them); a LoRA
-        # loader placed after this node changes it, so the copy follows the weights in use.
-        applied = getattr(getattr(self.primary, "model", None), "current_weight_patches_uuid", None)
-        version = (id(source), applied if applied is not None else getattr(self.primary, "patches_uuid", None))
-        if self._module is None or self._version != version:
-            _refuse_partially_loaded(source)
-            log.info("DiT replica: copying the primary's weights to %s", self.device)
-            self._module = None  # free the stale copy first
-            self._module = replica_on(source, self.device)
-            self._version = version
-        return self._module
-
-    def release(self) -> None:
-        self._module = None
-        self._version = None
+        return self.replicas.module(self.index)
 
 
 def _refuse_partially_loaded(module) -> None:
@@ -179,8 +223,8 @@ def _refuse_partially_loaded(module) -> None:
         raise RolePlanError(
             f"the DiT is only partially loaded on its first card ({lazy} layers patched at compute "
             f"time); sequence parallel copies the loaded weights to the other cards, so the DiT must "
-            f"fit on one card: use the INT8 DiT, or free memory (--disable-smart-memory off, fewer "
-            f"models resident)")
+            f"fit on one card: use the INT8 DiT or keep fewer models resident, or place "
+            f"MultiNPUParallelConfig after the LoRA loader so replicas come from the checkpoint base")
 
 
 def _place_dit(model, device, what="DiT"):
@@ -196,20 +240,34 @@ def _place_dit(model, device, what="DiT"):
     return model
 
 
+def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) -> list:
+    """Rank replicas of a plain DiT module from a shared base over its own weights (zero-copy)."""
+    from comfy.shared_checkpoint import RankReplicas, SharedCheckpoint
+
+    home = module_device(model)
+    if home is not None and home.type != "cpu":  # a base lives in CPU memory
+        return [model if d == home else replica_on(model, d) for d in devices]
+    base = SharedCheckpoint.from_state_dict(model.state_dict(), copy=False,
+                                            label=f"{type(model).__name__} weights")
+    others = RankReplicas(base, devices[1:], template=model, load=True) if len(devices) > 1 else []
+    first = model if home in (None, devices[0]) else replica_on(model, devices[0])
+    return [first] + [r.module for r in others]
+
+
 def _sequence_parallel_dit(model, devices, coordinator):
     from comfy.ldm.minimax.sequence_parallel import enable_sequence_parallel, enable_sequence_parallel_on_patcher
 
-    if is_model_patcher(model):
-        primary = model.clone()
-        if getattr(primary, "load_device", devices[0]) != devices[0]:
-            log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
-            primary.load_device = devices[0]
-        replicas = [None] + [DitReplica(primary, d) for d in devices[1:]]
-        enable_sequence_parallel_on_patcher(primary, coordinator, replicas)
-        return primary
-    # a plain DiT module: replicas now, one per card (the module itself where it already is)
-    replicas = [model if module_device(model) in (None, d) else replica_on(model, d) for d in devices]
-    return enable_sequence_parallel(replicas, coordinator)
+    if not is_model_patcher(model):  # a plain DiT module (tests, the dry run)
+        return enable_sequence_parallel(_module_replicas(model, devices), coordinator)
+    primary = model.clone()
+    if getattr(primary, "load_device", devices[0]) != devices[0]:
+        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
+        primary.load_device = devices[0]
+    replicas = DitReplicas(primary, devices[1:])
+    enable_sequence_parallel_on_patcher(primary, coordinator, [None] + replicas.entries())
+    replicas.armed = True
+    primary.multinpu_dit_replicas = replicas  # for unload / inspection
+    return primary
 
 
 # ----------------------------------------------------------------------------- text encoder

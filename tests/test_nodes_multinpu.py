@@ -500,6 +500,13 @@ def test_end_to_end_on_4_cpu_ranks_matches_single_device(as_patcher, fake_patche
             fan_out = p_model.wrappers["diffusion_model"]["minimax_h3_sequence_parallel"][0]
             assert fan_out.coordinator is coordinator
             assert model.wrappers == {}  # the input patcher got nothing
+            # ranks 1..3 run replicas built from the shared base: on CPU, zero-copy views
+            replicas = p_model.multinpu_dit_replicas
+            assert replicas.base_problem is None and replicas.uses_base()
+            rank_modules = [e.diffusion_model for e in fan_out.models[1:]]
+            assert all(m is not dit for m in rank_modules)
+            name, weight = next(iter(dit.state_dict().items()))
+            assert all(m.state_dict()[name].data_ptr() == weight.data_ptr() for m in rank_modules)
 
         # text encoder: tensor parallel over the 4 ranks; the input CLIP keeps its encoder
         ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(4))
@@ -520,6 +527,29 @@ def test_end_to_end_on_4_cpu_ranks_matches_single_device(as_patcher, fake_patche
     # the node again with the same cards reuses the rank threads
     configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, device_kind="cpu")
     assert len(parallel_roles._COORDINATORS) == 1
+
+
+def test_a_patch_added_after_the_node_reaches_every_rank(fake_patcher_extension):
+    # A LoRA loader placed after the node: ComfyUI patches the shared weights for a patcher
+    # with another patch set; replicas from the base would miss it, so the loaded weights
+    # are copied to the other ranks instead.
+    dit = tiny_model(seed=8)
+    model, clip, video_vae, audio_vae = inputs()
+    model = FakeModelPatcher(dit)
+    p_model, *_ = configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, device_kind="cpu")
+    replicas = p_model.multinpu_dit_replicas
+    x, t, ctx, kw = make_inputs("plain", seed=2)
+    with torch.no_grad():
+        before = dit(x, t, ctx, **kw)
+        for p in dit.blocks[0].parameters():  # what loading the LoRA'd patcher does to the weights
+            p.add_(0.05)
+        dit.current_weight_patches_uuid = uuid.uuid4()
+        p_model.model.current_weight_patches_uuid = dit.current_weight_patches_uuid
+        want = dit(x, t, ctx, **kw)
+        assert rel_diff(want, before) > 1e-3  # the patch matters
+        assert not replicas.uses_base()
+        assert rel_diff(p_model.forward(x, t, ctx, **kw), want) <= FP32_TOL
+    assert replicas.unload() == 0  # CPU ranks: the base replicas held nothing beyond the base
 
 
 def test_one_and_two_card_plans_place_each_component(fake_patcher_extension):
