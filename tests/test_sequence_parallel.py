@@ -369,7 +369,11 @@ def test_patcher_entry_point(model32, references, fake_patcher_extension):
     with SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=30) as coord:
         with pytest.raises(ValueError, match="2 replicas for 3 ranks"):
             enable_sequence_parallel_on_patcher(primary, coord, [None, models[1]])
-        assert primary.wrappers == {}  # nothing installed by the failed call
+        primary.load_device = torch.device("meta")
+        with pytest.raises(ValueError, match="loads on meta but rank 0 runs on cpu"):
+            enable_sequence_parallel_on_patcher(primary, coord, [None, models[1], models[2]])
+        primary.load_device = torch.device("cpu")
+        assert primary.wrappers == {}  # nothing installed by the failed calls
         replica_patchers = [primary, FakePatcher(models[1]), FakePatcher(models[2])]
         enable_sequence_parallel_on_patcher(primary, coord, replica_patchers)
         enable_sequence_parallel_on_patcher(primary, coord, replica_patchers)  # re-enable replaces

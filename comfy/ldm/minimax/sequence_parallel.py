@@ -251,7 +251,8 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     """ComfyUI entry point: make `model_patcher`'s DiT forward run sequence parallel.
 
     replicas[r]: rank r's model on coordinator.devices[r] (ModelPatcher, BaseModel or the DiT
-    module; replicas[0] may be None or `model_patcher` itself). They are resolved to their DiT at
+    module; replicas[0] may be None or `model_patcher` itself, whose load_device must be
+    coordinator.devices[0]). They are resolved to their DiT at
     every forward, so the caller may (re)load them between runs. Installs the fan-out as the
     DIFFUSION_MODEL wrapper `WRAPPER_KEY` (replacing an earlier one) and returns it; every
     sampling step then runs on all ranks and returns rank 0's result. Raises ValueError /
@@ -265,6 +266,11 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
         raise ValueError(f"enable_sequence_parallel_on_patcher got {len(replicas)} replicas for "
                          f"{coordinator.world_size} ranks; pass one per rank (None for rank 0)")
     _require_support(_diffusion_module(model_patcher), "the patcher's diffusion model")
+    load_device = getattr(model_patcher, "load_device", None)
+    if load_device is not None and torch.device(load_device) != coordinator.devices[0]:
+        # rank 0 runs the patcher's own model, so it must load where rank 0 computes
+        raise ValueError(f"the model patcher loads on {load_device} but rank 0 runs on "
+                         f"{coordinator.devices[0]}; set its load_device to {coordinator.devices[0]}")
     entries = [None if (r == 0 and (rep is None or rep is model_patcher)) else rep
                for r, rep in enumerate(replicas)]
     for r, rep in enumerate(entries):
