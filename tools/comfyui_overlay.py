@@ -117,9 +117,9 @@ def report_commit(comfyui: Path, pins_file: Path) -> None:
 # ----------------------------------------------------------------------------- the patch
 
 def patch_paths(patch: Path) -> list[str]:
-    prefix = "+++ b/"
-    names = [line[len(prefix):].rstrip("\n") for line in patch.read_text().splitlines()
-             if line.startswith(prefix)]
+    # "diff --git a/P b/P" heads every file, an empty one included (which has no "+++" line).
+    names = [line.rsplit(" b/", 1)[1] for line in patch.read_text().splitlines()
+             if line.startswith("diff --git a/")]
     if not names:
         raise OverlayError(f"{patch} holds no files; regenerate it with tools/make_patch.py")
     return names
