@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from comfy.ldm.minimax.miniature import (MiniatureConfig, build_miniature, miniature_from_state_dict,
-                                         read_miniature_config, save_miniature)
+from comfy.ldm.minimax.miniature import (MiniatureConfig, build_miniature, read_miniature_config,
+                                         save_miniature)
 from comfy.ldm.minimax.sequence_parallel import enable_sequence_parallel
 from comfy.multidevice import VALID_BACKENDS, SequenceParallelCoordinator
 from comfy.sequence_parallel import DEFAULT_SP_MODE, KV_STRATEGIES, ShardPlan
@@ -46,7 +46,7 @@ REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_
                "max_abs_diff", "rel_diff", "tolerance", "parity", "seconds_per_step",
                "reference_seconds_per_step", "speedup", "exchanged_bytes_per_step", "dtype",
                "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
-               "weights_source", "out")
+               "weights_source", "checkpoint_bytes_read", "out")
 
 
 class DryRunError(ValueError):
@@ -206,12 +206,29 @@ def ensure_checkpoint(plan: Plan) -> tuple[Path, bool]:
     return path, False
 
 
-def build_replicas(path: Path, devices: list[str]) -> tuple[list[torch.nn.Module], str]:
-    """One replica per rank from the checkpoint file, read from disk once."""
-    from safetensors.torch import load_file
+@dataclass
+class Replicas:
+    modules: list[torch.nn.Module]
+    source: str        # how they were built
+    bytes_read: int    # checkpoint bytes read from disk for them
+
+
+def build_replicas(path: Path, devices: list[str]) -> Replicas:
+    """One replica per rank from the checkpoint file, read from disk once.
+
+    Through comfy/shared_checkpoint.py: one read-only base in RAM, and each rank's hot cache
+    built from it (a zero-copy view of the base on a CPU rank, a device copy elsewhere).
+    """
+    from comfy.ldm.minimax.miniature import MiniatureH3Model
+    from comfy.shared_checkpoint import RankReplicas, SharedCheckpoint
+
     config, dtype = read_miniature_config(path)
-    state = load_file(str(path))
-    return [miniature_from_state_dict(state, config, dtype, d) for d in devices], "safetensors"
+    base = SharedCheckpoint.open(path)
+    read_before = base.bytes_read
+    with torch.device("meta"):  # the template only lends its structure: allocate nothing
+        template = MiniatureH3Model(config, dtype=dtype)
+    replicas = RankReplicas(base, devices, template=template, load=True)
+    return Replicas([r.module for r in replicas], "shared_checkpoint", read_before)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -300,8 +317,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     path, reused = ensure_checkpoint(plan)
     size_mb = path.stat().st_size / 2 ** 20
     say(f"[weights] {path} ({size_mb:.1f} MiB, {'reused from the cache' if reused else 'built and saved'})")
-    replicas, weights_source = build_replicas(path, plan.devices)
-    say(f"[weights] {world} replica(s) built from the checkpoint ({weights_source})")
+    built = build_replicas(path, plan.devices)
+    replicas = built.modules
+    say(f"[weights] {world} replica(s) from one read-only base ({built.source}): "
+        f"{built.bytes_read / 2 ** 20:.1f} MiB read from disk")
 
     x, context, kwargs = make_inputs(plan)
     sigmas = sigma_schedule(args.steps, cfg.sigma_shift_video)
@@ -355,7 +374,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
         "cpu_threads_per_rank": per_rank_threads,
         "reference_cpu_threads": threads_before if plan.devices[0].startswith("cpu") else None,
-        "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": weights_source,
+        "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": built.source,
+        "checkpoint_bytes_read": built.bytes_read,
         "out": str(args.out),
     }
     if ref_latents is not None:

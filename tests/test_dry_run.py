@@ -44,6 +44,9 @@ def test_dry_run_cli_parity_cache_and_outputs(tmp_path):
     assert saved["video"].shape == (1, 24, 2, 4, 4) and saved["audio"].shape == (1, 32, 2, 9)
     assert json.loads((out / "report.json").read_text()) == report
     assert len(list(cache.glob("*.safetensors"))) == 1
+    # three replicas from one read-only base: the checkpoint was read from disk exactly once
+    assert report["weights_source"] == "shared_checkpoint"
+    assert report["checkpoint_bytes_read"] == os.path.getsize(report["checkpoint"])
 
     # the second run loads the cached checkpoint; the fake HCCL library drives --backend hccl
     from tests.fakes.build import build_fake
