@@ -126,10 +126,10 @@ def _too_few(n_cards: int, kind: str, found: int, inventory: DeviceInventory) ->
         fixes.insert(0, f"set npu_count to {fit}")
     other = [k for k in ACCELERATOR_KINDS if k != kind and inventory.count(k) >= n_cards]
     if other:
-        fixes.append(f"or set device_kind to {other[0]} ({inventory.count(other[0])} visible)")
+        fixes.append(f"set device_kind to {other[0]} ({inventory.count(other[0])} visible)")
     return TooFewDevices(
         f"asked for {n_cards} {kind} card(s), found {found} {kind} card(s) "
-        f"({inventory.env_text(kind)}). Fix: " + "; ".join(fixes) + ".")
+        f"({inventory.env_text(kind)}). Fix: " + "; or ".join(fixes) + ".")
 
 
 def parse_device_list(text: str | Sequence) -> list[tuple[str, int | None]]:
@@ -192,8 +192,7 @@ def select_devices(n_cards, kind: str = "auto", devices: str | Sequence | None =
             raise MixedDeviceKinds(
                 f"asked for {n_cards} card(s) with device_kind auto, but more than one kind is "
                 f"visible: {inventory.describe()}. Ranks must all be one kind: set device_kind "
-                f"to {' or '.join(present)}, or hide the other kind "
-                f"({' / '.join(VISIBLE_DEVICES_ENV[k] + '=' for k in present)}).")
+                f"to {' or '.join(present)}.")
         if not present:
             raise TooFewDevices(
                 f"asked for {n_cards} card(s), found no NPU or CUDA card ({inventory.describe()}). "

@@ -98,6 +98,24 @@ def _language_model(clip):
         return None
 
 
+def text_encoder_split_problem(clip, world_size: int) -> str | None:
+    """Why the CLIP stays on one card instead of tensor parallel (None: it can be split).
+
+    A CLIP of another layout, or with quantized weights (the NVFP4 encoder file: small enough
+    for one card), stays on one card; any other obstacle (a CLIP LoRA, heads that cannot be
+    split) is raised, since it needs the user's decision.
+    """
+    from comfy.tensor_parallel import QuantizedWeightsError, check_tensor_parallel_clip
+
+    if _language_model(clip) is None:
+        return f"{type(clip).__name__} has no Llama/Qwen language model layout"
+    try:
+        check_tensor_parallel_clip(clip, world_size)
+    except QuantizedWeightsError as exc:
+        return f"its weights cannot be sliced ({exc})"
+    return None
+
+
 def _has_chunk_interface(vae) -> bool:
     from comfy.vae_parallel import H3ChunkInterface
     return H3ChunkInterface.supports(getattr(vae, "first_stage_model", None))
@@ -125,9 +143,8 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
                 f"the model input ({type(dit_module(model)).__name__}) cannot run sequence parallel: "
                 f"{'; '.join(problems)}. Connect the MiniMax-H3 UNETLoader (or its LoRA loader) output, "
                 f"or set npu_count to 1 or 2")
-    if plan.text_encoder.mode == TENSOR_PARALLEL and _language_model(clip) is not None:
-        from comfy.tensor_parallel import check_tensor_parallel_clip
-        check_tensor_parallel_clip(clip, len(plan.text_encoder.cards))  # head split, CLIP LoRA
+    if plan.text_encoder.mode == TENSOR_PARALLEL:
+        text_encoder_split_problem(clip, len(plan.text_encoder.cards))
 
 
 # ----------------------------------------------------------------------------- DiT
@@ -290,9 +307,9 @@ def _place_clip(clip, device):
 def _tensor_parallel_text_encoder(clip, devices, coordinator):
     from comfy.tensor_parallel import tensor_parallel_clip
 
-    if _language_model(clip) is None:
-        log.warning("text encoder: %s has no Llama/Qwen language model layout, so it is not split; "
-                    "it runs on %s", type(clip).__name__, devices[0])
+    problem = text_encoder_split_problem(clip, len(devices))
+    if problem is not None:
+        log.warning("text encoder: not tensor parallel, it runs on %s only: %s", devices[0], problem)
         return _place_clip(clip, devices[0])
     out = tensor_parallel_clip(clip, coordinator)  # a new CLIP: the input's encoder is untouched
     patcher = getattr(out, "patcher", None)

@@ -36,7 +36,7 @@ from comfy_extras.nodes_multinpu import NODE_SCHEMA, configure_parallel, plan_ro
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
 from tests.sp_cases import make_inputs, rel_diff, tiny_model
 from tests.test_sequence_parallel import fake_patcher_extension  # noqa: F401  (fixture: comfy.patcher_extension stand-in)
-from tests.test_tensor_parallel import LAYOUTS, mirror_clip
+from tests.test_tensor_parallel import LAYOUTS, WrappedWeight, mirror_clip
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -550,6 +550,19 @@ def test_a_patch_added_after_the_node_reaches_every_rank(fake_patcher_extension)
         assert not replicas.uses_base()
         assert rel_diff(p_model.forward(x, t, ctx, **kw), want) <= FP32_TOL
     assert replicas.unload() == 0  # CPU ranks: the base replicas held nothing beyond the base
+
+
+def test_a_quantized_text_encoder_stays_on_the_first_card(fake_patcher_extension, caplog):
+    # The official templates load the NVFP4 encoder file: its weights cannot be sliced, and it
+    # fits on one card, so the plan keeps it on card 0 (and says so) instead of failing.
+    model, clip, video_vae, audio_vae = inputs()
+    lm = clip.cond_stage_model.qwen3vl_32b.transformer.model
+    proj = lm.layers[0].mlp.up_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().as_subclass(WrappedWeight), requires_grad=False)
+    with caplog.at_level("WARNING", logger="comfy.parallel_roles"):
+        _, p_clip, *_ = configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, device_kind="cpu")
+    assert "not tensor parallel" in caplog.text and "cannot be sliced" in caplog.text
+    assert p_clip is not clip and p_clip.cond_stage_model.qwen3vl_32b.transformer.model is lm
 
 
 def test_one_and_two_card_plans_place_each_component(fake_patcher_extension):
