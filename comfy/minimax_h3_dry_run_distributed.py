@@ -50,6 +50,16 @@ def _ensure_checkpoint_once(plan: dry.Plan, comm: DistributedComm, local_rank: i
     return result
 
 
+def _one_replica(path, device):
+    """This process's replica through the dry run's own builder, which returns either
+    (modules, source) or an object with .modules / .source depending on its version."""
+    built = dry.build_replicas(path, [str(device)])
+    if hasattr(built, "modules"):
+        return built.modules[0], built.source
+    modules, source = built
+    return modules[0], source
+
+
 def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
     env = read_torchrun_env()
     comm = init_from_env(device="cpu" if args.cpu else None)
@@ -72,7 +82,7 @@ def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
 
     path, reused = _ensure_checkpoint_once(plan, comm, local_rank)
     say(f"[weights] {path} ({'reused from the cache' if reused else 'built and saved'})")
-    (replica,), weights_source = dry.build_replicas(path, [str(device)])
+    replica, weights_source = _one_replica(path, device)
 
     index = torch.tensor([device.index if device.index is not None else -1])
     indices = comm.exchange([index], 0)[0].tolist()
