@@ -273,6 +273,22 @@ def check_all_to_all_metadata(per_rank: Sequence[Sequence[ShardMeta]], splits: S
                         f"{cat_dim}")
 
 
+def all_to_all_arguments(tensors, send_splits, split_dim, cat_dim, world_size):
+    """Check one rank's all_to_all_v call locally, before anything is sent.
+
+    Returns (single, tensors as a list, split_dim, cat_dim, send splits as a tuple); `single`
+    says a lone tensor was passed (and a lone tensor is returned).
+    """
+    single = isinstance(tensors, torch.Tensor)
+    tensors = [tensors] if single else list(tensors)
+    if not tensors:
+        raise ValueError("all_to_all_v needs at least one tensor")
+    split_dim = normalize_dims(tensors, split_dim)[0]
+    cat_dim = split_dim if cat_dim is None else normalize_dims(tensors, cat_dim)[0]
+    splits = check_send_splits(tensors, send_splits, split_dim, world_size)
+    return single, tensors, split_dim, cat_dim, splits
+
+
 def concat_received(parts: Sequence[torch.Tensor], sizes: Sequence[int], cat_dim: int) -> torch.Tensor:
     """A rank's all-to-all result: the chunks it received, in source order, along cat_dim.
 
@@ -599,13 +615,8 @@ class SequenceParallelCoordinator:
         nothing and its chunk is left out (a sub-group exchange through one call). A single
         tensor in, a single out.
         """
-        single = isinstance(tensors, torch.Tensor)
-        tensors = [tensors] if single else list(tensors)
-        if not tensors:
-            raise ValueError("all_to_all_v needs at least one tensor")
-        split_dim = normalize_dims(tensors, split_dim)[0]
-        cat_dim = split_dim if cat_dim is None else normalize_dims(tensors, cat_dim)[0]
-        splits = check_send_splits(tensors, send_splits, split_dim, self.world_size)
+        single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
+            tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
             return tensors[0] if single else tensors
         parity = self._parity[rank]

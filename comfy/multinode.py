@@ -30,11 +30,10 @@ from typing import Mapping, Sequence
 import torch
 
 from comfy.ctypes_collective import unflatten_gathered
-from comfy.multidevice import (VALID_REDUCE_OPS, CollectiveError, ShardMeta, check_all_to_all_metadata,
-                               check_exchange_metadata, check_send_splits, chunk_shape,
-                               concat_received, nbytes,
-                               normalize_dims, numel, resolve_device, set_thread_device,
-                               timeout_from_env)
+from comfy.multidevice import (VALID_REDUCE_OPS, CollectiveError, ShardMeta, all_to_all_arguments,
+                               check_all_to_all_metadata, check_exchange_metadata, chunk_shape,
+                               concat_received, nbytes, normalize_dims, numel, resolve_device,
+                               set_thread_device, timeout_from_env)
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +169,8 @@ class DistributedComm:
     def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None):
         """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
         the chunks received are concatenated in source-rank order along cat_dim."""
-        single = isinstance(tensors, torch.Tensor)
-        tensors = [tensors] if single else list(tensors)
-        if not tensors:
-            raise ValueError("all_to_all_v needs at least one tensor")
-        split_dim = normalize_dims(tensors, split_dim)[0]
-        cat_dim = split_dim if cat_dim is None else normalize_dims(tensors, cat_dim)[0]
-        splits = check_send_splits(tensors, send_splits, split_dim, self.world_size)
+        single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
+            tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
             return tensors[0] if single else tensors
         metas = self._gather_metas(tensors, "all_to_all_v", splits)
