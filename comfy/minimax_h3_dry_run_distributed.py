@@ -97,10 +97,12 @@ def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
     x, context, kwargs = [z.to(device) for z in x], context.to(device), dry._to(kwargs, device)
     sigmas = dry.sigma_schedule(args.steps, cfg.sigma_shift_video)
     shards = []
+    from comfy.ulysses import SPMode
+    sp_mode = SPMode(args.sp_mode, getattr(args, "sp_overlap", 1))
 
     def rank_forward(latents, timestep, text, **kw):
         options: dict = {}  # a fresh copy per forward, as the thread fan-out makes
-        shards.append(install_rank_sequence_parallel(replica, comm, options, args.sp_mode))
+        shards.append(install_rank_sequence_parallel(replica, comm, options, sp_mode))
         return replica(latents, timestep, text, transformer_options=options, **kw)
 
     received = []
