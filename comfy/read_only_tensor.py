@@ -120,6 +120,12 @@ class _WriteGuard(TorchDispatchMode):
         super().__init__()
         self.guarded = guarded
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is ever compiled; the default wrapping would import torch._dynamo on
+        # first use (seconds and ~100 MB of resident memory).
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for position, name, kwarg_only in _written_arguments(func):

@@ -67,9 +67,13 @@ def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(3.25),
         "empty": torch.zeros(0, 4),
     }
-    for name in ("float8_e4m3fn", "float8_e5m2"):
+    out["c64"] = torch.randn(3, generator=gen, dtype=torch.complex64)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"):
         if hasattr(torch, name):
-            out[name] = torch.randn(8, generator=gen).to(getattr(torch, name))
+            out[name] = torch.rand(8, generator=gen).add(0.5).to(getattr(torch, name))
+    for name in ("uint16", "uint32", "uint64"):  # few ops exist for these; casting does
+        if hasattr(torch, name):
+            out[name] = torch.randint(0, 60000, (4,), generator=gen).to(getattr(torch, name))
     return out
 
 
