@@ -212,6 +212,9 @@ class Replicas:
     source: str        # how they were built
     bytes_read: int    # checkpoint bytes read from disk for them
 
+    def __iter__(self):  # callers written against the earlier (modules, source) tuple still unpack it
+        return iter((self.modules, self.source))
+
 
 def build_replicas(path: Path, devices: list[str]) -> Replicas:
     """One replica per rank from the checkpoint file, read from disk once.
