@@ -168,7 +168,16 @@ def select_devices(n_cards, kind: str = "auto", devices: str | Sequence | None =
     kind: 'auto' (the one accelerator kind that is visible), 'npu', 'cuda', or 'cpu' (tests).
     devices: an explicit list ('npu:0,npu:2,...'); empty/None means the first n visible cards.
     """
-    n_cards = check_card_count(n_cards)
+    try:
+        n_cards = check_card_count(n_cards)
+    except UnsupportedCardCount as exc:
+        if kind == "cpu":
+            raise
+        inventory = inventory if inventory is not None else probe_devices()
+        visible = max((inventory.count(k) for k in ACCELERATOR_KINDS), default=0)
+        fit = largest_supported_at_most(visible)
+        hint = f" With {visible} card(s) visible, use {fit}." if fit is not None else ""
+        raise UnsupportedCardCount(f"{exc} Visible now: {inventory.describe()}.{hint}") from None
     if kind not in DEVICE_KINDS:
         raise DeviceSelectionError(f"device_kind={kind!r} is unknown: use one of {', '.join(DEVICE_KINDS)}.")
     explicit = parse_device_list(devices) if devices else []

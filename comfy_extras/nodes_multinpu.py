@@ -170,8 +170,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
 
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}.")
-    plan = plan_roles(npu_count)
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
+    plan = plan_roles(npu_count)
     parallel_roles.check_inputs(plan, model, clip, video_vae, audio_vae)
     log.info("%s: %d card(s) %s; %s", NODE_ID, npu_count, ", ".join(map(str, selected)), plan.describe())
     return parallel_roles.apply_role_plan(

@@ -316,6 +316,13 @@ def test_unsupported_counts(bad):
 
 # ----------------------------------------------------------------------------- device checks
 
+def test_unsupported_count_names_the_visible_cards():
+    with pytest.raises(UnsupportedCardCount) as info:
+        select_devices(3, inventory=inventory(npu=3, ASCEND_RT_VISIBLE_DEVICES="0,1,2"))
+    msg = str(info.value)
+    assert "npu_count=3" in msg and "npu: 3 (ASCEND_RT_VISIBLE_DEVICES=0,1,2)" in msg and "use 2" in msg
+
+
 def test_too_few_devices_says_asked_found_variable_and_fix():
     inv = inventory(npu=2, ASCEND_RT_VISIBLE_DEVICES="0,1")
     with pytest.raises(TooFewDevices) as info:
