@@ -60,7 +60,6 @@ class TinyCausalVideoVAE(nn.Module):
         self.decoder = TinyCausalDecoder(channels=channels, ratio=self.vae_ratio_t, seed=seed)
         self.register_buffer("latents_mean", torch.randn(channels, generator=gen) * 0.1)
         self.register_buffer("latents_std", 1.0 + torch.rand(channels, generator=gen))
-        self.decode_calls = 0
 
     # chunk geometry, worked out here from the three numbers above
     chunk = 5        # latent frames per chunk: ceil(17 / 4)
@@ -68,7 +67,6 @@ class TinyCausalVideoVAE(nn.Module):
     lead_in = 3      # frames at the start of a decoded chunk that are dropped: (-17) % 4
 
     def _adaptive_decode(self, z):
-        self.decode_calls += 1
         return self.decoder(z)
 
     def _finalize_pixels(self, raw):

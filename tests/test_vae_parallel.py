@@ -64,7 +64,7 @@ def test_chunked_decode_is_bit_identical_to_single_device(world, t):
     assert torch.equal(got, want)
 
 
-def test_chunked_decode_fills_the_preallocated_buffer_and_matches(tmp_path):
+def test_chunked_decode_fills_the_preallocated_buffer_and_matches():
     vae = TinyCausalVideoVAE(seed=3)
     z = latent(22, seed=3, b=2)
     with torch.no_grad():
