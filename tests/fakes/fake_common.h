@@ -55,6 +55,19 @@ static int fake_wait_all(pthread_mutex_t *mu, pthread_cond_t *cv, int size, int 
     return 0;
 }
 
+/* Drop one communicator's reference to its group; 1 (and the lock and condition destroyed)
+ * when it was the last one, so the caller frees the group. */
+static int fake_release_group(pthread_mutex_t *mu, pthread_cond_t *cv, int *refs) {
+    pthread_mutex_lock(mu);
+    int last = --*refs == 0;
+    pthread_mutex_unlock(mu);
+    if (last) {
+        pthread_mutex_destroy(mu);
+        pthread_cond_destroy(cv);
+    }
+    return last;
+}
+
 static float bf16_to_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
     float f;
