@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
 
 class ReadOnlyWeightError(RuntimeError):
@@ -125,6 +125,15 @@ class _WriteGuard(TorchDispatchMode):
         # Nothing here is ever compiled; the default wrapping would import torch._dynamo on
         # first use (seconds and ~100 MB of resident memory).
         return False
+
+    # The base class's __enter__/__exit__ also flip process-wide "inside a dispatch mode" flags,
+    # which concurrent rank threads would leave wrong; the mode stack itself is per thread.
+    def __enter__(self):
+        _push_mode(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        _pop_mode()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

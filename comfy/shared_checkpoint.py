@@ -106,6 +106,36 @@ def _live(key: tuple) -> "SharedCheckpoint | None":
     return source
 
 
+def _claim(key: tuple) -> tuple["SharedCheckpoint | None", _PendingOpen | None, bool]:
+    """(live source, pending read, whether the caller must do the read) for a key."""
+    with _registry_lock:
+        source = _live(key)
+        if source is not None:
+            return source, None, False
+        pending = _pending.get(key)
+        if pending is not None:
+            return None, pending, False
+        pending = _pending[key] = _PendingOpen()
+        return None, pending, True
+
+
+def _publish(key: tuple, pending: _PendingOpen, source: "SharedCheckpoint") -> None:
+    with _registry_lock:
+        for old in [k for k in _registry if k[0] == key[0]]:
+            del _registry[old]  # an older version of this file: its holders keep their views
+        _registry[key] = weakref.ref(source)
+        del _pending[key]
+    pending.result = source
+    pending.done.set()
+
+
+def _abandon(key: tuple, pending: _PendingOpen, error: BaseException) -> None:
+    with _registry_lock:
+        del _pending[key]  # a failed read leaves nothing registered
+    pending.error = error
+    pending.done.set()
+
+
 def shared_checkpoint_sources() -> list[tuple]:
     """Keys (real path, size, mtime_ns) of the live registered sources; reads in progress excluded."""
     with _registry_lock:
@@ -197,32 +227,19 @@ class SharedCheckpoint(Mapping):
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{shown}: not a regular file; pass a .safetensors file")
             key = (real, st.st_size, st.st_mtime_ns)
-            with _registry_lock:
-                source = _live(key)
-                pending = _pending.get(key) if source is None else None
-                reader = source is None and pending is None
-                if reader:
-                    pending = _pending[key] = _PendingOpen()
+            source, pending, reader = _claim(key)
             if source is not None:
-                log.info("%s %s (already read by this process; nothing read from disk)", REUSE_MESSAGE, real)
+                log.info("%s %s (already read by this process; nothing read from disk) [%s]",
+                         REUSE_MESSAGE, real, threading.current_thread().name)
                 return source
             if not reader:
                 return cls._wait_for(pending, real)
             try:
                 source = cls._read(handle, real, key, st)
             except BaseException as exc:
-                with _registry_lock:
-                    del _pending[key]
-                pending.error = exc
-                pending.done.set()
+                _abandon(key, pending, exc)
                 raise
-            with _registry_lock:
-                for old in [k for k in _registry if k[0] == real]:
-                    del _registry[old]  # an older version of this file: holders keep their views
-                _registry[key] = weakref.ref(source)
-                del _pending[key]
-            pending.result = source
-            pending.done.set()
+            _publish(key, pending, source)
             return source
 
     @staticmethod
@@ -233,7 +250,8 @@ class SharedCheckpoint(Mapping):
             if isinstance(error, CheckpointError):
                 raise CheckpointError(str(error)) from error
             raise error
-        log.info("%s %s (read once by a concurrent open; nothing read from disk)", REUSE_MESSAGE, real)
+        log.info("%s %s (read once by a concurrent open; nothing read from disk) [%s]",
+                 REUSE_MESSAGE, real, threading.current_thread().name)
         return pending.result
 
     @classmethod
@@ -251,12 +269,19 @@ class SharedCheckpoint(Mapping):
             return chunk
 
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            try:  # a hint for read-ahead; some filesystems refuse it
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass
         length = parse_header_length(read_exact(min(HEADER_LENGTH_BYTES, st.st_size), "length field"),
                                      st.st_size, real)
         header = parse_header_json(read_exact(length, "header"),
                                    st.st_size - HEADER_LENGTH_BYTES - length, real)
-        data = torch.empty(header.data_bytes, dtype=torch.uint8)
+        try:
+            data = torch.empty(header.data_bytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{real}: cannot allocate {header.data_bytes} bytes of CPU memory for "
+                               f"the shared base ({exc}); free memory or use a smaller checkpoint") from exc
         buffer = memoryview(data.numpy()).cast("B")
         position = 0
         while position < len(buffer):
@@ -281,8 +306,8 @@ class SharedCheckpoint(Mapping):
                 raw = raw.clone()
                 block = ReadOnlyMemory(raw.untyped_storage(), real)
             views[info.name] = (raw.view(info.dtype).view(info.shape), block)
-        log.info("Read shared checkpoint source %s: %d tensors, %d bytes from disk",
-                 real, len(views), read)
+        log.info("Read shared checkpoint source %s: %d tensors, %d bytes from disk [%s]",
+                 real, len(views), read, threading.current_thread().name)
         return cls(real, views, key=key, header=header, file_bytes=st.st_size, bytes_read=read)
 
     @classmethod

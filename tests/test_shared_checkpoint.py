@@ -313,6 +313,28 @@ def test_write_attempt_raises_and_base_is_unchanged(tmp_path, how):
     assert torch.equal(ckpt["w"], written["w"]) and torch.equal(ckpt["v"], written["v"])
 
 
+def test_guard_is_per_thread_under_concurrent_rank_threads(tmp_path):
+    written = {"w": torch.randn(64, 64)}
+    ckpt = SharedCheckpoint.open(write(tmp_path / "m.safetensors", written))
+    x = torch.randn(8, 64)
+
+    def hammer(rank, comm):
+        w, refused = ckpt["w"], 0
+        for i in range(200):
+            y = torch.nn.functional.linear(x, w)          # reads are fine
+            assert torch.equal(y, torch.nn.functional.linear(x, written["w"]))
+            try:
+                w[i % 64].add_(1.0)
+            except ReadOnlyWeightError:
+                refused += 1
+        return refused, torch._C._len_torch_dispatch_stack()
+
+    with SequenceParallelCoordinator(["cpu"] * 4, backend="peer", timeout_s=THREAD_LIMIT_S) as coord:
+        results = coord.run(hammer)
+    assert results == [(200, 0)] * 4          # every write refused, no mode left on any thread
+    assert torch.equal(ckpt["w"], written["w"])
+
+
 def test_numpy_views_are_read_only_and_copies_are_writable(tmp_path):
     written = {"w": torch.randn(4, 3)}
     ckpt = SharedCheckpoint.open(write(tmp_path / "m.safetensors", written))
