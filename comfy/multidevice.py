@@ -652,8 +652,9 @@ class SequenceParallelCoordinator:
         rank's packed send buffer and keeps its own chunks. Exact; moves W times the bytes."""
         if not self._a2a_fallback_logged:
             self._a2a_fallback_logged = True
-            log.warning("backend %s has no all-to-all: all_to_all_v all-gathers the packed send "
-                        "buffers instead (exact, moves %dx the bytes)", self.backend_name, self.world_size)
+            log.warning("rank %d: backend %s has no all-to-all: all_to_all_v all-gathers the packed "
+                        "send buffers instead (exact, moves %dx the bytes)", rank, self.backend_name,
+                        self.world_size)
         out = []
         for t, tensor in enumerate(tensors):
             flat = torch.cat([c.reshape(-1) for c in tensor.split(list(splits[rank]), split_dim)])

@@ -286,8 +286,8 @@ class AutoKV:
             self._strategy = (UlyssesKV(overlap_chunks=self.overlap_chunks) if self.chosen == "ulysses"
                               else AllGatherKV())
             if comm.rank == 0:
-                log.info("sp_mode auto: %s for %d ranks and %d heads (ulysses degree %d)", self.chosen,
-                         comm.world_size, heads, ulysses_degree(comm.world_size, heads))
+                log.info("rank 0: sp_mode auto: %s for %d ranks and %d heads (ulysses degree %d)",
+                         self.chosen, comm.world_size, heads, ulysses_degree(comm.world_size, heads))
         return self._strategy.attend(comm, attention_fn, q, k, v, heads, *args, **kwargs)
 
 
