@@ -46,7 +46,8 @@ REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_
                "max_abs_diff", "rel_diff", "tolerance", "parity", "seconds_per_step",
                "reference_seconds_per_step", "speedup", "exchanged_bytes_per_step", "dtype",
                "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
-               "weights_source", "checkpoint_bytes_read", "out")
+               "weights_source", "checkpoint_bytes_read", "out", "sp_overlap", "sp_mode_used",
+               "byte_counts", "model_bytes_per_step")
 
 
 class DryRunError(ValueError):
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
                    help="collective backend (default: COMFYUI_MULTI_DEVICE_BACKEND, else auto)")
     g.add_argument("--sp-mode", choices=list(KV_STRATEGIES), default=DEFAULT_SP_MODE,
                    help="how attention exchanges K/V between ranks (default %(default)s)")
+    g.add_argument("--sp-overlap", type=int, default=1, metavar="CHUNKS",
+                   help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
+                        "attention (default 1: no overlap)")
     g = parser.add_argument_group("sampling")
     g.add_argument("--steps", type=int, default=10, help="Euler steps (default %(default)s)")
     g.add_argument("--frames", type=int, default=39, help="video frames, 17k+5 (default %(default)s)")
@@ -145,6 +149,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     for name in ("refs", "text_tokens"):
         if getattr(args, name) < (1 if name == "text_tokens" else 0):
             raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
+    try:
+        from comfy.ulysses import SPMode  # the --sp-mode / --sp-overlap combination
+        SPMode(args.sp_mode, overlap_chunks=args.sp_overlap)
+    except ValueError as exc:
+        raise DryRunError(f"--sp-mode {args.sp_mode} --sp-overlap {args.sp_overlap}: {exc}") from exc
     if args.tolerance is not None and not args.tolerance >= 0:
         raise DryRunError(f"--tolerance {args.tolerance}: must be >= 0")
     if args.heads * args.head_dim == args.hidden:
@@ -339,7 +348,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             + f", sp mode {args.sp_mode}")
         parts = ", ".join(f"{k} {n}" for k, n in plan_rows(plan).items())
         say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {tokens_per_rank}")
-        sp = enable_sequence_parallel(replicas, coord, sp_mode=args.sp_mode)
+        from comfy.ulysses import SPMode
+        sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap))
         exchanged = []
         if per_rank_threads is not None:
             torch.set_num_threads(per_rank_threads)
@@ -352,10 +362,15 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             torch.set_num_threads(threads_before)
         if sp.tokens_per_rank() != tokens_per_rank:
             raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
+        byte_counts = coord.byte_counts()  # per rank, the whole sampling
     sp_seconds = _steady(seconds)
     bytes_per_step = max(exchanged) if exchanged else 0
     say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
+    mode_used, model_bytes = _traffic_model(plan, seq_len, world)
+    say(f"[traffic] sp mode {mode_used}: received per rank and step "
+        f"{[round(c['received'] / args.steps / 2 ** 20, 2) for c in byte_counts]} MiB "
+        f"(byte model: {model_bytes / 2 ** 20:.2f} MiB in all ranks per step)")
 
     ref_latents, ref_seconds = None, None
     if not args.no_reference:
@@ -380,6 +395,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": built.source,
         "checkpoint_bytes_read": built.bytes_read,
         "out": str(args.out),
+        "sp_overlap": args.sp_overlap, "sp_mode_used": mode_used, "byte_counts": byte_counts,
+        "model_bytes_per_step": model_bytes,
     }
     if ref_latents is not None:
         diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
@@ -394,6 +411,21 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     say(f"[output] {Path(args.out) / 'latents.safetensors'}, {Path(args.out) / 'report.json'}")
     print(json.dumps(report), file=out, flush=True)
     return 1 if report["parity"] == "fail" else 0
+
+
+def _traffic_model(plan: Plan, seq_len: int, world: int) -> tuple[str, int]:
+    """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
+    from comfy.sp_cost_model import DiTShape, choose_sp_mode, forward_traffic
+    cfg = plan.config
+    mode = plan.args.sp_mode
+    if mode == "auto":
+        mode = choose_sp_mode(world, cfg.num_attention_heads, cfg.attention_head_dim)
+    shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=cfg.num_attention_heads,
+                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size)
+    itemsize = plan.dtype.itemsize
+    total = sum(forward_traffic(mode, shape, seq_len, world, r, itemsize)["total"].received
+                for r in range(world))
+    return mode, total
 
 
 def _steady(seconds: list[float]) -> float:
