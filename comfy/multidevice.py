@@ -113,18 +113,24 @@ def timeout_from_env() -> float:
 # ----------------------------------------------------------------------------- barrier
 
 class AbortableBarrier:
-    """A reusable W-party barrier that can be aborted and that names the absent ranks on timeout."""
+    """A reusable W-party barrier that can be aborted and that names the absent ranks on timeout.
+
+    Each waiter sleeps on a lock of its own that the last arrival releases, so a wake-up
+    needs no shared lock: with W rank threads on few cores, that second round of contention
+    is most of the cost of a small collective.
+    """
 
     def __init__(self, parties: int, timeout_s: float):
         self.parties = parties
         self.timeout_s = timeout_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._arrived: set[int] = set()
+        self._sleepers: list = []
         self._generation = 0
         self._abort_reason: str | None = None
 
     def wait(self, rank: int, what: str = "collective") -> None:
-        with self._cond:
+        with self._lock:
             if self._abort_reason is not None:
                 raise CollectiveAborted(f"rank {rank}: {what} cancelled: {self._abort_reason}")
             generation = self._generation
@@ -132,35 +138,45 @@ class AbortableBarrier:
             if len(self._arrived) == self.parties:
                 self._arrived.clear()
                 self._generation += 1
-                self._cond.notify_all()
+                self._wake_all_locked()
                 return
-            deadline = time.monotonic() + self.timeout_s
-            while generation == self._generation and self._abort_reason is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(self.parties)) - self._arrived)
-                    reason = (f"{what} timed out after {self.timeout_s:g}s waiting for rank(s) "
-                              f"{missing} (raise {TIMEOUT_ENV} if they are just slow)")
-                    self._abort_locked(reason)
-                    raise CollectiveTimeout(f"rank {rank}: {reason}")
-                self._cond.wait(left)
-            if generation == self._generation:  # woken by an abort, not by the last arrival
-                raise CollectiveAborted(f"rank {rank}: {what} cancelled: {self._abort_reason}")
+            sleeper = threading.Lock()
+            sleeper.acquire()
+            self._sleepers.append(sleeper)
+        woken = sleeper.acquire(timeout=self.timeout_s)
+        if self._generation != generation:
+            return
+        with self._lock:
+            if self._generation != generation:  # released just after the timeout expired
+                return
+            if not woken and self._abort_reason is None:
+                missing = sorted(set(range(self.parties)) - self._arrived)
+                reason = (f"{what} timed out after {self.timeout_s:g}s waiting for rank(s) "
+                          f"{missing} (raise {TIMEOUT_ENV} if they are just slow)")
+                self._abort_locked(reason)
+                raise CollectiveTimeout(f"rank {rank}: {reason}")
+            raise CollectiveAborted(f"rank {rank}: {what} cancelled: {self._abort_reason}")
 
     def abort(self, reason: str) -> None:
-        with self._cond:
+        with self._lock:
             if self._abort_reason is None:
                 self._abort_locked(reason)
 
     def _abort_locked(self, reason: str) -> None:
         self._abort_reason = reason
-        self._cond.notify_all()
+        self._wake_all_locked()
+
+    def _wake_all_locked(self) -> None:
+        sleepers, self._sleepers = self._sleepers, []
+        for sleeper in sleepers:
+            sleeper.release()
 
     def reset(self) -> None:
         """Re-arm after an aborted run; only called while no rank is inside a collective."""
-        with self._cond:
+        with self._lock:
             self._abort_reason = None
             self._arrived.clear()
+            self._wake_all_locked()
             self._generation += 1
 
     @property
