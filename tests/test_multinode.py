@@ -7,96 +7,26 @@ must be bit-exact. Gloo's all-reduce sums in its own order, so fp32 sums are com
 the float64 sum at a tolerance of 1e-6 x the sum of magnitudes (a few fp32 roundings), and
 the ranks' results must be bit-identical to each other; max is exact.
 
-Hard limits: a pytest-timeout per test, a join timeout per process, and a kill of every
-process still alive afterwards. Processes start through a "forkserver" that has torch and
-this module imported already (each process is a fork of a clean, single-threaded server,
-so starting one costs milliseconds instead of a fresh torch import).
+Hard limits: a pytest-timeout per test, plus the join timeout and kill of
+tests/rank_processes.py.
 """
 
 import hashlib
-import multiprocessing as mp
-import os
-import queue
 import socket
 import time
-import traceback
 
 import pytest
 import torch
 
 from comfy.multinode import (TorchrunEnvError, dist_backend_for, launched_by_torchrun,
                              read_torchrun_env)
+from tests.rank_processes import payloads, run_rank_processes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-JOIN_TIMEOUT_S = 90
 
 
-# ----------------------------------------------------------------------------- harness
-
-def _entry(rank, world, init, worker_name, results, env):
-    """Process body: join the group, run the named worker, report (rank, status, payload)."""
-    os.environ.update(env)
-    torch.set_num_threads(1)  # W processes share 2 cores
-    comm = None
-    try:
-        from comfy import multinode
-        if init == "env":
-            comm = multinode.init_from_env(device="cpu", timeout_s=float(env["TEST_DIST_TIMEOUT_S"]))
-        else:
-            comm = multinode.init_process_group(rank, world, "cpu", init_method=init,
-                                                timeout_s=float(env["TEST_DIST_TIMEOUT_S"]))
-        payload = globals()[worker_name](comm)
-        results.put((rank, "ok", payload))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        if comm is not None:
-            comm.close()
-
-
-def run_ranks(world, worker_name, tmp_path, init="file", env=None, dist_timeout_s=60):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "comfy.multinode", "tests.test_multinode"])
-    results = ctx.Queue()
-    env = {"TEST_DIST_TIMEOUT_S": str(dist_timeout_s), **(env or {})}
-    if init == "file":
-        init = f"file://{tmp_path / 'rendezvous'}"
-    procs = []
-    for rank in range(world):
-        rank_env = dict(env)
-        if init == "env":
-            rank_env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        procs.append(ctx.Process(target=_entry, args=(rank, world, init, worker_name, results, rank_env),
-                                 daemon=True))
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    out = {}
-    try:
-        while len(out) < world and time.monotonic() < deadline:
-            try:
-                rank, status, payload = results.get(timeout=0.5)
-                out[rank] = (status, payload)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs) and results.empty():
-                    break
-        grace = time.monotonic() + 10  # all reported: give the processes a moment to exit
-        for p in procs:
-            p.join(timeout=max(0.1, min(deadline, grace) - time.monotonic()))
-    finally:
-        for p in procs:  # never leave a process behind
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    missing = sorted(set(range(world)) - set(out))
-    assert not missing, f"rank(s) {missing} reported nothing (exit codes {[p.exitcode for p in procs]})"
-    return out
-
-
-def payloads(out):
-    errors = {r: p for r, (s, p) in out.items() if s != "ok"}
-    assert not errors, "\n".join(f"rank {r}: {p}" for r, p in errors.items())
-    return [out[r][1] for r in sorted(out)]
+def run_ranks(world, worker_name, tmp_path, **kwargs):
+    return run_rank_processes(world, "tests.test_multinode", worker_name, tmp_path, **kwargs)
 
 
 def free_loopback_port():

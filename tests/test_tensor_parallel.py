@@ -21,10 +21,6 @@ decoder as the language model.
 """
 
 import logging
-import multiprocessing as mp
-import queue
-import time
-import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -40,6 +36,7 @@ from comfy.tensor_parallel import (ColumnParallelLinear, QuantizedWeightsError, 
                                    shard_decoder, tensor_parallel_clip, check_tensor_parallel_clip,
                                    weight_bytes)
 from comfy.text_encoders.miniature_decoder import MiniatureDecoderConfig, build_miniature_decoder
+from tests.rank_processes import run_rank_processes
 
 FP32_REL_TOL = 1e-5
 BF16_REL_TOL = 2.0 ** -5
@@ -546,53 +543,21 @@ def test_tensor_parallel_clip_fails_before_copying():
 
 # ----------------------------------------------------------------------------- torch.distributed
 
-def _distributed_worker(rank, world, init, results):
+def distributed_worker(comm):
     """One process = one rank over comfy/multinode.py's communicator (gloo on CPU)."""
-    comm = None
-    try:
-        torch.set_num_threads(1)
-        from comfy.multinode import init_process_group
-        comm = init_process_group(rank, world, "cpu", init_method=init, timeout_s=60)
-        cfg = LAYOUTS["fused"]
-        model = build_miniature_decoder(cfg, seed=13)  # same seed: same model in every process
-        embeds, mask = inputs(cfg)
-        want, _ = model(embeds=embeds.clone(), attention_mask=mask)
-        shard = shard_decoder(model, comm)
-        got, _ = shard(embeds=embeds.clone(), attention_mask=mask)
-        results.put((rank, "ok", (rel_err(got, want), weight_bytes(shard))))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        if comm is not None:
-            comm.close()
+    cfg = LAYOUTS["fused"]
+    model = build_miniature_decoder(cfg, seed=13)  # same seed: same model in every process
+    embeds, mask = inputs(cfg)
+    want, _ = model(embeds=embeds.clone(), attention_mask=mask)
+    shard = shard_decoder(model, comm)
+    got, _ = shard(embeds=embeds.clone(), attention_mask=mask)
+    return rel_err(got, want), weight_bytes(shard)
 
 
 @pytest.mark.timeout(120)
 def test_shards_run_over_the_torch_distributed_communicator(tmp_path):
     world = 2
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_distributed_worker, args=(r, world, init, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, deadline = {}, time.monotonic() + 90
-    try:
-        while len(out) < world and time.monotonic() < deadline:
-            try:
-                rank, status, payload = results.get(timeout=0.5)
-                out[rank] = (status, payload)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs) and results.empty():
-                    break
-        for p in procs:
-            p.join(timeout=10)
-    finally:
-        for p in procs:  # never leave a process behind
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    out = run_rank_processes(world, "tests.test_tensor_parallel", "distributed_worker", tmp_path)
     assert sorted(out) == list(range(world)), f"ranks reported: {sorted(out)}"
     for rank, (status, payload) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {payload}"
