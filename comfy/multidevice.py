@@ -737,6 +737,10 @@ class SequenceParallelCoordinator:
         self._traffic = [{} for _ in range(self.world_size)]
 
     # -- lifetime
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this SequenceParallelCoordinator is closed; create a new one")

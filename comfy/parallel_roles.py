@@ -62,7 +62,7 @@ def shared_coordinator(devices: Sequence[torch.device], backend: str | None = No
     key = (tuple(str(d) for d in devices), name)
     with _COORDINATORS_LOCK:
         coordinator = _COORDINATORS.get(key)
-        if coordinator is None or coordinator._closed:
+        if coordinator is None or coordinator.closed:
             coordinator = SequenceParallelCoordinator(list(devices), backend=name)
             _COORDINATORS[key] = coordinator
         return coordinator
@@ -91,9 +91,9 @@ def dit_module(model):
 
 def _language_model(clip):
     """The CLIP's language model, or None when the CLIP has another layout."""
-    from comfy.tensor_parallel import TensorParallelError, _locate_language_model
+    from comfy.tensor_parallel import TensorParallelError, language_model_of
     try:
-        return _locate_language_model(clip)[1]
+        return language_model_of(clip)
     except TensorParallelError:
         return None
 

@@ -722,6 +722,11 @@ def _checked_source(clip, coordinator) -> nn.Module:
     return model
 
 
+def language_model_of(clip) -> nn.Module:
+    """The language model inside a ComfyUI CLIP; TensorParallelError for another layout."""
+    return _locate_language_model(clip)[1]
+
+
 def check_tensor_parallel_clip(clip, world_size: int) -> None:
     """Every check tensor_parallel_clip makes for W=world_size, touching nothing.
 
