@@ -274,6 +274,7 @@ class ChunkedDecode:
                 else self.module.decode(z)
         plan = self.interface.schedule.plan(z.shape[TIME_DIM])
         self.interface.check_output_frames(z.shape, plan)
+        _check_output_buffer(output_buffer, plan.output_frames)  # before any chunk is decoded
         raw_parts = self.decode_chunks(z, plan)
         return self.merge(raw_parts, plan, output_buffer)
 
@@ -307,40 +308,51 @@ class ChunkedDecode:
                 parts[i] = raw
         return parts
 
-    def merge(self, raw_parts: list[torch.Tensor], plan: TemporalChunkPlan,
+    def merge(self, raw_parts: list, plan: TemporalChunkPlan,
               output_buffer: torch.Tensor | None = None) -> torch.Tensor:
-        """Chunks in order: body (head blended with the previous tail), finalized, written out."""
-        pieces = []
+        """Chunks in order: body (head blended with the previous tail), finalized, written out.
+
+        Consumes `raw_parts`: each entry is released once merged, and each finished piece goes
+        straight into the output, so the merge device never holds the whole video twice (raw
+        chunks plus finalized frames), as the single-device decode streams its chunks too.
+        """
+        _check_output_buffer(output_buffer, plan.output_frames)
+        out, written = output_buffer, 0
+
+        def write(piece):
+            nonlocal out, written
+            if out is None:  # the first piece fixes dtype, device and the other dims
+                shape = list(piece.shape)
+                shape[TIME_DIM] = plan.output_frames
+                out = torch.empty(shape, dtype=piece.dtype, device=piece.device)
+            n = min(piece.shape[TIME_DIM], plan.output_frames - written)  # padding frames go
+            if n > 0:
+                out[:, :, written:written + n].copy_(piece[:, :, :n])
+                written += n
+
         tail = None
-        for i, raw in enumerate(raw_parts):
+        for i in range(len(raw_parts)):
+            raw, raw_parts[i] = raw_parts[i], None
             frames = raw.shape[TIME_DIM]
             body = raw[:, :, plan.body[0]:min(plan.body[1], frames)]
             if tail is not None:
                 body = self.interface.blend(tail, body, plan.blend_frames)
-            pieces.append(self.interface.finalize(body))
+            write(self.interface.finalize(body))
             tail = None
             if plan.tail is not None and plan.tail[0] < frames:
                 tail = raw[:, :, plan.tail[0]:min(plan.tail[1], frames)].contiguous()
-            if i == len(raw_parts) - 1 and tail is not None:
-                pieces.append(self.interface.finalize(tail))
-        return _write_frames(pieces, plan.output_frames, output_buffer)
+            del raw, body
+        if tail is not None:
+            write(self.interface.finalize(tail))
+        if written != plan.output_frames:
+            raise ParallelDecodeError(f"the chunks gave {written} frames, the plan {plan.output_frames}")
+        return out
 
 
-def _write_frames(pieces, total_frames: int, output_buffer: torch.Tensor | None) -> torch.Tensor:
-    """Concatenate pieces along time, keeping the first `total_frames` (padding frames go)."""
-    if output_buffer is None:
-        return torch.cat(pieces, dim=TIME_DIM)[:, :, :total_frames]
-    if output_buffer.shape[TIME_DIM] != total_frames:
-        raise ParallelDecodeError(f"output_buffer has {output_buffer.shape[TIME_DIM]} frames, "
-                                  f"the decode gives {total_frames}")
-    pos = 0
-    for piece in pieces:
-        n = min(piece.shape[TIME_DIM], total_frames - pos)
-        if n <= 0:
-            break
-        output_buffer[:, :, pos:pos + n].copy_(piece[:, :, :n])
-        pos += n
-    return output_buffer
+def _check_output_buffer(output_buffer: torch.Tensor | None, total_frames: int) -> None:
+    if output_buffer is not None and output_buffer.shape[TIME_DIM] != total_frames:
+        raise ParallelDecodeError(f"output_buffer has {output_buffer.shape[TIME_DIM]} frames, the decode "
+                                  f"gives {total_frames}: allocate it with decode_output_shape(z.shape)")
 
 
 # ----------------------------------------------------------------------------- feathered windows

@@ -76,6 +76,35 @@ def test_chunked_decode_fills_the_preallocated_buffer_and_matches():
     assert torch.equal(buf, want)
 
 
+def test_a_wrong_output_buffer_is_refused_before_any_chunk_is_decoded():
+    vae = TinyCausalVideoVAE()
+    calls = []
+    real = vae._adaptive_decode
+    vae._adaptive_decode = lambda z: calls.append(1) or real(z)
+    z = latent(12)
+    frames = vae.decode_output_shape(z.shape)[2]
+    buf = torch.empty(1, 3, frames - 1, 6, 10)
+    with pytest.raises(ParallelDecodeError, match=f"output_buffer has {frames - 1} frames.*gives {frames}"):
+        ChunkedDecode(vae, ["cpu"] * 2).decode(z, output_buffer=buf)
+    assert calls == []
+
+
+def test_merge_releases_each_raw_chunk_and_writes_into_the_buffer():
+    # The merge streams: every raw chunk is let go once merged, and the finished frames go
+    # into the caller's buffer, never into a second full-size copy of the video.
+    vae = TinyCausalVideoVAE(seed=4)
+    z = latent(17, seed=4)
+    decoder = ChunkedDecode(vae, ["cpu"] * 3)
+    plan = decoder.interface.schedule.plan(z.shape[2])
+    with torch.no_grad():
+        raw_parts = decoder.decode_chunks(z, plan)
+        buf = torch.full(vae.decode_output_shape(z.shape), float("nan"))
+        out = decoder.merge(raw_parts, plan, buf)
+        want = vae.decode(z)
+    assert out is buf and torch.equal(buf, want)
+    assert raw_parts == [None] * len(plan.windows)
+
+
 def test_chunks_are_spread_over_all_ranks():
     vae = TinyCausalVideoVAE()
     seen = []
