@@ -291,6 +291,36 @@ def test_slicing_a_read_only_base_copies_only_each_ranks_share():
     assert torch.equal(flat, snapshot)
 
 
+def test_shards_from_a_real_shared_checkpoint_file(tmp_path, backend):
+    # The source: a text-encoder file opened once as the shared read-only base.
+    # W=4 over 2 KV heads (replication); the module being split holds other values, so
+    # a match proves every weight came from the file.
+    from safetensors.torch import save_file
+
+    from comfy.shared_checkpoint import SharedCheckpoint, is_read_only, total_bytes_read
+
+    cfg = LAYOUTS["fused"]
+    model = build_miniature_decoder(cfg, seed=14)
+    path = tmp_path / "text_encoder.safetensors"
+    save_file({"model." + k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    embeds, mask = inputs(cfg)
+    want, _ = model(embeds=embeds.clone(), attention_mask=mask)
+    before = total_bytes_read()
+    base = SharedCheckpoint.open(path)
+    written = {k: base[k].clone() for k in base}
+    with coordinator(4, backend) as coord:
+        tp = build_tensor_parallel_decoder(build_miniature_decoder(cfg, seed=99), coord,
+                                           weights=prefixed_weights(base, "model."))
+        got, _ = tp(embeds=embeds, attention_mask=mask)
+        per_rank = [weight_bytes(s) for s in tp.shards]
+        shard_params = [p for s in tp.shards for p in s.parameters()]
+    assert total_bytes_read() - before == path.stat().st_size  # read once, for all ranks
+    assert rel_err(got, want) <= FP32_REL_TOL
+    assert per_rank == [expected_rank_bytes(cfg, 4, 4)] * 4       # slices only, no full copy
+    assert not any(is_read_only(p) for p in shard_params)        # each rank owns its slices
+    assert all(torch.equal(base[k], t) for k, t in written.items())
+
+
 def test_weights_from_a_state_dict_match_module_weights():
     cfg = LAYOUTS["separate"]
     model = build_miniature_decoder(cfg, seed=9)
