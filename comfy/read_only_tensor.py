@@ -15,8 +15,9 @@ subclass, ReadOnlyTensor, over ordinary memory:
 - Each view holds its ReadOnlyMemory, which holds the storage: the memory stays valid as
   long as any view is alive.
 
-Raw access (data_ptr, untyped_storage(), DLPack) bypasses the guard; model code does not
-write through those by accident.
+Raw access (data_ptr, untyped_storage(), DLPack, torch.from_numpy of the read-only numpy
+view, which torch only warns about) bypasses the guard; model code does not write through
+those by accident.
 """
 
 from __future__ import annotations
