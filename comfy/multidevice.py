@@ -496,6 +496,9 @@ class SequenceParallelCoordinator:
         self._barrier = AbortableBarrier(self.world_size, self.timeout_s)
         self._meta_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
         self._data_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
+        # Which collective each rank entered, by parity: ranks that call different
+        # collectives get a clear error instead of reading each other's unrelated slots.
+        self._op_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
         self._parity = [0] * self.world_size
         self._comms = [RankComm(self, r) for r in range(self.world_size)]
         # _traffic[rank][op] = [bytes sent, bytes received, calls]; each rank writes only its own.
@@ -551,7 +554,7 @@ class SequenceParallelCoordinator:
             # A failed run can leave ranks at different collective counts: start in step.
             self._barrier.reset()
             self._parity = [0] * self.world_size
-            for slots in (*self._meta_slots, *self._data_slots):
+            for slots in (*self._meta_slots, *self._data_slots, *self._op_slots):
                 slots[:] = [None] * self.world_size
             results: list[Any] = [None] * self.world_size
             errors: list[tuple[float, int, BaseException]] = []
@@ -594,7 +597,30 @@ class SequenceParallelCoordinator:
 
     # -- collectives (called from rank threads)
     def barrier(self, rank: int, what: str = "barrier") -> None:
-        self._barrier.wait(rank, what)
+        if self.world_size > 1:
+            self._enter(rank, "barrier", None, None, what)
+
+    def _enter(self, rank: int, op: str, meta: Any, data: Any, what: str | None = None):
+        """Publish this rank's part of collective `op` and wait for every rank.
+
+        Returns this collective's (meta slot, data slot). Raises CollectiveError on every
+        rank when the ranks entered different collectives (a bug in the caller's code).
+        """
+        parity = self._parity[rank]
+        self._parity[rank] ^= 1
+        meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
+        op_slot = self._op_slots[parity]
+        meta_slot[rank], data_slot[rank], op_slot[rank] = meta, data, op
+        if data is not None and self.backend.reads_peer_memory:
+            # Other ranks read our tensors directly: finish them first.
+            synchronize(self.devices[rank])
+        self._barrier.wait(rank, what or op)
+        if any(o != op for o in op_slot):
+            calls = ", ".join(f"rank {r}: {o}" for r, o in enumerate(op_slot))
+            raise CollectiveError(
+                f"ranks entered different collectives ({calls}); every rank must call the same "
+                "collectives in the same order")
+        return meta_slot, data_slot
 
     def exchange(self, rank: int, tensors: Sequence[torch.Tensor],
                  cat_dims: int | Sequence[int]) -> list[torch.Tensor]:
@@ -603,14 +629,8 @@ class SequenceParallelCoordinator:
         dims = normalize_dims(tensors, cat_dims)
         if self.world_size == 1:
             return tensors
-        parity = self._parity[rank]
-        self._parity[rank] ^= 1
-        meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
-        meta_slot[rank] = [ShardMeta(tuple(t.shape), t.dtype) for t in tensors]
-        data_slot[rank] = tensors
-        if self.backend.reads_peer_memory:  # other ranks read our tensors directly: finish them first
-            synchronize(self.devices[rank])
-        self._barrier.wait(rank, "exchange")
+        meta_slot, data_slot = self._enter(
+            rank, "exchange", [ShardMeta(tuple(t.shape), t.dtype) for t in tensors], tensors)
         metas = list(meta_slot)
         check_exchange_metadata(metas, dims)
         out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot)
@@ -635,14 +655,8 @@ class SequenceParallelCoordinator:
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
             return tensors[0] if single else tensors
-        parity = self._parity[rank]
-        self._parity[rank] ^= 1
-        meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
-        meta_slot[rank] = ([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits)
-        data_slot[rank] = tensors
-        if self.backend.reads_peer_memory:
-            synchronize(self.devices[rank])
-        self._barrier.wait(rank, "all_to_all_v")
+        meta_slot, data_slot = self._enter(
+            rank, "all_to_all_v", ([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits), tensors)
         metas = [m[0] for m in meta_slot]
         all_splits = [m[1] for m in meta_slot]
         check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
@@ -691,14 +705,8 @@ class SequenceParallelCoordinator:
             raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
         if self.world_size == 1:
             return tensor.clone()
-        parity = self._parity[rank]
-        self._parity[rank] ^= 1
-        meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
-        meta_slot[rank] = [ShardMeta(tuple(tensor.shape), tensor.dtype)]
-        data_slot[rank] = tensor
-        if self.backend.reads_peer_memory:
-            synchronize(self.devices[rank])
-        self._barrier.wait(rank, "all_reduce")
+        meta_slot, data_slot = self._enter(
+            rank, f"all_reduce {op}", [ShardMeta(tuple(tensor.shape), tensor.dtype)], tensor)
         first = meta_slot[0][0]
         for r, m in enumerate(meta_slot):
             if m[0] != first:

@@ -397,3 +397,33 @@ def test_non_contiguous_shards(backend):
     for gathered, reduced in out:
         assert torch.equal(gathered, torch.cat(views, 0))
         assert torch.allclose(reduced, want_sum, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("calls", [
+    ("exchange", "all_reduce sum"),
+    ("all_reduce sum", "all_reduce max"),
+    ("exchange", "barrier"),
+])
+def test_ranks_in_different_collectives_fail_clearly(backend, calls):
+    # Before the check, a rank could read another rank's slot from an earlier collective
+    # (e.g. exchange against barrier two collectives in): a silently wrong result.
+    def call(comm, what, x):
+        if what == "exchange":
+            return comm.exchange([x], 0)
+        if what == "barrier":
+            return comm.barrier()
+        return comm.all_reduce(x, what.split()[1])
+
+    def job(rank, comm):
+        x = torch.full((2, 3), float(rank + 1))
+        comm.exchange([x], 0)
+        comm.exchange([x], 0)
+        return call(comm, calls[rank], x)
+
+    with SequenceParallelCoordinator(["cpu"] * 2, backend=backend, timeout_s=30) as coord:
+        start = time.monotonic()
+        with pytest.raises(CollectiveError, match=rf"rank 0: {calls[0]}, rank 1: {calls[1]}.*same order"):
+            coord.run(job)
+        assert time.monotonic() - start < 5
+        out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
+        assert all(torch.equal(o, torch.tensor([0.0, 1.0])) for o in out)
