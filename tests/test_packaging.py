@@ -107,6 +107,16 @@ def test_committed_patch_is_up_to_date():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_readme_manual_lists_every_file_the_patch_adds():
+    # The manual's "What the patch adds" names the overlay file by file: a new overlay file
+    # needs its row there.
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    manual = text.split("<!-- section:manual -->", 1)[1].split("<!-- /section:manual -->", 1)[0]
+    table = manual.split("### What the patch adds", 1)[1].split("\n### ", 1)[0]
+    listed = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
+    assert listed == set(committed_overlay(REPO)), "add/remove rows in README 'What the patch adds'"
+
+
 def _overlay_repo(tmp: Path, files: dict[str, bytes], executable=()) -> Path:
     repo = new_repo(tmp / "project")
     for rel, data in files.items():
