@@ -127,6 +127,12 @@ def _too_few(n_cards: int, kind: str, found: int, inventory: DeviceInventory) ->
     other = [k for k in ACCELERATOR_KINDS if k != kind and inventory.count(k) >= n_cards]
     if other:
         fixes.append(f"set device_kind to {other[0]} ({inventory.count(other[0])} visible)")
+    # A failed probe (e.g. torch_npu present but CANN's set_env.sh not sourced) is the real
+    # cause of "0 found": say it first, or the user hunts for cards that are there.
+    failed = [note for note in inventory.notes if note.startswith(f"{kind} probe failed")]
+    if failed:
+        fixes.insert(0, f"repair the {kind} software stack ({'; '.join(failed)}; "
+                        f"run minimax_h3_parallel.py doctor)")
     return TooFewDevices(
         f"asked for {n_cards} {kind} card(s), found {found} {kind} card(s) "
         f"({inventory.env_text(kind)}). Fix: " + "; or ".join(fixes) + ".")

@@ -377,6 +377,43 @@ def test_successful_selection():
     assert select_devices(2, devices="cpu,cpu") == ["cpu", "cpu"]
 
 
+def fake_torch_npu(tmp_path, monkeypatch, body):
+    """A torch_npu module on the path (its import runs `body`); the real one never exists here."""
+    folder = tmp_path / "fake_npu"
+    folder.mkdir()
+    (folder / "torch_npu.py").write_text(textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+
+
+def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, monkeypatch):
+    from comfy.device_inventory import probe_devices
+    fake_torch_npu(tmp_path, monkeypatch, "")  # importing it registers torch.npu (below)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(device_count=lambda: 4), raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5,6,7")
+    inv = probe_devices()
+    assert (inv.count("npu"), inv.count("cuda"), inv.notes) == (4, 0, ())
+    assert inv.env_text("npu") == "ASCEND_RT_VISIBLE_DEVICES=4,5,6,7"
+    assert select_devices(4) == ["npu:0", "npu:1", "npu:2", "npu:3"]  # probed, not given
+    with pytest.raises(TooFewDevices, match=r"asked for 8 npu.*found 4 npu.*ASCEND_RT_VISIBLE_DEVICES=4,5,6,7"):
+        select_devices(8)
+
+
+def test_probe_survives_a_broken_npu_stack_and_says_why(tmp_path, monkeypatch):
+    from comfy.device_inventory import probe_devices
+    fake_torch_npu(tmp_path, monkeypatch, "raise RuntimeError('libascendcl.so: cannot open shared object file')")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    inv = probe_devices()
+    assert (inv.count("npu"), inv.count("cuda")) == (0, 2)
+    assert inv.notes == ("npu probe failed: RuntimeError: libascendcl.so: cannot open shared object file",)
+    assert "npu probe failed" in inv.describe()
+    assert select_devices(2) == ["cuda:0", "cuda:1"]  # auto: the one kind that is visible
+    with pytest.raises(TooFewDevices, match=r"found 0 npu.*npu probe failed: RuntimeError: libascendcl"):
+        select_devices(4, kind="npu")  # the cause of "0 NPUs" reaches the user
+
+
 # ----------------------------------------------------------------------------- nothing half-done
 
 def snapshot(model, clip, video_vae, audio_vae):
