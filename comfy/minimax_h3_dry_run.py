@@ -31,7 +31,7 @@ import torch
 from comfy.ldm.minimax.miniature import (MiniatureConfig, build_miniature, read_miniature_config,
                                          save_miniature)
 from comfy.ldm.minimax.sequence_parallel import enable_sequence_parallel
-from comfy.multidevice import VALID_BACKENDS, SequenceParallelCoordinator
+from comfy.multidevice import VALID_BACKENDS, BackendUnavailable, SequenceParallelCoordinator
 from comfy.sequence_parallel import DEFAULT_SP_MODE, KV_STRATEGIES, ShardPlan
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise DryRunError(f"--sp-mode {args.sp_mode} --sp-overlap {args.sp_overlap}: {exc}") from exc
     if args.tolerance is not None and not args.tolerance >= 0:
         raise DryRunError(f"--tolerance {args.tolerance}: must be >= 0")
+    for name, least in (("hidden", 2), ("blocks", 1), ("heads", 1), ("head_dim", 8)):
+        # head_dim >= 8: H3 rotates only part of each head (here at least 6 dims)
+        if getattr(args, name) < least:
+            raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)}: too small for the "
+                              f"miniature; use --{name.replace('_', '-')} {least} or more")
     if args.heads * args.head_dim == args.hidden:
         raise DryRunError(f"--heads {args.heads} x --head-dim {args.head_dim} equals --hidden {args.hidden}; "
                           "H3's attention width differs from its hidden size, pick another --hidden")
@@ -321,6 +326,18 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     except DryRunError as exc:
         print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
         return 2
+    try:  # a backend that cannot start is a bad option too: say so before anything is built
+        coord = SequenceParallelCoordinator(plan.devices, backend=args.backend)
+    except (BackendUnavailable, ValueError) as exc:
+        print(f"minimax_h3_parallel.py run: --backend {args.backend or 'auto'}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_on(coord, plan, args, out)
+    finally:
+        coord.close()
+
+
+def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Namespace, out) -> int:
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     cfg, world = plan.config, len(plan.devices)
     say(f"MiniMax-H3 dry run: miniature DiT (hidden {cfg.hidden_size}, {cfg.num_layers} blocks, "
@@ -341,7 +358,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
 
     threads_before = torch.get_num_threads()
     per_rank_threads = _cpu_threads_per_rank(plan.devices)
-    with SequenceParallelCoordinator(plan.devices, backend=args.backend) as coord:
+    with coord:
         backend = coord.backend_name
         say(f"[ranks] {world} x {plan.devices[0].split(':')[0]} ({', '.join(plan.devices)}), backend {backend}"
             + (f" (fallback: {coord.fallback_reason})" if coord.fallback_reason else "")

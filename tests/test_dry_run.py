@@ -67,6 +67,9 @@ def test_dry_run_cli_parity_cache_and_outputs(tmp_path):
     (["--steps", "0"], "--steps 0: need at least 1 step"),
     (["--hidden", "48"], "--heads 2 x --head-dim 24 equals --hidden 48"),
     (["--tolerance", "-1"], "--tolerance -1.0: must be >= 0"),
+    (["--head-dim", "4"], "--head-dim 4: too small for the miniature; use --head-dim 8 or more"),
+    (["--hidden", "1"], "--hidden 1: too small for the miniature; use --hidden 2 or more"),
+    (["--heads", "0"], "--heads 0: too small for the miniature; use --heads 1 or more"),
 ])
 def test_bad_options_exit_2_with_the_fix(tmp_path, capsys, bad, message):
     args = _parser().parse_args(TINY_ARGS + ["--cpu", "--cache", str(tmp_path), "--out", str(tmp_path)] + bad)
@@ -75,6 +78,18 @@ def test_bad_options_exit_2_with_the_fix(tmp_path, capsys, bad, message):
     assert out.getvalue() == ""
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing built before the options were checked
+
+
+def test_a_backend_that_cannot_start_exits_2_before_anything_is_built(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HCCL_SO_PATH", str(tmp_path / "no-such-libhccl.so"))
+    args = _parser().parse_args(TINY_ARGS + ["--cpu", "--devices", "2", "--backend", "hccl",
+                                             "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "o")])
+    out = io.StringIO()
+    assert minimax_h3_dry_run.run(args, out=out) == 2
+    assert out.getvalue() == ""
+    err = capsys.readouterr().err
+    assert "--backend hccl:" in err and "no-such-libhccl.so" in err and "HCCL_SO_PATH" in err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()
 
 
 def test_sp_mode_offers_the_registered_modes_only():
