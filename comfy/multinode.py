@@ -44,6 +44,9 @@ DIST_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 # Stable codes for dtypes in the shape messages ranks exchange (index in this tuple).
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+# Stable codes for the collective each rank entered (sent with the shapes), so ranks that
+# call different collectives get one clear error instead of mismatched library calls.
+_OPS = ("barrier", "exchange", "all_to_all_v", "all_reduce sum", "all_reduce max")
 
 
 class TorchrunEnvError(ValueError):
@@ -200,7 +203,7 @@ class DistributedComm:
             raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
         if self.world_size == 1:
             return tensor.clone()
-        metas = self._gather_metas([tensor], "all_reduce")
+        metas = self._gather_metas([tensor], f"all_reduce {op}")
         first = metas[0][0][0]
         for r, (m, _) in enumerate(metas):
             if m[0] != first:
@@ -214,9 +217,10 @@ class DistributedComm:
         return work.to(self.device)
 
     def barrier(self) -> None:
-        # A tiny all-reduce instead of dist.barrier(): the same on gloo, nccl and hccl.
-        self._call("barrier", self._dist.all_reduce, torch.zeros(1, device=self._wire_device),
-                   group=self.group)
+        # The tiny header all-gather of every collective instead of dist.barrier(): the same
+        # on gloo, nccl and hccl, and it notices a rank that entered another collective.
+        if self.world_size > 1:
+            self._gather_metas([], "barrier")
 
     def byte_counts(self) -> dict:
         """{"sent", "received", "calls", "by_op": {...}}: logical bytes to/from other ranks."""
@@ -258,19 +262,29 @@ class DistributedComm:
                                  f"supported: {', '.join(str(d) for d in _DTYPES)}")
             code += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
         code += list(splits)
-        header = torch.tensor([len(tensors), len(code)], dtype=torch.int64, device=self._wire_device)
-        headers = torch.empty(self.world_size * 2, dtype=torch.int64, device=self._wire_device)
+        header = torch.tensor([_OPS.index(what), len(tensors), len(code)], dtype=torch.int64,
+                              device=self._wire_device)
+        headers = torch.empty(self.world_size * 3, dtype=torch.int64, device=self._wire_device)
         self._call(what, self._all_gather_equal, headers, header, group=self.group)
-        headers = headers.view(self.world_size, 2).tolist()
+        headers = headers.view(self.world_size, 3).tolist()
+        ops = [h[0] for h in headers]
+        if any(o != ops[0] for o in ops):
+            raise CollectiveError(
+                "ranks entered different collectives ("
+                + ", ".join(f"rank {r}: {_OPS[o] if 0 <= o < len(_OPS) else o}" for r, o in enumerate(ops))
+                + "); every rank must call the same collectives in the same order")
+        headers = [h[1:] for h in headers]
         if any(h != headers[0] for h in headers):
             raise CollectiveError(
                 f"{what}: ranks disagree on the number or ranks of the tensors: "
                 + ", ".join(f"rank {r}: {n} tensor(s), {k} shape entries" for r, (n, k) in enumerate(headers)))
         length = headers[0][1]
+        if not length:  # nothing to describe (a barrier, or no tensors): the header was the sync
+            return [([], ())] * self.world_size
         mine = torch.tensor(code, dtype=torch.int64, device=self._wire_device)
         everyone = torch.empty(self.world_size * length, dtype=torch.int64, device=self._wire_device)
         self._call(what, self._all_gather_equal, everyone, mine, group=self.group)
-        rows = everyone.view(self.world_size, length).tolist() if length else [[]] * self.world_size
+        rows = everyone.view(self.world_size, length).tolist()
         return [_decode_metas(row, len(tensors), len(splits)) for row in rows]
 
     def _all_gather_flat(self, tensor: torch.Tensor, counts, displs) -> torch.Tensor:

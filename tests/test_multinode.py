@@ -123,6 +123,29 @@ def mismatch_then_recover_worker(comm):
             "after_ok": torch.equal(after, torch.arange(float(comm.world_size)))}
 
 
+def different_collectives_worker(comm):
+    """Rank 0 exchanges, rank 1 all-reduces, rank 2 waits at a barrier; then sum against max.
+    Every rank must raise the same clear error, and the group is still in step afterwards."""
+    from comfy.multidevice import CollectiveError
+    x = torch.ones(2, 3)
+    messages = []
+    for calls in (("exchange", "all_reduce", "barrier"), ("sum", "max", "sum")):
+        what = calls[comm.rank]
+        try:
+            if what == "exchange":
+                comm.exchange([x], 0)
+            elif what == "barrier":
+                comm.barrier()
+            else:
+                comm.all_reduce(x, "sum" if what == "all_reduce" else what)
+            messages.append(None)
+        except CollectiveError as exc:
+            messages.append(str(exc))
+    comm.barrier()
+    after = comm.exchange([torch.full((1,), float(comm.rank))], 0)[0]
+    return {"messages": messages, "after_ok": torch.equal(after, torch.arange(float(comm.world_size)))}
+
+
 def failing_rank_worker(comm):
     """Rank 1 raises after two exchanges; the others are already waiting in the third."""
     for _ in range(2):
@@ -181,6 +204,17 @@ def test_three_processes_exact_and_bad_shapes_fail_everywhere(tmp_path):
         assert "disagree on the number" in res["count_message"]
         assert res["after_ok"]
     assert len({res["message"] for res in out}) == 1  # the same error on every rank
+
+
+@pytest.mark.timeout(120)
+def test_ranks_in_different_collectives_fail_clearly_everywhere(tmp_path):
+    out = payloads(run_ranks(3, "different_collectives_worker", tmp_path, dist_timeout_s=30))
+    first, second = out[0]["messages"]
+    assert "rank 0: exchange, rank 1: all_reduce sum, rank 2: barrier" in first
+    assert "rank 0: all_reduce sum, rank 1: all_reduce max, rank 2: all_reduce sum" in second
+    for res in out:
+        assert res["messages"] == [first, second]  # the same error on every rank
+        assert res["after_ok"]
 
 
 @pytest.mark.timeout(120)
