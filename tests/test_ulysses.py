@@ -18,6 +18,7 @@ hybrid, 2 groups of 2) - so plain, hybrid and degenerate hybrid all run.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -91,7 +92,7 @@ def test_parity_ulysses_and_hybrid(models, references, backend, world, heads):
 @pytest.mark.parametrize("heads,chunks", [(4, 2), (6, 3), (6, 2)])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_parity_overlapped_exchange(models, references, backend, world, heads, chunks):
-    for case in ("cond_refs", "masked"):
+    for case in CASES:  # the whole layout matrix, S = 5 over 4 ranks included
         out, counts = run_sp(models[heads], world, backend, case, SPMode("ulysses", overlap_chunks=chunks))
         assert rel_diff(out, references[heads, case]) <= FP32_TOL, (case, world, heads, chunks)
 
@@ -233,6 +234,65 @@ def test_degree_that_does_not_divide_is_a_clear_error():
 def test_masks_are_rejected():
     with pytest.raises(SequenceParallelError, match="mask"):
         UlyssesKV().attend(None, None, None, None, None, 2, mask=torch.ones(1))
+
+
+class _CountingComm:
+    """A rank's comm that counts finished all-to-alls and the threads they ran on."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.world_size, self.device = comm, comm.rank, comm.world_size, comm.device
+        self.done, self.threads = 0, set()
+        self.changed = threading.Condition()
+
+    def all_to_all_v(self, *args, **kwargs):
+        out = self.comm.all_to_all_v(*args, **kwargs)
+        with self.changed:
+            self.done += 1
+            self.threads.add(threading.current_thread().name)
+            self.changed.notify_all()
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_overlap_moves_the_next_chunk_while_this_one_is_attended():
+    """The attention of chunk c waits until chunk c+1's all-to-all has finished: with the
+    exchange run after the attention (no overlap) that wait would time out. Lane order per rank:
+    in0, in1, out0, in2, out1, ...; so in(c+1) is the (2c+2)-th all-to-all."""
+    world, heads, dim, chunks, rows = 2, 6, 8, 3, [5, 6]  # 3 heads per rank, 1 per chunk
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, heads, sum(rows), dim, generator=gen) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v)
+    strategy = UlyssesKV(overlap_chunks=chunks)
+
+    def job(rank, comm):
+        counting = _CountingComm(comm)
+        attended = []
+
+        def attention_fn(q, k, v, heads, **kwargs):
+            c = len(attended)
+            attended.append(c)
+            if c < chunks - 1:
+                with counting.changed:
+                    assert counting.changed.wait_for(lambda: counting.done >= 2 * c + 2, timeout=10), \
+                        f"rank {rank}: chunk {c + 1}'s exchange did not run during chunk {c}'s attention"
+            o = F.scaled_dot_product_attention(q, k, v)
+            return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+
+        a = sum(rows[:rank])
+        local = [t[:, :, a:a + rows[rank]] for t in (q, k, v)]
+        out = strategy.attend(counting, attention_fn, *local, heads, skip_reshape=True)
+        return out, counting.threads, threading.current_thread().name, len(attended)
+
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        results = coord.run(job)
+    for rank, (out, threads, rank_thread, attended) in enumerate(results):
+        a = sum(rows[:rank])
+        rank_want = want[:, :, a:a + rows[rank]].transpose(1, 2).reshape(1, rows[rank], heads * dim)
+        assert torch.allclose(out, rank_want, rtol=0, atol=1e-6)
+        assert attended == chunks
+        # every all-to-all ran on the rank's helper thread, none on the rank thread itself
+        assert rank_thread not in threads
+        assert all(name.startswith(f"sp-rank-{rank}-exchange") for name in threads), threads
 
 
 def test_a_failing_rank_during_the_overlapped_exchange_does_not_hang():
