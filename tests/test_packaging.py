@@ -287,6 +287,30 @@ def test_conflicting_additional_file_stops_before_the_patch(tmp_path):
     assert snapshot(comfy) == before
 
 
+def test_a_failure_while_copying_undoes_the_patch_and_the_copies(tmp_path):
+    # runtime/ is a file here: the copy fails after the patch and some additional files went
+    # in; the run removes what it wrote (folders it made included) and nothing else.
+    project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
+    (comfy / "runtime").write_text("not a folder\n")
+    before = snapshot(comfy)
+    result = install(project, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode != 0
+    assert "failed" in result.stderr and "was removed again" in result.stderr
+    assert snapshot(comfy) == before
+
+
+def test_uninstall_keeps_the_checkouts_own_folders_even_when_empty(tmp_path):
+    project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
+    (comfy / "custom_nodes/example_node.py.example").unlink()  # custom_nodes/ stays, empty
+    before = without_mtimes(snapshot(comfy))
+    assert install(project, "--comfyui", str(comfy), "--no-deps").returncode == 0
+    removed = install(project, "--comfyui", str(comfy), "--uninstall")
+    assert removed.returncode == 0, removed.stderr
+    assert without_mtimes(snapshot(comfy)) == before
+    again = install(project, "--comfyui", str(comfy), "--no-deps")  # still a ComfyUI checkout
+    assert again.returncode == 0, again.stderr
+
+
 def test_users_extra_model_paths_is_kept(tmp_path):
     project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
     own = comfy / "extra_model_paths.yaml"

@@ -42,6 +42,11 @@ EXTRA_DESTINATIONS = {
 # DIR's own copy of this file is the user's configuration: never replaced, never removed.
 USER_OWNED_IF_PRESENT = {Path("extra_model_paths.yaml")}
 SKIPPED_SUFFIXES = (".log", ".pid", ".pyc")
+# The checkout's required folders existed before any install: an uninstall leaves them in
+# place even when it empties them (without custom_nodes/, DIR would no longer pass the
+# checkout test). An install that undoes itself after a failure keeps exactly the folders
+# that were there before it.
+COMFYUI_FOLDERS = frozenset(Path(p) for p in REQUIRED_ENTRIES if p != "main.py")
 
 
 class OverlayError(RuntimeError):
@@ -155,8 +160,15 @@ def _git_apply(comfyui: Path, patch: Path, *flags: str) -> None:
                            f"{result.stderr.strip()}")
 
 
-def _remove_bytecode_and_empty_dirs(comfyui: Path, removed: list[str]) -> None:
-    """After removing files: their .pyc files, then folders left empty (rmdir never removes content)."""
+def _existing_folders(comfyui: Path, files: list[str]) -> frozenset:
+    """The folders (relative to DIR) above these files that exist right now."""
+    return frozenset(p.relative_to(comfyui) for rel in files for p in (comfyui / rel).parents
+                     if comfyui in p.parents and p.is_dir())
+
+
+def _remove_bytecode_and_empty_dirs(comfyui: Path, removed: list[str], keep=COMFYUI_FOLDERS) -> None:
+    """After removing files: their .pyc files, then folders left empty (rmdir never removes
+    content), except the folders in `keep` (relative to DIR)."""
     folders = set()
     for rel in removed:
         path = comfyui / rel
@@ -165,6 +177,8 @@ def _remove_bytecode_and_empty_dirs(comfyui: Path, removed: list[str]) -> None:
         folders.update([path.parent / "__pycache__", *[p for p in path.parents
                                                       if comfyui in p.parents]])
     for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        if folder.relative_to(comfyui) in keep:
+            continue
         try:
             folder.rmdir()
         except OSError:
@@ -219,7 +233,7 @@ def plan_extras(comfyui: Path, extras: list[ExtraFile]) -> list[ExtraFile]:
     return to_copy
 
 
-def copy_extras(comfyui: Path, to_copy: list[ExtraFile]) -> list[str]:
+def copy_extras(comfyui: Path, to_copy: list[ExtraFile], keep=COMFYUI_FOLDERS) -> list[str]:
     written = []
     try:
         for extra in to_copy:
@@ -231,7 +245,7 @@ def copy_extras(comfyui: Path, to_copy: list[ExtraFile]) -> list[str]:
     except OSError:
         for rel in written:
             (comfyui / rel).unlink(missing_ok=True)
-        _remove_bytecode_and_empty_dirs(comfyui, written)
+        _remove_bytecode_and_empty_dirs(comfyui, written, keep)
         raise
     return written
 
@@ -261,17 +275,20 @@ def apply(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: bool
         say(f"already installed in {comfyui}: the patch is applied and every additional file is in "
             f"place; nothing changed")
         return
+    existing = _existing_folders(comfyui, [*patch_paths(patch), *(str(e.target) for e in to_copy)])
     if state == "absent":
         _git_apply(comfyui, patch)
         say(f"applied {patch.name} ({len(patch_paths(patch))} new files) to {comfyui}")
     else:
         say(f"{patch.name} is already applied in {comfyui}")
     try:
-        written = copy_extras(comfyui, to_copy)
+        written = copy_extras(comfyui, to_copy, keep=existing)
     except OSError as exc:
         if state == "absent":
             _git_apply(comfyui, patch, "--reverse")
-            _remove_bytecode_and_empty_dirs(comfyui, patch_paths(patch))
+            for folder in existing:  # git removes the folders it empties, earlier ones too
+                (comfyui / folder).mkdir(parents=True, exist_ok=True)
+            _remove_bytecode_and_empty_dirs(comfyui, patch_paths(patch), keep=existing)
         raise OverlayError(f"copying the additional files into {comfyui} failed ({exc}); what this "
                            f"run wrote was removed again") from None
     for rel in written:
@@ -288,7 +305,10 @@ def uninstall(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: 
     ours = [e for e in extra_files(extras_dir) if e.target not in USER_OWNED_IF_PRESENT
             or _same_content(e.source, comfyui / e.target)]
     if state == "applied":
+        own = [comfyui / f for f in COMFYUI_FOLDERS if (comfyui / f).is_dir()]
         _git_apply(comfyui, patch, "--reverse")
+        for folder in own:  # git removes the folders it empties, the checkout's own ones too
+            folder.mkdir(parents=True, exist_ok=True)
         _remove_bytecode_and_empty_dirs(comfyui, patch_paths(patch))
         say(f"removed the {len(patch_paths(patch))} overlay files of {patch.name} from {comfyui}")
     else:
