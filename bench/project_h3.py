@@ -48,6 +48,7 @@ ACHIEVED_LINK = 0.8     # NVLink: ~370 of 450 GB/s per direction reached by NCCL
 PROFILES = [
     {
         "name": "ascend-910b",
+        "achieved_compute_fraction": ACHIEVED_COMPUTE,  # assumption, see above
         "peak_bf16_tflops": 280.0,
         "topology": "mesh",  # Atlas 800T A2: 8 NPUs, HCCS full mesh, one link per peer
         "link_gbps": 56.0,   # per peer link, per direction
@@ -62,6 +63,7 @@ PROFILES = [
     },
     {
         "name": "nvidia-h100-sxm",
+        "achieved_compute_fraction": ACHIEVED_COMPUTE,  # assumption, see above
         "peak_bf16_tflops": 989.4,
         "topology": "switch",
         "link_gbps": 450.0,  # NVLink 4 through NVSwitch: 900 GB/s both directions
@@ -74,6 +76,7 @@ PROFILES = [
     },
     {
         "name": "nvidia-h200-sxm",
+        "achieved_compute_fraction": ACHIEVED_COMPUTE,  # assumption, see above
         "peak_bf16_tflops": 989.4,
         "topology": "switch",
         "link_gbps": 450.0,
@@ -87,6 +90,7 @@ PROFILES = [
     },
     {
         "name": "nvidia-h100-pcie",
+        "achieved_compute_fraction": ACHIEVED_COMPUTE,  # assumption, see above
         "peak_bf16_tflops": 756.0,
         "topology": "switch",
         "link_gbps": 64.0,  # PCIe Gen5 x16 per direction, no NVLink bridge
@@ -158,7 +162,8 @@ def project(text_tokens: int) -> dict:
         for name, tokens in workloads(text_tokens).items():
             per_mode = {}
             for mode in MODES:
-                steps = {w: step_seconds(profile, tokens["total"], w, mode, ACHIEVED_COMPUTE, ACHIEVED_LINK)
+                steps = {w: step_seconds(profile, tokens["total"], w, mode,
+                                         profile["achieved_compute_fraction"], ACHIEVED_LINK)
                          for w in WORLDS}
                 base = steps[1]["serial_s"]
                 per_mode[mode] = {
@@ -197,7 +202,8 @@ def seed_check(text_tokens: int) -> dict:
         "measured_seconds_per_step": {k: round(v, 2) for k, v in measured_step.items()},
         "measured_outside_sampling_s": round(outside_sampling, 2),
         "model_at_assumed_fraction_w4_allgather_s": round(
-            step_seconds(profile, seq, 4, "allgather", ACHIEVED_COMPUTE, ACHIEVED_LINK)["serial_s"], 2),
+            step_seconds(profile, seq, 4, "allgather", profile["achieved_compute_fraction"],
+                         ACHIEVED_LINK)["serial_s"], 2),
         "implied_achieved_compute_fraction": round(implied, 3) if implied else None,
         "calibrated_910b": calibrated,
         "note": ("calibrated_910b re-uses the implied fraction and the measured non-sampling time "

@@ -97,6 +97,7 @@ def test_projection_prints_json_last_and_writes_the_plot(tmp_path):
     assert bytes_w8["ulysses"]["8"] < bytes_w8["allgather"]["8"] / 3
     assert {p["name"] for p in result["profiles"]} >= {"ascend-910b", "nvidia-h100-sxm", "nvidia-h200-sxm"}
     assert all(p["sources"] for p in result["profiles"])
+    assert all(0 < p["achieved_compute_fraction"] <= 1 for p in result["profiles"])  # profile data
     assert result["seed"]["measured"]["end_to_end_s_turbo_8_steps"] == 495.79
     assert 0 < result["seed"]["implied_achieved_compute_fraction"] < 1
     from PIL import Image
