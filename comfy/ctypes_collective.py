@@ -176,10 +176,19 @@ class FlatCollectiveBackend:
                            recv_displs, stream):
         raise NotImplementedError
 
+    def _buffers_ready(self, rank: int, what: str) -> None:
+        """Wait until every rank has its buffers, before any library call.
+
+        A rank that fails while preparing (e.g. out of device memory) raises before this
+        barrier and aborts it, so the others never enter a library collective that could
+        only complete with it: a native collective cannot be cancelled once entered.
+        """
+        self.coordinator.barrier(rank, f"{what} (buffers ready)")
+
     def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
         device = self.coordinator.devices[rank]
         world = len(splits)
-        out = []
+        plans = []
         for t, tensor in enumerate(tensors):
             send = _pack_chunks(tensor, splits[rank], split_dim)
             send_counts = [_numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
@@ -188,7 +197,11 @@ class FlatCollectiveBackend:
                            for src in range(world)]
             recv_counts = [_numel(shape) for shape in recv_shapes]
             recv_displs = [sum(recv_counts[:i]) for i in range(world)]
-            recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=device)
+            recv = self._empty(sum(recv_counts), send.dtype, device)
+            plans.append((send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv))
+        self._buffers_ready(rank, "all_to_all_v")
+        out = []
+        for send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv in plans:
             stream = current_stream_handle(device)  # read right before the call
             keepalive = self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs,
                                                 recv_counts, recv_displs, stream)
@@ -201,13 +214,17 @@ class FlatCollectiveBackend:
 
     def all_gather_v(self, rank, tensors, dims, metas, slot):
         device = self.coordinator.devices[rank]
-        out = []
+        plans = []
         for i, dim in enumerate(dims):
             shard_metas = [m[i] for m in metas]
             counts = [_numel(m.shape) for m in shard_metas]
             displs = [sum(counts[:r]) for r in range(len(counts))]
             send = tensors[i].contiguous()  # the library reads one dense buffer
-            recv = torch.empty(sum(counts), dtype=send.dtype, device=device)
+            recv = self._empty(sum(counts), send.dtype, device)
+            plans.append((dim, shard_metas, counts, displs, send, recv))
+        self._buffers_ready(rank, "exchange")
+        out = []
+        for dim, shard_metas, counts, displs, send, recv in plans:
             stream = current_stream_handle(device)  # read right before the call
             keepalive = self._all_gather_v_flat(rank, send, recv, counts, displs, stream)
             synchronize(device)
@@ -218,11 +235,17 @@ class FlatCollectiveBackend:
     def all_reduce(self, rank, tensor, op, slot):
         device = self.coordinator.devices[rank]
         send = tensor.contiguous()
-        recv = torch.empty_like(send)
+        recv = self._empty(send.numel(), send.dtype, device).view(send.shape)
+        self._buffers_ready(rank, "all_reduce")
         stream = current_stream_handle(device)
         self._all_reduce_flat(rank, send, recv, op, stream)
         synchronize(device)
         return recv
+
+    @staticmethod
+    def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A receive buffer (a method so tests can make one rank's allocation fail)."""
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def close(self):
         pass

@@ -427,3 +427,37 @@ def test_ranks_in_different_collectives_fail_clearly(backend, calls):
         assert time.monotonic() - start < 5
         out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
         assert all(torch.equal(o, torch.tensor([0.0, 1.0])) for o in out)
+
+
+@pytest.mark.parametrize("library", ["hccl", "nccl"])
+@pytest.mark.parametrize("collective", ["exchange", "all_reduce", "all_to_all_v"])
+def test_rank_failing_to_allocate_never_strands_the_others_in_the_library(
+        library, collective, monkeypatch, fake_hccl_path, fake_nccl_path):
+    # Out of memory on one card after the shapes are known: the other ranks must not enter
+    # the library's collective (which cannot be cancelled; the fakes would wait 20 s there).
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    with SequenceParallelCoordinator(["cpu"] * 3, backend=library, timeout_s=60) as coord:
+        real_empty = coord.backend._empty
+
+        def empty(numel, dtype, device):
+            if threading.current_thread().name == "sp-rank-1":
+                raise RuntimeError("rank 1 is out of device memory")
+            return real_empty(numel, dtype, device)
+        monkeypatch.setattr(coord.backend, "_empty", empty)
+
+        def job(rank, comm):
+            x = torch.ones(3, 2)
+            if collective == "exchange":
+                return comm.exchange([x], 0)
+            if collective == "all_reduce":
+                return comm.all_reduce(x)
+            return comm.all_to_all_v(x, [1, 1, 1], 0)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 is out of device memory") as info:
+            coord.run(job)
+        assert time.monotonic() - start < 5
+        assert info.value.rank == 1
+        monkeypatch.setattr(coord.backend, "_empty", real_empty)
+        out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
+        assert all(torch.equal(o, torch.arange(3.0)) for o in out)
