@@ -615,7 +615,7 @@ class SequenceParallelCoordinator:
             # Other ranks read our tensors directly: finish them first.
             synchronize(self.devices[rank])
         self._barrier.wait(rank, what or op)
-        if any(o != op for o in op_slot):
+        if op_slot.count(op) != self.world_size:  # C-level scan: this runs on every collective
             calls = ", ".join(f"rank {r}: {o}" for r, o in enumerate(op_slot))
             raise CollectiveError(
                 f"ranks entered different collectives ({calls}); every rank must call the same "
