@@ -137,8 +137,9 @@ def backends_report() -> dict:
 
     hccl = probe_library(HCCL_FUNCTIONS, HCCL_PATH_ENV, HCCL_DEFAULT_LIBRARY)
     hccl["all_gather_v"] = bool(hccl["symbols"].get("HcclAllGatherV"))
-    hccl["exchange_method"] = ("HcclAllGatherV" if hccl["all_gather_v"]
-                               else "one HcclBroadcast per rank" if hccl["loaded"] else None)
+    uneven = "HcclAllGatherV" if hccl["all_gather_v"] else "one HcclBroadcast per rank"
+    hccl["exchange_method"] = (f"{uneven} (HcclAllGather when shards are equal)"
+                               if hccl["loaded"] else None)
     nccl = probe_library(NCCL_FUNCTIONS, NCCL_PATH_ENV, NCCL_DEFAULT_LIBRARY)
     nccl["all_gather_v"] = False  # NCCL has none; the backend emulates it exactly:
     nccl["exchange_method"] = ("one group of ncclBroadcast per rank (ncclAllGather when shards "

@@ -2,9 +2,10 @@
 
 One HCCL communicator per rank device from `HcclCommInitAll` (single process, many
 devices). Every rank thread issues its own call concurrently on its device's current
-stream; the results are synchronized before use. `HcclAllGatherV` is optional in older
-CANN releases: without it the exchange is one `HcclBroadcast` per root into the same
-flat buffer, which is exact but slower (logged once).
+stream; the results are synchronized before use. Equal shards go through `HcclAllGather`;
+uneven ones through `HcclAllGatherV`, which is optional in older CANN releases: without it
+the exchange is one `HcclBroadcast` per root into the same flat buffer, exact but slower
+(logged once).
 
 Library: `HCCL_SO_PATH`, else `libhccl.so` from the loader path (CANN's set_env.sh).
 """
@@ -152,6 +153,9 @@ class HcclBackend(CommunicatorBackend):
     def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
         dtype = hccl_dtype(send.dtype)
         comm = self.comms[rank]
+        if len(set(counts)) == 1:  # equal shards: the plain all-gather (every rank sees all counts)
+            self.hccl.all_gather(send.data_ptr(), recv.data_ptr(), counts[rank], dtype, comm, stream)
+            return None
         if self.hccl.has_all_gather_v:
             n = len(counts)
             host_counts = (c_uint64 * n)(*counts)  # read by the device asynchronously:

@@ -190,6 +190,24 @@ def test_all_gather_v_marshaling_for_uneven_shards():
     del keepalive  # the host arrays lived until here, i.e. past the (here: no-op) sync
 
 
+def test_equal_shards_use_the_plain_all_gather():
+    lib, functions = fake_hccl_library()
+    backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 4), library=lib)
+    send = torch.zeros(3, 5, dtype=torch.float16)
+    recv = torch.empty(4 * 15, dtype=torch.float16)
+    backend._all_gather_v_flat(2, send, recv, [15] * 4, [0, 15, 30, 45], None)
+    assert functions["HcclAllGatherV"].calls == []
+    assert functions["HcclAllGather"].calls == [(send.data_ptr(), recv.data_ptr(), 15, 3, 0x1002, None)]
+
+
+def test_equal_shards_end_to_end(use_fake_hccl):
+    shards = [torch.randn(4, 3, 2) for _ in range(4)]
+    with SequenceParallelCoordinator(["cpu"] * 4, backend="hccl", timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: comm.exchange([x, x], [0, 2]), shards)
+    for along0, along2 in out:
+        assert torch.equal(along0, torch.cat(shards, 0)) and torch.equal(along2, torch.cat(shards, 2))
+
+
 @pytest.mark.parametrize("dtype,code", [(torch.float32, 4), (torch.float16, 3), (torch.bfloat16, 11),
                                         (torch.int32, 2), (torch.int8, 0)])
 def test_dtype_enum(dtype, code):
@@ -226,7 +244,14 @@ def test_fake_error_return_is_a_clear_exception(use_fake_hccl, monkeypatch):
     monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclAllGatherV:4")
     with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl", timeout_s=10) as coord:
         with pytest.raises(HcclError, match=r"HcclAllGatherV failed with HcclResult 4: internal error"):
-            coord.run(lambda rank, comm: comm.exchange([torch.ones(2)], 0))
+            coord.run(lambda rank, comm: comm.exchange([torch.ones(rank + 1)], 0))  # uneven
+
+
+def test_fake_error_return_of_the_plain_all_gather(use_fake_hccl, monkeypatch):
+    monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclAllGather:5")
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl", timeout_s=10) as coord:
+        with pytest.raises(HcclError, match=r"HcclAllGather failed with HcclResult 5: not supported"):
+            coord.run(lambda rank, comm: comm.exchange([torch.ones(2)], 0))  # equal shards
 
 
 def test_init_failure_of_forced_hccl_raises(use_fake_hccl, monkeypatch):
