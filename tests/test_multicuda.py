@@ -1,9 +1,9 @@
 """The NCCL ctypes backend (comfy/multicuda.py), end to end over the fake libnccl and
 argument by argument with recorded calls.
 
-Every exchange is compared with torch.cat of the shards, bit for bit: an all-gather moves
-bits and computes nothing. All-reduce sums are compared with the rank-order sum (exact in
-fp32, within the stated rounding in 16-bit types).
+The backend-independent exactness cases (tests/collective_cases.py: every exchange equal to
+torch.cat of the shards bit for bit, all-reduce sums against the rank-order sum) run here on
+NCCL; this file adds NCCL's errors, fallbacks, group semantics and marshaling.
 """
 
 import ctypes
@@ -19,9 +19,18 @@ from comfy import multidevice
 from comfy.ctypes_collective import CLibrary
 from comfy.multicuda import NCCL_FUNCTIONS, NcclBackend, NcclError, NcclLibrary, nccl_dtype
 from comfy.multidevice import BackendUnavailable, CollectiveError, SequenceParallelCoordinator
-from tests.test_multidevice_coordinators import FakeFunction, make_shards, uneven_lengths
+# The backend-independent cases, collected here for NCCL (the `backend` fixture below).
+from tests.collective_cases import (FakeFunction, test_all_reduce_16bit_within_rounding,  # noqa: F401
+                                    test_all_reduce_fp32_exact, test_all_reduce_int32,
+                                    test_exchange_matches_cat, test_exchange_with_empty_shards,
+                                    test_failing_rank_ends_the_run_fast,
+                                    test_many_collectives_in_a_row_stay_in_step,
+                                    test_non_contiguous_shards)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+@pytest.fixture
+def backend(use_fake_nccl):
+    return "nccl"
 
 
 def coordinator(world, **kw):
@@ -30,104 +39,6 @@ def coordinator(world, **kw):
 
 
 # ----------------------------------------------------------------------------- fake libnccl
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("dim", [0, 1, -1])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_exchange_matches_cat(use_fake_nccl, world, dim, dtype):
-    lengths = uneven_lengths(world, 11)  # 11 rows: uneven for W = 2, 3, 4
-    shards_a = make_shards(world, lengths, dim % 3, dtype, seed=1)
-    shards_b = make_shards(world, [2 * n + 1 for n in lengths], 0, dtype, seed=2)
-    shards_c = make_shards(world, [3] * world, 2, dtype, seed=3)  # equal: the ncclAllGather path
-    with coordinator(world) as coord:
-        assert coord.backend_name == "nccl"
-        out = coord.run(lambda rank, comm, a, b, c: comm.exchange([a, b, c], [dim, 0, 2]),
-                        shards_a, shards_b, shards_c)
-    want = [torch.cat(shards_a, dim=dim), torch.cat(shards_b, dim=0), torch.cat(shards_c, dim=2)]
-    for rank_out in out:
-        for got, expected in zip(rank_out, want):
-            assert got.dtype == dtype and got.shape == expected.shape
-            assert torch.equal(got, expected)
-
-
-def test_exchange_with_empty_shards(use_fake_nccl):
-    shards = [torch.zeros(0, 4), torch.arange(4.0).view(1, 4), torch.zeros(0, 4), torch.ones(2, 4)]
-    with coordinator(4) as coord:
-        out = coord.run(lambda rank, comm, x: comm.exchange([x], 0)[0], shards)
-    for o in out:
-        assert torch.equal(o, torch.cat(shards))
-
-
-def test_exchange_of_non_contiguous_shards(use_fake_nccl):
-    base = [torch.randn(5, r + 2, generator=torch.Generator().manual_seed(r)) for r in range(3)]
-    shards = [b.t() for b in base]  # [r+2, 5], not contiguous
-    with coordinator(3) as coord:
-        out = coord.run(lambda rank, comm, x: comm.exchange([x], 0)[0], shards)
-    for o in out:
-        assert torch.equal(o, torch.cat(shards))
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("op", ["sum", "max"])
-def test_all_reduce_fp32_exact(use_fake_nccl, world, op):
-    gen = torch.Generator().manual_seed(world)
-    xs = [torch.randn(6, 9, generator=gen) for _ in range(world)]
-    want = xs[0].clone()
-    for x in xs[1:]:
-        want = want + x if op == "sum" else torch.maximum(want, x)
-    with coordinator(world) as coord:
-        out = coord.run(lambda rank, comm, x: comm.all_reduce(x, op), xs)
-    for o in out:
-        assert torch.equal(o, want)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_all_reduce_16bit_within_rounding(use_fake_nccl, dtype):
-    world = 4
-    gen = torch.Generator().manual_seed(7)
-    xs = [torch.randn(64, generator=gen).to(dtype) for _ in range(world)]
-    exact = sum(x.float() for x in xs)
-    with coordinator(world) as coord:
-        sums = coord.run(lambda rank, comm, x: comm.all_reduce(x, "sum"), xs)
-        maxes = coord.run(lambda rank, comm, x: comm.all_reduce(x, "max"), xs)
-    # Tolerance: the fake accumulates in fp32 and rounds once to the 16-bit format, i.e. at
-    # most half an ulp (2^-8 bf16 / 2^-11 fp16, relative to the largest magnitude) plus the
-    # fp32 rounding of 3 adds.
-    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    scale = float(sum(x.float().abs() for x in xs).max())
-    want_max = torch.stack(xs).amax(0)
-    for s, m in zip(sums, maxes):
-        assert s.dtype == dtype
-        assert float((s.float() - exact).abs().max()) <= eps * scale
-        assert torch.equal(s, sums[0])
-        assert torch.equal(m, want_max)  # max is exact in any format
-
-
-def test_all_reduce_int32(use_fake_nccl):
-    xs = [torch.arange(5, dtype=torch.int32) * (r + 1) for r in range(3)]
-    with coordinator(3) as coord:
-        out = coord.run(lambda rank, comm, x: (comm.all_reduce(x, "sum"), comm.all_reduce(x, "max")), xs)
-    for s, m in out:
-        assert torch.equal(s, torch.arange(5, dtype=torch.int32) * 6)
-        assert torch.equal(m, torch.arange(5, dtype=torch.int32) * 3)
-
-
-def test_many_collectives_in_a_row_stay_in_step(use_fake_nccl):
-    world = 3
-    with coordinator(world) as coord:
-        def job(rank, comm):
-            results = []
-            for step in range(20):
-                x = torch.full((rank + 1 + step % 2, 2), float(step * 10 + rank))
-                results.append(comm.exchange([x], 0)[0])
-                comm.all_reduce(torch.ones(1), "sum")
-            return results
-        out = coord.run(job)
-    for step in range(20):
-        want = torch.cat([torch.full((r + 1 + step % 2, 2), float(step * 10 + r)) for r in range(world)])
-        for rank_results in out:
-            assert torch.equal(rank_results[step], want)
-
 
 def test_backend_from_environment(monkeypatch, use_fake_nccl):
     monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "NCCL")
@@ -207,20 +118,6 @@ def test_refuses_devices_nccl_does_not_drive():
     lib, _ = recorded_library()
     with pytest.raises(BackendUnavailable, match=r"NCCL drives NVIDIA GPUs; the devices are \['meta'\]"):
         NcclBackend(SimpleNamespace(devices=[torch.device("meta")] * 2), library=lib)
-
-
-def test_failing_rank_ends_the_run_fast(use_fake_nccl):
-    with coordinator(4, timeout_s=60) as coord:
-        def job(rank, comm):
-            comm.exchange([torch.ones(rank + 1, 2)], 0)
-            if rank == 2:
-                raise ValueError("rank two could not continue")
-            comm.exchange([torch.ones(2, 2)], 0)  # the others wait here for rank 2
-        start = time.monotonic()
-        with pytest.raises(ValueError, match="rank two could not continue") as info:
-            coord.run(job)
-        assert time.monotonic() - start < 5
-        assert info.value.rank == 2
 
 
 # ----------------------------------------------------------------------------- the fake itself

@@ -1,8 +1,8 @@
 """The coordinator, its peer-copy backend and the HCCL ctypes backend (over the fake libhccl).
 
-Every exchange is compared with torch.cat of the shards (exact, no tolerance: an
-all-gather moves bits, it computes nothing). All-reduce sums are compared with the
-rank-order sum in fp32 (exact) and with a stated tolerance in 16-bit types.
+The backend-independent exactness cases live in tests/collective_cases.py and run here on
+peer-copy and HCCL; this file adds the coordinator's own behaviour (failures, timeouts,
+arguments, lifetime) and the HCCL marshaling.
 """
 
 import ctypes
@@ -19,22 +19,13 @@ from comfy.ctypes_collective import CLibrary
 from comfy.multidevice import (BackendUnavailable, CollectiveAborted, CollectiveError,
                                CollectiveTimeout, SequenceParallelCoordinator)
 from comfy.multinpu import HcclBackend, HcclError, HcclLibrary
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def make_shards(world, lengths, dim, dtype, seed=0, base_shape=(3, 5, 7)):
-    gen = torch.Generator().manual_seed(seed)
-    shards = []
-    for r in range(world):
-        shape = list(base_shape)
-        shape[dim] = lengths[r]
-        shards.append(torch.randn(*shape, generator=gen).to(dtype))
-    return shards
-
-
-def uneven_lengths(world, total):
-    return [total * (r + 1) // world - total * r // world for r in range(world)]
+# The backend-independent cases, collected here for peer-copy and HCCL (the `backend` fixture).
+from tests.collective_cases import (FakeFunction, make_shards, test_all_reduce_16bit_within_rounding,  # noqa: F401
+                                    test_all_reduce_fp32_exact, test_all_reduce_int32,
+                                    test_exchange_matches_cat, test_exchange_with_empty_shards,
+                                    test_failing_rank_ends_the_run_fast,
+                                    test_many_collectives_in_a_row_stay_in_step,
+                                    test_non_contiguous_shards)
 
 
 @pytest.fixture(params=["peer", "hccl"])
@@ -44,111 +35,7 @@ def backend(request, monkeypatch, fake_hccl_path):
     return request.param
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("dim", [0, 1, -1])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_exchange_matches_cat(backend, world, dim, dtype):
-    total = 11  # not divisible by 2, 3 or 4
-    lengths = uneven_lengths(world, total)
-    dim_index = dim % 3
-    shards_a = make_shards(world, lengths, dim_index, dtype, seed=1)
-    shards_b = make_shards(world, [2 * n + 1 for n in lengths], 0, dtype, seed=2)
-    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
-        assert coord.backend_name == (backend if world > 1 or backend == "peer" else backend)
-        out = coord.run(lambda rank, comm, a, b: comm.exchange([a, b], [dim, 0]),
-                        shards_a, shards_b)
-    want_a = torch.cat(shards_a, dim=dim)
-    want_b = torch.cat(shards_b, dim=0)
-    for rank_out in out:
-        assert rank_out[0].dtype == dtype and rank_out[0].shape == want_a.shape
-        assert torch.equal(rank_out[0], want_a)
-        assert torch.equal(rank_out[1], want_b)
-
-
-def test_exchange_with_an_empty_shard(backend):
-    # S barely above... below W: rank 0 holds no rows.
-    shards = [torch.zeros(0, 4), torch.arange(4.0).view(1, 4), torch.ones(2, 4)]
-    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=20) as coord:
-        out = coord.run(lambda rank, comm, x: comm.exchange([x], 0)[0], shards)
-    for o in out:
-        assert torch.equal(o, torch.cat(shards))
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("op", ["sum", "max"])
-def test_all_reduce_fp32_exact(backend, world, op):
-    gen = torch.Generator().manual_seed(world)
-    xs = [torch.randn(6, 9, generator=gen) for _ in range(world)]
-    want = xs[0].clone()
-    for x in xs[1:]:
-        want = want + x if op == "sum" else torch.maximum(want, x)
-    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
-        out = coord.run(lambda rank, comm, x: comm.all_reduce(x, op), xs)
-    for o in out:
-        assert torch.equal(o, want)
-    assert all(torch.equal(o, out[0]) for o in out)  # every rank holds the same bits
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_all_reduce_16bit_within_rounding(backend, dtype):
-    world = 4
-    gen = torch.Generator().manual_seed(7)
-    xs = [torch.randn(64, generator=gen).to(dtype) for _ in range(world)]
-    exact = sum(x.float() for x in xs)
-    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
-        out = coord.run(lambda rank, comm, x: comm.all_reduce(x, "sum"), xs)
-    # Tolerance: at most one rounding of the 16-bit format per partial sum (3 adds),
-    # i.e. 3 * 2^-8 (bf16) or 3 * 2^-11 (fp16) relative to the largest partial sum.
-    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    scale = max(float(exact.abs().max()), float(sum(x.float().abs() for x in xs).max()))
-    for o in out:
-        assert o.dtype == dtype
-        assert float((o.float() - exact).abs().max()) <= 3 * eps * scale
-        assert torch.equal(o, out[0])
-
-
-def test_all_reduce_int32(backend):
-    xs = [torch.arange(5, dtype=torch.int32) * (r + 1) for r in range(3)]
-    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=20) as coord:
-        out = coord.run(lambda rank, comm, x: (comm.all_reduce(x, "sum"), comm.all_reduce(x, "max")), xs)
-    for s, m in out:
-        assert torch.equal(s, torch.arange(5, dtype=torch.int32) * 6)
-        assert torch.equal(m, torch.arange(5, dtype=torch.int32) * 3)
-
-
-def test_many_exchanges_in_a_row_stay_in_step(backend):
-    world = 3
-    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
-        def job(rank, comm):
-            results = []
-            for step in range(25):
-                x = torch.full((rank + 1, 2), float(step * 10 + rank))
-                results.append(comm.exchange([x], 0)[0])
-                comm.all_reduce(torch.ones(1), "sum")
-            return results
-        out = coord.run(job)
-    for step in range(25):
-        want = torch.cat([torch.full((r + 1, 2), float(step * 10 + r)) for r in range(world)])
-        for rank_results in out:
-            assert torch.equal(rank_results[step], want)
-
-
 # ----------------------------------------------------------------------------- marshaling
-
-class FakeFunction:
-    """Stands in for a C function: records the ctypes arguments of each call."""
-
-    def __init__(self, result=0, on_call=None):
-        self.calls = []
-        self.result = result
-        self.on_call = on_call
-
-    def __call__(self, *args):
-        self.calls.append(args)
-        if self.on_call:
-            self.on_call(*args)
-        return self.result
-
 
 def fake_hccl_library(**overrides):
     def init_all(n, devices, comms):
@@ -318,26 +205,6 @@ def test_no_devices_is_an_error():
 
 # ----------------------------------------------------------------------------- failures
 
-def test_failing_rank_ends_the_run_fast(backend):
-    world = 4
-    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=60) as coord:
-        def job(rank, comm):
-            for step in range(3):
-                comm.exchange([torch.ones(2, 2)], 0)
-            if rank == 2:
-                raise ValueError("rank two could not continue")
-            comm.exchange([torch.ones(2, 2)], 0)  # the others wait here for rank 2
-            return "unreachable"
-        start = time.monotonic()
-        with pytest.raises(ValueError, match="rank two could not continue") as info:
-            coord.run(job)
-        assert time.monotonic() - start < 5
-        assert info.value.rank == 2
-        # The coordinator is still usable after a failed run.
-        out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
-        assert all(torch.equal(o, torch.arange(float(world))) for o in out)
-
-
 def test_other_ranks_see_an_abort_error(backend):
     seen = {}
     with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=60) as coord:
@@ -408,20 +275,6 @@ def test_rank_threads_are_persistent():
         first = coord.run(lambda rank, comm: threading.get_ident())
         second = coord.run(lambda rank, comm: threading.get_ident())
     assert first == second and len(set(first)) == 2
-
-
-def test_non_contiguous_shards(backend):
-    # K/V come out of a fused projection as strided views; both backends must accept them.
-    bases = [torch.randn(5, 2 + r) for r in range(3)]
-    views = [b.t() for b in bases]  # [2+r, 5], not contiguous
-    assert not views[1].is_contiguous()
-    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=20) as coord:
-        out = coord.run(lambda rank, comm, x: (comm.exchange([x], 0)[0], comm.all_reduce(x.t()[:, :2], "sum")),
-                        views)
-    want_sum = sum(b[:, :2] for b in bases)
-    for gathered, reduced in out:
-        assert torch.equal(gathered, torch.cat(views, 0))
-        assert torch.allclose(reduced, want_sum, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("calls", [

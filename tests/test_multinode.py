@@ -20,6 +20,7 @@ import torch
 
 from comfy.multinode import (TorchrunEnvError, dist_backend_for, launched_by_torchrun,
                              read_torchrun_env)
+from tests.collective_cases import make_shards
 from tests.rank_processes import payloads, run_rank_processes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -37,16 +38,6 @@ def free_loopback_port():
 
 # ----------------------------------------------------------------------------- workers
 
-def shards_for(world, lengths, dim, dtype, seed, base=(3, 5, 7)):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for r in range(world):
-        shape = list(base)
-        shape[dim] = lengths[r]
-        out.append(torch.randn(*shape, generator=gen).to(dtype))
-    return out
-
-
 def digest(t):
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -58,9 +49,9 @@ def exactness_worker(comm):
     uneven = [11 * (k + 1) // W - 11 * k // W for k in range(W)]
     for dtype in DTYPES:
         for dim in (0, 1, -1):
-            a = shards_for(W, uneven, dim % 3, dtype, seed=1)
-            b = shards_for(W, [2 * n + 1 for n in uneven], 0, dtype, seed=2)
-            c = shards_for(W, [4] * W, 2, dtype, seed=3)  # equal lengths: the all-gather path
+            a = make_shards(W, uneven, dim % 3, dtype, seed=1)
+            b = make_shards(W, [2 * n + 1 for n in uneven], 0, dtype, seed=2)
+            c = make_shards(W, [4] * W, 2, dtype, seed=3)  # equal lengths: the all-gather path
             got = comm.exchange([a[r], b[r], c[r]], [dim, 0, 2])
             want = [torch.cat(a, dim), torch.cat(b, 0), torch.cat(c, 2)]
             verdicts[f"exchange {dtype} dim {dim}"] = all(
