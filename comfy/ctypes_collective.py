@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from comfy.multidevice import (BackendUnavailable, CollectiveError, chunk_shape, concat_received,
-                               gathered_shape, synchronize)
+                               displacements, gathered_shape, numel, pack_chunks, synchronize)
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +190,13 @@ class FlatCollectiveBackend:
         world = len(splits)
         plans = []
         for t, tensor in enumerate(tensors):
-            send = _pack_chunks(tensor, splits[rank], split_dim)
-            send_counts = [_numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
-            send_displs = [sum(send_counts[:j]) for j in range(world)]
+            send = pack_chunks(tensor, splits[rank], split_dim)
+            send_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
+            send_displs = displacements(send_counts)
             recv_shapes = [chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
                            for src in range(world)]
-            recv_counts = [_numel(shape) for shape in recv_shapes]
-            recv_displs = [sum(recv_counts[:i]) for i in range(world)]
+            recv_counts = [numel(shape) for shape in recv_shapes]
+            recv_displs = displacements(recv_counts)
             recv = self._empty(sum(recv_counts), send.dtype, device)
             plans.append((send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv))
         self._buffers_ready(rank, "all_to_all_v")
@@ -217,8 +217,8 @@ class FlatCollectiveBackend:
         plans = []
         for i, dim in enumerate(dims):
             shard_metas = [m[i] for m in metas]
-            counts = [_numel(m.shape) for m in shard_metas]
-            displs = [sum(counts[:r]) for r in range(len(counts))]
+            counts = [numel(m.shape) for m in shard_metas]
+            displs = displacements(counts)
             send = tensors[i].contiguous()  # the library reads one dense buffer
             recv = self._empty(sum(counts), send.dtype, device)
             plans.append((dim, shard_metas, counts, displs, send, recv))
@@ -249,20 +249,6 @@ class FlatCollectiveBackend:
 
     def close(self):
         pass
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _pack_chunks(tensor: torch.Tensor, sizes, dim: int) -> torch.Tensor:
-    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer."""
-    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
-        return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
-    return torch.cat([c.reshape(-1) for c in tensor.split(list(sizes), dim)])
 
 
 def unflatten_gathered(flat: torch.Tensor, metas, counts, displs, dim: int) -> torch.Tensor:

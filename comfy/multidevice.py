@@ -233,6 +233,59 @@ def nbytes(meta_or_tensor) -> int:
     return numel(meta_or_tensor.shape) * meta_or_tensor.dtype.itemsize
 
 
+def displacements(counts: Sequence[int]) -> list[int]:
+    """Where each rank's part starts in a rank-major flat buffer (exclusive prefix sums)."""
+    out, total = [], 0
+    for count in counts:
+        out.append(total)
+        total += count
+    return out
+
+
+def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int) -> torch.Tensor:
+    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer."""
+    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+        return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
+    return torch.cat([c.reshape(-1) for c in tensor.split(list(sizes), dim)])
+
+
+def exchange_traffic(metas: Sequence[Sequence[ShardMeta]], rank: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) by `rank` in an all-gather of the shards `metas`."""
+    own = sum(nbytes(m) for m in metas[rank])
+    everyone = sum(nbytes(m) for shard in metas for m in shard)
+    return own * (len(metas) - 1), everyone - own
+
+
+def check_all_reduce_metadata(metas: Sequence[ShardMeta]) -> None:
+    """Raise the same clear error on every rank when the ranks' all-reduce inputs differ."""
+    first = metas[0]
+    for r, m in enumerate(metas):
+        if m != first:
+            raise CollectiveError(f"all_reduce: rank {r} has {m.shape}/{m.dtype}, "
+                                  f"rank 0 has {first.shape}/{first.dtype}")
+
+
+class TrafficCounter:
+    """Logical bytes one rank sent to / received from other ranks, per collective kind."""
+
+    def __init__(self):
+        self._per_op: dict[str, list[int]] = {}  # op -> [sent, received, calls]
+
+    def add(self, op: str, sent: int, received: int) -> None:
+        entry = self._per_op.setdefault(op, [0, 0, 0])
+        entry[0] += sent
+        entry[1] += received
+        entry[2] += 1
+
+    def summary(self) -> dict:
+        """{"sent", "received", "calls", "by_op": {op: {"sent", "received", "calls"}}}."""
+        by_op = {op: {"sent": v[0], "received": v[1], "calls": v[2]} for op, v in self._per_op.items()}
+        return {"sent": sum(v[0] for v in self._per_op.values()),
+                "received": sum(v[1] for v in self._per_op.values()),
+                "calls": sum(v[2] for v in self._per_op.values()),
+                "by_op": by_op}
+
+
 def chunk_shape(shape: Sequence[int], split_dim: int, size: int) -> tuple[int, ...]:
     """Shape of one all-to-all chunk: `shape` with `size` rows along `split_dim`."""
     out = list(shape)
@@ -393,12 +446,7 @@ def _open_backend(name: str, coordinator: "SequenceParallelCoordinator"):
         from comfy.multinpu import HcclBackend
         return HcclBackend(coordinator)
     if name == "nccl":
-        try:
-            from comfy.multicuda import NcclBackend
-        except ImportError as exc:
-            raise BackendUnavailable(
-                "the nccl backend (comfy/multicuda.py) is not part of this installation yet; "
-                f"use {BACKEND_ENV}=peer or auto") from exc
+        from comfy.multicuda import NcclBackend
         return NcclBackend(coordinator)
     raise ValueError(f"unknown backend {name!r}; valid values: {', '.join(VALID_BACKENDS)}")
 
@@ -501,8 +549,7 @@ class SequenceParallelCoordinator:
         self._op_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
         self._parity = [0] * self.world_size
         self._comms = [RankComm(self, r) for r in range(self.world_size)]
-        # _traffic[rank][op] = [bytes sent, bytes received, calls]; each rank writes only its own.
-        self._traffic: list[dict[str, list[int]]] = [{} for _ in range(self.world_size)]
+        self._traffic = [TrafficCounter() for _ in range(self.world_size)]  # each rank writes its own
         self._run_lock = threading.Lock()
         self._closed = False
         self.fallback_reason: str | None = None
@@ -634,9 +681,8 @@ class SequenceParallelCoordinator:
         metas = list(meta_slot)
         check_exchange_metadata(metas, dims)
         out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot)
-        own = sum(nbytes(m) for m in metas[rank])
-        self._count(rank, "exchange", sent=own * (self.world_size - 1),
-                    received=sum(nbytes(m) for ms in metas for m in ms) - own)
+        sent, received = exchange_traffic(metas, rank)
+        self._count(rank, "exchange", sent=sent, received=received)
         return out
 
     def all_to_all_v(self, rank: int, tensors: torch.Tensor | Sequence[torch.Tensor],
@@ -687,7 +733,7 @@ class SequenceParallelCoordinator:
                         self.world_size)
         out = []
         for t, tensor in enumerate(tensors):
-            flat = torch.cat([c.reshape(-1) for c in tensor.split(list(splits[rank]), split_dim)])
+            flat = pack_chunks(tensor, splits[rank], split_dim)
             flat_metas = [[ShardMeta((numel(m[t].shape),), m[t].dtype)] for m in metas]
             gathered = self.backend.all_gather_v(rank, [flat], [0], flat_metas, slot)[0]
             parts, base = [], 0
@@ -707,11 +753,7 @@ class SequenceParallelCoordinator:
             return tensor.clone()
         meta_slot, data_slot = self._enter(
             rank, f"all_reduce {op}", [ShardMeta(tuple(tensor.shape), tensor.dtype)], tensor)
-        first = meta_slot[0][0]
-        for r, m in enumerate(meta_slot):
-            if m[0] != first:
-                raise CollectiveError(f"all_reduce: rank {r} has {m[0].shape}/{m[0].dtype}, "
-                                      f"rank 0 has {first.shape}/{first.dtype}")
+        check_all_reduce_metadata([m[0] for m in meta_slot])
         out = self.backend.all_reduce(rank, tensor, op, data_slot)
         # Logical bytes: every rank needs every other rank's whole input.
         moved = nbytes(tensor) * (self.world_size - 1)
@@ -720,10 +762,7 @@ class SequenceParallelCoordinator:
 
     # -- byte counters
     def _count(self, rank: int, op: str, sent: int, received: int) -> None:
-        entry = self._traffic[rank].setdefault(op, [0, 0, 0])
-        entry[0] += sent
-        entry[1] += received
-        entry[2] += 1
+        self._traffic[rank].add(op, sent, received)
 
     def byte_counts(self) -> list[dict]:
         """Per rank: {"sent", "received", "calls", "by_op": {op: {"sent", "received", "calls"}}}.
@@ -731,18 +770,11 @@ class SequenceParallelCoordinator:
         Bytes are logical payload to/from other ranks (see the module docstring), counted
         since the coordinator was made or `reset_byte_counts()` was last called.
         """
-        result = []
-        for per_op in self._traffic:
-            by_op = {op: {"sent": v[0], "received": v[1], "calls": v[2]} for op, v in per_op.items()}
-            result.append({"sent": sum(v[0] for v in per_op.values()),
-                           "received": sum(v[1] for v in per_op.values()),
-                           "calls": sum(v[2] for v in per_op.values()),
-                           "by_op": by_op})
-        return result
+        return [counter.summary() for counter in self._traffic]
 
     def reset_byte_counts(self) -> None:
         """Zero the counters; call it between runs, not while ranks are inside collectives."""
-        self._traffic = [{} for _ in range(self.world_size)]
+        self._traffic = [TrafficCounter() for _ in range(self.world_size)]
 
     # -- lifetime
     @property

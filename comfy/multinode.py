@@ -30,10 +30,12 @@ from typing import Mapping, Sequence
 import torch
 
 from comfy.ctypes_collective import unflatten_gathered
-from comfy.multidevice import (VALID_REDUCE_OPS, CollectiveError, ShardMeta, all_to_all_arguments,
+from comfy.multidevice import (VALID_REDUCE_OPS, CollectiveError, ShardMeta, TrafficCounter,
+                               all_to_all_arguments, check_all_reduce_metadata,
                                check_all_to_all_metadata, check_exchange_metadata, chunk_shape,
-                               concat_received, nbytes, normalize_dims, numel, resolve_device,
-                               set_thread_device, timeout_from_env)
+                               concat_received, displacements, exchange_traffic, nbytes,
+                               normalize_dims, numel, resolve_device, set_thread_device,
+                               timeout_from_env)
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +140,7 @@ class DistributedComm:
         self.device = resolve_device(device)
         self.backend_name = str(dist.get_backend(group))
         self._owns_group = owns_group
-        self._traffic: dict[str, list[int]] = {}
+        self._traffic = TrafficCounter()
         # gloo moves CPU tensors only; nccl/hccl move tensors of this rank's device.
         self._wire_device = torch.device("cpu") if self.backend_name == "gloo" else self.device
         # Equal-size all-gather into one tensor; renamed all_gather_single in torch 2.13.
@@ -161,12 +163,11 @@ class DistributedComm:
         for i, dim in enumerate(dims):
             shard_metas = [m[i] for m, _ in metas]
             counts = [numel(m.shape) for m in shard_metas]
-            displs = [sum(counts[:r]) for r in range(self.world_size)]
+            displs = displacements(counts)
             flat = self._all_gather_flat(tensors[i], counts, displs)
             out.append(unflatten_gathered(flat, shard_metas, counts, displs, dim).to(self.device))
-        own = sum(nbytes(m) for m in metas[self.rank][0])
-        self._count("exchange", sent=own * (self.world_size - 1),
-                    received=sum(nbytes(m) for ms, _ in metas for m in ms) - own)
+        sent, received = exchange_traffic([m for m, _ in metas], self.rank)
+        self._count("exchange", sent=sent, received=received)
         return out
 
     def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None):
@@ -204,11 +205,7 @@ class DistributedComm:
         if self.world_size == 1:
             return tensor.clone()
         metas = self._gather_metas([tensor], f"all_reduce {op}")
-        first = metas[0][0][0]
-        for r, (m, _) in enumerate(metas):
-            if m[0] != first:
-                raise CollectiveError(f"all_reduce: rank {r} has {m[0].shape}/{m[0].dtype}, "
-                                      f"rank 0 has {first.shape}/{first.dtype}")
+        check_all_reduce_metadata([m[0] for m, _ in metas])
         work = tensor.detach().to(self._wire_device, copy=True).contiguous()
         reduce_op = self._dist.ReduceOp.SUM if op == "sum" else self._dist.ReduceOp.MAX
         self._call("all_reduce", self._dist.all_reduce, work, op=reduce_op, group=self.group)
@@ -224,10 +221,7 @@ class DistributedComm:
 
     def byte_counts(self) -> dict:
         """{"sent", "received", "calls", "by_op": {...}}: logical bytes to/from other ranks."""
-        by_op = {op: {"sent": v[0], "received": v[1], "calls": v[2]} for op, v in self._traffic.items()}
-        return {"sent": sum(v[0] for v in self._traffic.values()),
-                "received": sum(v[1] for v in self._traffic.values()),
-                "calls": sum(v[2] for v in self._traffic.values()), "by_op": by_op}
+        return self._traffic.summary()
 
     # -- lifetime
     def close(self) -> None:
@@ -310,10 +304,7 @@ class DistributedComm:
         return self._dist.get_global_rank(self.group, group_rank)
 
     def _count(self, op: str, sent: int, received: int) -> None:
-        entry = self._traffic.setdefault(op, [0, 0, 0])
-        entry[0] += sent
-        entry[1] += received
-        entry[2] += 1
+        self._traffic.add(op, sent, received)
 
 
 def _decode_metas(row: list[int], n_tensors: int, n_splits: int):
