@@ -64,11 +64,6 @@ class SafetensorsHeader:
     metadata: dict[str, str]          # "__metadata__", {} when absent
 
     @property
-    def data_start(self) -> int:
-        """File offset of the data section."""
-        return HEADER_LENGTH_BYTES + self.header_bytes
-
-    @property
     def data_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 

@@ -69,13 +69,6 @@ NODE_SCHEMA = {
 }
 
 
-def schema_input(name: str) -> dict:
-    for spec in NODE_SCHEMA["inputs"]:
-        if spec["name"] == name:
-            return spec
-    raise KeyError(f"{NODE_ID} has no input named {name!r}")
-
-
 def widget_defaults() -> list:
     """Widget values in schema order, as a UI workflow stores them in `widgets_values`."""
     return [spec["default"] for spec in NODE_SCHEMA["inputs"] if "default" in spec]
