@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from comfy.device_replicas import module_device
 from comfy.sequence_parallel import (SequenceParallelError, SequenceParallelFanOut, ShardPlan,
                                      gather_rows, install_exchanging_attention, make_kv_strategy,
                                      slice_mod_segments, take_rows)
@@ -176,12 +177,6 @@ def _rank_preparer(sp_mode: str | None):
 
 # ----------------------------------------------------------------------------- plain modules
 
-def _module_device(model) -> torch.device | None:
-    for p in model.parameters():
-        return p.device
-    return None
-
-
 class SequenceParallelDiT:
     """Calls like the DiT; runs each forward on all ranks of `coordinator` (rank 0's result)."""
 
@@ -192,7 +187,7 @@ class SequenceParallelDiT:
                              f"{coordinator.world_size} ranks; pass one replica per rank")
         for r, model in enumerate(models):
             _require_support(model, f"replica {r}")
-            device = _module_device(model)
+            device = module_device(model)
             if device is not None and device != coordinator.devices[r]:
                 raise ValueError(f"replica {r} is on {device} but rank {r} runs on "
                                  f"{coordinator.devices[r]}; move it with .to({str(coordinator.devices[r])!r})")
