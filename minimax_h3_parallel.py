@@ -5,7 +5,7 @@
   doctor   what this machine offers: devices, backends, a self-test exchange
 
 Each subcommand registers its options in `add_<name>_arguments` and runs in `<name>_main`;
-the work itself lives in modules under comfy/ so ComfyUI and the tests can use it too.
+the work itself lives in the package comfy/multidevice/, so ComfyUI and the tests can use it too.
 """
 
 from __future__ import annotations
@@ -21,22 +21,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # ----------------------------------------------------------------------------- run
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    from comfy.minimax_h3_dry_run import add_arguments
+    from comfy.multidevice.cli.dry_run import add_arguments
     add_arguments(parser, repo_dir=Path(__file__).resolve().parent)
     parser.set_defaults(handler=run_main)
 
 
 def run_main(args: argparse.Namespace) -> int:
-    """The dry run (comfy/minimax_h3_dry_run.py): miniature DiT, W ranks vs one device."""
-    from comfy.minimax_h3_dry_run import run
+    """The dry run: miniature DiT, W ranks (threads, or processes under torchrun) vs one device."""
+    from comfy.multidevice.comm.torch_dist import launched_by_torchrun
+    if launched_by_torchrun():  # one rank per process instead of rank threads
+        from comfy.multidevice.cli.torchrun_run import run_distributed
+        return run_distributed(args)
+    from comfy.multidevice.cli.dry_run import run
     return run(args)
 
 
 # ----------------------------------------------------------------------------- doctor
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
-    """Devices, backends, environment and a self-test exchange (comfy/multidevice_doctor.py)."""
-    from comfy.multidevice_doctor import add_arguments, main
+    """Devices, backends, environment and a self-test exchange (comfy/multidevice/cli/doctor.py)."""
+    from comfy.multidevice.cli.doctor import add_arguments, main
     add_arguments(parser)
     parser.set_defaults(handler=main)
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from comfy.multidevice import SequenceParallelCoordinator  # noqa: E402
+from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
 from tests.fakes.build import build_fake  # noqa: E402
 
 HEADS, HEAD_DIM = 56, 128

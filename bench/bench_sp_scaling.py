@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from comfy.ldm.minimax.miniature import MiniatureConfig, build_miniature  # noqa: E402
-from comfy.ldm.minimax.sequence_parallel import enable_sequence_parallel  # noqa: E402
-from comfy.multidevice import SequenceParallelCoordinator  # noqa: E402
+from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature  # noqa: E402
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel  # noqa: E402
+from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
 
 TEXT_TOKENS, AUDIO_FRAMES = 64, 64
 

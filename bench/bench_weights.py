@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from comfy.safetensors_header import DTYPE_TO_SAFETENSORS  # noqa: E402
+from comfy.multidevice.weights.safetensors_header import DTYPE_TO_SAFETENSORS  # noqa: E402
 
 HIDDEN = 4096
 BLOCKS = 16
@@ -120,8 +120,9 @@ def load_naive(path: str, backend: str) -> dict[str, torch.Tensor]:
 
 
 def run_child(method: str, path: str, ranks: int, reloads: int) -> dict:
-    from comfy.multidevice import SequenceParallelCoordinator
-    from comfy.shared_checkpoint import RankReplica, SharedCheckpoint, model_stage_unload, total_bytes_read
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+    from comfy.multidevice.weights.replicas import RankReplica, model_stage_unload
+    from comfy.multidevice.weights.checkpoint import SharedCheckpoint, total_bytes_read
 
     def build(rank, comm):
         if method == "shared":

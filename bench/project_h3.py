@@ -3,7 +3,7 @@
 
 For the 768p workloads (5 s and 15 s of video, token counts from the upstream layout) it
 computes, per sampling step (one DiT forward): FLOPs (linear layers and attention), bytes each
-rank exchanges for `allgather` and `ulysses` (comfy/sp_cost_model.py, the formula the tests
+rank exchanges for `allgather` and `ulysses` (comfy/multidevice/sp/cost_model.py, the formula the tests
 check against measured byte counters), and projected seconds per step for W = 1..8 on the
 device profiles below, next to the seed project's measured 4-NPU figures. Writes a PNG of the
 projected speedup against W (Pillow) and prints one JSON object as the last line.
@@ -33,10 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from comfy.sp_cost_model import (DiTShape, choose_sp_mode, forward_flops,  # noqa: E402
-                                 forward_traffic, ulysses_degree)
+from comfy.multidevice.sp.cost_model import (DiTShape, choose_sp_mode, forward_flops, forward_traffic, ulysses_degree)
 
-H3 = DiTShape()  # hidden 5376, 50 blocks, 56 heads x 128, SwiGLU 14336 (shared/UPSTREAM_H3.md)
+H3 = DiTShape()  # hidden 5376, 50 blocks, 56 heads x 128, SwiGLU 14336 (docs/ARCHITECTURE.md)
 WORLDS = list(range(1, 9))
 MODES = ("allgather", "ulysses")
 
@@ -130,7 +129,7 @@ def token_counts(frames: int, width: int, height: int, text_tokens: int, fps: fl
 
 def workloads(text_tokens: int) -> dict:
     # 1344x768, 124 frames (5 s) and 362 frames (15 s): 37,296 + 414 and 107,856 + 1,206 rows
-    # in shared/UPSTREAM_H3.md; the text length is an assumption (--text-tokens).
+    # in docs/ARCHITECTURE.md; the text length is an assumption (--text-tokens).
     return {"768p_5s": token_counts(124, 1344, 768, text_tokens),
             "768p_15s": token_counts(362, 1344, 768, text_tokens)}
 

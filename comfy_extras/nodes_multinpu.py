@@ -1,11 +1,10 @@
-"""The `MultiNPUParallelConfig` node and the role planner.
+"""The `MultiNPUParallelConfig` node: MODEL, CLIP and two VAEs in, the same set up across the cards out.
 
 One node on the canvas takes the loaded MODEL, CLIP, video VAE and audio VAE and returns the
-same four objects set up to run across the cards (DESIGN §6):
+same four objects set up to run across the cards (the role table: comfy/multidevice/roles/plan.py):
 
-  * `plan_roles(n_cards)` says, per component, which card(s) and which parallel mode;
   * `configure_parallel(...)` validates the visible cards first (nothing is touched on an
-    error), then applies the plan through `comfy.parallel_roles.apply_role_plan`;
+    error), plans the roles, then applies them through `comfy.multidevice.roles.apply`;
   * `NODE_SCHEMA` is the node's interface as plain data (inputs, types, defaults, options,
     outputs in order), read by the tests and by tools/make_workflows.py without ComfyUI;
   * the V3 node class is built from that data on first use, so this module imports and its
@@ -15,9 +14,9 @@ same four objects set up to run across the cards (DESIGN §6):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
-from comfy.device_inventory import SUPPORTED_CARD_COUNTS, DEVICE_KINDS, check_card_count
+from comfy.multidevice.devices import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
+from comfy.multidevice.roles.plan import plan_roles
 
 log = logging.getLogger(__name__)
 
@@ -74,81 +73,6 @@ def widget_defaults() -> list:
     return [spec["default"] for spec in NODE_SCHEMA["inputs"] if "default" in spec]
 
 
-# ----------------------------------------------------------------------------- role plan
-
-COMPONENTS = ("dit", "text_encoder", "video_vae", "audio_vae")
-SINGLE = "single"
-SEQUENCE_PARALLEL = "sequence_parallel"
-TENSOR_PARALLEL = "tensor_parallel"
-TEMPORAL_CHUNKS = "temporal_chunks"
-
-
-@dataclass(frozen=True)
-class Role:
-    """Where one component runs: its cards (plan indices, 0-based) and its parallel mode."""
-
-    component: str
-    cards: tuple
-    mode: str
-    merge_card: int | None = None  # temporal_chunks: the card the decoded chunks are merged on
-
-    def as_dict(self) -> dict:
-        out = {"cards": list(self.cards), "mode": self.mode}
-        if self.merge_card is not None:
-            out["merge_card"] = self.merge_card
-        return out
-
-
-@dataclass(frozen=True)
-class RolePlan:
-    n_cards: int
-    dit: Role
-    text_encoder: Role
-    video_vae: Role
-    audio_vae: Role
-
-    def roles(self) -> list[Role]:
-        return [getattr(self, c) for c in COMPONENTS]
-
-    def as_dict(self) -> dict:
-        return {"n_cards": self.n_cards, **{r.component: r.as_dict() for r in self.roles()}}
-
-    def describe(self) -> str:
-        return "; ".join(f"{r.component} -> cards {list(r.cards)} ({r.mode})" for r in self.roles())
-
-
-def plan_roles(n_cards: int) -> RolePlan:
-    """Per component, the card(s) and the parallel mode for 1, 2, 4 or 8 cards (DESIGN §6).
-
-    1: everything on card 0. 2: everything on card 0 but the audio VAE (card 1).
-    4 and 8: DiT sequence parallel and text encoder tensor parallel on all cards, video VAE
-    chunks decoded on all cards and merged on card 0, audio VAE on the last card.
-    """
-    n = check_card_count(n_cards)
-    everyone = tuple(range(n))
-    last = n - 1
-    if n <= 2:
-        return RolePlan(
-            n_cards=n,
-            dit=Role("dit", (0,), SINGLE),
-            text_encoder=Role("text_encoder", (0,), SINGLE),
-            video_vae=Role("video_vae", (0,), SINGLE),
-            audio_vae=Role("audio_vae", (last,), SINGLE),
-        )
-    return RolePlan(
-        n_cards=n,
-        dit=Role("dit", everyone, SEQUENCE_PARALLEL),
-        text_encoder=Role("text_encoder", everyone, TENSOR_PARALLEL),
-        video_vae=Role("video_vae", everyone, TEMPORAL_CHUNKS, merge_card=0),
-        audio_vae=Role("audio_vae", (last,), SINGLE),
-    )
-
-
-def roles_table(counts=SUPPORTED_CARD_COUNTS) -> list[dict]:
-    """The plan for every supported count, as rows (for the README and the tests)."""
-    return [plan_roles(n).as_dict() for n in counts]
-
-
 # ----------------------------------------------------------------------------- configure
 
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
@@ -158,16 +82,16 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     Every check (card count, device kind, visible cards, backend name, the four inputs'
     shape) runs before anything is cloned, moved or started; the inputs are never modified.
     """
-    from comfy.device_inventory import select_devices
-    from comfy import parallel_roles
+    from comfy.multidevice.devices import select_devices
+    from comfy.multidevice.roles import apply as roles_apply
 
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}.")
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
     plan = plan_roles(npu_count)
-    parallel_roles.check_inputs(plan, model, clip, video_vae, audio_vae)
+    roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
     log.info("%s: %d card(s) %s; %s", NODE_ID, npu_count, ", ".join(map(str, selected)), plan.describe())
-    return parallel_roles.apply_role_plan(
+    return roles_apply.apply_role_plan(
         plan, selected, model, clip, video_vae, audio_vae,
         backend=None if backend == "default" else backend)
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from comfy.multidevice import SequenceParallelCoordinator
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -1,4 +1,4 @@
-"""Run a worker in W real processes, one rank each, over comfy/multinode.py (gloo on CPU).
+"""Run a worker in W real processes, one rank each, over comfy/multidevice/comm/torch_dist.py (gloo on CPU).
 
 `run_rank_processes(world, "tests.some_module", "worker_name", tmp_path)` starts W processes;
 each joins the process group, calls `worker_name(comm)` from that module and reports
@@ -28,7 +28,7 @@ def _entry(rank, world, init, module_name, worker_name, results, env):
     torch.set_num_threads(1)  # W processes share 2 cores
     comm = None
     try:
-        from comfy import multinode
+        from comfy.multidevice.comm import torch_dist as multinode
         timeout_s = float(env["TEST_DIST_TIMEOUT_S"])
         if init == "env":
             comm = multinode.init_from_env(device="cpu", timeout_s=timeout_s)
@@ -46,7 +46,7 @@ def _entry(rank, world, init, module_name, worker_name, results, env):
 def run_rank_processes(world, module_name, worker_name, tmp_path, init="file", env=None,
                        dist_timeout_s=60):
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "comfy.multinode", module_name])
+    ctx.set_forkserver_preload(["torch", "comfy.multidevice.comm.torch_dist", module_name])
     results = ctx.Queue()
     env = {"TEST_DIST_TIMEOUT_S": str(dist_timeout_s), **(env or {})}
     if init == "file":

@@ -4,7 +4,7 @@
   (clip_length 17, 4x temporal ratio, token_drop 3, latents_mean/std, `_adaptive_decode`,
   `blend`, `_finalize_pixels`, `decode_output_shape`) over a small causal 3D conv decoder,
   and its own single-device `decode`: a plain sequential loop over the chunks that streams
-  each chunk's frames out, the way a user of one card runs it. comfy/vae_parallel.py must
+  each chunk's frames out, the way a user of one card runs it. comfy/multidevice/vae/chunked.py must
   reproduce that loop's output bit for bit from chunks decoded elsewhere.
 * `TinyCausalDecoder` is the same kind of decoder without any chunk interface: decoding a
   window alone differs from decoding the whole latent near the window's start (it lacks the

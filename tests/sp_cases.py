@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from comfy.ldm.minimax.miniature import MiniatureConfig, build_miniature
+from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature
 
 TINY = MiniatureConfig(hidden_size=32, num_layers=3, token_refiner_num_layers=1, num_attention_heads=3,
                        attention_head_dim=16, ffn_hidden_size=48, text_dim=24, timestep_input_dim=16,

@@ -10,7 +10,8 @@ import logging
 import pytest
 import torch
 
-from comfy.multidevice import CollectiveError, SequenceParallelCoordinator
+from comfy.multidevice.comm.types import CollectiveError
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 BACKENDS = ["peer", "hccl", "hccl-no-alltoallv", "nccl", "nccl-no-sendrecv"]
@@ -221,8 +222,8 @@ def test_hccl_alltoallv_marshaling():
     #               recvType, comm, stream): host uint64 arrays, counts in elements.
     import ctypes
     from types import SimpleNamespace
-    from comfy.ctypes_collective import CLibrary
-    from comfy.multinpu import HcclBackend, HcclLibrary
+    from comfy.multidevice.comm.ctypes_lib import CLibrary
+    from comfy.multidevice.comm.hccl import HcclBackend, HcclLibrary
 
     calls = []
 
@@ -255,7 +256,7 @@ def test_hccl_alltoallv_marshaling():
 
 
 def test_fake_hccl_alltoallv_error_code_is_a_clear_exception(monkeypatch, fake_hccl_path):
-    from comfy.multinpu import HcclError
+    from comfy.multidevice.comm.hccl import HcclError
     monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
     monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclAlltoAllV:4")
     with SequenceParallelCoordinator(["cpu"] * 2, backend="hccl", timeout_s=10) as coord:
@@ -279,8 +280,8 @@ def test_nccl_alltoallv_is_one_group_of_sends_and_receives():
     # ncclSend(sendbuff, count, datatype, peer, comm, stream), ncclRecv(recvbuff, ...), in
     # elements; zero counts and the rank's own chunk are not sent.
     from types import SimpleNamespace
-    from comfy.ctypes_collective import CLibrary
-    from comfy.multicuda import NcclBackend, NcclLibrary
+    from comfy.multidevice.comm.ctypes_lib import CLibrary
+    from comfy.multidevice.comm.nccl import NcclBackend, NcclLibrary
 
     calls = []
 
@@ -309,7 +310,7 @@ def test_nccl_alltoallv_is_one_group_of_sends_and_receives():
 
 
 def test_fake_nccl_send_error_is_a_clear_exception(monkeypatch, fake_nccl_path):
-    from comfy.multicuda import NcclError
+    from comfy.multidevice.comm.nccl import NcclError
     monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
     monkeypatch.setenv("FAKE_NCCL_FAIL", "ncclSend:3")
     with SequenceParallelCoordinator(["cpu"] * 2, backend="nccl", timeout_s=10) as coord:

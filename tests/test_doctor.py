@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from comfy import multidevice_doctor as doctor
+from comfy.multidevice.cli import doctor
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = REPO / "minimax_h3_parallel.py"

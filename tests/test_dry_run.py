@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from comfy import minimax_h3_dry_run
-from comfy.minimax_h3_dry_run import REPORT_KEYS
+from comfy.multidevice.cli import dry_run as minimax_h3_dry_run
+from comfy.multidevice.cli.dry_run import REPORT_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_ARGS = ["--frames", "5", "--width", "64", "--height", "64", "--text-tokens", "9", "--hidden", "40",

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy.ldm.minimax.miniature import (MiniatureConfig, apply_split_half_rope, build_layout,
-                                         build_miniature, load_miniature, pack_audio, patchify_video,
-                                         rope_rotation_table, save_miniature, unpack_audio,
-                                         unpatchify_video)
+from comfy.multidevice.miniature.h3 import (MiniatureConfig, apply_split_half_rope, build_layout, build_miniature, load_miniature, pack_audio, patchify_video, rope_rotation_table, save_miniature, unpack_audio, unpatchify_video)
 from tests.sp_cases import TINY, make_inputs, rel_diff, tiny_model
 
 

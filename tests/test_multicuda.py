@@ -1,4 +1,4 @@
-"""The NCCL ctypes backend (comfy/multicuda.py), end to end over the fake libnccl and
+"""The NCCL ctypes backend (comfy/multidevice/comm/nccl.py), end to end over the fake libnccl and
 argument by argument with recorded calls.
 
 The backend-independent exactness cases (tests/collective_cases.py: every exchange equal to
@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from comfy import multidevice
-from comfy.ctypes_collective import CLibrary
-from comfy.multicuda import NCCL_FUNCTIONS, NcclBackend, NcclError, NcclLibrary, nccl_dtype
-from comfy.multidevice import BackendUnavailable, CollectiveError, SequenceParallelCoordinator
+from comfy.multidevice.comm import group
+from comfy.multidevice.comm.ctypes_lib import CLibrary
+from comfy.multidevice.comm.nccl import (NCCL_FUNCTIONS, NcclBackend, NcclError, NcclLibrary, nccl_dtype)
+from comfy.multidevice.comm.types import BackendUnavailable, CollectiveError
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
 # The backend-independent cases, collected here for NCCL (the `backend` fixture below).
 from tests.collective_cases import (FakeFunction, test_all_reduce_16bit_within_rounding,  # noqa: F401
                                     test_all_reduce_fp32_exact, test_all_reduce_int32,
@@ -94,7 +95,7 @@ def test_library_without_a_required_symbol_is_refused(fake_hccl_path, monkeypatc
 
 def test_auto_on_cuda_falls_back_to_peer_with_one_warning(monkeypatch, caplog, tmp_path):
     # Pretend the CPU ranks are CUDA GPUs so that auto tries NCCL, with no library to find.
-    monkeypatch.setattr(multidevice, "native_backend_for", lambda devices: "nccl")
+    monkeypatch.setattr(group, "native_backend_for", lambda devices: "nccl")
     monkeypatch.setenv("NCCL_SO_PATH", str(tmp_path / "missing" / "libnccl.so.2"))
     with caplog.at_level(logging.WARNING):
         with SequenceParallelCoordinator(["cpu"] * 2, backend="auto") as coord:
@@ -109,7 +110,7 @@ def test_auto_on_cuda_falls_back_to_peer_with_one_warning(monkeypatch, caplog, t
 
 
 def test_auto_on_cuda_uses_nccl_when_it_loads(monkeypatch, use_fake_nccl):
-    monkeypatch.setattr(multidevice, "native_backend_for", lambda devices: "nccl")
+    monkeypatch.setattr(group, "native_backend_for", lambda devices: "nccl")
     with SequenceParallelCoordinator(["cpu"] * 2, backend="auto") as coord:
         assert coord.backend_name == "nccl" and coord.fallback_reason is None
 

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from comfy import multidevice
-from comfy.ctypes_collective import CLibrary
-from comfy.multidevice import (BackendUnavailable, CollectiveAborted, CollectiveError,
-                               CollectiveTimeout, SequenceParallelCoordinator)
-from comfy.multinpu import HcclBackend, HcclError, HcclLibrary
+from comfy.multidevice.comm import group
+from comfy.multidevice.comm.ctypes_lib import CLibrary
+from comfy.multidevice.comm.types import (BackendUnavailable, CollectiveAborted, CollectiveError, CollectiveTimeout)
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.comm.hccl import HcclBackend, HcclError, HcclLibrary
 # The backend-independent cases, collected here for peer-copy and HCCL (the `backend` fixture).
 from tests.collective_cases import (FakeFunction, make_shards, test_all_reduce_16bit_within_rounding,  # noqa: F401
                                     test_all_reduce_fp32_exact, test_all_reduce_int32,
@@ -98,12 +98,12 @@ def test_equal_shards_end_to_end(use_fake_hccl):
 @pytest.mark.parametrize("dtype,code", [(torch.float32, 4), (torch.float16, 3), (torch.bfloat16, 11),
                                         (torch.int32, 2), (torch.int8, 0)])
 def test_dtype_enum(dtype, code):
-    from comfy.multinpu import hccl_dtype
+    from comfy.multidevice.comm.hccl import hccl_dtype
     assert hccl_dtype(dtype) == code
 
 
 def test_unsupported_dtype_names_it():
-    from comfy.multinpu import hccl_dtype
+    from comfy.multidevice.comm.hccl import hccl_dtype
     with pytest.raises(CollectiveError, match="complex64"):
         hccl_dtype(torch.complex64)
 
@@ -163,7 +163,7 @@ def test_broadcast_fallback_without_allgatherv(monkeypatch, fake_hccl_no_allgath
 
 def test_auto_falls_back_to_peer_with_one_warning(monkeypatch, caplog, tmp_path):
     # Pretend the CPU ranks are NPUs so that auto tries HCCL, with no library to find.
-    monkeypatch.setattr(multidevice, "native_backend_for", lambda devices: "hccl")
+    monkeypatch.setattr(group, "native_backend_for", lambda devices: "hccl")
     monkeypatch.setenv("HCCL_SO_PATH", str(tmp_path / "missing" / "libhccl.so"))
     with caplog.at_level(logging.WARNING):
         with SequenceParallelCoordinator(["cpu"] * 2, backend="auto") as coord:

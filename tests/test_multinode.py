@@ -1,4 +1,4 @@
-"""comfy/multinode.py: one rank per process over torch.distributed (gloo on CPU).
+"""comfy/multidevice/comm/torch_dist.py: one rank per process over torch.distributed (gloo on CPU).
 
 Each test starts W real processes. Every process builds all ranks' shards from the same
 seeds, so it can compute the single-process reference (torch.cat of the shards) itself
@@ -18,8 +18,7 @@ import time
 import pytest
 import torch
 
-from comfy.multinode import (TorchrunEnvError, dist_backend_for, launched_by_torchrun,
-                             read_torchrun_env)
+from comfy.multidevice.comm.torch_dist import (TorchrunEnvError, dist_backend_for, launched_by_torchrun, read_torchrun_env)
 from tests.collective_cases import make_shards
 from tests.rank_processes import payloads, run_rank_processes
 
@@ -97,7 +96,7 @@ def exactness_worker(comm):
 def mismatch_then_recover_worker(comm):
     """Shapes that cannot be concatenated: every rank raises the same clear error, and the
     group is still in step afterwards."""
-    from comfy.multidevice import CollectiveError
+    from comfy.multidevice.comm.types import CollectiveError
     shard = torch.ones(2, 3 + comm.rank)  # differs outside the concat dim 0
     try:
         comm.exchange([shard], 0)
@@ -117,7 +116,7 @@ def mismatch_then_recover_worker(comm):
 def different_collectives_worker(comm):
     """Rank 0 exchanges, rank 1 all-reduces, rank 2 waits at a barrier; then sum against max.
     Every rank must raise the same clear error, and the group is still in step afterwards."""
-    from comfy.multidevice import CollectiveError
+    from comfy.multidevice.comm.types import CollectiveError
     x = torch.ones(2, 3)
     messages = []
     for calls in (("exchange", "all_reduce", "barrier"), ("sum", "max", "sum")):
@@ -257,7 +256,7 @@ def test_backend_follows_the_device_kind():
 
 
 def test_communicator_needs_an_initialized_group():
-    from comfy.multinode import DistributedComm
+    from comfy.multidevice.comm.torch_dist import DistributedComm
     with pytest.raises(RuntimeError, match="init_from_env"):
         DistributedComm("cpu")
 

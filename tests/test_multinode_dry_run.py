@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from comfy.minimax_h3_dry_run import REPORT_KEYS
+from comfy.multidevice.cli.dry_run import REPORT_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
 LIMIT_S = 240

@@ -24,15 +24,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy import parallel_roles
-from comfy.device_inventory import (DeviceInventory, DeviceSelectionError, InvalidDeviceList,
-                                    MixedDeviceKinds, TooFewDevices, UnsupportedCardCount, select_devices)
-from comfy.multidevice import BackendUnavailable
-from comfy.parallel_roles import RolePlanError, apply_role_plan
-from comfy.tensor_parallel import TensorParallelError
-from comfy.text_encoders.miniature_decoder import MiniatureDecoderConfig
+from comfy.multidevice.roles import apply as roles_apply
+from comfy.multidevice.devices import (DeviceInventory, DeviceSelectionError, InvalidDeviceList, MixedDeviceKinds, TooFewDevices, UnsupportedCardCount, select_devices)
+from comfy.multidevice.comm.types import BackendUnavailable
+from comfy.multidevice.roles.apply import apply_role_plan
+from comfy.multidevice.roles.plan import RolePlanError
+from comfy.multidevice.tp.layers import TensorParallelError
+from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig
 from comfy_extras import nodes_multinpu
-from comfy_extras.nodes_multinpu import NODE_SCHEMA, configure_parallel, plan_roles, widget_defaults
+from comfy_extras.nodes_multinpu import NODE_SCHEMA, configure_parallel, widget_defaults
+from comfy.multidevice.roles.plan import plan_roles, roles_table
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
 from tests.sp_cases import make_inputs, rel_diff, tiny_model
 from tests.test_sequence_parallel import fake_patcher_extension  # noqa: F401  (fixture: comfy.patcher_extension stand-in)
@@ -76,7 +77,7 @@ class FakeModelPatcher:
 @pytest.fixture(autouse=True)
 def close_coordinators():
     yield
-    parallel_roles.close_shared_coordinators()
+    roles_apply.close_shared_coordinators()
 
 
 def inputs(seed=0, clip_cfg=None, clip_patches=None):
@@ -205,11 +206,11 @@ SHIM_SCRIPT = textwrap.dedent("""
         print(json.dumps({"error": str(exc)}))
         raise SystemExit(0)
     (node,) = asyncio.run(ext.get_node_list())
-    import comfy.model_management, comfy.device_inventory, comfy_extras.nodes_multinpu
+    import comfy.model_management, comfy.multidevice.devices, comfy_extras.nodes_multinpu
     print(json.dumps({
         "node_id": node.define_schema().node_id,
         "upstream_module": comfy.model_management.MARK,
-        "inventory_file": comfy.device_inventory.__file__,
+        "inventory_file": comfy.multidevice.devices.__file__,
         "node_file": comfy_extras.nodes_multinpu.__file__,
     }))
 """)
@@ -260,7 +261,7 @@ def test_shim_registers_the_node_with_only_custom_nodes_installed(tmp_path):
     out = run_shim(root)
     assert out["node_id"] == "MultiNPUParallelConfig"
     assert out["upstream_module"] == "upstream"  # ComfyUI's own comfy modules still win
-    assert Path(out["inventory_file"]).resolve().parent == REPO / "comfy"
+    assert Path(out["inventory_file"]).resolve().parent == REPO / "comfy" / "multidevice"
     assert Path(out["node_file"]).resolve().parent == REPO / "comfy_extras"
 
 
@@ -304,7 +305,7 @@ def test_plan_roles_for_1_2_4_8_cards():
         "video_vae": {"cards": eight, "mode": "temporal_chunks", "merge_card": 0},
         "audio_vae": {"cards": [7], "mode": "single"},
     }
-    assert [row["n_cards"] for row in nodes_multinpu.roles_table()] == [1, 2, 4, 8]
+    assert [row["n_cards"] for row in roles_table()] == [1, 2, 4, 8]
 
 
 @pytest.mark.parametrize("bad", [0, 3, 5, 6, 16, -4, "4", 4.0, True, None])
@@ -387,7 +388,7 @@ def fake_torch_npu(tmp_path, monkeypatch, body):
 
 
 def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, monkeypatch):
-    from comfy.device_inventory import probe_devices
+    from comfy.multidevice.devices import probe_devices
     fake_torch_npu(tmp_path, monkeypatch, "")  # importing it registers torch.npu (below)
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(device_count=lambda: 4), raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -401,7 +402,7 @@ def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, mo
 
 
 def test_probe_survives_a_broken_npu_stack_and_says_why(tmp_path, monkeypatch):
-    from comfy.device_inventory import probe_devices
+    from comfy.multidevice.devices import probe_devices
     fake_torch_npu(tmp_path, monkeypatch, "raise RuntimeError('libascendcl.so: cannot open shared object file')")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -472,11 +473,11 @@ def test_validation_errors_leave_everything_untouched(case, fake_patcher_extensi
     build, error, text = ERROR_CASES[case]
     objs = inputs()
     (model, clip, vv, av), kw = build(objs)
-    before, threads, coords = snapshot(*objs), rank_threads(), dict(parallel_roles._COORDINATORS)
+    before, threads, coords = snapshot(*objs), rank_threads(), dict(roles_apply._COORDINATORS)
     with pytest.raises(error, match=text):
         configure_parallel(model, clip, vv, av, **kw)
     assert_same(before, snapshot(*objs))
-    assert rank_threads() == threads and parallel_roles._COORDINATORS == coords  # nothing started
+    assert rank_threads() == threads and roles_apply._COORDINATORS == coords  # nothing started
 
 
 def test_role_errors_leave_everything_untouched(fake_patcher_extension):
@@ -502,7 +503,7 @@ def test_role_errors_leave_everything_untouched(fake_patcher_extension):
         with pytest.raises(TensorParallelError, match=text):
             configure_parallel(*objs, npu_count=4, device_kind="cpu")
         assert_same(before, snapshot(*objs))
-        assert parallel_roles._COORDINATORS == {}  # failed before any rank thread started
+        assert roles_apply._COORDINATORS == {}  # failed before any rank thread started
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -532,8 +533,8 @@ def test_end_to_end_on_4_cpu_ranks_matches_single_device(as_patcher, fake_patche
     p_model, p_clip, p_video, p_audio = configure_parallel(model, clip, video_vae, audio_vae,
                                                            npu_count=4, device_kind="cpu")
     assert p_model is not model and p_clip is not clip and p_video is not video_vae and p_audio is not audio_vae
-    coordinator = parallel_roles.shared_coordinator([torch.device("cpu")] * 4)
-    assert coordinator.world_size == 4 and len(parallel_roles._COORDINATORS) == 1
+    coordinator = roles_apply.shared_coordinator([torch.device("cpu")] * 4)
+    assert coordinator.world_size == 4 and len(roles_apply._COORDINATORS) == 1
 
     with torch.inference_mode():
         # DiT: one forward and a 3-step Euler sampling, 4 ranks against 1
@@ -570,7 +571,7 @@ def test_end_to_end_on_4_cpu_ranks_matches_single_device(as_patcher, fake_patche
 
     # the node again with the same cards reuses the rank threads
     configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, device_kind="cpu")
-    assert len(parallel_roles._COORDINATORS) == 1
+    assert len(roles_apply._COORDINATORS) == 1
 
 
 def test_a_patch_added_after_the_node_reaches_every_rank(fake_patcher_extension):
@@ -603,7 +604,7 @@ def test_a_quantized_text_encoder_stays_on_the_first_card(fake_patcher_extension
     lm = clip.cond_stage_model.qwen3vl_32b.transformer.model
     proj = lm.layers[0].mlp.up_proj
     proj.weight = torch.nn.Parameter(proj.weight.detach().as_subclass(WrappedWeight), requires_grad=False)
-    with caplog.at_level("WARNING", logger="comfy.parallel_roles"):
+    with caplog.at_level("WARNING", logger="comfy.multidevice.roles"):
         _, p_clip, *_ = configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, device_kind="cpu")
     assert "not tensor parallel" in caplog.text and "cannot be sliced" in caplog.text
     assert p_clip is not clip and p_clip.cond_stage_model.qwen3vl_32b.transformer.model is lm
@@ -613,7 +614,7 @@ def test_one_and_two_card_plans_place_each_component(fake_patcher_extension):
     model, clip, video_vae, audio_vae = inputs()
     cpu, other = torch.device("cpu"), torch.device("meta")  # meta: a second "card" nothing runs on
     m, c, v, a = apply_role_plan(plan_roles(2), [cpu, other], model, clip, video_vae, audio_vae)
-    assert parallel_roles._COORDINATORS == {}  # no parallel role: no rank threads
+    assert roles_apply._COORDINATORS == {}  # no parallel role: no rank threads
     assert a.device == other and audio_vae.device == cpu  # the audio VAE moved, its input did not
     assert v.device == cpu and v.first_stage_model is video_vae.first_stage_model
     assert m.load_device == cpu and m.model is model.model and m is not model

@@ -117,6 +117,14 @@ def test_readme_manual_lists_every_file_the_patch_adds():
     assert listed == set(committed_overlay(REPO)), "add/remove rows in README 'What the patch adds'"
 
 
+def test_readme_file_table_is_generated_from_the_patch():
+    # The rows come from the patch's file list and each file's docstring: regenerate them with
+    # `.venv/bin/python tools/make_file_table.py` after adding, removing or re-describing a file.
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "make_file_table.py"), "--check"],
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def _overlay_repo(tmp: Path, files: dict[str, bytes], executable=()) -> Path:
     repo = new_repo(tmp / "project")
     for rel, data in files.items():

@@ -16,16 +16,13 @@ import types
 import pytest
 import torch
 
-from comfy.ldm.minimax import miniature
-from comfy.ldm.minimax.miniature import build_layout
-from comfy.ldm.minimax.sequence_parallel import (WRAPPER_KEY, enable_sequence_parallel,
-                                                 enable_sequence_parallel_on_patcher,
-                                                 disable_sequence_parallel_on_patcher,
-                                                 install_rank_sequence_parallel,
-                                                 supports_sequence_parallel)
-from comfy.multidevice import SequenceParallelCoordinator
-from comfy.sequence_parallel import (AllGatherKV, SequenceParallelError, ShardPlan, copy_for_rank,
-                                     make_kv_strategy, slice_mod_segments, take_rows)
+from comfy.multidevice.miniature import h3 as miniature
+from comfy.multidevice.miniature.h3 import build_layout
+from comfy.multidevice.sp.minimax_h3 import (WRAPPER_KEY, enable_sequence_parallel, enable_sequence_parallel_on_patcher, disable_sequence_parallel_on_patcher, install_rank_sequence_parallel, supports_sequence_parallel)
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
+from comfy.multidevice.sp.plan import (SequenceParallelError, ShardPlan, slice_mod_segments, take_rows)
+from comfy.multidevice.sp.fan_out import copy_for_rank
 from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas, tiny_model
 
 FP32_TOL = 1e-5

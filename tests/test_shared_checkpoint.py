@@ -23,14 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-import comfy.shared_checkpoint as sc
-from comfy.multidevice import SequenceParallelCoordinator
-from comfy.safetensors_header import SAFETENSORS_DTYPES, parse_safetensors_prefix
-from comfy.shared_checkpoint import (CheckpointError, RankReplica, RankReplicas, ReadOnlyWeightError,
-                                     SharedCheckpoint, clear_shared_checkpoints, comfy_diffusion_model_replicas,
-                                     is_read_only, model_stage_unload, offload_components,
-                                     release_cached_device_memory, shared_checkpoint_sources,
-                                     total_bytes_read)
+import comfy.multidevice.weights.checkpoint as sc
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.weights.safetensors_header import (SAFETENSORS_DTYPES, parse_safetensors_prefix)
+from comfy.multidevice.weights.safetensors_header import CheckpointError
+from comfy.multidevice.weights.replicas import (RankReplica, RankReplicas, comfy_diffusion_model_replicas, model_stage_unload, offload_components, release_cached_device_memory)
+from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
+from comfy.multidevice.weights.checkpoint import (SharedCheckpoint, clear_shared_checkpoints, shared_checkpoint_sources, total_bytes_read)
 
 THREAD_LIMIT_S = 30
 
@@ -125,7 +124,7 @@ def test_second_open_reuses_and_reads_nothing(tmp_path, caplog):
     path = write(tmp_path / "m.safetensors", sample_tensors())
     first = SharedCheckpoint.open(path)
     before = total_bytes_read()
-    with caplog.at_level(logging.INFO, logger="comfy.shared_checkpoint"):
+    with caplog.at_level(logging.INFO, logger="comfy.multidevice.weights"):
         second = SharedCheckpoint.open(str(path))
     assert second is first
     assert total_bytes_read() == before

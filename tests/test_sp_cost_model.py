@@ -1,4 +1,4 @@
-"""The sequence-parallel cost model (comfy/sp_cost_model.py) and the H3 projection (bench/project_h3.py).
+"""The sequence-parallel cost model (comfy/multidevice/sp/cost_model.py) and the H3 projection (bench/project_h3.py).
 
 The byte formulas are checked here for their algebra (closed forms, conservation, the
 allgather/ulysses relations); tests/test_ulysses.py checks them against the byte counters of
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from comfy.sp_cost_model import (DiTShape, attention_traffic, choose_sp_mode, forward_flops,
-                                 forward_traffic, shard_sizes, ulysses_degree)
+from comfy.multidevice.sp.cost_model import (DiTShape, attention_traffic, choose_sp_mode, forward_flops, forward_traffic, ulysses_degree)
+from comfy.multidevice.sp.plan import shard_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_flops_of_h3_are_mostly_attention_at_15_seconds():
     flops = forward_flops(DiTShape(), 109_062)
     # per token per block: 2 * 5376 * (3*7168 + 7168 + 2*14336 + 14336) multiply-adds
     assert flops["linear"] == 2 * 5376 * 71680 * 109_062 * 50
-    assert 0.79 < flops["attention"] / flops["total"] < 0.81  # shared/UPSTREAM_H3.md: ~80%
+    assert 0.79 < flops["attention"] / flops["total"] < 0.81  # docs/ARCHITECTURE.md: ~80%
 
 
 def test_forward_traffic_adds_the_final_gather():
@@ -90,7 +90,7 @@ def test_projection_prints_json_last_and_writes_the_plot(tmp_path):
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])
     tokens = result["workloads"]["768p_15s"]["tokens"]
-    assert (tokens["video"], tokens["audio"]) == (107_856, 1_206)  # shared/UPSTREAM_H3.md
+    assert (tokens["video"], tokens["audio"]) == (107_856, 1_206)  # docs/ARCHITECTURE.md
     five = result["workloads"]["768p_5s"]["tokens"]
     assert (five["video"], five["audio"]) == (37_296, 414)
     bytes_w8 = result["workloads"]["768p_15s"]["bytes_received_per_rank_per_step"]

@@ -1,4 +1,4 @@
-"""Tensor-parallel decoder (comfy/tensor_parallel.py) against the single-device result.
+"""Tensor-parallel decoder (comfy/multidevice/tp/) against the single-device result.
 
 Model: the miniature Llama/Qwen-style decoder (8 query heads, 2 KV heads, so W=4 is the
 KV-replication case). Every parallel result is compared with the same model run on one
@@ -27,15 +27,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from comfy.multidevice import CollectiveAborted, SequenceParallelCoordinator
-from comfy.tensor_parallel import (ColumnParallelLinear, QuantizedWeightsError, RowParallelLinear,
-                                   TensorParallelDecoder,
-                                   TensorParallelError, apply_tensor_parallel_text_encoder,
-                                   build_tensor_parallel_decoder, check_head_split, head_shard,
-                                   prefixed_weights, remove_tensor_parallel_text_encoder,
-                                   shard_decoder, tensor_parallel_clip, check_tensor_parallel_clip,
-                                   weight_bytes)
-from comfy.text_encoders.miniature_decoder import MiniatureDecoderConfig, build_miniature_decoder
+from comfy.multidevice.comm.types import CollectiveAborted
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.tp.layers import (ColumnParallelLinear, QuantizedWeightsError, RowParallelLinear, TensorParallelError, check_head_split, head_shard, weight_bytes)
+from comfy.multidevice.tp.shard import (TensorParallelDecoder, build_tensor_parallel_decoder, prefixed_weights, shard_decoder)
+from comfy.multidevice.tp.clip import (apply_tensor_parallel_text_encoder, remove_tensor_parallel_text_encoder, tensor_parallel_clip, check_tensor_parallel_clip)
+from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
 from tests.rank_processes import run_rank_processes
 
 FP32_REL_TOL = 1e-5
@@ -297,7 +294,8 @@ def test_shards_from_a_real_shared_checkpoint_file(tmp_path, backend):
     # a match proves every weight came from the file.
     from safetensors.torch import save_file
 
-    from comfy.shared_checkpoint import SharedCheckpoint, is_read_only, total_bytes_read
+    from comfy.multidevice.weights.checkpoint import SharedCheckpoint, total_bytes_read
+    from comfy.multidevice.weights.read_only import is_read_only
 
     cfg = LAYOUTS["fused"]
     model = build_miniature_decoder(cfg, seed=14)
@@ -402,7 +400,7 @@ def test_generation_is_refused():
 
 # ----------------------------------------------------------------------------- upstream mirror
 # A module tree with upstream ComfyUI's attribute layout (see the notes in
-# comfy/tensor_parallel.py): CLIP -> cond_stage_model (SD1ClipModel: `.clip` names the
+# comfy/multidevice/tp/): CLIP -> cond_stage_model (SD1ClipModel: `.clip` names the
 # child) -> SDClipModel -> `.transformer` (Qwen3VL: `.model` language model, `.visual`,
 # get_input_embeddings() -> model.embed_tokens) ; CLIP.patcher.patches.
 
@@ -476,7 +474,7 @@ def test_upstream_clip_conversion_matches_and_can_be_undone(backend, caplog):
     ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
     want = te.encode(ids)
     with coordinator(4, backend) as coord:
-        with caplog.at_level(logging.INFO, logger="comfy.tensor_parallel"):
+        with caplog.at_level(logging.INFO, logger="comfy.multidevice.tp"):
             assert apply_tensor_parallel_text_encoder(clip, coord) is clip
         wrapper = te.transformer.model
         assert isinstance(wrapper, TensorParallelDecoder) and wrapper.source_decoder is original
@@ -574,7 +572,7 @@ def test_tensor_parallel_clip_fails_before_copying():
 # ----------------------------------------------------------------------------- torch.distributed
 
 def distributed_worker(comm):
-    """One process = one rank over comfy/multinode.py's communicator (gloo on CPU)."""
+    """One process = one rank over comfy/multidevice/comm/torch_dist.py's communicator (gloo on CPU)."""
     cfg = LAYOUTS["fused"]
     model = build_miniature_decoder(cfg, seed=13)  # same seed: same model in every process
     embeds, mask = inputs(cfg)

@@ -25,12 +25,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comfy.ldm.minimax.miniature import build_miniature
-from comfy.ldm.minimax.sequence_parallel import enable_sequence_parallel
-from comfy.multidevice import SequenceParallelCoordinator
-from comfy.sequence_parallel import AllGatherKV, SequenceParallelError, make_kv_strategy
-from comfy.sp_cost_model import DiTShape, forward_traffic, ulysses_degree
-from comfy.ulysses import AutoKV, SPMode, UlyssesKV
+from comfy.multidevice.miniature.h3 import build_miniature
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
+from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic, ulysses_degree
+from comfy.multidevice.sp.strategies import AutoKV, SPMode
+from comfy.multidevice.sp.ulysses import UlyssesKV
 from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas
 
 FP32_TOL = 1e-5
@@ -143,7 +145,7 @@ def test_euler_sampling_loop_matches(models, backend, world):
 @pytest.mark.parametrize("heads,world", [(4, 2), (4, 3), (4, 4), (6, 4), (6, 3)])
 def test_byte_counters_match_the_cost_model(models, mode, heads, world):
     """What the coordinator counted in one forward of the miniature equals, rank by rank, the
-    byte formula bench/project_h3.py projects the real H3 with (comfy/sp_cost_model.py)."""
+    byte formula bench/project_h3.py projects the real H3 with (comfy/multidevice/sp/cost_model.py)."""
     cfg = config(heads)
     x, t, ctx, kw = make_inputs("cond_refs")
     with torch.inference_mode():
@@ -347,12 +349,12 @@ def test_auto_resolves_the_same_on_every_rank(models):
     strategies = []
 
     def prepare(rank, comm, model, options):
-        from comfy.ldm.minimax.sequence_parallel import install_rank_sequence_parallel
+        from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
         shard = install_rank_sequence_parallel(model, comm, options, "auto")
         strategies.append(options["optimized_attention_override"].strategy)
         return shard
 
-    from comfy.sequence_parallel import SequenceParallelFanOut
+    from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
     x, t, ctx, kw = make_inputs("plain")
     with SequenceParallelCoordinator(["cpu"] * 4, backend="peer") as coord:
         sp = enable_sequence_parallel(replicas(models[6], 4), coord, sp_mode="auto")

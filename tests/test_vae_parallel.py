@@ -1,4 +1,4 @@
-"""Multi-device video VAE decode (comfy/vae_parallel.py) on CPU ranks.
+"""Multi-device video VAE decode (comfy/multidevice/vae/chunked.py) on CPU ranks.
 
 Chunked decode is compared with the decoder's own single-device decode bit for bit
 (torch.equal: the same ops run on the same inputs, only on other rank threads).
@@ -9,10 +9,9 @@ Feathered windows are checked for exactness where windows agree, and for continu
 import pytest
 import torch
 
-from comfy.device_replicas import replica_on
-from comfy.vae_parallel import (ChunkedDecode, H3ChunkSchedule, ParallelDecodeError, feather_weights,
-                                feather_windows, feathered_decode, linear_blend, with_parallel_decode)
-from comfy.multidevice import SequenceParallelCoordinator
+from comfy.multidevice.weights.replicas import replica_on
+from comfy.multidevice.vae.chunked import (ChunkedDecode, H3ChunkSchedule, ParallelDecodeError, feather_weights, feather_windows, feathered_decode, linear_blend, with_parallel_decode)
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from tests.small_vaes import TinyCausalDecoder, TinyCausalVideoVAE
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """ComfyUI-MultiNPU: registers the MultiNPUParallelConfig node.
 
-The node and everything it uses live in the overlay's `comfy_extras/` and `comfy/` files.
+The node lives in the overlay's `comfy_extras/nodes_multinpu.py`; everything it uses, in the package `comfy/multidevice/`.
 Two ways to install, no upstream file edited in either:
 
   * the overlay applied to a ComfyUI checkout (install_deps_minimax_h3.sh --comfyui DIR):
@@ -37,7 +37,7 @@ def _candidate_roots():
 
 def _is_project_root(path):
     return os.path.isfile(os.path.join(path, "comfy_extras", "nodes_multinpu.py")) and \
-        os.path.isfile(os.path.join(path, "comfy", "device_inventory.py"))
+        os.path.isfile(os.path.join(path, "comfy", "multidevice", "__init__.py"))
 
 
 def load_node_module():

@@ -1,0 +1,466 @@
+"""The dry run of `minimax_h3_parallel.py run`: the whole sequence-parallel pipeline, no weights.
+
+Stages:
+1. choose the ranks (all visible accelerators, else 4 CPU ranks; `--devices N` to change);
+2. the miniature H3 DiT with seeded random weights, saved once as safetensors in the cache
+   folder and loaded from there (every rank's replica is built from that file);
+3. a flow-matching Euler sampling of a joint video + audio latent (text, optional reference
+   images) on W ranks in sequence parallel, and the same sampling on one device (the reference);
+4. parity of the final latents, a short report, latents + report.json in the output folder.
+
+The last line printed is one JSON object (see `REPORT_KEYS`); the exit code is 1 when parity
+fails, 2 on bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.comm.settings import VALID_BACKENDS
+from comfy.multidevice.comm.types import BackendUnavailable
+from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
+                                            read_miniature_config, save_miniature)
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
+from comfy.multidevice.sp.plan import ShardPlan
+from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, KV_STRATEGIES
+
+log = logging.getLogger(__name__)
+
+VIDEO_FPS = 24           # H3 generates 24 fps video
+AUDIO_LATENT_HZ = 40     # audio VAE: 40 latent frames per second
+VAE_SPATIAL = 16         # video VAE: 16x spatial, latent frames = 5k+2 for 17k+5 pixel frames
+PATCH = 2                # DiT patch (1, 2, 2)
+DEFAULT_CPU_RANKS = 4
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # relative to max |reference latent|
+REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_per_rank", "steps",
+               "max_abs_diff", "rel_diff", "tolerance", "parity", "seconds_per_step",
+               "reference_seconds_per_step", "speedup", "exchanged_bytes_per_step", "dtype",
+               "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
+               "weights_source", "checkpoint_bytes_read", "out", "sp_overlap", "sp_mode_used",
+               "byte_counts", "model_bytes_per_step")
+
+
+class DryRunError(ValueError):
+    """A dry-run option is wrong; the message names it and the fix."""
+
+
+# ----------------------------------------------------------------------------- options
+
+def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
+    g = parser.add_argument_group("ranks")
+    g.add_argument("--devices", type=int, default=None,
+                   help="number of ranks (default: all visible NPUs/GPUs, else 4 CPU ranks)")
+    g.add_argument("--cpu", action="store_true", help="use CPU ranks even when accelerators are visible")
+    g.add_argument("--backend", choices=VALID_BACKENDS, default=None,
+                   help="collective backend (default: COMFYUI_MULTI_DEVICE_BACKEND, else auto)")
+    g.add_argument("--sp-mode", choices=list(KV_STRATEGIES), default=DEFAULT_SP_MODE,
+                   help="how attention exchanges K/V between ranks (default %(default)s)")
+    g.add_argument("--sp-overlap", type=int, default=1, metavar="CHUNKS",
+                   help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
+                        "attention (default 1: no overlap)")
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--steps", type=int, default=10, help="Euler steps (default %(default)s)")
+    g.add_argument("--frames", type=int, default=39, help="video frames, 17k+5 (default %(default)s)")
+    g.add_argument("--width", type=int, default=384, help="video width in pixels, a multiple of 32")
+    g.add_argument("--height", type=int, default=256, help="video height in pixels, a multiple of 32")
+    g.add_argument("--refs", type=int, default=0, help="reference-image segments (default 0)")
+    g.add_argument("--text-tokens", type=int, default=64, help="text tokens (default %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the noise")
+    g.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32")
+    g.add_argument("--no-reference", action="store_true", help="skip the single-device reference run")
+    g.add_argument("--tolerance", type=float, default=None,
+                   help="parity tolerance, relative to max |reference| (default: 1e-5 fp32, 2e-2 bf16)")
+    g = parser.add_argument_group("miniature model")
+    g.add_argument("--hidden", type=int, default=256, help="hidden size (default %(default)s)")
+    g.add_argument("--blocks", type=int, default=6, help="DiT blocks (default %(default)s)")
+    g.add_argument("--heads", type=int, default=6, help="attention heads (default %(default)s)")
+    g.add_argument("--head-dim", type=int, default=64, help="head dim (default %(default)s)")
+    g = parser.add_argument_group("files")
+    g.add_argument("--cache", type=Path, default=repo_dir / "cache",
+                   help="folder of the miniature checkpoint (default ./cache)")
+    g.add_argument("--out", type=Path, default=repo_dir / "out",
+                   help="folder for latents.safetensors and report.json (default ./out)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+@dataclass
+class Plan:
+    """Validated options: sizes in latent rows, the model config, the devices."""
+
+    devices: list[str]
+    latent_t: int
+    latent_h: int
+    latent_w: int
+    audio_t: int
+    config: MiniatureConfig
+    dtype: torch.dtype
+    tolerance: float
+    args: argparse.Namespace
+    notes: list[str] = field(default_factory=list)
+
+
+def visible_accelerators() -> list[str]:
+    from comfy.multidevice.devices import probe_devices
+    inventory = probe_devices()
+    for kind in ("npu", "cuda"):
+        if inventory.count(kind):
+            return [f"{kind}:{i}" for i in range(inventory.count(kind))]
+    return []
+
+
+def choose_devices(n: int | None, cpu: bool) -> list[str]:
+    if n is not None and n < 1:
+        raise DryRunError(f"--devices {n}: need at least 1 rank")
+    accelerators = [] if cpu else visible_accelerators()
+    if not accelerators:
+        return ["cpu"] * (n or DEFAULT_CPU_RANKS)
+    if n is None:
+        return accelerators
+    if n > len(accelerators):
+        raise DryRunError(f"--devices {n}: only {len(accelerators)} accelerator(s) visible "
+                          f"({', '.join(accelerators)}); use --devices {len(accelerators)} or --cpu")
+    return accelerators[:n]
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Check every option before anything is built."""
+    if args.steps < 1:
+        raise DryRunError(f"--steps {args.steps}: need at least 1 step")
+    if args.frames < 5 or (args.frames - 5) % 17:
+        k = max(0, round((args.frames - 5) / 17))
+        raise DryRunError(f"--frames {args.frames}: H3's video VAE takes 17k+5 frames; use "
+                          f"--frames {17 * k + 5} or {17 * (k + 1) + 5}")
+    for name in ("width", "height"):
+        value = getattr(args, name)
+        step = VAE_SPATIAL * PATCH
+        if value < step or value % step:
+            raise DryRunError(f"--{name} {value}: must be a positive multiple of {step} "
+                              f"(16x VAE x 2x2 patch); e.g. --{name} {max(step, round(value / step) * step)}")
+    for name in ("refs", "text_tokens"):
+        if getattr(args, name) < (1 if name == "text_tokens" else 0):
+            raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
+    try:
+        from comfy.multidevice.sp.strategies import SPMode  # the --sp-mode / --sp-overlap combination
+        SPMode(args.sp_mode, overlap_chunks=args.sp_overlap)
+    except ValueError as exc:
+        raise DryRunError(f"--sp-mode {args.sp_mode} --sp-overlap {args.sp_overlap}: {exc}") from exc
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise DryRunError(f"--tolerance {args.tolerance}: must be >= 0")
+    for name, least in (("hidden", 2), ("blocks", 1), ("heads", 1), ("head_dim", 8)):
+        # head_dim >= 8: H3 rotates only part of each head (here at least 6 dims)
+        if getattr(args, name) < least:
+            raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)}: too small for the "
+                              f"miniature; use --{name.replace('_', '-')} {least} or more")
+    if args.heads * args.head_dim == args.hidden:
+        raise DryRunError(f"--heads {args.heads} x --head-dim {args.head_dim} equals --hidden {args.hidden}; "
+                          "H3's attention width differs from its hidden size, pick another --hidden")
+    try:
+        config = MiniatureConfig(hidden_size=args.hidden, num_layers=args.blocks,
+                                 num_attention_heads=args.heads, attention_head_dim=args.head_dim,
+                                 ffn_hidden_size=2 * args.hidden, text_dim=args.hidden // 2 + 16,
+                                 time_embed_hidden_size=args.hidden, time_embed_dim=args.hidden // 2,
+                                 timestep_input_dim=64, rope_inv_freq_len=max(1, (args.head_dim * 3 // 4) // 6))
+    except ValueError as exc:
+        raise DryRunError(f"miniature size options: {exc}") from exc
+    devices = choose_devices(args.devices, args.cpu)
+    dtype = getattr(torch, args.dtype)
+    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[args.dtype]
+    audio_t = math.ceil(args.frames / VIDEO_FPS * AUDIO_LATENT_HZ)
+    plan = Plan(devices, (args.frames - 5) // 17 * 5 + 2, args.height // VAE_SPATIAL, args.width // VAE_SPATIAL,
+                audio_t, config, dtype, tolerance, args)
+    seq = plan_seq_len(plan)
+    if seq < len(devices):
+        raise DryRunError(f"{seq} tokens cannot be split over {len(devices)} ranks; use --devices {seq} or fewer")
+    return plan
+
+
+def plan_rows(plan: Plan) -> dict[str, int]:
+    """Packed rows per part of the sequence."""
+    frame_rows = (plan.latent_h // PATCH) * (plan.latent_w // PATCH)
+    return {"text": plan.args.text_tokens, "refs": plan.args.refs * frame_rows,
+            "audio": 2 * plan.audio_t, "video": plan.latent_t * frame_rows}
+
+
+def plan_seq_len(plan: Plan) -> int:
+    return sum(plan_rows(plan).values())
+
+
+# ----------------------------------------------------------------------------- weights
+
+def checkpoint_path(plan: Plan) -> Path:
+    key = json.dumps({"config": plan.config.to_json(), "seed": plan.args.seed, "dtype": plan.args.dtype},
+                     sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Path(plan.args.cache) / f"minimax-h3-miniature-{digest}.safetensors"
+
+
+def ensure_checkpoint(plan: Plan) -> tuple[Path, bool]:
+    """The seeded miniature as a safetensors file in the cache; (path, reused)."""
+    path = checkpoint_path(plan)
+    if path.exists():
+        config, dtype = read_miniature_config(path)
+        if config == plan.config and dtype == plan.dtype:
+            return path, True
+        log.warning("cached %s does not match the requested model; rebuilding it", path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = build_miniature(plan.config, seed=plan.args.seed, dtype=plan.dtype)
+    tmp = path.with_suffix(".tmp")
+    save_miniature(model, tmp)
+    os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
+    return path, False
+
+
+@dataclass
+class Replicas:
+    modules: list[torch.nn.Module]
+    source: str        # how they were built
+    bytes_read: int    # checkpoint bytes read from disk for them
+
+    def __iter__(self):  # callers written against the earlier (modules, source) tuple still unpack it
+        return iter((self.modules, self.source))
+
+
+def build_replicas(path: Path, devices: list[str]) -> Replicas:
+    """One replica per rank from the checkpoint file, read from disk once.
+
+    Through comfy/multidevice/weights/: one read-only base in RAM, and each rank's hot cache
+    built from it (a zero-copy view of the base on a CPU rank, a device copy elsewhere).
+    """
+    from comfy.multidevice.miniature.h3 import MiniatureH3Model
+    from comfy.multidevice.weights.replicas import RankReplicas
+    from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+
+    config, dtype = read_miniature_config(path)
+    base = SharedCheckpoint.open(path)
+    read_before = base.bytes_read
+    with torch.device("meta"):  # the template only lends its structure: allocate nothing
+        template = MiniatureH3Model(config, dtype=dtype)
+    replicas = RankReplicas(base, devices, template=template, load=True)
+    return Replicas([r.module for r in replicas], "shared_checkpoint", read_before)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def make_inputs(plan: Plan) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
+    """Seeded noise latents, text states and reference-image latents (on the CPU)."""
+    cfg = plan.config
+    g = torch.Generator().manual_seed(plan.args.seed + 1)
+    video = torch.randn(1, cfg.latents_dim, plan.latent_t, plan.latent_h, plan.latent_w, generator=g)
+    audio = torch.randn(1, cfg.audio_latents_dim, 2, plan.audio_t, generator=g)
+    text = torch.randn(1, plan.args.text_tokens, cfg.text_dim, generator=g)
+    refs = [torch.randn(1, cfg.latents_dim, 1, plan.latent_h, plan.latent_w, generator=g)
+            for _ in range(plan.args.refs)]
+    kwargs = {"minimax_payload": {"ref_image_latents": refs}} if refs else {}
+    return [video, audio], text, kwargs
+
+
+def sigma_schedule(steps: int, shift: float) -> torch.Tensor:
+    """Flow-matching sigmas from 1 to 0, shifted like H3's video schedule."""
+    s = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    return (shift * s / (1.0 + (shift - 1.0) * s)).float()
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.started = time.perf_counter()
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        filled = int(width * done / self.total)
+        elapsed = time.perf_counter() - self.started
+        rate = f"{elapsed / done:.2f} s/step" if done else ""
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {rate}")
+        if done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def euler_sample(forward: Callable, x: list[torch.Tensor], context, kwargs: dict, sigmas: torch.Tensor,
+                 progress: Progress, after_step: Callable[[], None] | None = None) -> tuple[list, list[float]]:
+    """x_{i+1} = x_i + (sigma_{i+1} - sigma_i) * v(x_i, sigma_i); returns (latents, step seconds)."""
+    x = [z.clone() for z in x]
+    seconds = []
+    progress.update(0)
+    for i in range(len(sigmas) - 1):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            v = forward(x, (sigmas[i] * 1000.0).reshape(1).to(x[0].device), context, **kwargs)
+        x = [z + (sigmas[i + 1] - sigmas[i]) * d.to(z.device, z.dtype) for z, d in zip(x, v)]
+        seconds.append(time.perf_counter() - t0)
+        if after_step is not None:
+            after_step()
+        progress.update(i + 1)
+    return x, seconds
+
+
+def _cpu_threads_per_rank(devices: list[str]) -> int | None:
+    # CPU "devices" share the cores: one rank thread each, their intra-op threads split the cores
+    if any(not d.startswith("cpu") for d in devices):
+        return None
+    return max(1, (os.cpu_count() or 1) // len(devices))
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    try:
+        plan = make_plan(args)
+    except DryRunError as exc:
+        print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
+        return 2
+    try:  # a backend that cannot start is a bad option too: say so before anything is built
+        coord = SequenceParallelCoordinator(plan.devices, backend=args.backend)
+    except (BackendUnavailable, ValueError) as exc:
+        print(f"minimax_h3_parallel.py run: --backend {args.backend or 'auto'}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_on(coord, plan, args, out)
+    finally:
+        coord.close()
+
+
+def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Namespace, out) -> int:
+    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+    cfg, world = plan.config, len(plan.devices)
+    say(f"MiniMax-H3 dry run: miniature DiT (hidden {cfg.hidden_size}, {cfg.num_layers} blocks, "
+        f"{cfg.num_attention_heads}x{cfg.attention_head_dim} heads), {args.dtype}, seed {args.seed}")
+
+    path, reused = ensure_checkpoint(plan)
+    size_mb = path.stat().st_size / 2 ** 20
+    say(f"[weights] {path} ({size_mb:.1f} MiB, {'reused from the cache' if reused else 'built and saved'})")
+    built = build_replicas(path, plan.devices)
+    replicas = built.modules
+    say(f"[weights] {world} replica(s) from one read-only base ({built.source}): "
+        f"{built.bytes_read / 2 ** 20:.1f} MiB read from disk")
+
+    x, context, kwargs = make_inputs(plan)
+    sigmas = sigma_schedule(args.steps, cfg.sigma_shift_video)
+    seq_len = plan_seq_len(plan)
+    tokens_per_rank = [b - a for a, b in ShardPlan.edges(seq_len, world)]
+
+    threads_before = torch.get_num_threads()
+    per_rank_threads = _cpu_threads_per_rank(plan.devices)
+    with coord:
+        backend = coord.backend_name
+        say(f"[ranks] {world} x {plan.devices[0].split(':')[0]} ({', '.join(plan.devices)}), backend {backend}"
+            + (f" (fallback: {coord.fallback_reason})" if coord.fallback_reason else "")
+            + f", sp mode {args.sp_mode}")
+        parts = ", ".join(f"{k} {n}" for k, n in plan_rows(plan).items())
+        say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {tokens_per_rank}")
+        from comfy.multidevice.sp.strategies import SPMode
+        sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap))
+        exchanged = []
+        if per_rank_threads is not None:
+            torch.set_num_threads(per_rank_threads)
+        try:
+            latents, seconds = euler_sample(
+                sp, x, context, kwargs, sigmas, Progress(f"sampling on {world} rank(s)", args.steps,
+                                                          not args.no_progress),
+                after_step=lambda: exchanged.append(sp.bytes_exchanged_last_forward()))
+        finally:
+            torch.set_num_threads(threads_before)
+        if sp.tokens_per_rank() != tokens_per_rank:
+            raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
+        byte_counts = coord.byte_counts()  # per rank, the whole sampling
+    sp_seconds = _steady(seconds)
+    bytes_per_step = max(exchanged) if exchanged else 0
+    say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
+        f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
+    mode_used, model_bytes = _traffic_model(plan, seq_len, world)
+    say(f"[traffic] sp mode {mode_used}: received per rank and step "
+        f"{[round(c['received'] / args.steps / 2 ** 20, 2) for c in byte_counts]} MiB "
+        f"(byte model: {model_bytes / 2 ** 20:.2f} MiB in all ranks per step)")
+
+    ref_latents, ref_seconds = None, None
+    if not args.no_reference:
+        reference = replicas[0]
+        ref_dev = plan.devices[0]
+        ref_latents, rs = euler_sample(
+            reference, [z.to(ref_dev) for z in x], context.to(ref_dev), _to(kwargs, ref_dev), sigmas,
+            Progress("reference on 1 device", args.steps, not args.no_progress))
+        ref_seconds = _steady(rs)
+        say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
+
+    report = {
+        "world_size": world, "backend": backend, "sp_mode": args.sp_mode, "devices": plan.devices,
+        "tokens": seq_len, "tokens_per_rank": tokens_per_rank, "steps": args.steps,
+        "max_abs_diff": None, "rel_diff": None, "tolerance": plan.tolerance, "parity": "skipped",
+        "seconds_per_step": round(sp_seconds, 6),
+        "reference_seconds_per_step": None if ref_seconds is None else round(ref_seconds, 6),
+        "speedup": None if ref_seconds is None else round(ref_seconds / sp_seconds, 4),
+        "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
+        "cpu_threads_per_rank": per_rank_threads,
+        "reference_cpu_threads": threads_before if plan.devices[0].startswith("cpu") else None,
+        "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": built.source,
+        "checkpoint_bytes_read": built.bytes_read,
+        "out": str(args.out),
+        "sp_overlap": args.sp_overlap, "sp_mode_used": mode_used, "byte_counts": byte_counts,
+        "model_bytes_per_step": model_bytes,
+    }
+    if ref_latents is not None:
+        diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
+        scale = max(float(b.float().abs().max()) for b in ref_latents)
+        report["max_abs_diff"] = diff
+        report["rel_diff"] = diff / scale if scale > 0 else diff
+        report["parity"] = "ok" if report["rel_diff"] <= plan.tolerance else "fail"
+        say(f"[parity] max |diff| {diff:.3e}, relative {report['rel_diff']:.3e} "
+            f"(tolerance {plan.tolerance:g}): {report['parity']}")
+
+    write_outputs(Path(args.out), latents, ref_latents, report)
+    say(f"[output] {Path(args.out) / 'latents.safetensors'}, {Path(args.out) / 'report.json'}")
+    print(json.dumps(report), file=out, flush=True)
+    return 1 if report["parity"] == "fail" else 0
+
+
+def _traffic_model(plan: Plan, seq_len: int, world: int) -> tuple[str, int]:
+    """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
+    from comfy.multidevice.sp.cost_model import DiTShape, choose_sp_mode, forward_traffic
+    cfg = plan.config
+    mode = plan.args.sp_mode
+    if mode == "auto":
+        mode = choose_sp_mode(world, cfg.num_attention_heads, cfg.attention_head_dim)
+    shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=cfg.num_attention_heads,
+                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size)
+    itemsize = plan.dtype.itemsize
+    total = sum(forward_traffic(mode, shape, seq_len, world, r, itemsize)["total"].received
+                for r in range(world))
+    return mode, total
+
+
+def _steady(seconds: list[float]) -> float:
+    # the first step includes one-time costs (allocations, thread start-up): leave it out when we can
+    tail = seconds[1:] if len(seconds) > 1 else seconds
+    return sum(tail) / len(tail)
+
+
+def _to(obj: Any, device) -> Any:
+    from comfy.multidevice.sp.fan_out import copy_for_rank
+    return copy_for_rank(obj, torch.device(device))
+
+
+def write_outputs(out_dir: Path, latents, ref_latents, report: dict) -> None:
+    from safetensors.torch import save_file
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {"video": latents[0], "audio": latents[1]}
+    if ref_latents is not None:
+        tensors.update(reference_video=ref_latents[0], reference_audio=ref_latents[1])
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out_dir / "latents.safetensors"))
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,164 @@
+"""The dry run with one rank per process, for `torchrun ... minimax_h3_parallel.py run`.
+
+`comfy/multidevice/cli/dry_run.py` drives W rank threads in one process. Under torchrun every
+process is one rank instead: it joins the process group (comfy/multidevice/comm/torch_dist.py: gloo on CPU,
+nccl on CUDA, hccl on Ascend), builds its own replica of the miniature from the cached
+checkpoint, and runs every forward itself with the H3 adapter installed for its rank
+(`install_rank_sequence_parallel`), exchanging K/V through the process group. The dry
+run's options, inputs, sampler and report are reused unchanged.
+
+Rank 0 also runs the single-device reference, checks parity, prints the report (the last
+line is the JSON object) and writes the outputs; every rank exits with the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from comfy.multidevice.cli import dry_run as dry
+from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env, read_torchrun_env
+from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
+from comfy.multidevice.sp.plan import ShardPlan
+
+
+def _plan(args: argparse.Namespace, world: int) -> dry.Plan:
+    if args.devices is not None and args.devices != world:
+        raise dry.DryRunError(f"--devices {args.devices} under torchrun: the ranks are the "
+                              f"{world} processes; leave --devices out or start {args.devices} "
+                              "processes (torchrun --nproc-per-node / --nnodes)")
+    # The dry run picks the devices of one process; here each process has its own device,
+    # so validate every other option with a single CPU rank.
+    plan = dry.make_plan(argparse.Namespace(**{**vars(args), "devices": 1, "cpu": True}))
+    if dry.plan_seq_len(plan) < world:
+        raise dry.DryRunError(f"{dry.plan_seq_len(plan)} tokens cannot be split over {world} ranks")
+    return plan
+
+
+def _ensure_checkpoint_once(plan: dry.Plan, comm: DistributedComm, local_rank: int):
+    """Rank 0 builds the cached checkpoint, then the first process of every other machine
+    (its own disk), then the rest read it: never two writers of one file."""
+    result = None
+    for turn in (comm.rank == 0, local_rank == 0, True):
+        if turn and result is None:
+            result = dry.ensure_checkpoint(plan)
+        comm.barrier()
+    return result
+
+
+def _one_replica(path, device):
+    """This process's replica through the dry run's own builder, which returns either
+    (modules, source) or an object with .modules / .source depending on its version."""
+    built = dry.build_replicas(path, [str(device)])
+    if hasattr(built, "modules"):
+        return built.modules[0], built.source
+    modules, source = built
+    return modules[0], source
+
+
+def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
+    env = read_torchrun_env()
+    comm = init_from_env(device="cpu" if args.cpu else None)
+    with comm:
+        return _run(args, comm, env.local_rank, out)
+
+
+def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
+    lead = comm.rank == 0
+    try:
+        plan = _plan(args, comm.world_size)
+    except dry.DryRunError as exc:  # every rank validates the same options: all stop here
+        if lead:
+            print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
+        return 2
+    say = (lambda text: print(text, file=out, flush=True)) if lead else (lambda text: None)
+    cfg, world, device = plan.config, comm.world_size, comm.device
+    say(f"MiniMax-H3 dry run under torchrun: miniature DiT (hidden {cfg.hidden_size}, {cfg.num_layers} "
+        f"blocks), {args.dtype}, seed {args.seed}, {world} processes")
+
+    path, reused = _ensure_checkpoint_once(plan, comm, local_rank)
+    say(f"[weights] {path} ({'reused from the cache' if reused else 'built and saved'})")
+    replica, weights_source = _one_replica(path, device)
+
+    index = torch.tensor([device.index if device.index is not None else -1])
+    indices = comm.exchange([index], 0)[0].tolist()
+    devices = [device.type if i < 0 else f"{device.type}:{i}" for i in indices]
+    seq_len = dry.plan_seq_len(plan)
+    tokens_per_rank = [b - a for a, b in ShardPlan.edges(seq_len, world)]
+    backend = f"torch.distributed {comm.backend_name}"
+    say(f"[ranks] {world} processes ({', '.join(devices)}), backend {backend}, sp mode {args.sp_mode}")
+    say(f"[sequence] {seq_len} tokens; tokens per rank {tokens_per_rank}")
+
+    x, context, kwargs = dry.make_inputs(plan)
+    x, context, kwargs = [z.to(device) for z in x], context.to(device), dry._to(kwargs, device)
+    sigmas = dry.sigma_schedule(args.steps, cfg.sigma_shift_video)
+    shards = []
+    from comfy.multidevice.sp.strategies import SPMode
+    sp_mode = SPMode(args.sp_mode, getattr(args, "sp_overlap", 1))
+
+    def rank_forward(latents, timestep, text, **kw):
+        options: dict = {}  # a fresh copy per forward, as the thread fan-out makes
+        shards.append(install_rank_sequence_parallel(replica, comm, options, sp_mode))
+        return replica(latents, timestep, text, transformer_options=options, **kw)
+
+    received = []
+    before = [comm.byte_counts()["received"]]
+
+    def after_step():
+        now = comm.byte_counts()["received"]
+        received.append(now - before[0])
+        before[0] = now
+
+    latents, seconds = dry.euler_sample(
+        rank_forward, x, context, kwargs, sigmas,
+        dry.Progress(f"sampling on {world} processes", args.steps, lead and not args.no_progress),
+        after_step=after_step)
+    if shards[-1].tokens != tokens_per_rank[comm.rank]:
+        raise RuntimeError(f"rank {comm.rank} held {shards[-1].tokens} tokens, expected "
+                           f"{tokens_per_rank[comm.rank]}")
+    # Bytes all ranks together received per step (the thread run reports the same sum).
+    bytes_per_step = int(comm.all_reduce(torch.tensor([float(max(received))]), "sum").item())
+    sp_seconds = dry._steady(seconds)
+    say(f"[sampling] {world} processes: {args.steps} steps, {sp_seconds:.3f} s/step, "
+        f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
+
+    report = {
+        "world_size": world, "backend": backend, "sp_mode": args.sp_mode, "devices": devices,
+        "tokens": seq_len, "tokens_per_rank": tokens_per_rank, "steps": args.steps,
+        "max_abs_diff": None, "rel_diff": None, "tolerance": plan.tolerance, "parity": "skipped",
+        "seconds_per_step": round(sp_seconds, 6), "reference_seconds_per_step": None, "speedup": None,
+        "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
+        "cpu_threads_per_rank": torch.get_num_threads() if device.type == "cpu" else None,
+        "reference_cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": weights_source,
+        "out": str(args.out), "launcher": "torchrun",
+    }
+    for key in dry.REPORT_KEYS:  # keys the thread run has and this mode does not measure
+        report.setdefault(key, None)
+    failed = 0.0
+    ref_latents = None
+    if lead and not args.no_reference:  # the others wait in the all_reduce below
+        ref_latents, rs = dry.euler_sample(
+            replica, x, context, kwargs, sigmas, dry.Progress("reference on 1 device", args.steps,
+                                                              not args.no_progress))
+        ref_seconds = dry._steady(rs)
+        diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
+        scale = max(float(b.float().abs().max()) for b in ref_latents)
+        report.update(max_abs_diff=diff, rel_diff=diff / scale if scale > 0 else diff,
+                      reference_seconds_per_step=round(ref_seconds, 6),
+                      speedup=round(ref_seconds / sp_seconds, 4))
+        report["parity"] = "ok" if report["rel_diff"] <= plan.tolerance else "fail"
+        failed = 1.0 if report["parity"] == "fail" else 0.0
+        say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
+        say(f"[parity] max |diff| {diff:.3e}, relative {report['rel_diff']:.3e} "
+            f"(tolerance {plan.tolerance:g}): {report['parity']}")
+    failed = float(comm.all_reduce(torch.tensor([failed], device=device), "max").item())
+    if lead:
+        dry.write_outputs(Path(args.out), latents, ref_latents, report)
+        say(f"[output] {Path(args.out) / 'latents.safetensors'}, {Path(args.out) / 'report.json'}")
+        print(json.dumps(report), file=out, flush=True)
+    return 1 if failed else 0

@@ -1,0 +1,280 @@
+"""What the HCCL and NCCL ctypes backends share.
+
+- `CFunction` / `CLibrary`: a declarative table of C functions (name, result, argument
+  types, optional or not) bound once from a shared library.
+- `CollectiveLibrary`: the thin typed wrapper around one such library: where it is
+  found, how a non-zero result becomes a `CollectiveLibraryError` with its text.
+- `FlatCollectiveBackend`: turns the coordinator's all-gather-V and all-reduce into
+  calls on flat device buffers, issued by each rank thread on its device's current
+  stream, synchronized before the results are used. Subclasses supply the library
+  calls (`_all_gather_v_flat`, `_all_reduce_flat`, and optionally `_all_to_all_v_flat`
+  with `has_all_to_all_v` true; without it the coordinator emulates all-to-all).
+- `CommunicatorBackend`: a `FlatCollectiveBackend` with one library communicator per
+  rank device, made by the library's single-process "init all" call and destroyed on close.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from comfy.multidevice.comm.types import (BackendUnavailable, chunk_shape, CollectiveError,
+                                          concat_received, displacements, numel, pack_chunks,
+                                          unflatten_gathered)
+from comfy.multidevice.devices import current_stream_handle, synchronize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CFunction:
+    name: str
+    restype: Any
+    argtypes: tuple
+    optional: bool = False
+
+
+class CLibrary:
+    """A shared library with the functions of `table` bound and typed."""
+
+    def __init__(self, path: str, table: Sequence[CFunction], what: str, path_env: str):
+        try:
+            self.lib = ctypes.CDLL(path)
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"cannot load {what} library {path!r} ({exc}); install it or point {path_env} "
+                "at it") from exc
+        self.path = path
+        self.functions: dict[str, Any] = {}
+        self.missing: list[str] = []
+        for spec in table:
+            try:
+                fn = getattr(self.lib, spec.name)
+            except AttributeError:
+                if spec.optional:
+                    self.missing.append(spec.name)
+                    continue
+                raise BackendUnavailable(
+                    f"{what} library {path!r} has no symbol {spec.name}; it is too old or not "
+                    f"{what}") from None
+            fn.restype = spec.restype
+            fn.argtypes = list(spec.argtypes)
+            self.functions[spec.name] = fn
+
+    @classmethod
+    def from_functions(cls, functions: dict[str, Any], path: str = "<in-process>") -> "CLibrary":
+        """A library made of Python callables (tests use it to record ctypes arguments)."""
+        self = cls.__new__(cls)
+        self.lib, self.path, self.functions, self.missing = None, path, dict(functions), []
+        return self
+
+    def has(self, name: str) -> bool:
+        return name in self.functions
+
+    def __getitem__(self, name: str):
+        return self.functions[name]
+
+
+def library_path(env_var: str, default: str) -> str:
+    return os.environ.get(env_var) or default
+
+
+class CollectiveLibraryError(CollectiveError):
+    """A library call returned a non-zero result; carries the function, code and library text."""
+
+    result_type = "result"  # the C result type's name, e.g. HcclResult / ncclResult_t
+    result_names: dict = {}  # code -> enum name, where the library's header is mirrored
+
+    def __init__(self, function: str, code: int, text: str):
+        name = self.result_names.get(code)
+        shown = f"{code} ({name})" if name else f"{code}"
+        super().__init__(f"{function} failed with {self.result_type} {shown}: {text}")
+        self.function = function
+        self.code = code
+
+
+class CollectiveLibrary:
+    """One collective library, bound from `functions`; subclasses add one method per call.
+
+    Class attributes say what the library is: `what` (for messages), `functions` (the
+    CFunction table), `path_env` / `default_path` (where it is found), `error_string`
+    (the C function that names a result code) and `error_class`.
+    """
+
+    what = "collective"
+    functions: tuple = ()
+    path_env = ""
+    default_path = ""
+    error_string = ""
+    error_class = CollectiveLibraryError
+    success = 0
+
+    def __init__(self, path: str | None = None, lib: CLibrary | None = None):
+        self.lib = lib or CLibrary(path or library_path(self.path_env, self.default_path),
+                                   self.functions, self.what, self.path_env)
+        self.path = self.lib.path
+
+    def check(self, function: str, code: int) -> None:
+        if code != self.success:
+            text = self.lib[self.error_string](code)
+            raise self.error_class(function, code,
+                                   text.decode(errors="replace") if text else "unknown error")
+
+    def call(self, function: str, *args) -> None:
+        """Call `function` and raise `error_class` on a non-zero result."""
+        self.check(function, self.lib[function](*args))
+
+
+def device_ids(devices) -> list[int]:
+    """Library device ids of the rank devices; CPU "devices" (fake libraries) get their rank."""
+    return [d.index if d.index is not None else r for r, d in enumerate(devices)]
+
+
+def dtype_code(table: dict, dtype: torch.dtype, what: str) -> int:
+    try:
+        return table[dtype]
+    except KeyError:
+        raise CollectiveError(
+            f"{what} cannot move tensors of dtype {dtype}; supported: "
+            f"{', '.join(str(d) for d in table)}") from None
+
+
+class FlatCollectiveBackend:
+    """All-gather-V and all-reduce over flat buffers; subclasses issue the library calls."""
+
+    name = "flat"
+    reads_peer_memory = False  # the library moves the data; the stream orders it
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+
+    # Subclass hooks: issue the call on `stream` for `rank`; raise on a non-zero result.
+    # They return whatever host memory the call reads asynchronously (counts, displacements);
+    # the caller keeps it alive until the stream is synchronized.
+    def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
+        raise NotImplementedError
+
+    def _all_reduce_flat(self, rank, send, recv, op, stream):
+        raise NotImplementedError
+
+    # Optional: all-to-all-V on flat buffers (counts/displacements in elements, per peer).
+    has_all_to_all_v = False
+
+    def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
+                           recv_displs, stream):
+        raise NotImplementedError
+
+    def _buffers_ready(self, rank: int, what: str) -> None:
+        """Wait until every rank has its buffers, before any library call.
+
+        A rank that fails while preparing (e.g. out of device memory) raises before this
+        barrier and aborts it, so the others never enter a library collective that could
+        only complete with it: a native collective cannot be cancelled once entered.
+        """
+        self.coordinator.barrier(rank, f"{what} (buffers ready)")
+
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+        device = self.coordinator.devices[rank]
+        world = len(splits)
+        plans = []
+        for t, tensor in enumerate(tensors):
+            send = pack_chunks(tensor, splits[rank], split_dim)
+            send_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
+            send_displs = displacements(send_counts)
+            recv_shapes = [chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
+                           for src in range(world)]
+            recv_counts = [numel(shape) for shape in recv_shapes]
+            recv_displs = displacements(recv_counts)
+            recv = self._empty(sum(recv_counts), send.dtype, device)
+            plans.append((send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv))
+        self._buffers_ready(rank, "all_to_all_v")
+        out = []
+        for send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv in plans:
+            stream = current_stream_handle(device)  # read right before the call
+            keepalive = self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs,
+                                                recv_counts, recv_displs, stream)
+            synchronize(device)
+            del keepalive
+            parts = [recv.narrow(0, d, c).view(shape)
+                     for shape, c, d in zip(recv_shapes, recv_counts, recv_displs)]
+            out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
+        return out
+
+    def all_gather_v(self, rank, tensors, dims, metas, slot):
+        device = self.coordinator.devices[rank]
+        plans = []
+        for i, dim in enumerate(dims):
+            shard_metas = [m[i] for m in metas]
+            counts = [numel(m.shape) for m in shard_metas]
+            displs = displacements(counts)
+            send = tensors[i].contiguous()  # the library reads one dense buffer
+            recv = self._empty(sum(counts), send.dtype, device)
+            plans.append((dim, shard_metas, counts, displs, send, recv))
+        self._buffers_ready(rank, "exchange")
+        out = []
+        for dim, shard_metas, counts, displs, send, recv in plans:
+            stream = current_stream_handle(device)  # read right before the call
+            keepalive = self._all_gather_v_flat(rank, send, recv, counts, displs, stream)
+            synchronize(device)
+            del keepalive
+            out.append(unflatten_gathered(recv, shard_metas, counts, displs, dim))
+        return out
+
+    def all_reduce(self, rank, tensor, op, slot):
+        device = self.coordinator.devices[rank]
+        send = tensor.contiguous()
+        recv = self._empty(send.numel(), send.dtype, device).view(send.shape)
+        self._buffers_ready(rank, "all_reduce")
+        stream = current_stream_handle(device)
+        self._all_reduce_flat(rank, send, recv, op, stream)
+        synchronize(device)
+        return recv
+
+    @staticmethod
+    def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A receive buffer (a method so tests can make one rank's allocation fail)."""
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def close(self):
+        pass
+
+
+class CommunicatorBackend(FlatCollectiveBackend):
+    """A flat backend with one communicator per rank device from the library's init-all call.
+
+    Subclasses set `name`, `device_kind` / `hardware` (which devices the library drives;
+    CPU is always accepted, for the fake libraries) and `library_class`, and implement
+    `_init_comms(device_ids)` / `_destroy_comm(comm)` plus the flat collective hooks.
+    """
+
+    device_kind = ""
+    hardware = ""
+    library_class = CollectiveLibrary
+
+    def __init__(self, coordinator, library: CollectiveLibrary | None = None):
+        super().__init__(coordinator)
+        kinds = {d.type for d in coordinator.devices}
+        if not kinds <= {self.device_kind, "cpu"}:
+            raise BackendUnavailable(
+                f"{self.library_class.what} drives {self.hardware}; the devices are {sorted(kinds)}")
+        self.library = library or self.library_class()
+        self.comms = self._init_comms(device_ids(coordinator.devices))
+
+    def _init_comms(self, ids: list[int]) -> list:
+        raise NotImplementedError
+
+    def _destroy_comm(self, comm) -> None:
+        raise NotImplementedError
+
+    def close(self):
+        comms, self.comms = self.comms, []
+        for comm in comms:
+            try:
+                self._destroy_comm(comm)
+            except CollectiveLibraryError as exc:
+                log.warning("%s", exc)

@@ -1,0 +1,404 @@
+"""The coordinator: W rank threads in one process, the collectives between them, backend choice.
+
+One process drives W devices ("ranks"), one persistent worker thread per rank.
+Collectives (`exchange` = all-gather-V, `all_to_all_v`, `all_reduce`) go through a backend:
+  peer  - shared slots + barrier + tensor.to(device) + torch.cat (always works)
+  hccl  - libhccl.so through ctypes (hccl.py)
+  nccl  - libnccl.so.2 through ctypes (nccl.py)
+  auto  - hccl on NPUs, nccl on CUDA, peer on CPU; falls back to peer with one warning.
+
+Every collective first passes an abortable barrier that publishes each rank's
+tensor shapes. A rank that fails aborts the barrier, so no other rank blocks on
+it; a rank that never arrives makes the barrier time out with its rank named.
+
+Every collective also adds to per-rank byte counters (`byte_counts()`), counted here from
+the shapes, whatever the backend: the logical bytes each rank sends to / receives from
+*other* ranks (a rank's own chunk never counts), not what a library's algorithm moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from comfy.multidevice.comm.barrier import AbortableBarrier
+from comfy.multidevice.comm.peer import PeerCopyBackend
+from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, timeout_from_env,
+                                             VALID_BACKENDS)
+from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
+                                          all_to_all_traffic, BackendUnavailable,
+                                          check_all_reduce_metadata, check_all_to_all_metadata,
+                                          check_exchange_metadata, chunk_shape, CollectiveAborted,
+                                          CollectiveError, concat_received, exchange_traffic,
+                                          normalize_dims, numel, pack_chunks, ShardMeta,
+                                          TrafficCounter, VALID_REDUCE_OPS)
+from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
+
+log = logging.getLogger(__name__)
+
+
+def _open_backend(name: str, coordinator: "SequenceParallelCoordinator"):
+    if name == "peer":
+        return PeerCopyBackend(coordinator)
+    if name == "hccl":
+        from comfy.multidevice.comm.hccl import HcclBackend
+        return HcclBackend(coordinator)
+    if name == "nccl":
+        from comfy.multidevice.comm.nccl import NcclBackend
+        return NcclBackend(coordinator)
+    raise ValueError(f"unknown backend {name!r}; valid values: {', '.join(VALID_BACKENDS)}")
+
+
+def native_backend_for(devices: Sequence[torch.device]) -> str | None:
+    kinds = {d.type for d in devices}
+    if kinds == {"npu"}:
+        return "hccl"
+    if kinds == {"cuda"}:
+        return "nccl"
+    return None
+
+
+# ----------------------------------------------------------------------------- rank comm
+
+class RankComm:
+    """The per-rank view of a coordinator that model code talks to.
+
+    comfy/multidevice/comm/torch_dist.py offers the same methods over torch.distributed, so code written
+    against RankComm runs unchanged in one process or across processes.
+    """
+
+    def __init__(self, coordinator: "SequenceParallelCoordinator", rank: int):
+        self.coordinator = coordinator
+        self.rank = rank
+        self.world_size = coordinator.world_size
+        self.device = coordinator.devices[rank]
+
+    def exchange(self, tensors, cat_dims):
+        return self.coordinator.exchange(self.rank, tensors, cat_dims)
+
+    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None):
+        return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim)
+
+    def all_reduce(self, tensor, op="sum"):
+        return self.coordinator.all_reduce(self.rank, tensor, op)
+
+    def byte_counts(self) -> dict:
+        return self.coordinator.byte_counts()[self.rank]
+
+    def barrier(self):
+        self.coordinator.barrier(self.rank)
+
+    def __repr__(self):
+        return f"RankComm(rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+# ----------------------------------------------------------------------------- coordinator
+
+class _RankWorker(threading.Thread):
+    def __init__(self, coordinator: "SequenceParallelCoordinator", rank: int):
+        super().__init__(name=f"sp-rank-{rank}", daemon=True)
+        self.coordinator = coordinator
+        self.rank = rank
+        self.jobs: queue.Queue = queue.Queue()
+
+    def run(self):
+        device = self.coordinator.devices[self.rank]
+        try:
+            set_thread_device(device)
+        except Exception as exc:  # surfaces on the first job instead of killing the thread silently
+            init_error = exc
+        else:
+            init_error = None
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, args, done = job
+            if init_error is not None:
+                done(self.rank, None, init_error)
+                continue
+            try:
+                result = fn(self.rank, self.coordinator.comm(self.rank), *args)
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller of run()
+                done(self.rank, None, exc)
+            else:
+                done(self.rank, result, None)
+
+
+class SequenceParallelCoordinator:
+    """W rank threads over W devices plus the collectives between them."""
+
+    def __init__(self, devices: Sequence[Any], backend: str | None = None,
+                 timeout_s: float | None = None):
+        if not devices:
+            raise ValueError("SequenceParallelCoordinator needs at least one device, got none")
+        self.devices = [resolve_device(d) for d in devices]
+        self.world_size = len(self.devices)
+        self.timeout_s = float(timeout_s) if timeout_s is not None else timeout_from_env()
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        requested = backend_from_env(backend)
+        self.requested_backend = requested
+        self._barrier = AbortableBarrier(self.world_size, self.timeout_s)
+        self._meta_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
+        self._data_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
+        # Which collective each rank entered, by parity: ranks that call different
+        # collectives get a clear error instead of reading each other's unrelated slots.
+        self._op_slots: list[list[Any]] = [[None] * self.world_size for _ in range(2)]
+        self._parity = [0] * self.world_size
+        self._comms = [RankComm(self, r) for r in range(self.world_size)]
+        self._traffic = [TrafficCounter() for _ in range(self.world_size)]  # each rank writes its own
+        self._run_lock = threading.Lock()
+        self._closed = False
+        self.fallback_reason: str | None = None
+        self._a2a_fallback_logged = False
+        self.backend = self._choose_backend(requested)
+        self.backend_name = self.backend.name
+        self._workers = [_RankWorker(self, r) for r in range(self.world_size)]
+        for w in self._workers:
+            w.start()
+        log.info("multi-device coordinator: %d rank(s) on %s, backend %s",
+                 self.world_size, ", ".join(map(str, self.devices)), self.backend_name)
+
+    # -- backend choice
+    def _choose_backend(self, requested: str):
+        if requested != "auto":
+            try:
+                return _open_backend(requested, self)
+            except BackendUnavailable:
+                raise
+            except Exception as exc:
+                raise BackendUnavailable(f"backend {requested!r} could not start: {exc}") from exc
+        native = native_backend_for(self.devices)
+        if native is None:
+            return PeerCopyBackend(self)
+        try:
+            return _open_backend(native, self)
+        except Exception as exc:  # auto: one warning with the cause, then the fallback
+            self.fallback_reason = f"{native} unavailable ({exc})"
+            log.warning("multi-device backend auto: %s; using peer-copy instead. "
+                        "Set %s=%s to make this an error.", self.fallback_reason, BACKEND_ENV, native)
+            return PeerCopyBackend(self)
+
+    # -- running work on the ranks
+    def comm(self, rank: int) -> RankComm:
+        return self._comms[rank]
+
+    def run(self, fn: Callable[..., Any], *per_rank_args: Sequence[Any]) -> list:
+        """Run fn(rank, comm, *args_of_rank) on every rank thread; return the results by rank.
+
+        Each entry of per_rank_args is a sequence with one item per rank. The first rank
+        error is re-raised here (annotated with its rank) after every rank has stopped.
+        """
+        self._check_open()
+        for i, arg in enumerate(per_rank_args):
+            if len(arg) != self.world_size:
+                raise ValueError(f"run(): per-rank argument {i} has {len(arg)} items for "
+                                 f"{self.world_size} ranks")
+        with self._run_lock:
+            # A failed run can leave ranks at different collective counts: start in step.
+            self._barrier.reset()
+            self._parity = [0] * self.world_size
+            for slots in (*self._meta_slots, *self._data_slots, *self._op_slots):
+                slots[:] = [None] * self.world_size
+            results: list[Any] = [None] * self.world_size
+            errors: list[tuple[float, int, BaseException]] = []
+            remaining = [self.world_size]
+            finished = threading.Condition()
+
+            def done(rank, result, exc):
+                with finished:
+                    if exc is not None:
+                        errors.append((time.monotonic(), rank, exc))
+                        self._barrier.abort(f"rank {rank} failed: {type(exc).__name__}: {exc}")
+                    else:
+                        results[rank] = result
+                    remaining[0] -= 1
+                    finished.notify_all()
+
+            for r, worker in enumerate(self._workers):
+                worker.jobs.put((fn, tuple(a[r] for a in per_rank_args), done))
+            with finished:
+                while remaining[0]:
+                    finished.wait()
+            for slots in (*self._meta_slots, *self._data_slots):  # don't pin the last tensors
+                slots[:] = [None] * self.world_size
+            if errors:
+                raise self._first_error(errors)
+            return results
+
+    @staticmethod
+    def _first_error(errors):
+        # The root cause beats the "cancelled because rank k failed" errors it triggered.
+        errors.sort(key=lambda e: (isinstance(e[2], CollectiveAborted), e[0]))
+        _, rank, exc = errors[0]
+        if getattr(exc, "rank", None) is None:
+            try:
+                exc.rank = rank
+                exc.add_note(f"(raised on multi-device rank {rank})")
+            except AttributeError:
+                pass
+        return exc
+
+    # -- collectives (called from rank threads)
+    def barrier(self, rank: int, what: str = "barrier") -> None:
+        if self.world_size > 1:
+            self._enter(rank, "barrier", None, None, what)
+
+    def _enter(self, rank: int, op: str, meta: Any, data: Any, what: str | None = None):
+        """Publish this rank's part of collective `op` and wait for every rank.
+
+        Returns this collective's (meta slot, data slot). Raises CollectiveError on every
+        rank when the ranks entered different collectives (a bug in the caller's code).
+        """
+        parity = self._parity[rank]
+        self._parity[rank] ^= 1
+        meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
+        op_slot = self._op_slots[parity]
+        meta_slot[rank], data_slot[rank], op_slot[rank] = meta, data, op
+        if data is not None and self.backend.reads_peer_memory:
+            # Other ranks read our tensors directly: finish them first.
+            synchronize(self.devices[rank])
+        self._barrier.wait(rank, what or op)
+        if op_slot.count(op) != self.world_size:  # C-level scan: this runs on every collective
+            calls = ", ".join(f"rank {r}: {o}" for r, o in enumerate(op_slot))
+            raise CollectiveError(
+                f"ranks entered different collectives ({calls}); every rank must call the same "
+                "collectives in the same order")
+        return meta_slot, data_slot
+
+    def exchange(self, rank: int, tensors: Sequence[torch.Tensor],
+                 cat_dims: int | Sequence[int]) -> list[torch.Tensor]:
+        """All-gather-V: return, per tensor, the concat of every rank's shard along its cat dim."""
+        tensors = list(tensors)
+        dims = normalize_dims(tensors, cat_dims)
+        if self.world_size == 1:
+            return tensors
+        meta_slot, data_slot = self._enter(
+            rank, "exchange", [ShardMeta(tuple(t.shape), t.dtype) for t in tensors], tensors)
+        metas = list(meta_slot)
+        check_exchange_metadata(metas, dims)
+        out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot)
+        sent, received = exchange_traffic(metas, rank)
+        self._count(rank, "exchange", sent=sent, received=received)
+        return out
+
+    def all_to_all_v(self, rank: int, tensors: torch.Tensor | Sequence[torch.Tensor],
+                     send_splits: Sequence[int], split_dim: int,
+                     cat_dim: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """All-to-all with per-rank sizes: split each tensor along `split_dim` into
+        `send_splits[j]`-long chunks, send chunk j to rank j, and return the chunks this rank
+        received, in source-rank order, concatenated along `cat_dim` (default `split_dim`).
+
+        Ranks may hold different shapes along `cat_dim` and send different sizes; the chunks
+        arriving at one rank must agree outside `cat_dim`, except that a zero split sends
+        nothing and its chunk is left out (a sub-group exchange through one call). A single
+        tensor in, a single out.
+        """
+        single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
+            tensors, send_splits, split_dim, cat_dim, self.world_size)
+        if self.world_size == 1:
+            return tensors[0] if single else tensors
+        meta_slot, data_slot = self._enter(
+            rank, "all_to_all_v", ([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits), tensors)
+        metas = [m[0] for m in meta_slot]
+        all_splits = [m[1] for m in meta_slot]
+        check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
+        if getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v")):
+            out = self.backend.all_to_all_v(rank, tensors, metas, all_splits, split_dim, cat_dim,
+                                            data_slot)
+        else:
+            out = self._all_to_all_v_by_gather(rank, tensors, metas, all_splits, split_dim, cat_dim,
+                                               data_slot)
+        sent, received = all_to_all_traffic(metas, all_splits, split_dim, rank)
+        self._count(rank, "all_to_all_v", sent=sent, received=received)
+        return out[0] if single else out
+
+    def _all_to_all_v_by_gather(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+        """All-to-all for a backend that only has all-gather-V: every rank gathers every
+        rank's packed send buffer and keeps its own chunks. Exact; moves W times the bytes."""
+        if not self._a2a_fallback_logged:
+            self._a2a_fallback_logged = True
+            log.warning("rank %d: backend %s has no all-to-all: all_to_all_v all-gathers the packed "
+                        "send buffers instead (exact, moves %dx the bytes)", rank, self.backend_name,
+                        self.world_size)
+        out = []
+        for t, tensor in enumerate(tensors):
+            flat = pack_chunks(tensor, splits[rank], split_dim)
+            flat_metas = [[ShardMeta((numel(m[t].shape),), m[t].dtype)] for m in metas]
+            gathered = self.backend.all_gather_v(rank, [flat], [0], flat_metas, slot)[0]
+            parts, base = [], 0
+            for src in range(self.world_size):
+                sizes = [numel(chunk_shape(metas[src][t].shape, split_dim, n)) for n in splits[src]]
+                offset = base + sum(sizes[:rank])
+                shape = chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
+                parts.append(gathered.narrow(0, offset, sizes[rank]).view(shape))
+                base += sum(sizes)
+            out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
+        return out
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op not in VALID_REDUCE_OPS:
+            raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
+        if self.world_size == 1:
+            return tensor.clone()
+        meta_slot, data_slot = self._enter(
+            rank, f"all_reduce {op}", [ShardMeta(tuple(tensor.shape), tensor.dtype)], tensor)
+        check_all_reduce_metadata([m[0] for m in meta_slot])
+        out = self.backend.all_reduce(rank, tensor, op, data_slot)
+        moved = all_reduce_traffic(tensor, self.world_size)
+        self._count(rank, "all_reduce", sent=moved, received=moved)
+        return out
+
+    # -- byte counters
+    def _count(self, rank: int, op: str, sent: int, received: int) -> None:
+        self._traffic[rank].add(op, sent, received)
+
+    def byte_counts(self) -> list[dict]:
+        """Per rank: {"sent", "received", "calls", "by_op": {op: {"sent", "received", "calls"}}}.
+
+        Bytes are logical payload to/from other ranks (see the module docstring), counted
+        since the coordinator was made or `reset_byte_counts()` was last called.
+        """
+        return [counter.summary() for counter in self._traffic]
+
+    def reset_byte_counts(self) -> None:
+        """Zero the counters; call it between runs, not while ranks are inside collectives."""
+        self._traffic = [TrafficCounter() for _ in range(self.world_size)]
+
+    # -- lifetime
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this SequenceParallelCoordinator is closed; create a new one")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._barrier.abort("coordinator closed")
+        for w in self._workers:
+            w.jobs.put(None)
+        for w in self._workers:
+            w.join(timeout=self.timeout_s)
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

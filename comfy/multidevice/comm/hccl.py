@@ -1,0 +1,203 @@
+"""HCCL through ctypes: the Ascend backend of the multi-device coordinator.
+
+One HCCL communicator per rank device from `HcclCommInitAll` (single process, many
+devices). Every rank thread issues its own call concurrently on its device's current
+stream; the results are synchronized before use. Equal shards go through `HcclAllGather`;
+uneven ones through `HcclAllGatherV`, which is optional in older CANN releases: without it
+the exchange is one `HcclBroadcast` per root into the same flat buffer, exact but slower
+(logged once).
+
+Library: `HCCL_SO_PATH`, else `libhccl.so` from the loader path (CANN's set_env.sh).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from ctypes import c_char_p, c_int, c_int32, c_uint32, c_uint64, c_void_p, POINTER
+
+import torch
+
+from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
+                                               CollectiveLibraryError, CommunicatorBackend,
+                                               device_ids, dtype_code)
+
+log = logging.getLogger(__name__)
+
+HCCL_PATH_ENV = "HCCL_SO_PATH"
+HCCL_DEFAULT_LIBRARY = "libhccl.so"
+
+HcclResult = c_int
+HcclComm = c_void_p
+HcclDataType = c_int
+HcclReduceOp = c_int
+aclrtStream = c_void_p
+buffer = c_void_p
+
+HCCL_SUCCESS = 0
+
+# Values of CANN's HcclDataType (hccl_types.h).
+HCCL_DTYPES = {
+    torch.int8: 0,
+    torch.int16: 1,
+    torch.int32: 2,
+    torch.float16: 3,
+    torch.float32: 4,
+    torch.int64: 5,
+    torch.uint8: 7,
+    torch.float64: 10,
+    torch.bfloat16: 11,
+}
+
+# Values of CANN's HcclReduceOp.
+HCCL_REDUCE_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+
+HCCL_FUNCTIONS = (
+    CFunction("HcclGetErrorString", c_char_p, (HcclResult,)),
+    # HcclCommInitAll(uint32_t ndev, int32_t *devices, HcclComm *comms)
+    CFunction("HcclCommInitAll", HcclResult, (c_uint32, POINTER(c_int32), POINTER(HcclComm))),
+    CFunction("HcclCommDestroy", HcclResult, (HcclComm,)),
+    # HcclAllGatherV(sendBuf, sendCount, recvBuf, recvCounts[u64 host], recvDispls[u64 host],
+    #                dataType, comm, stream)
+    CFunction("HcclAllGatherV", HcclResult,
+              (buffer, c_uint64, buffer, c_void_p, c_void_p, HcclDataType, HcclComm, aclrtStream),
+              optional=True),
+    # HcclAlltoAllV(sendBuf, sendCounts[u64 host], sdispls[u64 host], sendType,
+    #               recvBuf, recvCounts[u64 host], rdispls[u64 host], recvType, comm, stream)
+    # (hccl.h; counts and displacements in elements). Optional: without it the coordinator
+    # all-gathers the packed send buffers instead.
+    CFunction("HcclAlltoAllV", HcclResult,
+              (buffer, c_void_p, c_void_p, HcclDataType, buffer, c_void_p, c_void_p, HcclDataType,
+               HcclComm, aclrtStream),
+              optional=True),
+    # HcclAllGather(sendBuf, recvBuf, sendCount, dataType, comm, stream)
+    CFunction("HcclAllGather", HcclResult,
+              (buffer, buffer, c_uint64, HcclDataType, HcclComm, aclrtStream)),
+    # HcclAllReduce(sendBuf, recvBuf, count, dataType, op, comm, stream)
+    CFunction("HcclAllReduce", HcclResult,
+              (buffer, buffer, c_uint64, HcclDataType, HcclReduceOp, HcclComm, aclrtStream)),
+    # HcclBroadcast(buf, count, dataType, root, comm, stream)
+    CFunction("HcclBroadcast", HcclResult,
+              (buffer, c_uint64, HcclDataType, c_uint32, HcclComm, aclrtStream)),
+)
+
+
+class HcclError(CollectiveLibraryError):
+    result_type = "HcclResult"
+
+
+def hccl_dtype(dtype: torch.dtype) -> int:
+    return dtype_code(HCCL_DTYPES, dtype, "HCCL")
+
+
+class HcclLibrary(CollectiveLibrary):
+    """The bound library: one thin Python method per C function used."""
+
+    what = "HCCL"
+    functions = HCCL_FUNCTIONS
+    path_env = HCCL_PATH_ENV
+    default_path = HCCL_DEFAULT_LIBRARY
+    error_string = "HcclGetErrorString"
+    error_class = HcclError
+    success = HCCL_SUCCESS
+
+    @property
+    def has_all_gather_v(self) -> bool:
+        return self.lib.has("HcclAllGatherV")
+
+    def comm_init_all(self, device_ids: list[int]) -> list[int]:
+        n = len(device_ids)
+        comms = (HcclComm * n)()
+        self.call("HcclCommInitAll", n, (c_int32 * n)(*device_ids), comms)
+        return list(comms)
+
+    def comm_destroy(self, comm) -> None:
+        self.call("HcclCommDestroy", comm)
+
+    def all_gather_v(self, send, send_count, recv, counts, displs, dtype, comm, stream) -> None:
+        self.call("HcclAllGatherV", send, send_count, recv, counts, displs, dtype, comm, stream)
+
+    @property
+    def has_all_to_all_v(self) -> bool:
+        return self.lib.has("HcclAlltoAllV")
+
+    def all_to_all_v(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
+                     comm, stream) -> None:
+        self.call("HcclAlltoAllV", send, send_counts, send_displs, dtype, recv, recv_counts,
+                  recv_displs, dtype, comm, stream)
+
+    def all_gather(self, send, recv, count, dtype, comm, stream) -> None:
+        self.call("HcclAllGather", send, recv, count, dtype, comm, stream)
+
+    def all_reduce(self, send, recv, count, dtype, op, comm, stream) -> None:
+        self.call("HcclAllReduce", send, recv, count, dtype, op, comm, stream)
+
+    def broadcast(self, buf, count, dtype, root, comm, stream) -> None:
+        self.call("HcclBroadcast", buf, count, dtype, root, comm, stream)
+
+
+_device_ids = device_ids  # kept for callers of the earlier private name
+
+
+class HcclBackend(CommunicatorBackend):
+    name = "hccl"
+    device_kind = "npu"
+    hardware = "Ascend NPUs"
+    library_class = HcclLibrary
+
+    def __init__(self, coordinator, library: HcclLibrary | None = None):
+        super().__init__(coordinator, library)
+        if not self.hccl.has_all_gather_v:
+            log.warning("%s has no HcclAllGatherV: exchanging with one HcclBroadcast per rank "
+                        "(exact, slower); a newer CANN provides HcclAllGatherV", self.hccl.path)
+
+    def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
+        dtype = hccl_dtype(send.dtype)
+        comm = self.comms[rank]
+        if len(set(counts)) == 1:  # equal shards: the plain all-gather (every rank sees all counts)
+            self.hccl.all_gather(send.data_ptr(), recv.data_ptr(), counts[rank], dtype, comm, stream)
+            return None
+        if self.hccl.has_all_gather_v:
+            n = len(counts)
+            host_counts = (c_uint64 * n)(*counts)  # read by the device asynchronously:
+            host_displs = (c_uint64 * n)(*displs)  # returned so the caller keeps them to the sync
+            self.hccl.all_gather_v(send.data_ptr(), counts[rank], recv.data_ptr(),
+                                   ctypes.addressof(host_counts), ctypes.addressof(host_displs),
+                                   dtype, comm, stream)
+            return host_counts, host_displs
+        recv.narrow(0, displs[rank], counts[rank]).copy_(send.view(-1))
+        itemsize = recv.element_size()
+        for root, (count, displ) in enumerate(zip(counts, displs)):
+            if count:
+                self.hccl.broadcast(recv.data_ptr() + displ * itemsize, count, dtype, root,
+                                    comm, stream)
+        return None
+
+    @property
+    def has_all_to_all_v(self) -> bool:
+        return self.hccl.has_all_to_all_v
+
+    def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
+                           recv_displs, stream):
+        n = len(send_counts)
+        host = [(c_uint64 * n)(*values)  # host arrays the device reads asynchronously
+                for values in (send_counts, send_displs, recv_counts, recv_displs)]
+        dtype = hccl_dtype(send.dtype)
+        self.hccl.all_to_all_v(send.data_ptr(), ctypes.addressof(host[0]), ctypes.addressof(host[1]),
+                               recv.data_ptr(), ctypes.addressof(host[2]), ctypes.addressof(host[3]),
+                               dtype, self.comms[rank], stream)
+        return host
+
+    def _all_reduce_flat(self, rank, send, recv, op, stream):
+        self.hccl.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(), hccl_dtype(send.dtype),
+                             HCCL_REDUCE_OPS[op], self.comms[rank], stream)
+
+    @property
+    def hccl(self) -> HcclLibrary:
+        return self.library
+
+    def _init_comms(self, ids):
+        return self.hccl.comm_init_all(ids)
+
+    def _destroy_comm(self, comm):
+        self.hccl.comm_destroy(comm)

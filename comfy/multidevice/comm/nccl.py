@@ -1,0 +1,222 @@
+"""NCCL through ctypes: the NVIDIA backend of the multi-device coordinator.
+
+One NCCL communicator per rank GPU from `ncclCommInitAll` (single process, many GPUs).
+Every rank thread issues its own calls concurrently on its GPU's current CUDA stream;
+the results are synchronized before use (comfy/multidevice/comm/ctypes_lib.py does that part for
+HCCL and NCCL alike).
+
+NCCL has no all-gather-V. The exchange is therefore one NCCL group
+(`ncclGroupStart` ... `ncclGroupEnd`) holding one `ncclBroadcast` per root rank, each
+writing that root's shard into its slice of one flat receive buffer. Inside a group NCCL
+only records the calls and launches them together at `ncclGroupEnd`, so the W
+broadcasts of a rank cannot block each other. When every shard has the same length
+the exchange is a single `ncclAllGather` instead.
+
+All-to-all-V is one group of `ncclSend` / `ncclRecv` per peer (NCCL >= 2.7; without them
+the coordinator all-gathers the packed send buffers instead); the rank's own chunk is a
+local copy.
+
+Library: `NCCL_SO_PATH`, else `libnccl.so.2` from the loader path (the CUDA builds of
+torch ship it).
+"""
+
+from __future__ import annotations
+
+from ctypes import c_char_p, c_int, c_size_t, c_void_p, POINTER
+
+import torch
+
+from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
+                                               CollectiveLibraryError, CommunicatorBackend,
+                                               dtype_code)
+
+NCCL_PATH_ENV = "NCCL_SO_PATH"
+NCCL_DEFAULT_LIBRARY = "libnccl.so.2"
+
+ncclResult_t = c_int
+ncclComm_t = c_void_p
+ncclDataType_t = c_int
+ncclRedOp_t = c_int
+cudaStream_t = c_void_p
+buffer = c_void_p
+
+# Values of ncclResult_t (nccl.h); ncclTimeout exists from NCCL 2.23 on.
+NCCL_RESULTS = {
+    0: "ncclSuccess",
+    1: "ncclUnhandledCudaError",
+    2: "ncclSystemError",
+    3: "ncclInternalError",
+    4: "ncclInvalidArgument",
+    5: "ncclInvalidUsage",
+    6: "ncclRemoteError",
+    7: "ncclInProgress",
+    8: "ncclTimeout",
+}
+NCCL_SUCCESS = 0
+
+# Values of ncclDataType_t (nccl.h).
+NCCL_DTYPES = {
+    torch.int8: 0,
+    torch.uint8: 1,
+    torch.int32: 2,
+    torch.int64: 4,
+    torch.float16: 6,
+    torch.float32: 7,
+    torch.float64: 8,
+    torch.bfloat16: 9,
+}
+
+# Values of ncclRedOp_t (nccl.h).
+NCCL_REDUCE_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+
+NCCL_FUNCTIONS = (
+    CFunction("ncclGetErrorString", c_char_p, (ncclResult_t,)),
+    # ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist)
+    CFunction("ncclCommInitAll", ncclResult_t, (POINTER(ncclComm_t), c_int, POINTER(c_int))),
+    CFunction("ncclCommDestroy", ncclResult_t, (ncclComm_t,)),
+    CFunction("ncclGroupStart", ncclResult_t, ()),
+    CFunction("ncclGroupEnd", ncclResult_t, ()),
+    # ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)
+    CFunction("ncclBroadcast", ncclResult_t,
+              (buffer, buffer, c_size_t, ncclDataType_t, c_int, ncclComm_t, cudaStream_t)),
+    # ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)
+    CFunction("ncclAllGather", ncclResult_t,
+              (buffer, buffer, c_size_t, ncclDataType_t, ncclComm_t, cudaStream_t)),
+    # ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)
+    CFunction("ncclAllReduce", ncclResult_t,
+              (buffer, buffer, c_size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t)),
+    # ncclSend(sendbuff, count, datatype, peer, comm, stream) / ncclRecv(recvbuff, count,
+    # datatype, peer, comm, stream): NCCL >= 2.7, used for all-to-all-V.
+    CFunction("ncclSend", ncclResult_t,
+              (buffer, c_size_t, ncclDataType_t, c_int, ncclComm_t, cudaStream_t), optional=True),
+    CFunction("ncclRecv", ncclResult_t,
+              (buffer, c_size_t, ncclDataType_t, c_int, ncclComm_t, cudaStream_t), optional=True),
+)
+
+
+class NcclError(CollectiveLibraryError):
+    result_type = "ncclResult_t"
+    result_names = NCCL_RESULTS
+
+
+def nccl_dtype(dtype: torch.dtype) -> int:
+    return dtype_code(NCCL_DTYPES, dtype, "NCCL")
+
+
+class NcclLibrary(CollectiveLibrary):
+    """The bound library: one thin Python method per C function used."""
+
+    what = "NCCL"
+    functions = NCCL_FUNCTIONS
+    path_env = NCCL_PATH_ENV
+    default_path = NCCL_DEFAULT_LIBRARY
+    error_string = "ncclGetErrorString"
+    error_class = NcclError
+    success = NCCL_SUCCESS
+
+    def comm_init_all(self, device_ids: list[int]) -> list[int]:
+        n = len(device_ids)
+        comms = (ncclComm_t * n)()
+        self.call("ncclCommInitAll", comms, n, (c_int * n)(*device_ids))
+        return list(comms)
+
+    def comm_destroy(self, comm) -> None:
+        self.call("ncclCommDestroy", comm)
+
+    def group_start(self) -> None:
+        self.call("ncclGroupStart")
+
+    def group_end(self) -> None:
+        self.call("ncclGroupEnd")
+
+    def broadcast(self, send, recv, count, dtype, root, comm, stream) -> None:
+        self.call("ncclBroadcast", send, recv, count, dtype, root, comm, stream)
+
+    def all_gather(self, send, recv, count, dtype, comm, stream) -> None:
+        self.call("ncclAllGather", send, recv, count, dtype, comm, stream)
+
+    def all_reduce(self, send, recv, count, dtype, op, comm, stream) -> None:
+        self.call("ncclAllReduce", send, recv, count, dtype, op, comm, stream)
+
+    @property
+    def has_send_recv(self) -> bool:
+        return self.lib.has("ncclSend") and self.lib.has("ncclRecv")
+
+    def send(self, buf, count, dtype, peer, comm, stream) -> None:
+        self.call("ncclSend", buf, count, dtype, peer, comm, stream)
+
+    def recv(self, buf, count, dtype, peer, comm, stream) -> None:
+        self.call("ncclRecv", buf, count, dtype, peer, comm, stream)
+
+
+class NcclBackend(CommunicatorBackend):
+    name = "nccl"
+    device_kind = "cuda"
+    hardware = "NVIDIA GPUs"
+    library_class = NcclLibrary
+
+    @property
+    def nccl(self) -> NcclLibrary:
+        return self.library
+
+    def _init_comms(self, ids):
+        return self.nccl.comm_init_all(ids)
+
+    def _destroy_comm(self, comm):
+        self.nccl.comm_destroy(comm)
+
+    def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
+        dtype = nccl_dtype(send.dtype)
+        comm = self.comms[rank]
+        if len(set(counts)) == 1:  # every rank knows all counts, so all take the same branch
+            self.nccl.all_gather(send.data_ptr(), recv.data_ptr(), counts[rank], dtype, comm, stream)
+            return None
+        itemsize = recv.element_size()
+        self.nccl.group_start()
+        try:
+            for root, (count, displ) in enumerate(zip(counts, displs)):
+                if not count:  # skipped on every rank alike
+                    continue
+                slot = recv.data_ptr() + displ * itemsize
+                # The root sends its shard; the others only receive (sendbuff unused there).
+                source = send.data_ptr() if root == rank else slot
+                self.nccl.broadcast(source, slot, count, dtype, root, comm, stream)
+        except BaseException:
+            # Close the group so this thread's NCCL state is clean; the first error wins.
+            self.nccl.lib["ncclGroupEnd"]()
+            raise
+        self.nccl.group_end()
+        return None
+
+    @property
+    def has_all_to_all_v(self) -> bool:
+        return self.nccl.has_send_recv
+
+    def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
+                           recv_displs, stream):
+        recv.narrow(0, recv_displs[rank], recv_counts[rank]).copy_(
+            send.narrow(0, send_displs[rank], send_counts[rank]))
+        dtype = nccl_dtype(send.dtype)
+        comm = self.comms[rank]
+        itemsize = send.element_size()
+        self.nccl.group_start()
+        try:
+            for peer in range(len(send_counts)):
+                # Zero counts are skipped on both sides alike (the peer knows our count).
+                if peer == rank:
+                    continue
+                if send_counts[peer]:
+                    self.nccl.send(send.data_ptr() + send_displs[peer] * itemsize, send_counts[peer],
+                                   dtype, peer, comm, stream)
+                if recv_counts[peer]:
+                    self.nccl.recv(recv.data_ptr() + recv_displs[peer] * itemsize, recv_counts[peer],
+                                   dtype, peer, comm, stream)
+        except BaseException:
+            self.nccl.lib["ncclGroupEnd"]()  # leave this thread's NCCL group state clean
+            raise
+        self.nccl.group_end()
+        return None
+
+    def _all_reduce_flat(self, rank, send, recv, op, stream):
+        self.nccl.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(), nccl_dtype(send.dtype),
+                             NCCL_REDUCE_OPS[op], self.comms[rank], stream)

@@ -1,0 +1,70 @@
+"""The peer-copy backend: shared slots, a barrier, a copy to the local device, a concat.
+
+Works on every device kind (CPU included) and is the fallback of `auto`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from comfy.multidevice.comm.types import concat_received
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- backends
+
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Skipping .to() for same-device tensors saves Python overhead, which all rank
+    # threads pay serially under the GIL.
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
+
+
+class PeerCopyBackend:
+    """Shared slots + barrier + copy to the local device + cat. Works on any device kind.
+
+    Slots are double-buffered by collective parity: a rank can only start collective n+2
+    after every rank has passed the barrier of n+1, i.e. after everyone finished reading n.
+    """
+
+    name = "peer"
+    reads_peer_memory = True
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+
+    def all_gather_v(self, rank, tensors, dims, metas, slot):
+        device = self.coordinator.devices[rank]
+        out = []
+        for i, dim in enumerate(dims):
+            parts = [_on_device(shards[i], device) for shards in slot]
+            out.append(torch.cat(parts, dim=dim))
+        return out
+
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+        device = self.coordinator.devices[rank]
+        out = []
+        for t in range(len(tensors)):
+            parts = []
+            for src, src_tensors in enumerate(slot):
+                offset = sum(splits[src][:rank])
+                chunk = src_tensors[t].narrow(split_dim, offset, splits[src][rank])
+                parts.append(_on_device(chunk, device))
+            out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
+        return out
+
+    def all_reduce(self, rank, tensor, op, slot):
+        device = self.coordinator.devices[rank]
+        # Same order of operands on every rank, so every rank gets bit-identical results.
+        acc = slot[0].to(device, copy=True)
+        for r in range(1, self.coordinator.world_size):
+            other = _on_device(slot[r], device)
+            if op == "sum":
+                acc.add_(other)
+            else:
+                torch.maximum(acc, other, out=acc)
+        return acc
+
+    def close(self):
+        pass

@@ -1,0 +1,355 @@
+"""A torch.distributed communicator: one rank per process, on one machine or several.
+
+`DistributedComm` has the per-rank interface of `comfy.multidevice.RankComm` (`rank`,
+`world_size`, `device`, `exchange`, `all_to_all_v`, `all_reduce`, `barrier`,
+`byte_counts`), so model code written against RankComm runs unchanged when each rank is
+its own process, e.g. launched by `torchrun` across machines. The process-group backend
+follows the device kind: hccl on Ascend NPUs, nccl on CUDA GPUs, gloo on CPU.
+
+Exactness: gloo has no uneven all-gather, and padding shards to a common length would
+have to be cut off again everywhere. So `exchange` first all-gathers every rank's shard
+shapes (two tiny collectives, which also let every rank raise the same clear error when
+the shapes disagree), then moves each tensor into one flat buffer of exactly the
+gathered size: `all_gather_into_tensor` when all shards are equally long, otherwise one
+broadcast per root rank into that root's slice (issued asynchronously, then awaited).
+No padding exists at any point.
+
+Failures: every collective has the process group's timeout (COMFYUI_MULTI_DEVICE_TIMEOUT_S);
+a peer process that dies closes its connections, so the others fail at their next
+collective with a `CollectiveError` that says so instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from comfy.multidevice.comm.settings import timeout_from_env
+from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
+                                          all_to_all_traffic, check_all_reduce_metadata,
+                                          check_all_to_all_metadata, check_exchange_metadata,
+                                          chunk_shape, CollectiveError, concat_received,
+                                          displacements, exchange_traffic, normalize_dims, numel,
+                                          ShardMeta, TrafficCounter, unflatten_gathered,
+                                          VALID_REDUCE_OPS)
+from comfy.multidevice.devices import resolve_device, set_thread_device
+
+log = logging.getLogger(__name__)
+
+# torchrun sets these for every process it starts.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+DIST_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+# Stable codes for dtypes in the shape messages ranks exchange (index in this tuple).
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+# Stable codes for the collective each rank entered (sent with the shapes), so ranks that
+# call different collectives get one clear error instead of mismatched library calls.
+_OPS = ("barrier", "exchange", "all_to_all_v", "all_reduce sum", "all_reduce max")
+
+
+class TorchrunEnvError(ValueError):
+    """The torchrun environment variables are missing or malformed."""
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True when this process was started by torchrun (its rank variables are set)."""
+    environ = os.environ if environ is None else environ
+    return all(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def read_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+    environ = os.environ if environ is None else environ
+    missing = [name for name in TORCHRUN_ENV if not environ.get(name)]
+    if missing:
+        raise TorchrunEnvError(
+            f"environment variable(s) {', '.join(missing)} not set: start this program with "
+            "torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), "
+            "or set them yourself")
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        try:
+            values[name] = int(environ[name])
+        except ValueError:
+            raise TorchrunEnvError(f"{name}={environ[name]!r} is not an integer") from None
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
+        raise TorchrunEnvError(f"RANK={values['RANK']} must be in [0, WORLD_SIZE={values['WORLD_SIZE']})")
+    if values["LOCAL_RANK"] < 0:
+        raise TorchrunEnvError(f"LOCAL_RANK={values['LOCAL_RANK']} must not be negative")
+    if not 0 < values["MASTER_PORT"] < 65536:
+        raise TorchrunEnvError(f"MASTER_PORT={values['MASTER_PORT']} is not a TCP port")
+    return TorchrunEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
+                       environ["MASTER_ADDR"], values["MASTER_PORT"])
+
+
+def default_device(local_rank: int) -> torch.device:
+    """This process's device: NPU `local_rank`, else CUDA GPU `local_rank`, else the CPU."""
+    try:
+        import torch_npu  # noqa: F401
+        if torch.npu.is_available() and torch.npu.device_count() > 0:
+            return _indexed("npu", local_rank, torch.npu.device_count())
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        return _indexed("cuda", local_rank, torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _indexed(kind: str, local_rank: int, count: int) -> torch.device:
+    if local_rank >= count:
+        raise TorchrunEnvError(
+            f"LOCAL_RANK={local_rank} but this machine shows {count} {kind} device(s); start at "
+            f"most {count} processes per machine (torchrun --nproc-per-node {count})")
+    return torch.device(kind, local_rank)
+
+
+def dist_backend_for(device: torch.device) -> str:
+    try:
+        return DIST_BACKEND_FOR_DEVICE[device.type]
+    except KeyError:
+        raise ValueError(f"no torch.distributed backend for device {device}; use npu, cuda or cpu") from None
+
+
+# ----------------------------------------------------------------------------- communicator
+
+class DistributedComm:
+    """The per-rank communicator of this process over a torch.distributed process group."""
+
+    def __init__(self, device: torch.device | str, group=None, owns_group: bool = False):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; use init_from_env() or "
+                               "init_process_group() from comfy.multidevice.comm.torch_dist")
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = resolve_device(device)
+        self.backend_name = str(dist.get_backend(group))
+        self._owns_group = owns_group
+        self._traffic = TrafficCounter()
+        # gloo moves CPU tensors only; nccl/hccl move tensors of this rank's device.
+        self._wire_device = torch.device("cpu") if self.backend_name == "gloo" else self.device
+        # Equal-size all-gather into one tensor; renamed all_gather_single in torch 2.13.
+        self._all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def __repr__(self):
+        return (f"DistributedComm(rank={self.rank}/{self.world_size}, device={self.device}, "
+                f"backend={self.backend_name})")
+
+    # -- the RankComm interface
+    def exchange(self, tensors: Sequence[torch.Tensor], cat_dims) -> list[torch.Tensor]:
+        """All-gather-V: per tensor, the concat of every rank's shard along its cat dim."""
+        tensors = list(tensors)
+        dims = normalize_dims(tensors, cat_dims)
+        if self.world_size == 1:
+            return tensors
+        metas = self._gather_metas(tensors, "exchange")
+        check_exchange_metadata([m for m, _ in metas], dims)
+        out = []
+        for i, dim in enumerate(dims):
+            shard_metas = [m[i] for m, _ in metas]
+            counts = [numel(m.shape) for m in shard_metas]
+            displs = displacements(counts)
+            flat = self._all_gather_flat(tensors[i], counts, displs)
+            out.append(unflatten_gathered(flat, shard_metas, counts, displs, dim).to(self.device))
+        sent, received = exchange_traffic([m for m, _ in metas], self.rank)
+        self._count("exchange", sent=sent, received=received)
+        return out
+
+    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None):
+        """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
+        the chunks received are concatenated in source-rank order along cat_dim."""
+        single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
+            tensors, send_splits, split_dim, cat_dim, self.world_size)
+        if self.world_size == 1:
+            return tensors[0] if single else tensors
+        metas = self._gather_metas(tensors, "all_to_all_v", splits)
+        all_splits = [s for _, s in metas]
+        check_all_to_all_metadata([m for m, _ in metas], all_splits, split_dim, cat_dim)
+        out = []
+        for t, tensor in enumerate(tensors):
+            chunks = list(torch.split(tensor, list(splits), dim=split_dim))
+            send = torch.cat([c.reshape(-1) for c in chunks]).to(self._wire_device)
+            in_shapes = [chunk_shape(metas[src][0][t].shape, split_dim, all_splits[src][self.rank])
+                         for src in range(self.world_size)]
+            in_counts = [numel(s) for s in in_shapes]
+            recv = torch.empty(sum(in_counts), dtype=tensor.dtype, device=self._wire_device)
+            self._call("all_to_all_v", self._dist.all_to_all_single, recv, send,
+                       output_split_sizes=in_counts, input_split_sizes=[c.numel() for c in chunks],
+                       group=self.group)
+            parts = [p.view(s) for p, s in zip(torch.split(recv, in_counts), in_shapes)]
+            out.append(concat_received(parts, [s[self.rank] for s in all_splits], cat_dim).to(self.device))
+        sent, received = all_to_all_traffic([m for m, _ in metas], all_splits, split_dim, self.rank)
+        self._count("all_to_all_v", sent=sent, received=received)
+        return out[0] if single else out
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op not in VALID_REDUCE_OPS:
+            raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
+        if self.world_size == 1:
+            return tensor.clone()
+        metas = self._gather_metas([tensor], f"all_reduce {op}")
+        check_all_reduce_metadata([m[0] for m, _ in metas])
+        work = tensor.detach().to(self._wire_device, copy=True).contiguous()
+        reduce_op = self._dist.ReduceOp.SUM if op == "sum" else self._dist.ReduceOp.MAX
+        self._call("all_reduce", self._dist.all_reduce, work, op=reduce_op, group=self.group)
+        moved = all_reduce_traffic(tensor, self.world_size)
+        self._count("all_reduce", sent=moved, received=moved)
+        return work.to(self.device)
+
+    def barrier(self) -> None:
+        # The tiny header all-gather of every collective instead of dist.barrier(): the same
+        # on gloo, nccl and hccl, and it notices a rank that entered another collective.
+        if self.world_size > 1:
+            self._gather_metas([], "barrier")
+
+    def byte_counts(self) -> dict:
+        """{"sent", "received", "calls", "by_op": {...}}: logical bytes to/from other ranks."""
+        return self._traffic.summary()
+
+    # -- lifetime
+    def close(self) -> None:
+        """Leave the process group (if this communicator made it). Peers still inside a
+        collective then see the connection close and fail instead of waiting."""
+        if self._owns_group and self._dist.is_initialized():
+            self._owns_group = False
+            self._dist.destroy_process_group()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
+            raise CollectiveError(
+                f"rank {self.rank}/{self.world_size}: {what} failed ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no message'}); "
+                "another process probably failed or exited, or timed out; see its log") from exc
+
+    def _gather_metas(self, tensors, what: str, splits: Sequence[int] = ()):
+        """Every rank's [(ShardMeta per tensor), splits]: sizes first, then the shapes."""
+        code = []
+        for t in tensors:
+            if t.dtype not in _DTYPES:
+                raise ValueError(f"{what}: dtype {t.dtype} cannot be exchanged between processes; "
+                                 f"supported: {', '.join(str(d) for d in _DTYPES)}")
+            code += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+        code += list(splits)
+        header = torch.tensor([_OPS.index(what), len(tensors), len(code)], dtype=torch.int64,
+                              device=self._wire_device)
+        headers = torch.empty(self.world_size * 3, dtype=torch.int64, device=self._wire_device)
+        self._call(what, self._all_gather_equal, headers, header, group=self.group)
+        headers = headers.view(self.world_size, 3).tolist()
+        ops = [h[0] for h in headers]
+        if any(o != ops[0] for o in ops):
+            raise CollectiveError(
+                "ranks entered different collectives ("
+                + ", ".join(f"rank {r}: {_OPS[o] if 0 <= o < len(_OPS) else o}" for r, o in enumerate(ops))
+                + "); every rank must call the same collectives in the same order")
+        headers = [h[1:] for h in headers]
+        if any(h != headers[0] for h in headers):
+            raise CollectiveError(
+                f"{what}: ranks disagree on the number or ranks of the tensors: "
+                + ", ".join(f"rank {r}: {n} tensor(s), {k} shape entries" for r, (n, k) in enumerate(headers)))
+        length = headers[0][1]
+        if not length:  # nothing to describe (a barrier, or no tensors): the header was the sync
+            return [([], ())] * self.world_size
+        mine = torch.tensor(code, dtype=torch.int64, device=self._wire_device)
+        everyone = torch.empty(self.world_size * length, dtype=torch.int64, device=self._wire_device)
+        self._call(what, self._all_gather_equal, everyone, mine, group=self.group)
+        rows = everyone.view(self.world_size, length).tolist()
+        return [_decode_metas(row, len(tensors), len(splits)) for row in rows]
+
+    def _all_gather_flat(self, tensor: torch.Tensor, counts, displs) -> torch.Tensor:
+        send = tensor.detach().reshape(-1).to(self._wire_device)
+        flat = torch.empty(sum(counts), dtype=tensor.dtype, device=self._wire_device)
+        if len(set(counts)) == 1:
+            self._call("exchange", self._all_gather_equal, flat, send.contiguous(),
+                       group=self.group)
+            return flat
+        flat.narrow(0, displs[self.rank], counts[self.rank]).copy_(send)
+        works = []
+        for root, (count, displ) in enumerate(zip(counts, displs)):
+            if count:  # every rank skips the same empty shards
+                works.append(self._call("exchange", self._dist.broadcast, flat.narrow(0, displ, count),
+                                        src=self._global_rank(root), group=self.group, async_op=True))
+        for work in works:
+            self._call("exchange", work.wait)
+        return flat
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return self._dist.get_global_rank(self.group, group_rank)
+
+    def _count(self, op: str, sent: int, received: int) -> None:
+        self._traffic.add(op, sent, received)
+
+
+def _decode_metas(row: list[int], n_tensors: int, n_splits: int):
+    metas, pos = [], 0
+    for _ in range(n_tensors):
+        dtype, ndim = _DTYPES[row[pos]], row[pos + 1]
+        metas.append(ShardMeta(tuple(row[pos + 2:pos + 2 + ndim]), dtype))
+        pos += 2 + ndim
+    return metas, tuple(row[pos:pos + n_splits])
+
+
+# ----------------------------------------------------------------------------- set-up
+
+def init_process_group(rank: int, world_size: int, device: torch.device | str | None = None,
+                       init_method: str = "env://", backend: str | None = None,
+                       timeout_s: float | None = None) -> DistributedComm:
+    """Join (create) the default process group and return this process's communicator.
+
+    `device` defaults to the CPU; the backend defaults to the one for the device kind
+    (gloo / nccl / hccl); `timeout_s` to COMFYUI_MULTI_DEVICE_TIMEOUT_S (600 s).
+    """
+    import torch.distributed as dist
+
+    device = resolve_device(device if device is not None else "cpu")
+    backend = backend or dist_backend_for(device)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
+    timeout_s = timeout_from_env() if timeout_s is None else float(timeout_s)
+    set_thread_device(device)  # nccl/hccl bind the communicator to the current device
+    log.info("rank %d/%d: joining the %s process group via %s on %s", rank, world_size, backend,
+             init_method, device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DistributedComm(device, owns_group=True)
+
+
+def init_from_env(device: torch.device | str | None = None, backend: str | None = None,
+                  timeout_s: float | None = None) -> DistributedComm:
+    """The communicator of a process started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT); the device defaults to accelerator LOCAL_RANK, else the CPU.
+
+    Joins through env:// so that under torchrun the workers use the store its agent
+    already serves on MASTER_ADDR:MASTER_PORT instead of trying to open that port again.
+    """
+    env = read_torchrun_env()
+    device = resolve_device(device) if device is not None else default_device(env.local_rank)
+    return init_process_group(env.rank, env.world_size, device, init_method="env://",
+                              backend=backend, timeout_s=timeout_s)

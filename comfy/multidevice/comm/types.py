@@ -1,0 +1,286 @@
+"""What every communicator shares, with no dependency on any of them (a leaf module).
+
+The errors a collective raises, the shard metadata each rank publishes (`ShardMeta`), the
+checks that turn disagreeing ranks into one clear error on every rank, the layout math of
+variable-length all-gathers and all-to-alls (counts, displacements, packing, concatenation),
+the logical-byte accounting (`exchange_traffic`, `all_to_all_traffic`, `TrafficCounter`), and
+`Communicator`, the per-rank interface that every `comm` argument in this package satisfies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+VALID_REDUCE_OPS = ("sum", "max")
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete (another rank failed, timed out, or inputs disagree)."""
+
+
+class CollectiveAborted(CollectiveError):
+    """Raised in a rank whose collective was cancelled because another rank failed."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """Raised when some ranks did not reach a collective within the timeout."""
+
+
+class BackendUnavailable(RuntimeError):
+    """A forced backend cannot start (library missing, symbols missing, init failed)."""
+
+
+# ----------------------------------------------------------------------------- metadata
+
+@dataclass(frozen=True)
+class ShardMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def gathered_shape(metas: Sequence[ShardMeta], dim: int) -> tuple[int, ...]:
+    shape = list(metas[0].shape)
+    shape[dim] = sum(m.shape[dim] for m in metas)
+    return tuple(shape)
+
+
+def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Sequence[int]) -> None:
+    """Raise the same clear error on every rank when the ranks' shards cannot be concatenated."""
+    counts = [len(m) for m in per_rank]
+    if len(set(counts)) != 1:
+        raise CollectiveError(f"ranks passed different numbers of tensors to exchange: {counts}")
+    for i, dim in enumerate(dims):
+        first = per_rank[0][i]
+        for r, metas in enumerate(per_rank):
+            m = metas[i]
+            if m.dtype != first.dtype:
+                raise CollectiveError(
+                    f"exchange tensor {i}: rank {r} has dtype {m.dtype}, rank 0 has {first.dtype}")
+            if len(m.shape) != len(first.shape):
+                raise CollectiveError(
+                    f"exchange tensor {i}: rank {r} has shape {m.shape}, rank 0 has {first.shape}")
+            other_r = [s for d, s in enumerate(m.shape) if d != dim]
+            other_0 = [s for d, s in enumerate(first.shape) if d != dim]
+            if other_r != other_0:
+                raise CollectiveError(
+                    f"exchange tensor {i}: shapes {first.shape} (rank 0) and {m.shape} (rank {r}) "
+                    f"differ outside the concat dim {dim}")
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def nbytes(meta_or_tensor) -> int:
+    """Bytes of a ShardMeta or tensor (shape x dtype item size)."""
+    return numel(meta_or_tensor.shape) * meta_or_tensor.dtype.itemsize
+
+
+def displacements(counts: Sequence[int]) -> list[int]:
+    """Where each rank's part starts in a rank-major flat buffer (exclusive prefix sums)."""
+    out, total = [], 0
+    for count in counts:
+        out.append(total)
+        total += count
+    return out
+
+
+def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int) -> torch.Tensor:
+    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer."""
+    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+        return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
+    return torch.cat([c.reshape(-1) for c in tensor.split(list(sizes), dim)])
+
+
+def exchange_traffic(metas: Sequence[Sequence[ShardMeta]], rank: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) by `rank` in an all-gather of the shards `metas`."""
+    own = sum(nbytes(m) for m in metas[rank])
+    everyone = sum(nbytes(m) for shard in metas for m in shard)
+    return own * (len(metas) - 1), everyone - own
+
+
+def all_to_all_traffic(metas: Sequence[Sequence[ShardMeta]], splits: Sequence[Sequence[int]],
+                       split_dim: int, rank: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) by `rank` in an all-to-all: its chunks to every other rank,
+    and every other rank's chunk for it (`splits[src][dst]` rows along `split_dim`)."""
+    sent = received = 0
+    for t, meta in enumerate(metas[rank]):
+        for other in range(len(metas)):
+            if other != rank:
+                sent += numel(chunk_shape(meta.shape, split_dim, splits[rank][other])) * meta.dtype.itemsize
+                theirs = metas[other][t]
+                received += numel(chunk_shape(theirs.shape, split_dim, splits[other][rank])) * theirs.dtype.itemsize
+    return sent, received
+
+
+def all_reduce_traffic(meta_or_tensor, world_size: int) -> int:
+    """Logical bytes of an all-reduce, each way: every rank needs every other rank's whole input."""
+    return nbytes(meta_or_tensor) * (world_size - 1)
+
+
+def check_all_reduce_metadata(metas: Sequence[ShardMeta]) -> None:
+    """Raise the same clear error on every rank when the ranks' all-reduce inputs differ."""
+    first = metas[0]
+    for r, m in enumerate(metas):
+        if m != first:
+            raise CollectiveError(f"all_reduce: rank {r} has {m.shape}/{m.dtype}, "
+                                  f"rank 0 has {first.shape}/{first.dtype}")
+
+
+class TrafficCounter:
+    """Logical bytes one rank sent to / received from other ranks, per collective kind."""
+
+    def __init__(self):
+        self._per_op: dict[str, list[int]] = {}  # op -> [sent, received, calls]
+
+    def add(self, op: str, sent: int, received: int) -> None:
+        entry = self._per_op.setdefault(op, [0, 0, 0])
+        entry[0] += sent
+        entry[1] += received
+        entry[2] += 1
+
+    def summary(self) -> dict:
+        """{"sent", "received", "calls", "by_op": {op: {"sent", "received", "calls"}}}."""
+        by_op = {op: {"sent": v[0], "received": v[1], "calls": v[2]} for op, v in self._per_op.items()}
+        return {"sent": sum(v[0] for v in self._per_op.values()),
+                "received": sum(v[1] for v in self._per_op.values()),
+                "calls": sum(v[2] for v in self._per_op.values()),
+                "by_op": by_op}
+
+
+def chunk_shape(shape: Sequence[int], split_dim: int, size: int) -> tuple[int, ...]:
+    """Shape of one all-to-all chunk: `shape` with `size` rows along `split_dim`."""
+    out = list(shape)
+    out[split_dim] = size
+    return tuple(out)
+
+
+def check_send_splits(tensors: Sequence[torch.Tensor], send_splits: Sequence[int], split_dim: int,
+                      world_size: int) -> tuple[int, ...]:
+    """Validate one rank's all-to-all split sizes locally, before anything is sent."""
+    try:
+        splits = tuple(int(s) for s in send_splits)
+    except (TypeError, ValueError):
+        raise ValueError(f"all_to_all_v send_splits must be {world_size} integers, got {send_splits!r}") from None
+    if len(splits) != world_size:
+        raise ValueError(f"all_to_all_v send_splits {list(splits)} has {len(splits)} entries; "
+                         f"give one size per rank ({world_size})")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"all_to_all_v send_splits {list(splits)} has a negative size")
+    for t in tensors:
+        if sum(splits) != t.shape[split_dim]:
+            raise ValueError(
+                f"all_to_all_v send_splits {list(splits)} sum to {sum(splits)} but the tensor of "
+                f"shape {tuple(t.shape)} has {t.shape[split_dim]} along split dim {split_dim}; "
+                "the splits must cover that dim exactly")
+    return splits
+
+
+def check_all_to_all_metadata(per_rank: Sequence[Sequence[ShardMeta]], splits: Sequence[Sequence[int]],
+                              split_dim: int, cat_dim: int) -> None:
+    """Raise the same clear error on every rank when the chunks a rank receives cannot be concatenated."""
+    counts = [len(m) for m in per_rank]
+    if len(set(counts)) != 1:
+        raise CollectiveError(f"ranks passed different numbers of tensors to all_to_all_v: {counts}")
+    world = len(per_rank)
+    for t in range(counts[0]):
+        first = per_rank[0][t]
+        for i, metas in enumerate(per_rank):
+            if metas[t].dtype != first.dtype or len(metas[t].shape) != len(first.shape):
+                raise CollectiveError(
+                    f"all_to_all_v tensor {t}: rank {i} has {metas[t].shape}/{metas[t].dtype}, "
+                    f"rank 0 has {first.shape}/{first.dtype}")
+        for j in range(world):  # every chunk sent to rank j must fit next to the others
+            sources = [i for i in range(world) if splits[i][j]] or list(range(world))
+            ref = sources[0]
+            want = chunk_shape(per_rank[ref][t].shape, split_dim, splits[ref][j])
+            for i in sources[1:]:
+                got = chunk_shape(per_rank[i][t].shape, split_dim, splits[i][j])
+                if [s for d, s in enumerate(got) if d != cat_dim] != \
+                        [s for d, s in enumerate(want) if d != cat_dim]:
+                    raise CollectiveError(
+                        f"all_to_all_v tensor {t}: the chunk rank {i} sends to rank {j} has shape "
+                        f"{got}, rank {ref}'s has {want}; they must agree outside the concat dim "
+                        f"{cat_dim}")
+
+
+def all_to_all_arguments(tensors, send_splits, split_dim, cat_dim, world_size):
+    """Check one rank's all_to_all_v call locally, before anything is sent.
+
+    Returns (single, tensors as a list, split_dim, cat_dim, send splits as a tuple); `single`
+    says a lone tensor was passed (and a lone tensor is returned).
+    """
+    single = isinstance(tensors, torch.Tensor)
+    tensors = [tensors] if single else list(tensors)
+    if not tensors:
+        raise ValueError("all_to_all_v needs at least one tensor")
+    split_dim = normalize_dims(tensors, split_dim)[0]
+    cat_dim = split_dim if cat_dim is None else normalize_dims(tensors, cat_dim)[0]
+    splits = check_send_splits(tensors, send_splits, split_dim, world_size)
+    return single, tensors, split_dim, cat_dim, splits
+
+
+def concat_received(parts: Sequence[torch.Tensor], sizes: Sequence[int], cat_dim: int) -> torch.Tensor:
+    """A rank's all-to-all result: the chunks it received, in source order, along cat_dim.
+
+    A source whose split size for this rank is 0 takes no part (its empty chunk need not fit
+    the others), so a sub-group of ranks can exchange through one world-wide call; when every
+    chunk is empty they are concatenated as they are.
+    """
+    kept = [p for p, n in zip(parts, sizes) if n] or list(parts)
+    return torch.cat(kept, dim=cat_dim)
+
+
+def normalize_dims(tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int]) -> list[int]:
+    if isinstance(cat_dims, int):
+        cat_dims = [cat_dims] * len(tensors)
+    if len(cat_dims) != len(tensors):
+        raise ValueError(f"exchange got {len(tensors)} tensors but {len(cat_dims)} cat_dims")
+    dims = []
+    for t, d in zip(tensors, cat_dims):
+        if not -t.dim() <= d < t.dim():
+            raise ValueError(f"cat dim {d} is out of range for a tensor of shape {tuple(t.shape)}")
+        dims.append(d % t.dim())
+    return dims
+
+
+def unflatten_gathered(flat: torch.Tensor, metas, counts, displs, dim: int) -> torch.Tensor:
+    """The flat rank-major all-gather buffer -> the concat of the shards along `dim`."""
+    if dim == 0:  # rank-major flat layout already is the concat along dim 0
+        return flat.view(gathered_shape(metas, 0))
+    parts = [flat.narrow(0, d, c).view(m.shape) for m, c, d in zip(metas, counts, displs)]
+    return torch.cat(parts, dim=dim)
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """One rank's view of its group: what model code (SP, TP, VAE decode) calls, whatever the
+    transport (the in-process coordinator's RankComm or the torch.distributed DistributedComm)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def exchange(self, tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int]) -> list[torch.Tensor]:
+        """All-gather-V: per tensor, every rank's shard concatenated along its cat dim."""
+
+    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None):
+        """Chunk j of each tensor along split_dim goes to rank j; the received chunks, in source order."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Elementwise sum or max over the ranks, bit-identical on every rank."""
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives."""
+
+    def byte_counts(self) -> dict:
+        """{"sent", "received", "calls", "by_op"}: this rank's logical bytes to / from the others."""

@@ -1,0 +1,240 @@
+"""Apply a role plan (roles/plan.py) to MODEL, CLIP and the two VAEs.
+
+Plain Python over duck-typed objects, so it runs in the tests without ComfyUI:
+
+  MODEL  a ComfyUI ModelPatcher (has clone / add_wrapper_with_key; `.model.diffusion_model`
+         is the DiT) or the DiT module itself (tests, the dry run);
+  CLIP   a ComfyUI CLIP (cond_stage_model.<clip name>.transformer.model is the language model)
+         or anything without that layout (then it stays on one card);
+  VAE    an object with `first_stage_model` and `device` (ComfyUI's comfy.sd.VAE).
+
+What each role becomes:
+  DiT, sequence_parallel   the sequence-parallel adapter (comfy/multidevice/sp/minimax_h3.py)
+                           over the planned cards; rank 0 runs the model itself on the first
+                           card, rank r > 0 a replica on card r built from the shared checkpoint
+                           base (comfy/multidevice/weights/; see DitReplicas).
+  text encoder, tensor_parallel   comfy/multidevice/tp/ splits the language model.
+  video VAE, temporal_chunks      comfy/multidevice/vae/chunked.py decodes the chunks on all planned cards.
+  anything, single         placed on its card.
+
+`check_inputs` runs every check that can fail before `apply_role_plan` starts anything, and
+`apply_role_plan` never modifies the input objects: it returns clones / copies that share the
+weights (ComfyUI's clone semantics) and carry the parallel set-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from typing import Sequence
+
+import torch
+
+from comfy.multidevice.comfy_objects import dit_module
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.comm.settings import backend_from_env
+from comfy.multidevice.devices import resolve_device
+from comfy.multidevice.roles.dit import _place_dit, _sequence_parallel_dit
+from comfy.multidevice.roles.plan import (RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS,
+                                          TENSOR_PARALLEL)
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- coordinators
+
+_COORDINATORS: dict = {}
+_COORDINATORS_LOCK = threading.Lock()
+
+
+def shared_coordinator(devices: Sequence[torch.device], backend: str | None = None) -> SequenceParallelCoordinator:
+    """One coordinator (rank threads + backend) per device list and backend, kept for reuse.
+
+    The DiT, the text encoder and the VAE decode of one plan share it (they never run at the
+    same time), and re-running the node with the same cards reuses it instead of starting
+    more rank threads.
+    """
+    name = backend_from_env(backend)
+    key = (tuple(str(d) for d in devices), name)
+    with _COORDINATORS_LOCK:
+        coordinator = _COORDINATORS.get(key)
+        if coordinator is None or coordinator.closed:
+            coordinator = SequenceParallelCoordinator(list(devices), backend=name)
+            _COORDINATORS[key] = coordinator
+        return coordinator
+
+
+def close_shared_coordinators() -> None:
+    with _COORDINATORS_LOCK:
+        for coordinator in _COORDINATORS.values():
+            coordinator.close()
+        _COORDINATORS.clear()
+
+
+def _language_model(clip):
+    """The CLIP's language model, or None when the CLIP has another layout."""
+    from comfy.multidevice.tp.layers import TensorParallelError
+    from comfy.multidevice.tp.clip import language_model_of
+    try:
+        return language_model_of(clip)
+    except TensorParallelError:
+        return None
+
+
+def text_encoder_split_problem(clip, world_size: int) -> str | None:
+    """Why the CLIP stays on one card instead of tensor parallel (None: it can be split).
+
+    A CLIP of another layout, or with quantized weights (the NVFP4 encoder file: small enough
+    for one card), stays on one card; any other obstacle (a CLIP LoRA, heads that cannot be
+    split) is raised, since it needs the user's decision.
+    """
+    from comfy.multidevice.tp.layers import QuantizedWeightsError
+    from comfy.multidevice.tp.clip import check_tensor_parallel_clip
+
+    if _language_model(clip) is None:
+        return f"{type(clip).__name__} has no Llama/Qwen language model layout"
+    try:
+        check_tensor_parallel_clip(clip, world_size)
+    except QuantizedWeightsError as exc:
+        return f"its weights cannot be sliced ({exc})"
+    return None
+
+
+def _has_chunk_interface(vae) -> bool:
+    from comfy.multidevice.vae.chunked import H3ChunkInterface
+    return H3ChunkInterface.supports(getattr(vae, "first_stage_model", None))
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
+    """Every check that can fail, before anything is cloned, moved or started."""
+    for name, value in (("model", model), ("clip", clip), ("video_vae", video_vae), ("audio_vae", audio_vae)):
+        if value is None:
+            raise RolePlanError(f"the {name} input is not connected: connect the loader's output to it")
+    for name, vae in (("video_vae", video_vae), ("audio_vae", audio_vae)):
+        if getattr(vae, "first_stage_model", None) is None:
+            raise RolePlanError(f"the {name} input ({type(vae).__name__}) is not a VAE (no first_stage_model): "
+                                f"connect a VAELoader output")
+    if video_vae is audio_vae:
+        raise RolePlanError("video_vae and audio_vae are the same VAE: connect the video VAE loader to "
+                            "video_vae and the audio VAE loader to audio_vae")
+    if plan.dit.mode == SEQUENCE_PARALLEL:
+        from comfy.multidevice.sp.minimax_h3 import contract_problems
+        problems = contract_problems(dit_module(model))
+        if problems:
+            raise RolePlanError(
+                f"the model input ({type(dit_module(model)).__name__}) cannot run sequence parallel: "
+                f"{'; '.join(problems)}. Connect the MiniMax-H3 UNETLoader (or its LoRA loader) output, "
+                f"or set npu_count to 1 or 2")
+    if plan.text_encoder.mode == TENSOR_PARALLEL:
+        text_encoder_split_problem(clip, len(plan.text_encoder.cards))
+
+
+# ----------------------------------------------------------------------------- text encoder
+
+def _clone(obj):
+    return obj.clone() if callable(getattr(obj, "clone", None)) else copy.copy(obj)
+
+
+def _place_clip(clip, device):
+    out = _clone(clip)
+    patcher = getattr(out, "patcher", None)
+    if patcher is not None and getattr(patcher, "load_device", device) != device:
+        if callable(getattr(patcher, "clone", None)):
+            out.patcher = patcher = patcher.clone()
+        log.info("text encoder: load device %s -> %s", patcher.load_device, device)
+        patcher.load_device = device
+    return out
+
+
+def _tensor_parallel_text_encoder(clip, devices, coordinator):
+    from comfy.multidevice.tp.clip import tensor_parallel_clip
+
+    problem = text_encoder_split_problem(clip, len(devices))
+    if problem is not None:
+        log.warning("text encoder: not tensor parallel, it runs on %s only: %s", devices[0], problem)
+        return _place_clip(clip, devices[0])
+    out = tensor_parallel_clip(clip, coordinator)  # a new CLIP: the input's encoder is untouched
+    patcher = getattr(out, "patcher", None)
+    if patcher is not None and getattr(patcher, "load_device", devices[0]) != devices[0]:
+        # the clone's patcher still loads the embeddings and the vision tower: on rank 0's card
+        log.info("text encoder: load device %s -> %s", patcher.load_device, devices[0])
+        patcher.load_device = devices[0]
+    log.info("text encoder: tensor parallel over %s", ", ".join(map(str, devices)))
+    return out
+
+
+# ----------------------------------------------------------------------------- VAEs
+
+def _place_vae(vae, device, what):
+    out = copy.copy(vae)
+    if getattr(out, "device", device) != device:
+        patcher = getattr(out, "patcher", None)
+        if patcher is not None and callable(getattr(patcher, "clone", None)):
+            out.patcher = patcher.clone()
+            out.patcher.load_device = device
+        log.info("%s: device %s -> %s", what, out.device, device)
+        out.device = device
+    return out
+
+
+def _chunked_video_vae(vae, devices, merge_device, coordinator):
+    from comfy.multidevice.vae.chunked import with_parallel_decode
+
+    if not _has_chunk_interface(vae):
+        log.warning("video VAE: %s has no temporal chunk interface; it decodes on %s only",
+                    type(vae.first_stage_model).__name__, merge_device)
+        return _place_vae(vae, merge_device, "video VAE")
+    out = _place_vae(vae, merge_device, "video VAE")
+    runner = coordinator if list(coordinator.devices) == list(devices) else None
+    out.first_stage_model = with_parallel_decode(vae.first_stage_model, devices, runner=runner,
+                                                 merge_device=merge_device)
+    log.info("video VAE: temporal chunks decoded on %s, merged on %s",
+             ", ".join(map(str, devices)), merge_device)
+    return out
+
+
+# ----------------------------------------------------------------------------- apply
+
+def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_vae, audio_vae,
+                    backend: str | None = None, coordinator=None):
+    """Return (model, clip, video_vae, audio_vae) set up per `plan` on `devices`.
+
+    devices[i] is plan card i. `backend` picks the collective backend (None: from the
+    environment). `coordinator` may be given (tests); otherwise the shared one for the
+    planned cards is used (started here when the plan needs more than one card).
+    """
+    devices = [resolve_device(d) for d in devices]  # 'npu:i' needs torch_npu: imported here
+    if len(devices) != plan.n_cards:
+        raise RolePlanError(f"the plan is for {plan.n_cards} cards but {len(devices)} devices were given")
+    check_inputs(plan, model, clip, video_vae, audio_vae)
+
+    def cards(role):
+        return [devices[c] for c in role.cards]
+
+    parallel = [r for r in plan.roles() if len(r.cards) > 1]
+    if parallel and coordinator is None:
+        # one coordinator over all cards; every parallel role of the seed table uses all of them
+        coordinator = shared_coordinator(devices, backend)
+    if coordinator is not None and parallel and [str(d) for d in coordinator.devices] != [str(d) for d in devices]:
+        raise RolePlanError(f"the coordinator runs on {coordinator.devices}, the plan on {devices}")
+
+    if plan.dit.mode == SEQUENCE_PARALLEL:
+        out_model = _sequence_parallel_dit(model, cards(plan.dit), coordinator)
+    else:
+        out_model = _place_dit(model, cards(plan.dit)[0])
+
+    if plan.video_vae.mode == TEMPORAL_CHUNKS:
+        merge = devices[plan.video_vae.merge_card or 0]
+        out_video = _chunked_video_vae(video_vae, cards(plan.video_vae), merge, coordinator)
+    else:
+        out_video = _place_vae(video_vae, cards(plan.video_vae)[0], "video VAE")
+    out_audio = _place_vae(audio_vae, cards(plan.audio_vae)[0], "audio VAE")
+
+    if plan.text_encoder.mode == TENSOR_PARALLEL:
+        out_clip = _tensor_parallel_text_encoder(clip, cards(plan.text_encoder), coordinator)
+    else:
+        out_clip = _place_clip(clip, cards(plan.text_encoder)[0])
+    return out_model, out_clip, out_video, out_audio

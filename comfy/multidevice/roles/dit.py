@@ -1,0 +1,156 @@
+"""The DiT's role: per-rank DiT replicas (from the shared checkpoint base) and the SP set-up on them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from comfy.multidevice.comfy_objects import dit_module, is_model_patcher
+from comfy.multidevice.devices import module_device
+from comfy.multidevice.roles.plan import RolePlanError
+from comfy.multidevice.weights.replicas import replica_on
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- DiT
+
+class DitReplicas:
+    """The DiT of ranks 1..W-1 on the patcher path, one entry per rank for the SP adapter.
+
+    From the shared checkpoint base when it can be built (comfy/multidevice/weights/: the
+    loader's file read once per process, or the model's own CPU weights zero-copy; the MODEL's
+    weight patches, e.g. a Turbo LoRA loaded before this node, applied identically on every
+    rank): made resident on the first forward, dropped again by `unload()`.
+
+    ComfyUI records on the shared model which patch set its weights carry right now
+    (ModelPatcher sets model.current_weight_patches_uuid when it patches them). When that is
+    another set than the MODEL this node received had (a LoRA loader placed *after* the
+    node), replicas built from the base would miss it; then, and when no base can be built,
+    the primary's loaded weights are copied to the other cards instead (device to device),
+    and copied again when the patch set changes.
+    """
+
+    def __init__(self, primary, devices: Sequence[torch.device]):
+        self.primary = primary
+        self.devices = list(devices)
+        self.base_replicas = None
+        self.base_problem: str | None = None
+        self.armed = False  # until the adapter is installed, entries only serve its checks
+        self._copies: dict = {}
+        self._copy_version = None
+        try:
+            from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
+            self.base_replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
+        except Exception as exc:  # any reason the base cannot serve: the copy path always can
+            self.base_problem = f"{type(exc).__name__}: {exc}"
+            log.warning("DiT replicas: no shared checkpoint base (%s); the loaded weights will be "
+                        "copied to %s at the first step", self.base_problem, ", ".join(map(str, self.devices)))
+
+    def entries(self) -> list:
+        return [_RankDit(self, i) for i in range(len(self.devices))]
+
+    def _applied_patches(self):
+        return getattr(getattr(self.primary, "model", None), "current_weight_patches_uuid", None)
+
+    def uses_base(self) -> bool:
+        applied = self._applied_patches()
+        return self.base_replicas is not None and (
+            applied is None or applied == getattr(self.primary, "patches_uuid", None))
+
+    def module(self, index: int):
+        if self.uses_base():
+            replica = self.base_replicas[index]
+            return replica.load().module if self.armed else replica.module
+        source = dit_module(self.primary)
+        device = self.devices[index]
+        if not self.armed or module_device(source) in (None, device):
+            return source
+        version = (id(source), self._applied_patches())
+        if version != self._copy_version:
+            _refuse_partially_loaded(source)
+            self._copies.clear()  # stale copies go before new ones are made
+            self._copy_version = version
+            if self.base_replicas is not None:
+                log.info("DiT replicas: the weights carry patches added after this node (e.g. a LoRA "
+                         "loader placed after it); copying the loaded weights to the other cards")
+        if index not in self._copies:
+            self._copies[index] = replica_on(source, device)
+        return self._copies[index]
+
+    def unload(self) -> int:
+        """Drop the replicas' device residency (the base stays in RAM); return the bytes dropped."""
+        dropped = self.base_replicas.unload() if self.base_replicas is not None else 0
+        self._copies.clear()
+        self._copy_version = None
+        return dropped
+
+
+class _RankDit:
+    """What the SP adapter resolves each forward: `.diffusion_model` of one rank."""
+
+    def __init__(self, replicas: DitReplicas, index: int):
+        self.replicas = replicas
+        self.index = index
+
+    @property
+    def diffusion_model(self):
+        return self.replicas.module(self.index)
+
+
+def _refuse_partially_loaded(module) -> None:
+    # ComfyUI's low-VRAM mode keeps some weights off the card and applies their patches at
+    # compute time (per-layer weight_function lists); a copy of that state is not the model.
+    lazy = sum(1 for m in module.modules() if getattr(m, "weight_function", None) or getattr(m, "bias_function", None))
+    if lazy:
+        raise RolePlanError(
+            f"the DiT is only partially loaded on its first card ({lazy} layers patched at compute "
+            f"time); sequence parallel copies the loaded weights to the other cards, so the DiT must "
+            f"fit on one card: use the INT8 DiT or keep fewer models resident, or place "
+            f"MultiNPUParallelConfig after the LoRA loader so replicas come from the checkpoint base")
+
+
+def _place_dit(model, device, what="DiT"):
+    """Single-card DiT: a clone whose load device is `device` (patcher) / the module on it."""
+    if is_model_patcher(model):
+        out = model.clone()
+        if getattr(out, "load_device", device) != device:
+            log.info("%s: load device %s -> %s", what, out.load_device, device)
+            out.load_device = device
+        return out
+    if isinstance(model, torch.nn.Module) and module_device(model) not in (None, device):
+        return replica_on(model, device)
+    return model
+
+
+def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) -> list:
+    """Rank replicas of a plain DiT module from a shared base over its own weights (zero-copy)."""
+    from comfy.multidevice.weights.replicas import RankReplicas
+    from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+
+    home = module_device(model)
+    if home is not None and home.type != "cpu":  # a base lives in CPU memory
+        return [model if d == home else replica_on(model, d) for d in devices]
+    base = SharedCheckpoint.from_state_dict(model.state_dict(), copy=False,
+                                            label=f"{type(model).__name__} weights")
+    others = RankReplicas(base, devices[1:], template=model, load=True) if len(devices) > 1 else []
+    first = model if home in (None, devices[0]) else replica_on(model, devices[0])
+    return [first] + [r.module for r in others]
+
+
+def _sequence_parallel_dit(model, devices, coordinator):
+    from comfy.multidevice.sp.minimax_h3 import (enable_sequence_parallel, enable_sequence_parallel_on_patcher)
+
+    if not is_model_patcher(model):  # a plain DiT module (tests, the dry run)
+        return enable_sequence_parallel(_module_replicas(model, devices), coordinator)
+    primary = model.clone()
+    if getattr(primary, "load_device", devices[0]) != devices[0]:
+        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
+        primary.load_device = devices[0]
+    replicas = DitReplicas(primary, devices[1:])
+    enable_sequence_parallel_on_patcher(primary, coordinator, [None] + replicas.entries())
+    replicas.armed = True
+    primary.multinpu_dit_replicas = replicas  # for unload / inspection
+    return primary

@@ -1,0 +1,140 @@
+"""What sequence-parallel attention costs: exact bytes per rank, and FLOPs per forward.
+
+Pure arithmetic (no torch), shared by the `auto` mode choice (comfy/multidevice/sp/ulysses.py), the H3
+performance projection (bench/project_h3.py) and the tests, which check these formulas
+against the byte counters of a real run.
+
+The shard plan is the SP core's: rank r owns rows [S*r//W, S*(r+1)//W). Bytes are the
+coordinator's logical bytes (comfy/multidevice/comm/group.py): payload to / from *other* ranks.
+
+Modes, for one attention call over heads H of width D (q, k, v, out all H*D wide):
+
+- allgather: every rank gathers K and V from all ranks (two all-gather-V), keeps its Q.
+- ulysses with degree U (U | W; U = W is plain Ulysses, U < W the hybrid): the ranks form
+  W/U sequence groups of U consecutive ranks; member u of a group owns head block u
+  ([H*u//U, H*(u+1)//U)). Q moves inside the group (all-to-all), K and V move from every
+  rank to every rank that owns the head block (all-to-all over all ranks; with U < W the same
+  head block goes to W/U ranks, i.e. "all-gather across groups"), the output goes back inside
+  the group. U = 1 moves exactly the allgather bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from comfy.multidevice.sp.plan import shard_sizes
+
+SP_MODES = ("allgather", "ulysses", "auto")
+
+
+def ulysses_degree(world: int, heads: int) -> int:
+    """The hybrid rule: Ulysses over the largest group size that divides both W and the heads
+    (W itself when the heads divide evenly), all-gather of K/V across the W/U groups."""
+    if world < 1 or heads < 1:
+        raise ValueError(f"need world >= 1 and heads >= 1, got world={world}, heads={heads}")
+    return max(d for d in range(1, world + 1) if world % d == 0 and heads % d == 0)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    sent: int
+    received: int
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.sent + other.sent, self.received + other.received)
+
+    def scaled(self, factor: int) -> "Traffic":
+        return Traffic(self.sent * factor, self.received * factor)
+
+
+def attention_traffic(mode: str, seq_len: int, world: int, rank: int, heads: int, head_dim: int,
+                      itemsize: int, degree: int | None = None) -> Traffic:
+    """Bytes rank `rank` sends / receives for ONE attention call (one block) in `mode`.
+
+    mode "ulysses" uses `degree` (default: `ulysses_degree(world, heads)`); "allgather" is
+    the K/V all-gather. Exact for uneven shards (S not divisible by W).
+    """
+    rows = shard_sizes(seq_len, world)
+    width = head_dim * itemsize  # bytes of one row of one head
+    if world == 1:
+        return Traffic(0, 0)
+    if mode == "allgather":
+        own = rows[rank]
+        return Traffic(sent=2 * own * heads * width * (world - 1),
+                       received=2 * (seq_len - own) * heads * width)
+    if mode != "ulysses":
+        raise ValueError(f"unknown sequence-parallel mode {mode!r}; valid: allgather, ulysses")
+    u_deg = degree or ulysses_degree(world, heads)
+    if world % u_deg:
+        raise ValueError(f"ulysses degree {u_deg} does not divide the world size {world}")
+    groups = world // u_deg
+    head_blocks = shard_sizes(heads, u_deg)
+    group, member = divmod(rank, u_deg)
+    members = range(group * u_deg, (group + 1) * u_deg)
+    group_rows = sum(rows[m] for m in members)
+    own, my_heads = rows[rank], head_blocks[member]
+    # q: to the other members, my rows of their heads; from them, their rows of my heads
+    q = Traffic(own * (heads - my_heads), (group_rows - own) * my_heads)
+    # k, v: my rows of head block b to every rank owning b (groups of them), minus myself
+    kv = Traffic(own * (groups * heads - my_heads), (seq_len - own) * my_heads).scaled(2)
+    # out: the reverse of q
+    out = Traffic(q.received, q.sent)
+    total = q + kv + out
+    return Traffic(total.sent * width, total.received * width)
+
+
+@dataclass(frozen=True)
+class DiTShape:
+    """The sizes the cost model needs (defaults: the released MiniMax-H3 DiT)."""
+
+    hidden: int = 5376
+    blocks: int = 50
+    heads: int = 56
+    head_dim: int = 128
+    ffn: int = 14336  # SwiGLU: fc1 hidden -> 2*ffn, fc2 ffn -> hidden
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.head_dim
+
+
+def forward_traffic(mode: str, shape: DiTShape, seq_len: int, world: int, rank: int,
+                    itemsize: int = 2, hidden_itemsize: int | None = None,
+                    degree: int | None = None) -> dict:
+    """Bytes of one DiT forward for one rank: attention exchanges of every block, plus the
+    final all-gather of the hidden rows before the final layer (the SP core's last block)."""
+    attention = attention_traffic(mode, seq_len, world, rank, shape.heads, shape.head_dim,
+                                  itemsize, degree).scaled(shape.blocks)
+    own = shard_sizes(seq_len, world)[rank]
+    row = shape.hidden * (itemsize if hidden_itemsize is None else hidden_itemsize)
+    final = Traffic(own * row * (world - 1), (seq_len - own) * row)
+    total = attention + final
+    return {"attention": attention, "final_gather": final, "total": total}
+
+
+def forward_flops(shape: DiTShape, seq_len: int) -> dict:
+    """Multiply-add FLOPs (2 per MAC) of the blocks of one forward over `seq_len` tokens.
+
+    linear: qkv, out_proj, fc1, fc2 per token per block; attention: QK^T and PV
+    (4 * S^2 * H * D per block). Modulation, norms, RoPE, softmax, embeddings, the text
+    refiner and the final layer are left out (each under 1% at H3's sizes).
+    """
+    a, h = shape.attention_width, shape.hidden
+    per_token = 2 * (h * 3 * a + a * h + h * 2 * shape.ffn + shape.ffn * h)
+    linear = per_token * seq_len * shape.blocks
+    attention = 4 * seq_len * seq_len * a * shape.blocks
+    return {"linear": linear, "attention": attention, "total": linear + attention}
+
+
+def choose_sp_mode(world: int, heads: int, head_dim: int = 128) -> str:
+    """`auto`: the mode with the fewer bytes per rank (ties -> allgather, one collective less).
+
+    Decided from W and the heads only (the shard lengths cancel out), so every rank picks the
+    same mode without talking to the others.
+    """
+    if world <= 1:
+        return "allgather"
+    probe = 1024 * world  # any length: the ratio of the two modes does not depend on it
+    worst = {mode: max(attention_traffic(mode, probe, world, r, heads, head_dim, 2).received
+                       for r in range(world)) for mode in ("allgather", "ulysses")}
+    return "ulysses" if worst["ulysses"] < worst["allgather"] else "allgather"

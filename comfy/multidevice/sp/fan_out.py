@@ -1,0 +1,146 @@
+"""The fan-out: one forward of the DiT run on every rank at once.
+
+`SequenceParallelFanOut` is a DIFFUSION_MODEL-style wrapper `fn(executor, *args, **kwargs)`
+that runs the forward on every rank concurrently through a coordinator, with per-rank copies
+of the inputs and of `transformer_options`, and returns rank 0's result.
+
+Per-rank code only uses the per-rank communicator interface (comm/types.py `Communicator`), so
+it runs unchanged over the in-process coordinator or the torch.distributed communicator.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from comfy.multidevice.sp.plan import SequenceParallelError
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- fan-out
+
+def copy_for_rank(obj: Any, device: torch.device) -> Any:
+    """A per-rank copy of forward inputs: containers copied, tensors moved to `device`.
+
+    dicts, lists and tuples are rebuilt (a rank may add keys, e.g. its block replacements or
+    `block_index`, without the others seeing them); tensors go to the rank's device; every
+    other object (callables, modules, layouts) is shared. Not copy.deepcopy: transformer_options
+    carry wrappers that hold the coordinator and the model replicas.
+    """
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: copy_for_rank(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [copy_for_rank(v, device) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(copy_for_rank(v, device) for v in obj)
+    return obj
+
+
+def executor_for_model(executor, model):
+    """The wrapper executor continued on `model` instead of `executor.class_obj`.
+
+    Relies on ComfyUI's WrapperExecutor protocol (`original` is a bound method of `class_obj`,
+    `wrappers`, `idx`, classmethod `new_class_executor`): the rebound executor runs the same
+    remaining wrappers, then the same method of the replica.
+    """
+    if model is None or model is getattr(executor, "class_obj", None):
+        return executor
+    try:
+        method = getattr(model, executor.original.__name__)
+        return type(executor).new_class_executor(method, model, executor.wrappers, executor.idx)
+    except AttributeError as exc:
+        raise SequenceParallelError(
+            f"cannot run the forward on a model replica: the executor {type(executor).__name__} does "
+            f"not follow ComfyUI's WrapperExecutor protocol ({exc})") from exc
+
+
+def _run_with_grad_mode(fn, grad_enabled: bool, inference: bool):
+    # Autograd modes are thread-local: rank threads must use the caller's (e.g. inference_mode).
+    if inference:
+        with torch.inference_mode():
+            return fn()
+    with torch.set_grad_enabled(grad_enabled):
+        return fn()
+
+
+class SequenceParallelFanOut:
+    """A DIFFUSION_MODEL wrapper that runs the wrapped forward on every rank at once.
+
+    models[r] is the replica rank r runs (on coordinator.devices[r]); an entry may be None
+    (rank 0: the model the executor belongs to), a module, or anything `resolve_model` turns
+    into one (e.g. a ComfyUI ModelPatcher). Before each rank's forward,
+    `prepare_rank(rank, comm, model, transformer_options)` edits that rank's own
+    transformer_options (the model adapter installs block replacements and the exchanging
+    attention there) and may return a per-rank state, kept in `last_rank_states`.
+    """
+
+    def __init__(self, coordinator, models: Sequence[Any],
+                 prepare_rank: Callable[[int, Any, Any, dict], Any] | None = None,
+                 resolve_model: Callable[[Any], Any] | None = None,
+                 transformer_options_index: int = 3):
+        if len(models) != coordinator.world_size:
+            raise ValueError(f"sequence parallel needs one model replica per rank: got {len(models)} "
+                             f"replicas for {coordinator.world_size} ranks")
+        self.coordinator = coordinator
+        self.models = list(models)
+        self.prepare_rank = prepare_rank
+        self.resolve_model = resolve_model or (lambda m: m)
+        # ComfyUI's diffusion models take (x, timestep, context, transformer_options, ...)
+        self.transformer_options_index = transformer_options_index
+        self.last_rank_states: list[Any] = [None] * coordinator.world_size
+        # per rank: {"received": bytes, "calls": collectives} of the last forward
+        self.last_traffic: list[dict] = [{"received": 0, "calls": 0}] * coordinator.world_size
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
+    def __call__(self, executor, *args, **kwargs):
+        devices = self.coordinator.devices
+        inputs = [copy_for_rank((list(args), dict(kwargs)), device) for device in devices]
+        grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        # resolve on the caller's thread: a bad replica fails here, before any rank starts
+        rank_models = [self.resolve_model(m) if m is not None else None for m in self.models]
+        executors = [executor_for_model(executor, m) for m in rank_models]
+
+        def run_rank(rank, comm, rank_inputs):
+            rank_args, rank_kwargs = rank_inputs
+            options = self._transformer_options(rank_args, rank_kwargs)
+            model = executors[rank].class_obj
+            if self.prepare_rank is not None:
+                self.last_rank_states[rank] = self.prepare_rank(rank, comm, model, options)
+            log.debug("rank %d: forward on %s", rank, comm.device)
+            return _run_with_grad_mode(lambda: executors[rank](*rank_args, **rank_kwargs),
+                                       grad_enabled, inference)
+
+        before = self._traffic_counts()
+        results = self.coordinator.run(run_rank, inputs)
+        after = self._traffic_counts()
+        self.last_traffic = [{"received": a["received"] - b["received"], "calls": a["calls"] - b["calls"]}
+                             for a, b in zip(after, before)]
+        return results[0]
+
+    def _traffic_counts(self) -> list[dict]:
+        counts = getattr(self.coordinator, "byte_counts", None)
+        return counts() if counts is not None else [{"received": 0, "calls": 0}] * self.world_size
+
+    def _transformer_options(self, args: list, kwargs: dict) -> dict:
+        if "transformer_options" in kwargs:
+            if kwargs["transformer_options"] is None:
+                kwargs["transformer_options"] = {}
+            return kwargs["transformer_options"]
+        i = self.transformer_options_index
+        if len(args) > i:
+            if args[i] is None:
+                args[i] = {}
+            return args[i]
+        kwargs["transformer_options"] = {}
+        return kwargs["transformer_options"]
+
+    def bytes_received_last_forward(self) -> int:
+        """Bytes all ranks together received from each other in the last forward."""
+        return sum(t["received"] for t in self.last_traffic)

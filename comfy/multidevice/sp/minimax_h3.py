@@ -1,0 +1,288 @@
+"""Sequence parallelism for the MiniMax-H3 DiT (upstream `MiniMaxH3Model` or the miniature).
+
+Every rank holds a full replica of the DiT and runs the whole forward (embedding, text refiner,
+final layer) but computes the transformer blocks on 1/W of the packed token sequence:
+
+- block 0's replacement slices the full hidden state to the rank's rows (`ShardPlan`);
+- every block runs the model's own block on the local rows with the RoPE table and the
+  modulation spans sliced to those rows, and with `args["attention"]` = the block's attention
+  inside an SP region, where the attention override exchanges K/V between the ranks;
+- the last block's replacement gathers the rows back, so the final layer sees the full sequence.
+
+The adapter does not know which model it drives; it relies only on the contract below, and each
+assumption is written next to the code that makes it ("H3 contract").
+
+Entry points
+------------
+- `enable_sequence_parallel(models, coordinator, sp_mode="allgather") -> SequenceParallelDiT`:
+  plain modules (tests, the dry run). `models[r]` is rank r's replica, already on
+  `coordinator.devices[r]`; call the result like the model: `sp(x, timestep, context, ...)`.
+- `enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas, sp_mode="allgather")`:
+  ComfyUI. Adds the fan-out as a DIFFUSION_MODEL wrapper (key `WRAPPER_KEY`) to the patcher,
+  so every sampling step runs on all ranks; `replicas[r]` is rank r's model (ModelPatcher,
+  BaseModel or the DiT module; `None` or the patcher itself for rank 0), loaded on
+  `coordinator.devices[r]` by the caller. `disable_sequence_parallel_on_patcher` removes it.
+- `install_rank_sequence_parallel(model, comm, transformer_options, sp_mode)`: one rank's
+  set-up, for runs where each process is one rank (torch.distributed communicator) and calls
+  its own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from comfy.multidevice.devices import module_device
+from comfy.multidevice.sp.attention import install_exchanging_attention
+from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
+from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, ShardPlan,
+                                       slice_mod_segments, take_rows)
+from comfy.multidevice.sp.strategies import make_kv_strategy
+
+log = logging.getLogger(__name__)
+
+WRAPPER_KEY = "minimax_h3_sequence_parallel"
+DIFFUSION_MODEL_WRAPPERS = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL
+ROPE_SEQ_DIM = 1  # H3 contract: rope_freqs is [1, S, 1, rot/2, 2, 2], the sequence on dim 1
+
+
+# ----------------------------------------------------------------------------- support check
+
+def contract_problems(model: Any) -> list[str]:
+    """What `model` lacks of the H3 contract this adapter relies on (empty: supported)."""
+    problems = []
+    # H3 contract: an H3 DiT is recognised by its two patch projections (model_detection's rule).
+    for name in ("video_patch_proj", "audio_patch_proj"):
+        if not hasattr(model, name):
+            problems.append(f"no {name} (not a MiniMax-H3 DiT)")
+    # H3 contract: forward() runs _forward through the DIFFUSION_MODEL wrappers.
+    if not callable(getattr(model, "_forward", None)):
+        problems.append("no _forward method")
+    # H3 contract: the transformer blocks are model.blocks[i] (state-dict keys blocks.{i}.*),
+    # each with its attention module at .attn (keys blocks.{i}.attn.*).
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or len(blocks) == 0:
+        problems.append("no transformer blocks at .blocks")
+    elif not all(callable(getattr(b, "attn", None)) for b in blocks):
+        problems.append("a block has no callable .attn")
+    return problems
+
+
+def supports_sequence_parallel(model: Any) -> bool:
+    """True when `model` follows the MiniMax-H3 DiT contract this adapter drives."""
+    return not contract_problems(model)
+
+
+def _require_support(model: Any, what: str) -> None:
+    problems = contract_problems(model)
+    if problems:
+        raise SequenceParallelError(
+            f"{what} ({type(model).__name__}) cannot run sequence parallel: {'; '.join(problems)}. "
+            "Sequence parallelism supports the MiniMax-H3 DiT only.")
+
+
+# ----------------------------------------------------------------------------- one rank
+
+class H3RankShard:
+    """One rank's block replacements for one forward; created fresh for every forward."""
+
+    def __init__(self, model, comm, exchanging_attention):
+        self.model = model
+        self.comm = comm
+        self.exchanging = exchanging_attention
+        self.num_blocks = len(model.blocks)
+        self.plan: ShardPlan | None = None
+
+    @property
+    def tokens(self) -> int | None:
+        return None if self.plan is None else self.plan.length
+
+    def replacement(self, index: int, previous: Callable | None) -> Callable:
+        """The patches_replace entry for ("double_block", index), chaining any earlier one."""
+        def sequence_parallel_block(args, extra):
+            return self._run_block(index, previous, args, extra)
+        return sequence_parallel_block
+
+    def _run_block(self, index, previous, args, extra):
+        h = args["img"]
+        if index == 0:
+            # H3 contract: block 0 receives the full hidden state [S, hidden] in packed order.
+            self.plan = ShardPlan(h.shape[0], self.comm.world_size, self.comm.rank)
+            # a copy, so the full [S, hidden] tensor is freed instead of pinned by a view
+            h = take_rows(h, self.plan).clone()
+        elif self.plan is None or h.shape[0] != self.plan.length:
+            raise SequenceParallelError(
+                f"rank {self.comm.rank}: block {index} got {h.shape[0]} rows, expected the rank's "
+                f"{None if self.plan is None else self.plan.length} local rows; block 0 must run "
+                "first in every forward")
+        local = dict(args)
+        local["img"] = h
+        # H3 contract: RoPE and modulation are per token, so slicing their rows is exact.
+        local["rope_freqs"] = take_rows(args["rope_freqs"], self.plan, ROPE_SEQ_DIM)
+        local["mod_segments"] = slice_mod_segments(args["mod_segments"], self.plan)
+        # H3 contract: original_block honours args["attention"], called as
+        # attention(h, rope_freqs=..., transformer_options=...) in place of the block's .attn.
+        local["attention"] = self._attention(index)
+        # args["layout"] still describes the full sequence; H3's block does not read it.
+        out = previous(local, extra) if previous is not None else extra["original_block"](local)
+        h = out["img"]
+        if index == self.num_blocks - 1:
+            # H3 contract: the final layer reads the video/audio spans of the *full* h.
+            h = gather_rows(self.comm, h, 0)
+        return {**out, "img": h}
+
+    def _attention(self, index):
+        # H3 contract: the block's attention module is model.blocks[i].attn; it projects,
+        # normalises and rotates q/k per token, then calls optimized_attention, which honours
+        # transformer_options["optimized_attention_override"] with [1, heads, S, head_dim]
+        # tensors and skip_reshape=True, mask=None (one full self-attention, no cross-attention).
+        attn = self.model.blocks[index].attn
+        exchanging = self.exchanging
+
+        def exchanging_attention(h, rope_freqs=None, transformer_options=None):
+            with exchanging.region(f"block {index} attention"):
+                return attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
+        return exchanging_attention
+
+
+def install_rank_sequence_parallel(model, comm, transformer_options: dict,
+                                   sp_mode: str | None = None) -> H3RankShard:
+    """Set up one rank for one forward: exchanging attention + block replacements.
+
+    Edits `transformer_options` (the rank's own copy) and returns the rank's shard state.
+    `comm` is any per-rank communicator (exchange/all_reduce/rank/world_size/device).
+    """
+    _require_support(model, f"rank {comm.rank}'s model")
+    strategy = make_kv_strategy(sp_mode)
+    # H3 contract: the text refiner runs before the blocks with the same transformer_options;
+    # the override passes it through because it runs outside any SP region.
+    exchanging = install_exchanging_attention(transformer_options, comm, strategy)
+    shard = H3RankShard(model, comm, exchanging)
+    # H3 contract: block i is called through patches_replace["dit"][("double_block", i)] as
+    # replace(args, {"original_block": fn}) and must return {"img": new_h}.
+    patches = dict(transformer_options.get("patches_replace", {}))
+    dit = dict(patches.get("dit", {}))
+    for i in range(shard.num_blocks):
+        dit[("double_block", i)] = shard.replacement(i, dit.get(("double_block", i)))
+    patches["dit"] = dit
+    transformer_options["patches_replace"] = patches
+    return shard
+
+
+def _rank_preparer(sp_mode: str | None):
+    def prepare(rank, comm, model, transformer_options):
+        return install_rank_sequence_parallel(model, comm, transformer_options, sp_mode)
+    return prepare
+
+
+# ----------------------------------------------------------------------------- plain modules
+
+class SequenceParallelDiT:
+    """Calls like the DiT; runs each forward on all ranks of `coordinator` (rank 0's result)."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], coordinator, sp_mode: str | None = None):
+        make_kv_strategy(sp_mode)  # a bad mode fails here, before anything is set up
+        if len(models) != coordinator.world_size:
+            raise ValueError(f"enable_sequence_parallel got {len(models)} model replicas for "
+                             f"{coordinator.world_size} ranks; pass one replica per rank")
+        for r, model in enumerate(models):
+            _require_support(model, f"replica {r}")
+            device = module_device(model)
+            if device is not None and device != coordinator.devices[r]:
+                raise ValueError(f"replica {r} is on {device} but rank {r} runs on "
+                                 f"{coordinator.devices[r]}; move it with .to({str(coordinator.devices[r])!r})")
+        self.models = list(models)
+        self.coordinator = coordinator
+        self.sp_mode = sp_mode
+        self.fan_out = SequenceParallelFanOut(coordinator, self.models, prepare_rank=_rank_preparer(sp_mode))
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
+    def __call__(self, x, timestep, context, transformer_options: dict | None = None, **kwargs):
+        options = dict(transformer_options or {})
+        wrappers = {kind: {key: list(ws) for key, ws in keyed.items()}
+                    for kind, keyed in options.get("wrappers", {}).items()}
+        wrappers.setdefault(DIFFUSION_MODEL_WRAPPERS, {})[WRAPPER_KEY] = [self.fan_out]
+        options["wrappers"] = wrappers
+        return self.models[0](x, timestep, context, transformer_options=options, **kwargs)
+
+    def tokens_per_rank(self) -> list[int | None]:
+        """Local rows per rank in the last forward."""
+        return [None if s is None else s.tokens for s in self.fan_out.last_rank_states]
+
+    def bytes_exchanged_last_forward(self) -> int:
+        """Bytes all ranks together received from each other in the last forward."""
+        return self.fan_out.bytes_received_last_forward()
+
+
+def enable_sequence_parallel(models: Sequence[torch.nn.Module], coordinator,
+                             sp_mode: str | None = "allgather") -> SequenceParallelDiT:
+    """Plain-module entry point: sequence parallelism over per-rank replicas.
+
+    models[r]: rank r's DiT replica on coordinator.devices[r] (same weights on every rank).
+    sp_mode: the K/V exchange ("allgather"). Returns a callable with the DiT's forward signature
+    `(x=[video, audio], timestep, context, transformer_options=None, **kwargs)` whose result is
+    rank 0's output, equal to the single-device forward.
+    """
+    return SequenceParallelDiT(models, coordinator, sp_mode)
+
+
+# ----------------------------------------------------------------------------- ComfyUI
+
+def _diffusion_module(entry):
+    """A ModelPatcher, a ComfyUI BaseModel or the DiT itself -> the DiT module."""
+    model = getattr(entry, "model", None)  # ModelPatcher.model is the BaseModel
+    if model is not None and hasattr(model, "diffusion_model"):
+        return model.diffusion_model
+    if hasattr(entry, "diffusion_model"):  # BaseModel
+        return entry.diffusion_model
+    return entry
+
+
+def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Sequence[Any],
+                                        sp_mode: str | None = "allgather") -> SequenceParallelFanOut:
+    """ComfyUI entry point: make `model_patcher`'s DiT forward run sequence parallel.
+
+    replicas[r]: rank r's model on coordinator.devices[r] (ModelPatcher, BaseModel or the DiT
+    module; replicas[0] may be None or `model_patcher` itself, whose load_device must be
+    coordinator.devices[0]). They are resolved to their DiT at
+    every forward, so the caller may (re)load them between runs. Installs the fan-out as the
+    DIFFUSION_MODEL wrapper `WRAPPER_KEY` (replacing an earlier one) and returns it; every
+    sampling step then runs on all ranks and returns rank 0's result. Raises ValueError /
+    SequenceParallelError before changing the patcher when the mode, the replica count or the
+    model is wrong.
+    """
+    from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
+
+    make_kv_strategy(sp_mode)
+    if len(replicas) != coordinator.world_size:
+        raise ValueError(f"enable_sequence_parallel_on_patcher got {len(replicas)} replicas for "
+                         f"{coordinator.world_size} ranks; pass one per rank (None for rank 0)")
+    _require_support(_diffusion_module(model_patcher), "the patcher's diffusion model")
+    load_device = getattr(model_patcher, "load_device", None)
+    if load_device is not None and torch.device(load_device) != coordinator.devices[0]:
+        # rank 0 runs the patcher's own model, so it must load where rank 0 computes
+        raise ValueError(f"the model patcher loads on {load_device} but rank 0 runs on "
+                         f"{coordinator.devices[0]}; set its load_device to {coordinator.devices[0]}")
+    entries = [None if (r == 0 and (rep is None or rep is model_patcher)) else rep
+               for r, rep in enumerate(replicas)]
+    for r, rep in enumerate(entries):
+        if rep is not None:
+            _require_support(_diffusion_module(rep), f"replica {r}")
+    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_rank_preparer(sp_mode),
+                                     resolve_model=_diffusion_module)
+    model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
+    model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)
+    log.info("sequence parallel (%s) enabled on %d rank(s): %s", sp_mode or "allgather",
+             coordinator.world_size, ", ".join(map(str, coordinator.devices)))
+    return fan_out
+
+
+def disable_sequence_parallel_on_patcher(model_patcher) -> None:
+    """Remove the wrapper installed by enable_sequence_parallel_on_patcher (no-op if absent)."""
+    from comfy.patcher_extension import WrappersMP
+    model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)

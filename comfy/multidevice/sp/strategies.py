@@ -1,0 +1,124 @@
+"""The sequence-parallel modes: one registry from a mode name to its K/V exchange strategy.
+
+  allgather  `AllGatherKV`: every rank gathers the full K and V, keeps its own Q rows
+  ulysses    `UlyssesKV` (ulysses.py): all-to-all from sequence shards to head shards
+  auto       `AutoKV`: allgather or ulysses, whichever the byte model (cost_model.py) says
+             moves fewer bytes, decided once per sequence length and logged once
+
+`SPMode` carries a mode with its options; `make_kv_strategy` turns a name or an SPMode into a
+strategy object with `attend(comm, attention_fn, q, k, v, heads, ...)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from comfy.multidevice.sp.cost_model import choose_sp_mode, SP_MODES, ulysses_degree
+from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.sp.ulysses import UlyssesKV
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- K/V exchange
+
+class AllGatherKV:
+    """K/V exchange strategy "allgather": every rank gathers the full K and V, keeps its Q.
+
+    Each rank's attention then covers its own query rows against all key rows, so the output
+    rows equal the single-device rows exactly (no softmax merging). Traffic per call and rank:
+    (W-1)/W of K and V.
+    """
+
+    name = "allgather"
+
+    def attend(self, comm, attention_fn: Callable, q, k, v, heads, *args, **kwargs):
+        if kwargs.get("mask") is not None:
+            raise SequenceParallelError(
+                "sequence-parallel attention got an attention mask; the all-gather exchange only "
+                "supports full self-attention (mask=None)")
+        # [B, heads, S, head_dim] with skip_reshape (H3's layout), else [B, S, heads*head_dim]
+        seq_dim = 2 if kwargs.get("skip_reshape", False) else 1
+        k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim])
+        return attention_fn(q, k_full, v_full, heads, *args, **kwargs)
+
+
+def _ulysses_kv():
+    from comfy.multidevice.sp.ulysses import UlyssesKV  # comfy/multidevice/sp/ulysses.py: all-to-all and hybrid exchanges
+    return UlyssesKV()
+
+
+def _auto_kv():
+    from comfy.multidevice.sp.strategies import AutoKV  # picks allgather or ulysses by the byte model
+    return AutoKV()
+
+
+KV_STRATEGIES: dict[str, Callable] = {"allgather": AllGatherKV, "ulysses": _ulysses_kv, "auto": _auto_kv}
+DEFAULT_SP_MODE = "allgather"
+
+
+def make_kv_strategy(sp_mode=None):
+    """The K/V exchange strategy for an `sp_mode` string (None -> the default), or for a
+    configured mode object with a `make_kv_strategy()` method (comfy.multidevice.sp.strategies.SPMode)."""
+    if hasattr(sp_mode, "make_kv_strategy"):
+        return sp_mode.make_kv_strategy()
+    name = (sp_mode or DEFAULT_SP_MODE).strip().lower()
+    if name not in KV_STRATEGIES:
+        raise ValueError(f"unknown sequence-parallel mode {sp_mode!r}; valid modes: "
+                         f"{', '.join(KV_STRATEGIES)}")
+    return KV_STRATEGIES[name]()
+
+
+class AutoKV:
+    """K/V exchange strategy "auto": allgather or ulysses, by the byte model, per call site."""
+
+    name = "auto"
+
+    def __init__(self, overlap_chunks: int = 1):
+        self.overlap_chunks = overlap_chunks
+        self.chosen: str | None = None
+        self._strategy = None
+
+    def attend(self, comm, attention_fn, q, k, v, heads, *args, **kwargs):
+        if self._strategy is None:
+            head_dim = q.shape[-1] if kwargs.get("skip_reshape", False) else q.shape[-1] // heads
+            self.chosen = choose_sp_mode(comm.world_size, heads, head_dim)
+            self._strategy = (UlyssesKV(overlap_chunks=self.overlap_chunks) if self.chosen == "ulysses"
+                              else AllGatherKV())
+            if comm.rank == 0:
+                log.info("rank 0: sp_mode auto: %s for %d ranks and %d heads (ulysses degree %d)",
+                         self.chosen, comm.world_size, heads, ulysses_degree(comm.world_size, heads))
+        return self._strategy.attend(comm, attention_fn, q, k, v, heads, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class SPMode:
+    """A sequence-parallel mode with its options; pass it wherever an `sp_mode` string goes.
+
+    mode: allgather | ulysses | auto; overlap_chunks: head chunks whose exchange overlaps the
+    attention (ulysses, 1 = off); degree: force the Ulysses group size (default: the hybrid rule).
+    """
+
+    mode: str = "allgather"
+    overlap_chunks: int = 1
+    degree: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in SP_MODES:
+            raise ValueError(f"unknown sequence-parallel mode {self.mode!r}; valid modes: "
+                             f"{', '.join(SP_MODES)}")
+        if self.overlap_chunks < 1:
+            raise ValueError(f"overlap chunks must be >= 1 (1 = no overlap), got {self.overlap_chunks}")
+        if self.overlap_chunks > 1 and self.mode == "allgather":
+            raise ValueError("overlap applies to the ulysses exchange; use sp_mode ulysses or auto")
+
+    def make_kv_strategy(self):
+        if self.mode == "ulysses":
+            return UlyssesKV(self.degree, self.overlap_chunks)
+        if self.mode == "auto":
+            return AutoKV(self.overlap_chunks)
+        return AllGatherKV()
+
+    def __str__(self):
+        return self.mode + (f" (overlap {self.overlap_chunks} chunks)" if self.overlap_chunks > 1 else "")

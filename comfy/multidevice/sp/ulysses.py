@@ -1,0 +1,269 @@
+"""Ulysses sequence-parallel attention: all-to-all from sequence shards to head shards.
+
+The K/V exchange strategies of comfy/multidevice/sp/ that move fewer bytes than the
+all-gather when W grows (per rank ~4/W^2 of q,k,v,out instead of 2(W-1)/W of k,v):
+
+- `UlyssesKV` ("ulysses"): every rank holds the q, k, v of its sequence rows for all heads.
+  An all-to-all turns that into all sequence rows for a block of heads; each rank attends the
+  full sequence for its heads (exact: heads are independent), and a second all-to-all returns
+  the output rows to their owners. Uneven sequence shards are exact: the all-to-all carries
+  per-rank sizes, nothing is padded.
+- The hybrid, when the heads do not divide by W: Ulysses inside groups of U consecutive ranks,
+  U = the largest divisor of W that also divides the heads (`ulysses_degree`), and K/V of a head
+  block sent to every rank owning that block, i.e. an all-gather across the W/U groups. Query
+  rows stay inside the group, so each rank attends |group rows| x H/U: the work stays balanced.
+  U = 1 degenerates to exactly the all-gather's traffic; U = W is plain Ulysses.
+- Overlap (`overlap_chunks` = C > 1): the local head block is cut into C chunks; chunk c+1's
+  exchange runs on a helper thread (and a side stream on NPU/GPU) while chunk c is attended.
+  Heads are independent, so the result is the same as without chunks.
+- `AutoKV` ("auto"): picks allgather or ulysses from W and the heads with the byte model of
+  comfy/multidevice/sp/cost_model.py (the mode with fewer bytes per rank; ties -> allgather).
+
+Every rank must call with the SP core's shard plan (rank r owns rows [S*r//W, S*(r+1)//W)):
+Ulysses returns each rank its rows by that plan, and checks its own shard against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from comfy.multidevice.sp.cost_model import ulysses_degree
+from comfy.multidevice.sp.plan import SequenceParallelError, shard_sizes, ShardPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Who owns what in one attention call."""
+
+    world: int
+    rank: int
+    heads: int
+    degree: int           # U: ranks per Ulysses group
+    chunks: int           # C: head chunks per head block (overlap)
+
+    @property
+    def group(self) -> int:
+        return self.rank // self.degree
+
+    @property
+    def members(self) -> range:
+        return range(self.group * self.degree, (self.group + 1) * self.degree)
+
+    def block_of(self, rank: int) -> int:
+        return rank % self.degree
+
+    def block_heads(self, block: int) -> range:
+        """Heads of head block `block` (uneven blocks never happen: U divides the heads)."""
+        edges = shard_sizes(self.heads, self.degree)
+        start = sum(edges[:block])
+        return range(start, start + edges[block])
+
+    def chunk_heads(self, block: int, chunk: int) -> range:
+        heads = self.block_heads(block)
+        sizes = shard_sizes(len(heads), self.chunks)
+        start = heads.start + sum(sizes[:chunk])
+        return range(start, start + sizes[chunk])
+
+
+def _select_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
+    """t[:, heads] along dim 1, without a copy when `heads` is every head in order."""
+    if heads == list(range(t.shape[1])):
+        return t
+    return t.index_select(1, torch.tensor(heads, device=t.device))
+
+
+class UlyssesKV:
+    """K/V exchange strategy "ulysses" (plain, or the hybrid when the heads don't divide by W)."""
+
+    name = "ulysses"
+
+    def __init__(self, degree: int | None = None, overlap_chunks: int = 1):
+        if degree is not None and int(degree) < 1:
+            raise ValueError(f"ulysses degree must be >= 1, got {degree}")
+        if int(overlap_chunks) < 1:
+            raise ValueError(f"overlap_chunks must be >= 1 (1 = no overlap), got {overlap_chunks}")
+        self.degree = None if degree is None else int(degree)
+        self.overlap_chunks = int(overlap_chunks)
+
+    # -- the strategy interface of comfy/multidevice/sp/
+    def attend(self, comm, attention_fn, q, k, v, heads, *args, **kwargs):
+        if kwargs.get("mask") is not None:
+            raise SequenceParallelError(
+                "sequence-parallel attention got an attention mask; the ulysses exchange only "
+                "supports full self-attention (mask=None)")
+        heads_first_out = bool(kwargs.pop("skip_output_reshape", False))
+        q, k, v = (self._heads_first(t, heads, kwargs.get("skip_reshape", False)) for t in (q, k, v))
+        kwargs["skip_reshape"] = True
+        layout = self._layout(comm, heads, q)
+        out = self._run(comm, layout, attention_fn, q, k, v, args, kwargs)  # [B, S_r, H, D]
+        if heads_first_out:
+            return out.permute(0, 2, 1, 3)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    # -- pieces
+    @staticmethod
+    def _heads_first(t, heads, skip_reshape):
+        if skip_reshape:  # [B, heads, S, head_dim] (H3's layout)
+            if t.shape[1] != heads:
+                raise SequenceParallelError(f"q/k/v have {t.shape[1]} heads on dim 1, the call says {heads}")
+            return t
+        b, s, width = t.shape  # [B, S, heads * head_dim]
+        return t.view(b, s, heads, width // heads).transpose(1, 2)
+
+    def _layout(self, comm, heads, q) -> _Layout:
+        world = comm.world_size
+        degree = self.degree or ulysses_degree(world, heads)
+        if world % degree or heads % degree:
+            raise SequenceParallelError(
+                f"ulysses degree {degree} must divide both the world size {world} and the heads "
+                f"{heads}; leave the degree unset to use the largest such divisor")
+        chunks = min(self.overlap_chunks, heads // degree)
+        return _Layout(world, comm.rank, heads, degree, chunks)
+
+    def _run(self, comm, layout, attention_fn, q, k, v, args, kwargs):
+        lane = _CommLane(comm, layout.chunks > 1)
+        try:
+            pending = [lane.submit(self._exchange_in, comm, layout, c, q, k, v)
+                       for c in range(min(2, layout.chunks))]
+            outs = []
+            for c in range(layout.chunks):
+                q_c, k_c, v_c = lane.result(pending[c])
+                rows = self._member_rows(comm, layout, q.shape[2], q_c, k_c)
+                my_heads = q_c.shape[1]
+                o = attention_fn(q_c, k_c, v_c, my_heads, *args, **kwargs)  # [B, group rows, h*D]
+                o = o.view(o.shape[0], o.shape[1], my_heads, -1)
+                outs.append(lane.submit(self._exchange_out, comm, layout, rows, o))
+                if c + 2 < layout.chunks:  # keep one chunk in flight ahead of the attention
+                    pending.append(lane.submit(self._exchange_in, comm, layout, c + 2, q, k, v))
+            chunk_outs = [lane.result(f) for f in outs]
+        finally:
+            lane.close()
+        return self._assemble(layout, chunk_outs)
+
+    @staticmethod
+    def _exchange_in(comm, layout, chunk, q, k, v):
+        """Sequence shards -> (q rows of my group, k/v rows of everyone) for my head chunk."""
+        world, members = layout.world, layout.members
+        to_group = [len(layout.chunk_heads(layout.block_of(j), chunk)) if j in members else 0
+                    for j in range(world)]
+        to_all = [len(layout.chunk_heads(layout.block_of(j), chunk)) for j in range(world)]
+        q_heads = [h for j in members for h in layout.chunk_heads(layout.block_of(j), chunk)]
+        kv_heads = [h for j in range(world) for h in layout.chunk_heads(layout.block_of(j), chunk)]
+        q_send = _select_heads(q, q_heads)
+        k_send, v_send = _select_heads(k, kv_heads), _select_heads(v, kv_heads)
+        if to_group == to_all:  # plain Ulysses: one call for all three
+            return tuple(comm.all_to_all_v([q_send, k_send, v_send], to_all, 1, cat_dim=2))
+        (q_c,) = comm.all_to_all_v([q_send], to_group, 1, cat_dim=2)
+        k_c, v_c = comm.all_to_all_v([k_send, v_send], to_all, 1, cat_dim=2)
+        return q_c, k_c, v_c
+
+    @staticmethod
+    def _member_rows(comm, layout, local_rows, q_c, k_c) -> list[int]:
+        """Rows of every rank under the SP shard plan; checks this rank's and its group's."""
+        total = k_c.shape[2]
+        rows = [b - a for a, b in ShardPlan.edges(total, layout.world)]
+        mine = [rows[m] for m in layout.members]
+        if local_rows != rows[comm.rank] or q_c.shape[2] != sum(mine):
+            raise SequenceParallelError(
+                f"rank {comm.rank}: its group's query rows ({q_c.shape[2]}) do not follow the shard "
+                f"plan [S*r//W, S*(r+1)//W) for S={total}, W={layout.world} ({mine}); ulysses needs "
+                "the SP core's shard plan")
+        return rows
+
+    @staticmethod
+    def _exchange_out(comm, layout, rows, o):
+        """Attention output (group rows x my head chunk) -> my rows x the group's head chunks."""
+        to_member = [rows[j] if j in layout.members else 0 for j in range(layout.world)]
+        return comm.all_to_all_v([o], to_member, 1, cat_dim=2)[0]  # [B, S_r, group chunk heads, D]
+
+    @staticmethod
+    def _assemble(layout, chunk_outs) -> torch.Tensor:
+        """[B, S_r, H, D] in head order from the per-chunk outputs (member-major inside a chunk)."""
+        if len(chunk_outs) == 1:
+            return chunk_outs[0]
+        pieces = []
+        for member in range(layout.degree):
+            for c, out in enumerate(chunk_outs):
+                sizes = [len(layout.chunk_heads(b, c)) for b in range(layout.degree)]
+                pieces.append(out.narrow(2, sum(sizes[:member]), sizes[member]))
+        return torch.cat(pieces, dim=2)
+
+
+class _CommLane:
+    """Where a rank's all-to-alls run: inline, or on one helper thread so they overlap the
+    attention. One thread and FIFO order keep the collective sequence identical on every rank.
+    On NPU/GPU the helper thread works on a side stream; events order it against the caller's
+    stream and record_stream keeps the allocator from reusing memory still in use."""
+
+    def __init__(self, comm, overlap: bool):
+        self.comm = comm
+        self.device = comm.device
+        self.executor = None
+        self.stream = None
+        if overlap:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"sp-rank-{comm.rank}-exchange")
+            api = _stream_api(self.device)
+            if api is not None:
+                self.stream = api.Stream(self.device)
+                self.api = api
+
+    def submit(self, fn, *args):
+        if self.executor is None:
+            return fn(*args)  # inline; "result" of a plain value is the value
+        ready = None
+        if self.stream is not None:
+            ready = self.api.current_stream(self.device).record_event()
+            for t in args:
+                if torch.is_tensor(t):
+                    t.record_stream(self.stream)
+
+        def job():
+            _bind_thread_device(self.device)
+            if self.stream is None:
+                return fn(*args), None
+            with self.api.stream(self.stream):
+                self.stream.wait_event(ready)
+                result = fn(*args)
+                return result, self.stream.record_event()
+        return self.executor.submit(job)
+
+    def result(self, pending):
+        if self.executor is None:
+            return pending
+        result, done = pending.result()
+        if done is not None:
+            main = self.api.current_stream(self.device)
+            main.wait_event(done)
+            for t in (result if isinstance(result, tuple) else (result,)):
+                t.record_stream(main)
+        return result
+
+    def close(self):
+        if self.executor is not None:
+            # wait=True: no collective of this rank may still run when the next one starts
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+_bound = threading.local()
+
+
+def _bind_thread_device(device: torch.device) -> None:
+    if getattr(_bound, "device", None) != device:
+        from comfy.multidevice.devices import set_thread_device
+        set_thread_device(device)
+        _bound.device = device
+
+
+def _stream_api(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda
+    if device.type == "npu":
+        return torch.npu  # registered by torch_npu
+    return None

@@ -1,0 +1,470 @@
+"""Tensor parallelism for Llama/Qwen-style decoders (MiniMax-H3's Qwen3-VL text encoder).
+
+H3's text encoder (Qwen3-VL-32B cut to 50 layers, ~51.5 GB in BF16) does not fit on one
+card beside anything else. Split over W ranks, each rank holds about 1/W of it:
+
+  attention  q/k/v projections are column-parallel by heads: rank r owns query heads
+             [r*Hq/W, (r+1)*Hq/W) and max(Hkv/W, 1) KV heads starting at r*Hkv//W. When
+             W > Hkv each KV head is replicated on W/Hkv ranks; rank r's query heads are
+             exactly the ones that read KV head r*Hkv//W (query head h reads KV head
+             h // (Hq/Hkv)), so attention stays rank-local. o_proj is row-parallel.
+  MLP        gate and up are column-parallel over the intermediate width (a fused
+             gate|up weight is cut so each rank keeps its gate rows and the matching up
+             rows); down_proj is row-parallel.
+  row-parallel layers end in comm.all_reduce(partial, "sum"): two per layer.
+  replicated everything else: embeddings, RMSNorms (incl. per-head q/k norms), RoPE.
+
+Only the per-rank communicator interface is used (comm.rank, comm.world_size,
+comm.device, comm.all_reduce), so a shard runs over RankComm (comfy/multidevice/comm/group.py,
+one process, W threads) or over the torch.distributed communicator (comfy/multidevice/comm/torch_dist.py,
+one process per rank) alike.
+
+Weights come from the module being split or from a mapping of full tensors (a state
+dict, or the zero-copy read-only views of comfy/multidevice/weights/). Each rank copies
+only its own slice to its device: a narrow() view of the full tensor, copied into a
+fresh tensor of the slice's size. No rank ever holds or creates a full copy.
+
+Entry points
+  shard_decoder(decoder, comm, weights=None)            one rank's shard (any communicator)
+  build_tensor_parallel_decoder(decoder, coordinator)   all shards + a fan-out module
+  tensor_parallel_clip(clip, coordinator)               upstream ComfyUI CLIP -> a new CLIP
+                                                        (the node's entry point; input untouched)
+  check_tensor_parallel_clip(clip, world_size)          its checks alone, for planners
+  apply_tensor_parallel_text_encoder(clip, coordinator) the same, in place on `clip`
+  remove_tensor_parallel_text_encoder(clip)             undo the in-place version
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from comfy.multidevice.tp.layers import (_frozen, _plain, check_head_split, ColumnParallelLinear,
+                                         copy_whole, head_shard, QuantizedWeightsError,
+                                         RowParallelLinear, TensorParallelError, weight_bytes,
+                                         width_shard)
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- decoder layout
+#
+# The layout this converter relies on, shared by upstream ComfyUI's Llama-family decoder
+# (comfy/text_encoders/llama.py: Llama2_, TransformerBlock, Attention, MLP) and by
+# comfy/multidevice/miniature/qwen_decoder.py:
+#   decoder.layers                   a ModuleList of blocks
+#   block.self_attn, block.mlp       the two parts that get split
+#   self_attn.num_heads / num_kv_heads / head_dim   ints that the attention's forward reads
+#       each call to reshape q/k/v and to decide on grouped-query attention (upstream
+#       passes enable_gqa when num_heads != num_kv_heads), so a shard only sets them
+#   self_attn.inner_size / kv_size   num_heads*head_dim and num_kv_heads*head_dim; upstream
+#       splits a fused qkv output and views the attention output with them
+#   self_attn.q_proj/k_proj/v_proj or qkv_proj (q rows, then k rows, then v rows),
+#       self_attn.o_proj                         weights [out, in], optional bias
+#   mlp.gate_proj/up_proj or gate_up_proj (gate rows first: upstream chunks the fused
+#       output into gate, up), mlp.down_proj
+# Everything else (embed_tokens, RMSNorms, q_norm/k_norm over head_dim, the final norm,
+# RoPE, which has no weights) is replicated.
+
+_ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+_MLP_LINEARS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class _LayerLayout:
+    index: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    fused_qkv: bool
+    fused_mlp: bool
+    intermediate: int
+
+
+def _linear_weight_shape(module: nn.Module, where: str) -> tuple[int, int]:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TensorParallelError(f"{where} has no 2-D weight (found {type(weight).__name__}); "
+                                  "only plain dense linear layers can be split")
+    if not weight.is_floating_point() or type(_plain(weight)) is not torch.Tensor:
+        raise QuantizedWeightsError(
+            f"{where}.weight is a {type(weight).__name__} of dtype {weight.dtype}; quantized or "
+            "wrapped weights cannot be sliced for tensor parallel: use the bf16/fp16/fp32 "
+            "text-encoder file, or keep this (smaller) encoder on one card")
+    return tuple(weight.shape)
+
+
+def inspect_decoder(decoder: nn.Module) -> list[_LayerLayout]:
+    """Read and check every layer's split-relevant layout; raises TensorParallelError."""
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise TensorParallelError(
+            f"{type(decoder).__name__} has no non-empty `layers` ModuleList; expected a "
+            "Llama/Qwen-style decoder (layers[i].self_attn, layers[i].mlp)")
+    out = []
+    for i, block in enumerate(layers):
+        where = f"layers.{i}"
+        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        if attn is None or mlp is None:
+            raise TensorParallelError(f"{where} ({type(block).__name__}) lacks self_attn or mlp")
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            if not isinstance(getattr(attn, name, None), int):
+                raise TensorParallelError(f"{where}.self_attn has no integer attribute `{name}`")
+        hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        fused_qkv = getattr(attn, "qkv_proj", None) is not None
+        if fused_qkv:
+            shapes = {"qkv_proj": (hq * hd + 2 * hkv * hd, None)}
+        else:
+            shapes = {"q_proj": (hq * hd, None), "k_proj": (hkv * hd, None), "v_proj": (hkv * hd, None)}
+        shapes["o_proj"] = (None, hq * hd)
+        fused_mlp = getattr(mlp, "gate_up_proj", None) is not None
+        names = {**{k: attn for k in shapes}, **{k: mlp for k in
+                 (("gate_up_proj", "down_proj") if fused_mlp else ("gate_proj", "up_proj", "down_proj"))}}
+        found = {}
+        for name, owner in names.items():
+            module = getattr(owner, name, None)
+            part = "self_attn" if owner is attn else "mlp"
+            if module is None:
+                raise TensorParallelError(f"{where}.{part} has no `{name}` linear layer")
+            found[name] = _linear_weight_shape(module, f"{where}.{part}.{name}")
+        for name, (rows, cols) in shapes.items():
+            got = found[name]
+            if (rows is not None and got[0] != rows) or (cols is not None and got[1] != cols):
+                raise TensorParallelError(
+                    f"{where}.self_attn.{name} weight is {list(got)} but {hq} query heads, "
+                    f"{hkv} KV heads and head_dim {hd} need {[rows, cols]} (None = any)")
+        inter = found["down_proj"][1]
+        gate_rows = found["gate_up_proj"][0] if fused_mlp else found["gate_proj"][0]
+        want_gate = 2 * inter if fused_mlp else inter
+        if gate_rows != want_gate or (not fused_mlp and found["up_proj"][0] != inter):
+            raise TensorParallelError(
+                f"{where}.mlp: gate/up rows {gate_rows} do not match down_proj's input width {inter}")
+        out.append(_LayerLayout(i, hq, hkv, hd, fused_qkv, fused_mlp, inter))
+    return out
+
+
+def check_decoder_split(decoder: nn.Module, world_size: int) -> list[_LayerLayout]:
+    """Everything that could make a split fail, checked before any weight is touched."""
+    layouts = inspect_decoder(decoder)
+    for lay in layouts:
+        check_head_split(lay.q_heads, lay.kv_heads, world_size, where=f"layers.{lay.index}.self_attn")
+        width_shard(lay.intermediate, world_size, 0, f"layers.{lay.index}.mlp intermediate")
+    return layouts
+
+
+# ----------------------------------------------------------------------------- weight source
+
+class _WeightSource:
+    """Full tensors by decoder-relative name: from `weights` if given, else from the module.
+
+    With `weights`, every parameter must come from it (that is the point: the module may
+    hold nothing useful, e.g. meta tensors); buffers missing from it (non-persistent ones
+    such as precomputed tables) fall back to the module's own.
+    """
+
+    def __init__(self, decoder: nn.Module, weights: Mapping[str, torch.Tensor] | None):
+        self.weights = weights
+        self.own = dict(decoder.named_parameters(remove_duplicate=False))
+        self.own.update(decoder.named_buffers(remove_duplicate=False))
+
+    def has(self, name: str) -> bool:
+        return name in self.own
+
+    def get(self, name: str) -> torch.Tensor:
+        own = self.own.get(name)
+        use_weights = self.weights is not None and (
+            own is None or isinstance(own, nn.Parameter) or name in self.weights)
+        if not use_weights:
+            if own is None:
+                raise TensorParallelError(f"the decoder has no tensor named {name!r}")
+            return own
+        if name not in self.weights:
+            raise TensorParallelError(
+                f"weight {name!r} is missing from the given weights; pass weights keyed like the "
+                "decoder's state_dict (prefixed_weights() strips a checkpoint's prefix)")
+        tensor = self.weights[name]
+        if own is not None and tuple(own.shape) != tuple(tensor.shape):
+            raise TensorParallelError(f"weight {name!r} has shape {list(tensor.shape)} in the given "
+                                      f"weights but {list(own.shape)} in the model")
+        return tensor
+
+    def check_all(self) -> None:
+        """Fetch every parameter once (no copy), so missing or mis-shaped weights fail early."""
+        for name, tensor in self.own.items():
+            if isinstance(tensor, nn.Parameter):
+                self.get(name)
+
+
+class prefixed_weights(Mapping):
+    """A read-only view of `weights` with `prefix` stripped from its keys (no tensor copied).
+
+    E.g. prefixed_weights(te_checkpoint, "model.") maps "layers.0.mlp.down_proj.weight" to
+    te_checkpoint["model.layers.0.mlp.down_proj.weight"].
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str):
+        self.weights, self.prefix = weights, prefix
+
+    def __getitem__(self, key):
+        return self.weights[self.prefix + key]
+
+    def __contains__(self, key):
+        return (self.prefix + key) in self.weights
+
+    def __iter__(self):
+        n = len(self.prefix)
+        return (k[n:] for k in self.weights if k.startswith(self.prefix))
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+# ----------------------------------------------------------------------------- sharding
+
+def _shallow_module_copy(module: nn.Module) -> nn.Module:
+    """Same class and attributes, but its own parameter/buffer/child/hook containers, so
+    assigning into the copy never changes the original."""
+    new = copy.copy(module)
+    for key, value in module.__dict__.items():
+        if key.startswith("_") and isinstance(value, (dict, set)):
+            new.__dict__[key] = copy.copy(value)
+    return new
+
+
+def _clone_structure(module: nn.Module, prefix: str, device, source: _WeightSource,
+                     skip: set[str]) -> nn.Module:
+    """A copy of `module` whose replicated tensors are fresh copies on `device`.
+
+    The object itself is copied shallowly (same class, same plain attributes, so its own
+    forward runs unchanged); its parameter/buffer/child registries are rebuilt, so the
+    original is never modified. Children whose qualified name is in `skip` are left out
+    (the caller installs parallel layers there).
+    """
+    new = _shallow_module_copy(module)
+    for name, param in module._parameters.items():
+        new._parameters[name] = None if param is None else _frozen(
+            copy_whole(source.get(prefix + name), device))
+    for name, buf in module._buffers.items():
+        new._buffers[name] = None if buf is None else copy_whole(source.get(prefix + name), device)
+    for name, child in module._modules.items():
+        qual = prefix + name
+        if child is None or qual in skip:
+            new._modules[name] = None
+        else:
+            new._modules[name] = _clone_structure(child, qual + ".", device, source, skip)
+    return new
+
+
+def shard_decoder(decoder: nn.Module, comm, weights: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+    """This rank's tensor-parallel shard of a Llama/Qwen-style decoder.
+
+    Returns a module of the same class that runs the decoder's own forward on rank
+    comm.rank of comm.world_size: split linear layers in place of the originals, each
+    attention's head counts set to this rank's share, everything else replicated on
+    comm.device. `decoder` is not modified. `weights` (optional) maps decoder-relative
+    names to full tensors, e.g. read-only views of a shared checkpoint; otherwise the
+    decoder's own tensors are sliced. Call it on every rank; the shards' row-parallel
+    layers all-reduce through `comm`.
+    """
+    world, rank, device = comm.world_size, comm.rank, comm.device
+    layouts = check_decoder_split(decoder, world)
+    source = _WeightSource(decoder, weights)
+    skip = set()
+    for lay in layouts:
+        skip.update(f"layers.{lay.index}.self_attn.{n}" for n in _ATTN_LINEARS)
+        skip.update(f"layers.{lay.index}.mlp.{n}" for n in _MLP_LINEARS)
+    shard = _clone_structure(decoder, "", device, source, skip)
+    for lay in layouts:
+        block = shard.layers[lay.index]
+        _shard_attention(block.self_attn, lay, f"layers.{lay.index}.self_attn.", comm, source)
+        _shard_mlp(block.mlp, lay, f"layers.{lay.index}.mlp.", comm, source)
+    config = getattr(shard, "config", None)
+    if config is not None and hasattr(config, "num_attention_heads"):
+        # Keep the shard's config consistent with its layers (upstream sizes KV caches
+        # from config.num_key_value_heads); the original config object is untouched.
+        heads = head_shard(layouts[0].q_heads, layouts[0].kv_heads, world, rank)
+        shard.config = copy.copy(config)
+        shard.config.num_attention_heads = heads.q_count
+        if hasattr(config, "num_key_value_heads"):
+            shard.config.num_key_value_heads = heads.kv_count
+    log.debug("rank %d/%d: decoder shard built on %s, %d weight bytes", rank, world, device,
+              weight_bytes(shard))
+    return shard
+
+
+def _bias(source: _WeightSource, linear_prefix: str):
+    name = linear_prefix + "bias"
+    return source.get(name) if source.has(name) else None
+
+
+def _shard_attention(attn: nn.Module, lay: _LayerLayout, prefix: str, comm, source: _WeightSource):
+    heads = head_shard(lay.q_heads, lay.kv_heads, comm.world_size, comm.rank)
+    hd, device = lay.head_dim, comm.device
+    q_span = (heads.q_start * hd, heads.q_count * hd)
+    kv_span = (heads.kv_start * hd, heads.kv_count * hd)
+    if lay.fused_qkv:
+        q_rows, kv_rows = lay.q_heads * hd, lay.kv_heads * hd
+        spans = [q_span, (q_rows + kv_span[0], kv_span[1]), (q_rows + kv_rows + kv_span[0], kv_span[1])]
+        attn.qkv_proj = ColumnParallelLinear.from_full(
+            source.get(prefix + "qkv_proj.weight"), _bias(source, prefix + "qkv_proj."),
+            spans, device)
+    else:
+        for name, span in (("q_proj", q_span), ("k_proj", kv_span), ("v_proj", kv_span)):
+            setattr(attn, name, ColumnParallelLinear.from_full(
+                source.get(prefix + name + ".weight"), _bias(source, prefix + name + "."),
+                [span], device))
+    attn.o_proj = RowParallelLinear.from_full(
+        source.get(prefix + "o_proj.weight"), _bias(source, prefix + "o_proj."),
+        q_span[0], q_span[1], comm)
+    attn.num_heads, attn.num_kv_heads = heads.q_count, heads.kv_count
+    if hasattr(attn, "inner_size"):
+        attn.inner_size = heads.q_count * hd
+    if hasattr(attn, "kv_size"):
+        attn.kv_size = heads.kv_count * hd
+
+
+def _shard_mlp(mlp: nn.Module, lay: _LayerLayout, prefix: str, comm, source: _WeightSource):
+    start, count = width_shard(lay.intermediate, comm.world_size, comm.rank,
+                               f"layers.{lay.index}.mlp intermediate")
+    device = comm.device
+    if lay.fused_mlp:
+        # Gate rows [start, start+count) and the matching up rows, so the local output
+        # still chunks into (gate, up) halves that belong together.
+        spans = [(start, count), (lay.intermediate + start, count)]
+        mlp.gate_up_proj = ColumnParallelLinear.from_full(
+            source.get(prefix + "gate_up_proj.weight"),
+            _bias(source, prefix + "gate_up_proj."), spans, device)
+    else:
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, ColumnParallelLinear.from_full(
+                source.get(prefix + name + ".weight"), _bias(source, prefix + name + "."),
+                [(start, count)], device))
+    mlp.down_proj = RowParallelLinear.from_full(
+        source.get(prefix + "down_proj.weight"), _bias(source, prefix + "down_proj."),
+        start, count, comm)
+
+
+# ----------------------------------------------------------------------------- fan-out
+
+def _to_rank(obj, device, copy_tensors: bool):
+    """Tensors inside obj (tuples, lists, dicts) on `device`; always copied if copy_tensors.
+
+    Ranks need their own copies even on one device: upstream's blocks write results
+    into their input buffer.
+    """
+    if isinstance(obj, torch.Tensor):
+        if copy_tensors:
+            return obj.to(device, copy=True)
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to_rank(o, device, copy_tensors) for o in obj)
+    if isinstance(obj, list):
+        return [_to_rank(o, device, copy_tensors) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to_rank(v, device, copy_tensors) for k, v in obj.items()}
+    return obj
+
+
+def _first_tensor_device(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    if isinstance(obj, (tuple, list)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    else:
+        return None
+    for item in items:
+        device = _first_tensor_device(item)
+        if device is not None:
+            return device
+    return None
+
+
+class TensorParallelDecoder(nn.Module):
+    """Runs a decoder's W shards concurrently on a coordinator's rank threads.
+
+    forward(*args, **kwargs) takes whatever the original decoder's forward takes: every
+    tensor argument is copied to each rank's device, each rank runs its shard, and rank
+    0's result comes back on the device of the first tensor argument. The shards are
+    kept outside the module tree (model managers moving this module must not move
+    them); the original's input embedding is kept as a submodule so callers that embed
+    tokens themselves (upstream's SDClipModel) still find `embed_tokens`.
+    """
+
+    # Upstream's ComfyUI model code reads these flags from the language model.
+    fixed_kv = False
+    graph_dynamic_vbar_blocks = False
+    prefetch_dynamic_vbars = False
+
+    def __init__(self, coordinator, shards: list[nn.Module], source: nn.Module | None = None):
+        super().__init__()
+        if len(shards) != coordinator.world_size:
+            raise TensorParallelError(f"{len(shards)} shards for {coordinator.world_size} ranks")
+        self.coordinator = coordinator
+        self.shards = list(shards)  # a plain list: not registered as submodules
+        self._source = [source]     # ditto: the single-device decoder, for remove/re-shard
+        if source is not None:
+            if getattr(source, "embed_tokens", None) is not None:
+                self.embed_tokens = source.embed_tokens
+            if hasattr(source, "config"):
+                self.config = source.config
+
+    @property
+    def source_decoder(self) -> nn.Module | None:
+        return self._source[0]
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
+    def get_dynamic_vram__units(self):
+        # Upstream's CLIP wrapper asks the language model for offloadable units; the
+        # shards stay resident on their ranks, so there are none.
+        return [], []
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("past_key_values") is not None:
+            raise TensorParallelError(
+                "text generation (past_key_values) is not supported by the tensor-parallel text "
+                "encoder; it only encodes prompts. Use the single-device CLIP for generation")
+        out_device = _first_tensor_device((args, kwargs))
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        per_rank = [(_to_rank(args, dev, True), _to_rank(kwargs, dev, True))
+                    for dev in self.coordinator.devices]
+        shards = self.shards
+
+        def run_shard(rank, comm, call):
+            # Grad and inference mode are thread-local: mirror the caller's.
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return shards[rank](*call[0], **call[1])
+
+        results = self.coordinator.run(run_shard, per_rank)
+        if out_device is None:
+            return results[0]
+        return _to_rank(results[0], out_device, False)
+
+
+def build_tensor_parallel_decoder(decoder: nn.Module, coordinator,
+                                  weights: Mapping[str, torch.Tensor] | None = None) -> TensorParallelDecoder:
+    """Split `decoder` over all ranks of `coordinator` and return the fan-out module.
+
+    Every check runs on the caller's thread before any weight moves; then each rank
+    slices its own shard onto its device in its own thread. `decoder` is not modified.
+    """
+    check_decoder_split(decoder, coordinator.world_size)
+    if weights is not None:
+        _WeightSource(decoder, weights).check_all()
+
+    def build(rank, comm):
+        return shard_decoder(decoder, comm, weights)
+
+    shards = coordinator.run(build)
+    for rank, shard in enumerate(shards):
+        log.info("tensor parallel: rank %d/%d on %s holds %.1f MiB of weights", rank,
+                 coordinator.world_size, coordinator.devices[rank], weight_bytes(shard) / 2**20)
+    return TensorParallelDecoder(coordinator, shards, source=decoder)

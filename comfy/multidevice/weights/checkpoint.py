@@ -1,0 +1,339 @@
+"""Shared read-only checkpoint base and per-rank hot caches.
+
+A checkpoint is read from disk and deserialized once per process; every rank's replica
+and every later reload is built from that one base in RAM.
+
+Base
+    SharedCheckpoint.open(path)      one per (real path, size, mtime_ns) per process, from a
+                                     thread-safe registry: concurrent opens cause one read; a
+                                     second open of an unchanged file logs "Reusing shared
+                                     checkpoint source" and reads nothing; a file changed on
+                                     disk is a new source. Failed opens leave the registry clean.
+    SharedCheckpoint.from_state_dict(tensors)   the same over tensors already in memory.
+    A SharedCheckpoint is a read-only Mapping name -> zero-copy CPU view (ReadOnlyTensor):
+    in-place writes raise ReadOnlyWeightError; the memory lives as long as any view does.
+    total_bytes_read() counts every byte read from disk by this module, process-wide.
+
+Hot caches
+    RankReplicas(base, devices, template=None)  one RankReplica per device: the rank's
+                                     device-resident copy of the template module's weights (or
+                                     of the base's tensors when there is no template), built from
+                                     RAM. On a CPU rank with the stored dtype the copy *is* the
+                                     base view (zero-copy).
+    RankReplicas.add_patches(deltas, strength)  additive weight patches (e.g. a Turbo LoRA
+                                     merged to deltas) keyed by parameter name, applied the same
+                                     way on every replica, now and after every reload.
+    model_stage_unload(stage)        drops device residency, keeps the base.
+    offload_components(*families)    unloads whole families and empties the device allocators'
+                                     caches (torch.npu / torch.cuda as present).
+
+ComfyUI (imported lazily; nothing here needs ComfyUI installed)
+    comfy_diffusion_model_replicas(model_patcher, devices, base=None)  per-device replicas of
+                                     a loaded MODEL's diffusion model from the shared base, with
+                                     the ModelPatcher's weight patches applied by ComfyUI's own
+                                     patch math; no second read of the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from comfy.multidevice.weights.read_only import read_only_view, ReadOnlyMemory, ReadOnlyTensor
+from comfy.multidevice.weights.safetensors_header import (CheckpointError, HEADER_LENGTH_BYTES,
+                                                          parse_header_json, parse_header_length,
+                                                          SafetensorsHeader, TensorInfo)
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK_BYTES = 64 << 20
+REUSE_MESSAGE = "Reusing shared checkpoint source"
+
+# ----------------------------------------------------------------------------- byte counter
+
+_counter_lock = threading.Lock()
+_total_bytes_read = 0
+
+
+def total_bytes_read() -> int:
+    """Bytes this module has read from disk in this process (headers and data, all files)."""
+    return _total_bytes_read
+
+
+def _count(n: int) -> None:
+    global _total_bytes_read
+    with _counter_lock:
+        _total_bytes_read += n
+
+
+# ----------------------------------------------------------------------------- registry
+
+class _PendingOpen:
+    """A read in progress: threads opening the same source wait for it instead of reading."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.result: SharedCheckpoint | None = None
+        self.error: BaseException | None = None
+
+
+_registry_lock = threading.Lock()
+_registry: dict[tuple, weakref.ref] = {}   # key -> the live SharedCheckpoint of that key
+_pending: dict[tuple, _PendingOpen] = {}
+
+
+def _live(key: tuple) -> "SharedCheckpoint | None":
+    ref = _registry.get(key)
+    source = ref() if ref is not None else None
+    if ref is not None and source is None:
+        del _registry[key]  # nobody uses it any more: its memory is gone
+    return source
+
+
+def _claim(key: tuple) -> tuple["SharedCheckpoint | None", _PendingOpen | None, bool]:
+    """(live source, pending read, whether the caller must do the read) for a key."""
+    with _registry_lock:
+        source = _live(key)
+        if source is not None:
+            return source, None, False
+        pending = _pending.get(key)
+        if pending is not None:
+            return None, pending, False
+        pending = _pending[key] = _PendingOpen()
+        return None, pending, True
+
+
+def _publish(key: tuple, pending: _PendingOpen, source: "SharedCheckpoint") -> None:
+    with _registry_lock:
+        for old in [k for k in _registry if k[0] == key[0]]:
+            del _registry[old]  # an older version of this file: its holders keep their views
+        _registry[key] = weakref.ref(source)
+        del _pending[key]
+    pending.result = source
+    pending.done.set()
+
+
+def _abandon(key: tuple, pending: _PendingOpen, error: BaseException) -> None:
+    with _registry_lock:
+        del _pending[key]  # a failed read leaves nothing registered
+    pending.error = error
+    pending.done.set()
+
+
+def shared_checkpoint_sources() -> list[tuple]:
+    """Keys (real path, size, mtime_ns) of the live registered sources; reads in progress excluded."""
+    with _registry_lock:
+        return [key for key in list(_registry) if _live(key) is not None]
+
+
+def clear_shared_checkpoints() -> None:
+    """Forget every registered source. Objects and views already handed out stay valid."""
+    with _registry_lock:
+        _registry.clear()
+
+
+# ----------------------------------------------------------------------------- the base
+
+class SharedCheckpoint(Mapping):
+    """A checkpoint's tensors, read once into read-only memory; a Mapping name -> zero-copy view.
+
+    Build with SharedCheckpoint.open(path) or SharedCheckpoint.from_state_dict(tensors).
+    Attributes: label (real path, or a description for in-memory sources), key (registry key or
+    None), file_bytes (file size; 0 in memory), bytes_read (bytes this source read from disk),
+    metadata (the header's __metadata__, {} when absent), header (SafetensorsHeader or None).
+    """
+
+    def __init__(self, label: str, views: dict[str, tuple[torch.Tensor, ReadOnlyMemory]], *,
+                 key: tuple | None = None, header: SafetensorsHeader | None = None,
+                 file_bytes: int = 0, bytes_read: int = 0):
+        self.label = label
+        self.key = key
+        self.header = header
+        self.metadata: dict[str, str] = dict(header.metadata) if header is not None else {}
+        self.file_bytes = file_bytes
+        self.bytes_read = bytes_read
+        # Plain views + their memory; read-only views are made per access and point back to
+        # this object (views keep the source alive, the source never holds them: no cycle).
+        self._views = views
+
+    # -- Mapping
+    def __getitem__(self, name: str) -> ReadOnlyTensor:
+        try:
+            plain, memory = self._views[name]
+        except KeyError:
+            raise KeyError(f"{self.label} has no tensor {name!r} ({len(self._views)} tensors, e.g. "
+                           f"{', '.join(map(repr, list(self._views)[:3]))})") from None
+        return read_only_view(plain, memory, name, owner=self)
+
+    def __iter__(self):
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._views
+
+    # A source is one object, compared by identity (Mapping's item-wise __eq__ would compare tensors).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"SharedCheckpoint({self.label!r}, {len(self)} tensors, {self.nbytes} bytes)"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data held in memory."""
+        return sum(plain.nbytes for plain, _ in self._views.values())
+
+    def info(self, name: str) -> TensorInfo | None:
+        """The header entry of a file-backed tensor (None for in-memory sources)."""
+        return self.header.tensors.get(name) if self.header is not None else None
+
+    def tensors(self, prefix: str = "") -> dict[str, ReadOnlyTensor]:
+        """Views of the tensors whose names start with `prefix`, keyed without the prefix."""
+        return {name[len(prefix):]: self[name] for name in self._views if name.startswith(prefix)}
+
+    # -- construction
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "SharedCheckpoint":
+        """The process's shared base for a safetensors file; reads it only if nobody has yet."""
+        shown = os.fspath(path)
+        real = os.path.realpath(shown)
+        try:
+            handle = open(real, "rb", buffering=0)
+        except FileNotFoundError:
+            raise CheckpointError(f"{shown}: no such checkpoint file; check the path") from None
+        except OSError as exc:
+            raise CheckpointError(f"{shown}: cannot open the checkpoint: {exc.strerror or exc}") from None
+        with handle:
+            st = os.fstat(handle.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{shown}: not a regular file; pass a .safetensors file")
+            key = (real, st.st_size, st.st_mtime_ns)
+            source, pending, reader = _claim(key)
+            if source is not None:
+                log.info("%s %s (already read by this process; nothing read from disk) [%s]",
+                         REUSE_MESSAGE, real, threading.current_thread().name)
+                return source
+            if not reader:
+                return cls._wait_for(pending, real)
+            try:
+                source = cls._read(handle, real, key, st)
+            except BaseException as exc:
+                _abandon(key, pending, exc)
+                raise
+            _publish(key, pending, source)
+            return source
+
+    @staticmethod
+    def _wait_for(pending: _PendingOpen, real: str) -> "SharedCheckpoint":
+        pending.done.wait()
+        if pending.error is not None:
+            error = pending.error
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(str(error)) from error
+            raise error
+        log.info("%s %s (read once by a concurrent open; nothing read from disk) [%s]",
+                 REUSE_MESSAGE, real, threading.current_thread().name)
+        return pending.result
+
+    @classmethod
+    def _read(cls, handle, real: str, key: tuple, st: os.stat_result) -> "SharedCheckpoint":
+        read = 0
+
+        def read_exact(n: int, what: str) -> bytes:
+            nonlocal read
+            chunk = handle.read(n)
+            read += len(chunk)
+            _count(len(chunk))
+            if len(chunk) != n:
+                raise CheckpointError(f"{real}: file is truncated in the {what}: got {len(chunk)} of {n} "
+                                      "bytes (it changed while being read?)")
+            return chunk
+
+        if hasattr(os, "posix_fadvise"):
+            try:  # a hint for read-ahead; some filesystems refuse it
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass
+        length = parse_header_length(read_exact(min(HEADER_LENGTH_BYTES, st.st_size), "length field"),
+                                     st.st_size, real)
+        header = parse_header_json(read_exact(length, "header"),
+                                   st.st_size - HEADER_LENGTH_BYTES - length, real)
+        try:
+            data = torch.empty(header.data_bytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{real}: cannot allocate {header.data_bytes} bytes of CPU memory for "
+                               f"the shared base ({exc}); free memory or use a smaller checkpoint") from exc
+        buffer = memoryview(data.numpy()).cast("B")
+        position = 0
+        while position < len(buffer):
+            got = handle.readinto(buffer[position:position + READ_CHUNK_BYTES])
+            if not got:
+                raise CheckpointError(f"{real}: file is truncated: data ends after {position} of "
+                                      f"{len(buffer)} bytes (it changed while being read?)")
+            position += got
+            read += got
+            _count(got)
+        after = os.fstat(handle.fileno())
+        if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            raise CheckpointError(f"{real}: the file changed while being read; open it again")
+
+        memory = ReadOnlyMemory(data.untyped_storage(), real)
+        views = {}
+        for info in header.tensors.values():
+            raw = data[info.begin:info.end]
+            block = memory
+            if info.begin % info.dtype.itemsize:
+                # A misaligned tensor cannot be viewed in place: give it its own aligned block.
+                raw = raw.clone()
+                block = ReadOnlyMemory(raw.untyped_storage(), real)
+            views[info.name] = (raw.view(info.dtype).view(info.shape), block)
+        log.info("Read shared checkpoint source %s: %d tensors, %d bytes from disk [%s]",
+                 real, len(views), read, threading.current_thread().name)
+        return cls(real, views, key=key, header=header, file_bytes=st.st_size, bytes_read=read)
+
+    @classmethod
+    def from_state_dict(cls, tensors: Mapping[str, torch.Tensor], *, label: str = "in-memory state dict",
+                        copy: bool = True) -> "SharedCheckpoint":
+        """A base over tensors already in CPU memory (nothing is read from disk, nothing registered).
+
+        copy=True packs them into one new read-only buffer (the originals can be dropped or
+        changed). copy=False wraps their memory in place, zero-copy: views still refuse writes,
+        but whoever holds the original tensors can still change them.
+        """
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{label}: {name!r} is a {type(t).__name__}, not a tensor")
+            if t.device.type != "cpu":
+                raise ValueError(f"{label}: tensor {name!r} is on {t.device}; a shared base lives in "
+                                 "CPU memory: move or offload it to the CPU first")
+        views = {}
+        if not copy:
+            with torch._C.DisableTorchFunctionSubclass():
+                for name, t in tensors.items():
+                    plain = torch.Tensor.detach(t)
+                    views[name] = (plain, ReadOnlyMemory(plain.untyped_storage(), label))
+            return cls(label, views)
+        align = 64
+        spans, total = {}, 0
+        for name, t in tensors.items():
+            total = -(-total // align) * align
+            spans[name] = (total, total + t.nbytes)
+            total += t.nbytes
+        data = torch.empty(total, dtype=torch.uint8)
+        memory = ReadOnlyMemory(data.untyped_storage(), label)
+        with torch._C.DisableTorchFunctionSubclass():
+            for name, t in tensors.items():
+                begin, end = spans[name]
+                plain = data[begin:end].view(t.dtype).view(t.shape)
+                plain.copy_(t)
+                views[name] = (plain, memory)
+        return cls(label, views)

@@ -1,0 +1,546 @@
+"""Per-device copies of a module for multi-device stages that run one replica per card.
+
+`replica_on(module, device)` copies a module with its parameters and buffers going straight
+to `device` (no whole-module CPU copy on the way). `ReplicaCache` hands out one module per
+device: the module itself on the device its weights live on, a cached copy on the others.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+
+from comfy.multidevice.devices import module_device, resolve_device
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+def replica_on(module: torch.nn.Module, device) -> torch.nn.Module:
+    """A copy of `module` whose parameters and buffers live on `device` (frozen parameters).
+
+    deepcopy is told up front what every tensor becomes, so each tensor is copied once,
+    source -> device, and everything else (structure, plain attributes) is copied as usual.
+    """
+    device = torch.device(device)
+    memo = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
+    for b in module.buffers():
+        memo[id(b)] = b.detach().to(device, copy=True)
+    return copy.deepcopy(module, memo)
+
+
+class ReplicaCache:
+    """One module per device: the module itself where its weights are, a cached copy elsewhere."""
+
+    def __init__(self, module, what: str = "module"):
+        self.module = module
+        self.what = what
+        self._copies: dict = {}
+
+    def get(self, device) -> torch.nn.Module:
+        device = torch.device(device)
+        home = module_device(self.module)
+        if home is None or home == device:
+            return self.module
+        key = str(device)
+        if key not in self._copies:
+            log.info("%s: building a replica on %s", self.what, device)
+            self._copies[key] = replica_on(self.module, device)
+        return self._copies[key]
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+
+# ----------------------------------------------------------------------------- patches
+
+PatchFunction = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+class WeightPatches:
+    """Weight patches keyed by tensor name, shared by a family of replicas.
+
+    Each name has an ordered list of entries: additive deltas (weight += strength * delta) or
+    functions fn(name, weight_fp32) -> weight_fp32. They are applied in float32 on the
+    replica's device, then cast back with `cast(name, weight_fp32, dtype)` (default: .to(dtype));
+    the same operations in the same order give the same weights on every replica.
+    """
+
+    def __init__(self):
+        self._entries: dict[str, list[tuple[str, Any, float]]] = {}
+        self.version = 0
+        self.cast: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor] = (
+            lambda name, weight, dtype: weight.to(dtype))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def _add(self, name: str, kind: str, value: Any, strength: float) -> None:
+        self._entries.setdefault(name, []).append((kind, value, strength))
+
+    def _bump(self) -> None:
+        self.version += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bump()
+
+    def apply(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The patched weight as a new tensor on weight's device and dtype (weight is not changed)."""
+        work = weight.to(torch.float32, copy=True)
+        for kind, value, strength in self._entries.get(name, ()):
+            if kind == "delta":
+                work.add_(value.to(work.device, torch.float32), alpha=strength)
+            else:
+                work = value(name, work).to(torch.float32)
+        return self.cast(name, work, weight.dtype)
+
+
+# ----------------------------------------------------------------------------- hot caches
+
+DtypeSpec = torch.dtype | Mapping[str, torch.dtype] | None
+
+
+def _module_slots(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, bool]]:
+    """state-dict name -> (owning submodule, attribute name, is_parameter)."""
+    slots = {}
+    for name in module.state_dict(keep_vars=True):
+        owner_path, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        slots[name] = (owner, leaf, leaf in owner._parameters)
+    return slots
+
+
+class RankReplica:
+    """One rank's hot cache: device-resident copies of its weights, built from the base in RAM.
+
+    base      a SharedCheckpoint (or any Mapping name -> CPU tensor)
+    device    the rank's device ('npu:1', 'cuda:0', 'cpu', torch.device)
+    template  optional nn.Module whose structure the replica copies (without copying its
+              weights; build it on the meta device to allocate nothing). Without a template the
+              replica is a bare state dict of the base's tensors (those under `prefix`).
+    prefix    base name = prefix + replica name
+    dtype     None keeps the stored dtype; a torch.dtype casts floating tensors; a mapping
+              name -> dtype sets it per tensor
+    patches   WeightPatches shared with the other ranks (RankReplicas passes its own)
+
+    load() builds or refreshes the device copies (from RAM, never from disk); unload() points
+    every weight back at the base and drops the device copies. On a CPU rank with the stored
+    dtype and no patch, the "copy" is the base view itself: zero bytes.
+    """
+
+    def __init__(self, base: Mapping[str, torch.Tensor], device: Any, *, rank: int = 0,
+                 template: torch.nn.Module | None = None, names: Iterable[str] | None = None,
+                 prefix: str = "", dtype: DtypeSpec = None, patches: WeightPatches | None = None):
+        if template is not None and names is not None:
+            raise ValueError("RankReplica takes a template module or a list of names, not both")
+        self.base = base
+        self.device = resolve_device(device)
+        self.rank = rank
+        self.prefix = prefix
+        self.dtype = dtype
+        self.patches = patches if patches is not None else WeightPatches()
+        self.module: torch.nn.Module | None = None
+        self._lock = threading.RLock()
+        self._resident = False
+        self._patch_version = -1
+        self._bound: dict[str, torch.Tensor] = {}
+        self._owned: set[str] = set()  # sources bound to a private copy rather than the base itself
+        if template is None:
+            wanted = list(names) if names is not None else [n[len(prefix):] for n in base if n.startswith(prefix)]
+            self._groups = {n: [n] for n in wanted}
+            self._check_names(None)
+            self._slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}
+            self._extra_buffers: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
+            self._bind_base()
+        else:
+            self._init_from_template(template)
+
+    # -- construction helpers
+    def _where(self) -> str:
+        return f"rank {self.rank} ({self.device})"
+
+    def _init_from_template(self, template: torch.nn.Module) -> None:
+        by_identity: dict[int, list[str]] = {}
+        declared = template.state_dict(keep_vars=True)
+        for name, t in declared.items():
+            by_identity.setdefault(id(t), []).append(name)  # tied weights share one entry
+        self._groups = {}
+        for names in by_identity.values():
+            source = next((n for n in names if self.prefix + n in self.base), names[0])
+            self._groups[source] = names
+        self._check_names(declared)
+        # Copy the module's structure but not its weights: the deepcopy memo maps every
+        # weight to the base view it will start out bound to.
+        memo = {}
+        for source, names in self._groups.items():
+            original = declared[names[0]]
+            view = self._base_tensor(source)
+            memo[id(original)] = (torch.nn.Parameter(view, requires_grad=False)
+                                  if isinstance(original, torch.nn.Parameter) else view)
+        self.module = copy.deepcopy(template, memo)
+        self.module.requires_grad_(False)
+        self._slots = _module_slots(self.module)
+        self._extra_buffers = {}
+        persistent = set(self._slots)
+        for name, buf in self.module.named_buffers():
+            if name in persistent or buf is None:
+                continue
+            if buf.device.type == "meta":
+                raise ValueError(f"template buffer {name!r} is on the meta device and is not in the "
+                                 "state dict, so no base holds its values; build the template on CPU")
+            owner_path, _, leaf = name.rpartition(".")
+            owner = self.module.get_submodule(owner_path) if owner_path else self.module
+            # Non-persistent buffers (not in any checkpoint) keep a CPU copy as their "base".
+            self._extra_buffers[name] = (owner, leaf, buf.to("cpu"))
+            owner._buffers[leaf] = self._extra_buffers[name][2]
+        self._bound = {n: self._base_tensor(s) for s, names in self._groups.items() for n in names}
+
+    def _check_names(self, declared: Mapping[str, torch.Tensor] | None) -> None:
+        missing = [self.prefix + s for s in self._groups if self.prefix + s not in self.base]
+        if missing:
+            raise ValueError(
+                f"{_label(self.base)} has no tensor {missing[0]!r} ({len(missing)} missing) needed by "
+                f"the replica for {self._where()}; check the prefix ({self.prefix!r}) and the checkpoint")
+        if declared is None:
+            return
+        for source, names in self._groups.items():
+            want, have = tuple(declared[names[0]].shape), tuple(self.base[self.prefix + source].shape)
+            if want != have:
+                raise ValueError(f"{_label(self.base)}: tensor {self.prefix + source!r} has shape {have} "
+                                 f"but the model expects {want}; the checkpoint does not fit this model")
+
+    def _base_tensor(self, name: str) -> torch.Tensor:
+        return self.base[self.prefix + name]
+
+    def _target_dtype(self, name: str, base: torch.Tensor) -> torch.dtype:
+        if isinstance(self.dtype, Mapping):
+            return self.dtype.get(name, base.dtype)
+        if self.dtype is not None and base.is_floating_point():
+            return self.dtype
+        return base.dtype
+
+    # -- state
+    @property
+    def names(self) -> list[str]:
+        """Tensor names of this replica (module state-dict names; tied names included)."""
+        return [n for names in self._groups.values() for n in names]
+
+    @property
+    def resident(self) -> bool:
+        return self._resident
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes held by this replica beyond the shared base (device copies, patched weights)."""
+        return sum(self._bound[self._groups[s][0]].nbytes for s in self._owned)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors the replica is bound to now: device copies when resident, base views otherwise."""
+        with self._lock:
+            return dict(self._bound)
+
+    # -- binding
+    def _bind_base(self) -> None:
+        self._bind({s: self._base_tensor(s) for s in self._groups})
+        self._owned.clear()
+
+    def _bind(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for source, t in tensors.items():
+            names = self._groups[source]
+            if self.module is not None:
+                first_owner, first_leaf, is_param = self._slots[names[0]]
+                value = torch.nn.Parameter(t, requires_grad=False) if is_param else t
+                for name in names:
+                    owner, leaf, param = self._slots[name]
+                    (owner._parameters if param else owner._buffers)[leaf] = value
+            for name in names:
+                self._bound[name] = t
+
+    def _materialize(self, source: str) -> torch.Tensor:
+        base = self._base_tensor(source)
+        t = base.to(self.device, self._target_dtype(source, base))  # the base view itself if nothing changes
+        patched = next((n for n in self._groups[source] if n in self.patches), None)
+        if patched is not None:
+            t = self.patches.apply(patched, t)
+        if t is base:
+            self._owned.discard(source)
+        else:
+            self._owned.add(source)
+        return t
+
+    def load(self, names: Iterable[str] | None = None) -> "RankReplica":
+        """Make the replica resident on its device (only `names` are rebuilt if given and resident)."""
+        with self._lock:
+            if self._resident and self._patch_version == self.patches.version and names is None:
+                return self
+            sources = list(self._groups) if names is None or not self._resident else [
+                s for s, group in self._groups.items() if any(n in group for n in names)]
+            self._bind({s: self._materialize(s) for s in sources})
+            for owner, leaf, buf in self._extra_buffers.values():
+                owner._buffers[leaf] = buf.to(self.device)
+            self._resident = True
+            self._patch_version = self.patches.version
+            log.debug("rank %d: replica resident on %s (%d bytes beyond the base)",
+                      self.rank, self.device, self.resident_bytes)
+            return self
+
+    def unload(self) -> int:
+        """Point every weight back at the base (CPU, zero-copy); return the bytes dropped."""
+        with self._lock:
+            dropped = self.resident_bytes
+            self._bind_base()
+            for owner, leaf, buf in self._extra_buffers.values():
+                owner._buffers[leaf] = buf
+            self._resident = False
+            log.debug("rank %d: replica unloaded from %s (%d bytes dropped)", self.rank, self.device, dropped)
+            return dropped
+
+
+def _label(base: Mapping) -> str:
+    return getattr(base, "label", "the base state dict")
+
+
+class RankReplicas(Sequence):
+    """A family of per-rank replicas of one model over one shared base, with shared patches.
+
+    RankReplicas(base, devices, template=None, *, prefix="", dtype=None, names=None, load=True)
+    builds one RankReplica per device (rank r on devices[r]); with load=False nothing is copied
+    yet, so each rank thread can call replicas[rank].load() itself.
+    """
+
+    def __init__(self, base: Mapping[str, torch.Tensor], devices: Sequence[Any],
+                 template: torch.nn.Module | None = None, *, prefix: str = "", dtype: DtypeSpec = None,
+                 names: Iterable[str] | None = None, load: bool = True):
+        if not devices:
+            raise ValueError("RankReplicas needs at least one device, got none")
+        self.base = base
+        self.patches = WeightPatches()
+        names = list(names) if names is not None else None
+        self.replicas = [RankReplica(base, d, rank=r, template=template, names=names, prefix=prefix,
+                                     dtype=dtype, patches=self.patches) for r, d in enumerate(devices)]
+        if load:
+            self.load()
+
+    def __getitem__(self, index):
+        return self.replicas[index]
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [r.device for r in self.replicas]
+
+    def load(self) -> "RankReplicas":
+        for replica in self.replicas:
+            replica.load()
+        return self
+
+    def unload(self) -> int:
+        return sum(replica.unload() for replica in self.replicas)
+
+    def _check_patch_names(self, names: Iterable[str]) -> list[str]:
+        known = set(self.replicas[0].names)
+        names = list(names)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"patch for unknown weight(s) {unknown[:5]}: the replicas have no such tensor "
+                             f"(names are the model's state-dict names, e.g. {sorted(known)[:3]})")
+        return names
+
+    def add_patches(self, deltas: Mapping[str, torch.Tensor], strength: float = 1.0) -> list[str]:
+        """Add `strength * delta` to each named weight on every replica; return the patched names.
+
+        Everything is checked before anything changes. Resident replicas are refreshed now
+        (from RAM); unloaded ones get the patches when they next load.
+        """
+        names = self._check_patch_names(deltas)
+        first = self.replicas[0]
+        for name in names:
+            delta, current = deltas[name], first.state_dict()[name]
+            if not isinstance(delta, torch.Tensor):
+                raise ValueError(f"patch for {name!r} is a {type(delta).__name__}, not a tensor")
+            if tuple(delta.shape) != tuple(current.shape):
+                raise ValueError(f"patch for {name!r} has shape {tuple(delta.shape)}, the weight has "
+                                 f"{tuple(current.shape)}")
+            if not current.is_floating_point():
+                raise ValueError(f"weight {name!r} is {current.dtype}; only floating weights can be patched")
+        for name in names:
+            self.patches._add(name, "delta", deltas[name].detach(), float(strength))
+        self._refresh(names)
+        return names
+
+    def add_patch_function(self, names: Iterable[str], fn: PatchFunction) -> list[str]:
+        """Patch each named weight with fn(name, weight_fp32) -> weight_fp32 on every replica."""
+        names = self._check_patch_names(names)
+        for name in names:
+            self.patches._add(name, "function", fn, 1.0)
+        self._refresh(names)
+        return names
+
+    def clear_patches(self) -> None:
+        names = self.patches.names()
+        self.patches.clear()
+        self._refresh(names)
+
+    def _refresh(self, names: list[str]) -> None:
+        self.patches._bump()
+        for replica in self.replicas:
+            with replica._lock:
+                if replica.resident:
+                    replica.load(names)
+
+
+# ----------------------------------------------------------------------------- unload / offload
+
+def _replicas_of(stage: Any) -> list[RankReplica]:
+    if isinstance(stage, RankReplica):
+        return [stage]
+    if isinstance(stage, RankReplicas):
+        return list(stage.replicas)
+    if isinstance(stage, Iterable) and not isinstance(stage, (str, bytes, Mapping, torch.nn.Module)):
+        return [r for item in stage for r in _replicas_of(item)]
+    raise ValueError(f"model_stage_unload/offload_components take RankReplica or RankReplicas objects "
+                     f"(or lists of them), got {type(stage).__name__}")
+
+
+def model_stage_unload(stage: Any) -> int:
+    """Drop the device residency of a stage (a RankReplica, a RankReplicas family, or a list
+    of them) and keep its base; return the bytes dropped. A later load() copies from RAM."""
+    return sum(replica.unload() for replica in _replicas_of(stage))
+
+
+def release_cached_device_memory(device_types: Iterable[str]) -> list[str]:
+    """Empty the caching allocator of each device type present (npu, cuda); return those emptied."""
+    emptied = []
+    for kind in sorted(set(device_types)):
+        module = getattr(torch, kind, None) if kind in ("npu", "cuda") else None
+        if module is None or not hasattr(module, "empty_cache"):
+            continue
+        if kind == "cuda" and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            continue
+        module.empty_cache()
+        emptied.append(kind)
+    return emptied
+
+
+def offload_components(*components: Any) -> int:
+    """Unload every replica of the given families (per-rank clones of each component) and
+    release the allocators' cached device memory; return the bytes dropped."""
+    replicas = [r for c in components for r in _replicas_of(c)]
+    dropped = sum(r.unload() for r in replicas)
+    emptied = release_cached_device_memory(r.device.type for r in replicas)
+    log.info("offloaded %d replica(s): %d bytes dropped, allocator cache emptied for %s",
+             len(replicas), dropped, ", ".join(emptied) or "no device type")
+    return dropped
+
+
+# ----------------------------------------------------------------------------- ComfyUI
+
+def checkpoint_path_of(model_patcher: Any) -> str | None:
+    """The .safetensors file a ComfyUI ModelPatcher was loaded from, when its loader recorded it.
+
+    Core loaders store their factory and arguments in `cached_patcher_init` (upstream's
+    multi-GPU clone re-runs it, re-reading the file); the path is the argument naming an
+    existing .safetensors file. None when there is no such argument.
+    """
+    init = getattr(model_patcher, "cached_patcher_init", None)
+    if not isinstance(init, tuple) or len(init) < 2 or not isinstance(init[1], (tuple, list)):
+        return None
+    for arg in init[1]:
+        if isinstance(arg, (str, os.PathLike)) and os.fspath(arg).endswith(".safetensors") \
+                and os.path.isfile(arg):
+            return os.fspath(arg)
+    return None
+
+
+def _comfy_patch_function(patch_list: list, key: str) -> PatchFunction:
+    def apply(name: str, weight: torch.Tensor) -> torch.Tensor:
+        import comfy.lora  # ComfyUI's own patch math, so replicas match the primary
+        return comfy.lora.calculate_weight(patch_list, weight, key)
+    return apply
+
+
+def _comfy_cast(prefix: str) -> Callable[[str, torch.Tensor, torch.dtype], torch.Tensor]:
+    def cast(name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        try:
+            import comfy.float
+            import comfy.utils
+            rounding, seed_of = comfy.float.stochastic_rounding, comfy.utils.string_to_seed
+        except (ImportError, AttributeError):
+            return weight.to(dtype)
+        # ComfyUI rounds patched weights with a seed derived from the key: same bits everywhere.
+        return rounding(weight, dtype, seed=seed_of(prefix + name))
+    return cast
+
+
+def comfy_diffusion_model_replicas(model_patcher: Any, devices: Sequence[Any], base: Any = None, *,
+                                   load: bool = False) -> RankReplicas:
+    """Per-device replicas of a ComfyUI MODEL's diffusion model, built from the shared base.
+
+    model_patcher  a loaded ComfyUI ModelPatcher (the MODEL socket): model.diffusion_model is
+                   the template; its weights are not copied.
+    devices        one replica per device (rank r on devices[r]).
+    base           SharedCheckpoint or path of the diffusion model's .safetensors; None: the
+                   file recorded by the loader (checkpoint_path_of), else the diffusion model's
+                   own CPU weights wrapped in place (zero-copy; the model must not be loaded
+                   or patched on a device right now). Names may carry the full-checkpoint prefix
+                   'model.diffusion_model.'.
+    load           make every replica resident now (else call replicas[r].load() per rank).
+
+    Each replica has the dtype of the loaded model's tensor of the same name, and the
+    patcher's weight patches (LoRAs: model_patcher.patches, keys 'diffusion_model.<name>')
+    applied with comfy.lora.calculate_weight and ComfyUI's rounding, so every device gets the
+    same weights ComfyUI computes for the primary. The file is read at most once per process.
+    Rebuild the replicas when the MODEL input changes (new LoRA, new strength).
+    """
+    diffusion_model = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    if not isinstance(diffusion_model, torch.nn.Module):
+        raise ValueError("comfy_diffusion_model_replicas expects a ComfyUI MODEL (a ModelPatcher whose "
+                         f".model.diffusion_model is a torch module), got {type(model_patcher).__name__}")
+    declared = diffusion_model.state_dict()
+    if base is None:
+        base = checkpoint_path_of(model_patcher)
+    if isinstance(base, (str, os.PathLike)):
+        base = SharedCheckpoint.open(base)
+    elif base is None:
+        if getattr(model_patcher, "backup", None):
+            raise ValueError("the MODEL's weights are patched in place right now, so they are not a "
+                             "clean base; pass base=<path of its .safetensors file>")
+        base = SharedCheckpoint.from_state_dict(declared, copy=False,
+                                                label=f"{type(diffusion_model).__name__} weights in memory")
+    prefix = next((p for p in ("", "model.diffusion_model.") if all(p + n in base for n in declared)), None)
+    if prefix is None:
+        missing = next(n for n in declared if n not in base)
+        raise ValueError(f"{_label(base)} does not hold the loaded diffusion model's weights (no "
+                         f"{missing!r}, with or without 'model.diffusion_model.'); it was converted on "
+                         "load or is another model: pass base=None to use the loaded weights")
+    replicas = RankReplicas(base, devices, diffusion_model, prefix=prefix,
+                            dtype={n: t.dtype for n, t in declared.items()}, load=False)
+    for module in (r.module for r in replicas):
+        for sub in module.modules():  # runtime patch hooks of a low-VRAM load belong to the primary
+            for attr in ("weight_function", "bias_function"):
+                if isinstance(getattr(sub, attr, None), list):
+                    setattr(sub, attr, [])
+    patches = getattr(model_patcher, "patches", None) or {}
+    replica_names = set(replicas[0].names)
+    for key, patch_list in patches.items():
+        name = key[len("diffusion_model."):] if isinstance(key, str) and key.startswith("diffusion_model.") else None
+        if name in replica_names:
+            replicas.add_patch_function([name], _comfy_patch_function(list(patch_list), key))
+    replicas.patches.cast = _comfy_cast("diffusion_model.")
+    if load:
+        replicas.load()
+    return replicas

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Regenerate the README's "What the patch adds" table from comfy-ui-changes.patch.
+
+One row per file the patch adds, described by the first line of that file's module docstring,
+so the table can only name files the patch really adds, with the words the file itself uses.
+
+  tools/make_file_table.py           rewrite the table in README.md
+  tools/make_file_table.py --check   exit 1 when README.md's table differs (and say what to run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+PATCH = REPO_DIR / "comfy-ui-changes.patch"
+README = REPO_DIR / "README.md"
+TABLE_HEAD = "| file | what it is |\n|---|---|\n"
+SECTION = "### What the patch adds"
+
+
+def patched_files(patch_text: str) -> list[str]:
+    return re.findall(r"^diff --git a/(\S+) b/\S+$", patch_text, re.M)
+
+
+def describe(path: Path) -> str:
+    """The first line of the module docstring (the patch only adds Python files today)."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    if not doc:
+        raise SystemExit(f"{path.relative_to(REPO_DIR)} has no module docstring; give it one "
+                         "(its first line is the file's row in the README)")
+    return doc.strip().splitlines()[0].rstrip(".").replace("|", "\\|")
+
+
+def table(patch_text: str) -> str:
+    rows = [f"| `{name}` | {describe(REPO_DIR / name)} |" for name in patched_files(patch_text)]
+    return TABLE_HEAD + "\n".join(rows) + "\n"
+
+
+def with_table(readme: str, new_table: str) -> str:
+    start = readme.index(SECTION)
+    head = readme.index(TABLE_HEAD, start)
+    end = readme.index("\n\n", head) + 1
+    return readme[:head] + new_table + readme[end:]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare, change nothing")
+    args = parser.parse_args(argv)
+    readme = README.read_text(encoding="utf-8")
+    wanted = with_table(readme, table(PATCH.read_text(encoding="utf-8")))
+    if args.check:
+        if wanted != readme:
+            print("README.md's file table is stale: run tools/make_file_table.py", file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(wanted, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
