@@ -1,7 +1,7 @@
 """A small MiniMax-H3-shaped DiT, written here, for tests and the dry run.
 
 It follows the contract of upstream ComfyUI's `MiniMaxH3Model` (written down in
-upstream contract in docs/ARCHITECTURE.md) closely enough that the sequence-parallel adapter cannot tell the
+docs/ARCHITECTURE.md) closely enough that the sequence-parallel adapter cannot tell the
 two apart:
 
 - one packed token sequence: text | cond video rows | reference images | reference audio |
