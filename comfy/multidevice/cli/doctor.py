@@ -1,5 +1,4 @@
-"""`minimax_h3_parallel.py doctor`: what this machine offers the multi-device code, and
-whether the selected configuration works.
+"""`minimax_h3_parallel.py doctor`: what this machine offers, and whether the chosen set-up works.
 
 The report (`collect_report`) has: platform and versions; visible devices per kind with
 names and memory; for each backend whether its library loads, which symbols it has and
