@@ -117,18 +117,18 @@ def inventory(npu=0, cuda=0):
 
 
 def test_device_selection():
-    assert doctor.select_devices("auto", None, inventory()) == ["cpu", "cpu"]
-    assert doctor.select_devices("cpu", 3, inventory()) == ["cpu"] * 3
-    assert doctor.select_devices("auto", None, inventory(npu=4)) == ["npu:0", "npu:1", "npu:2", "npu:3"]
-    assert doctor.select_devices("auto", 2, inventory(cuda=8)) == ["cuda:0", "cuda:1"]
+    assert doctor.self_test_devices("auto", None, inventory()) == ["cpu", "cpu"]
+    assert doctor.self_test_devices("cpu", 3, inventory()) == ["cpu"] * 3
+    assert doctor.self_test_devices("auto", None, inventory(npu=4)) == ["npu:0", "npu:1", "npu:2", "npu:3"]
+    assert doctor.self_test_devices("auto", 2, inventory(cuda=8)) == ["cuda:0", "cuda:1"]
     with pytest.raises(doctor.DoctorFailure, match=r"asked for 4 npu device\(s\) but found 2 npu.*--devices 2"):
-        doctor.select_devices("npu", 4, inventory(npu=2))
+        doctor.self_test_devices("npu", 4, inventory(npu=2))
     with pytest.raises(doctor.DoctorFailure, match=r"found 0 cuda device\(s\) \(CUDA_VISIBLE_DEVICES"):
-        doctor.select_devices("cuda", None, inventory(npu=2))
+        doctor.self_test_devices("cuda", None, inventory(npu=2))
     with pytest.raises(doctor.DoctorFailure, match="found 0 accelerators.*--device-kind cpu"):
-        doctor.select_devices("auto", 2, inventory())
+        doctor.self_test_devices("auto", 2, inventory())
     with pytest.raises(doctor.DoctorFailure, match="positive"):
-        doctor.select_devices("cpu", 0, inventory())
+        doctor.self_test_devices("cpu", 0, inventory())
 
 
 def test_text_report_names_every_part(monkeypatch, fake_nccl_path):

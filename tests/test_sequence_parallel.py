@@ -22,7 +22,7 @@ from comfy.multidevice.sp.minimax_h3 import (WRAPPER_KEY, enable_sequence_parall
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
 from comfy.multidevice.sp.plan import (SequenceParallelError, ShardPlan, slice_mod_segments, take_rows)
-from comfy.multidevice.sp.fan_out import copy_for_rank
+from comfy.multidevice.devices import copy_for_rank
 from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas, tiny_model
 
 FP32_TOL = 1e-5

@@ -1,12 +1,15 @@
-"""Which cards this process can see, and the checks that run before any weight moves.
+"""Devices: the one place that knows npu vs cuda vs cpu, which cards are visible, and the checks
+that run before any weight moves.
 
-`probe_devices()` asks torch (and torch_npu when installed) how many accelerators of each
-kind are visible. `select_devices(n_cards, kind, devices, inventory)` turns the user's
-request into a list of device names ('npu:0', 'cuda:1', 'cpu'; strings, because an 'npu'
-torch.device only exists once torch_npu is imported), or raises one of the errors below. Each error says
-what was asked, what was found (count, kind, the visible-devices variable) and what to
-change. Nothing here moves weights or changes state, so the caller can validate first and
-only then touch the models.
+`accelerator_api(kind)` is torch.npu / torch.cuda / None; every per-kind call of the package
+(current device, stream, synchronize, cache) goes through it. `probe_devices()` asks torch
+(and torch_npu when installed) how many accelerators of each kind are visible.
+`select_devices(n_cards, kind, devices, inventory)` turns the node's request into a list of
+device names ('npu:0', 'cuda:1', 'cpu'; strings, because an 'npu' torch.device only exists once
+torch_npu is imported), or raises one of the errors below. Each error says what was asked, what
+was found (count, kind, the visible-devices variable) and what to change. Nothing here moves
+weights or changes state, so the caller can validate first and only then touch the models.
+`auto_kind` and `visible_device_names` are the rules the doctor and the dry run share with it.
 
 CPU "devices" exist for tests and the dry run: asking for `kind="cpu"` gives n CPU ranks.
 """
@@ -42,28 +45,60 @@ def resolve_device(spec: Any) -> torch.device:
         raise ValueError(f"unknown device {text!r}: use 'npu:i', 'cuda:i' or 'cpu'") from exc
 
 
+def accelerator_api(kind: str):
+    """torch.npu or torch.cuda for an accelerator kind, None for the CPU or when torch_npu is
+    not installed. Importing torch_npu is what registers torch.npu."""
+    if kind == "cuda":
+        return torch.cuda
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            return None
+        return torch.npu
+    return None
+
+
 def set_thread_device(device: torch.device) -> None:
     """Make `device` current for the calling thread (NPU/CUDA keep a per-thread current device)."""
-    if device.type == "npu":
-        torch.npu.set_device(device)
-    elif device.type == "cuda":
-        torch.cuda.set_device(device)
+    api = accelerator_api(device.type)
+    if api is not None:
+        api.set_device(device)
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "npu":
-        torch.npu.current_stream(device).synchronize()
-    elif device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    api = accelerator_api(device.type)
+    if api is not None:
+        api.current_stream(device).synchronize()
 
 
 def current_stream_handle(device: torch.device) -> int | None:
     """The raw stream handle of the calling thread's current stream (None on CPU)."""
-    if device.type == "npu":
-        return torch.npu.current_stream(device).npu_stream
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device).cuda_stream
-    return None
+    api = accelerator_api(device.type)
+    if api is None:
+        return None
+    stream = api.current_stream(device)
+    return stream.npu_stream if device.type == "npu" else stream.cuda_stream
+
+
+def copy_for_rank(obj: Any, device: torch.device, copy_tensors: bool = False) -> Any:
+    """A per-rank copy of call inputs: containers rebuilt, tensors moved to `device`.
+
+    dicts, lists and tuples are rebuilt (a rank may add keys, e.g. its block replacements or
+    `block_index`, without the others seeing them); tensors go to the rank's device (always a
+    new tensor with copy_tensors: upstream's blocks may write into their input buffer); every
+    other object (callables, modules, layouts, named tuples) is shared. Not copy.deepcopy:
+    transformer_options carry wrappers that hold the coordinator and the model replicas.
+    """
+    if torch.is_tensor(obj):
+        return obj.to(device, copy=copy_tensors)
+    if isinstance(obj, dict):
+        return {k: copy_for_rank(v, device, copy_tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [copy_for_rank(v, device, copy_tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(copy_for_rank(v, device, copy_tensors) for v in obj)
+    return obj
 
 
 SUPPORTED_CARD_COUNTS = (1, 2, 4, 8)
@@ -131,10 +166,8 @@ def probe_devices() -> DeviceInventory:
     counts = {"npu": 0, "cuda": 0}
     notes = []
     try:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-        counts["npu"] = int(torch.npu.device_count())
-    except ImportError:
-        pass  # no Ascend stack here: simply no NPUs
+        npu = accelerator_api("npu")  # None: no Ascend stack here, simply no NPUs
+        counts["npu"] = int(npu.device_count()) if npu is not None else 0
     except Exception as exc:  # torch_npu present but the driver/CANN is broken
         notes.append(f"npu probe failed: {type(exc).__name__}: {exc}")
     try:
@@ -299,3 +332,13 @@ def module_device(module) -> torch.device | None:
     for t in module.buffers():
         return t.device
     return None
+
+
+def auto_kind(inventory: DeviceInventory) -> str:
+    """device kind "auto": the NPUs when any are visible, else the CUDA GPUs, else the CPU."""
+    return next((k for k in ACCELERATOR_KINDS if inventory.count(k)), "cpu")
+
+
+def visible_device_names(kind: str, inventory: DeviceInventory) -> list[str]:
+    """'npu:0', 'npu:1', ... for every visible card of `kind`."""
+    return [f"{kind}:{i}" for i in range(inventory.count(kind))]

@@ -31,9 +31,10 @@ import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env, VALID_BACKENDS
+from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, auto_kind, DEVICE_KINDS,
+                                       DeviceInventory, visible_device_names, VISIBLE_DEVICES_ENV)
 
 CPU_SELF_TEST_RANKS = 2
-DEVICE_KINDS = ("auto", "npu", "cuda", "cpu")
 # Variables shown even when unset; every other HCCL_* / NCCL_* variable is shown when set.
 ENV_VARS = ("COMFYUI_MULTI_DEVICE_BACKEND", "COMFYUI_MULTI_DEVICE_TIMEOUT_S",
             "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "HCCL_SO_PATH", "NCCL_SO_PATH",
@@ -68,11 +69,10 @@ def _accelerator(kind: str) -> dict:
     """Visible devices of one kind with name and memory; count 0 and a note when unavailable."""
     entry = {"count": 0, "devices": [], "note": None}
     try:
-        if kind == "npu":
-            import torch_npu  # noqa: F401
-            module = torch.npu
-        else:
-            module = torch.cuda
+        module = accelerator_api(kind)
+        if module is None:
+            entry["note"] = "torch_npu is not installed"
+            return entry
         if not module.is_available():
             entry["note"] = f"torch reports no {kind} device"
             return entry
@@ -81,8 +81,6 @@ def _accelerator(kind: str) -> dict:
             props = module.get_device_properties(i)
             entry["devices"].append({"index": i, "name": getattr(props, "name", "unknown"),
                                      "memory_bytes": int(getattr(props, "total_memory", 0))})
-    except ImportError:
-        entry["note"] = "torch_npu is not installed"
     except Exception as exc:
         entry["note"] = f"probe failed: {type(exc).__name__}: {exc}"
     return entry
@@ -158,13 +156,14 @@ def backends_report() -> dict:
 
 # ----------------------------------------------------------------------------- selection
 
-def select_devices(kind: str, count: int | None, devices: dict) -> list[str]:
+def self_test_devices(kind: str, count: int | None, devices: dict) -> list[str]:
     """The devices the self-test uses; DoctorFailure when they are not there."""
     if count is not None and count < 1:
         raise DoctorFailure(f"--devices {count}: give a positive number of devices")
-    found = {k: devices[k]["count"] for k in ("npu", "cuda")}
+    inventory = DeviceInventory(counts={k: devices[k]["count"] for k in ACCELERATOR_KINDS})
+    found = inventory.counts
     if kind == "auto":
-        kind = "npu" if found["npu"] else "cuda" if found["cuda"] else "cpu"
+        kind = auto_kind(inventory)
         if kind == "cpu" and count is not None:
             raise DoctorFailure(
                 f"asked for {count} device(s) but found 0 accelerators (npu: 0, cuda: 0; "
@@ -180,11 +179,11 @@ def select_devices(kind: str, count: int | None, devices: dict) -> list[str]:
             f"asked for {want if count is not None else 'the'} {kind} device(s) but found {have} "
             f"{kind} device(s) ({_visible_text(kind)}); use --devices {have} or fewer"
             + (", or make more cards visible" if have else ", or check the driver / torch build"))
-    return [f"{kind}:{i}" for i in range(want)]
+    return visible_device_names(kind, inventory)[:want]
 
 
 def _visible_text(kind: str) -> str:
-    name = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}[kind]
+    name = VISIBLE_DEVICES_ENV[kind]
     value = os.environ.get(name)
     return f"{name}={value}" if value is not None else f"{name} unset"
 
@@ -275,7 +274,7 @@ def collect_report(device_kind: str = "auto", count: int | None = None, backend:
         report["self_test"] = distributed_self_test(device_kind, timeout_s)
     else:
         try:
-            devices = select_devices(device_kind, count, report["devices"])
+            devices = self_test_devices(device_kind, count, report["devices"])
         except DoctorFailure as exc:
             report["reason"] = str(exc)
             return report

@@ -24,13 +24,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import VALID_BACKENDS
 from comfy.multidevice.comm.types import BackendUnavailable
+from comfy.multidevice.devices import auto_kind, copy_for_rank, probe_devices, visible_device_names
 from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
                                             read_miniature_config, save_miniature)
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
@@ -113,12 +114,9 @@ class Plan:
 
 
 def visible_accelerators() -> list[str]:
-    from comfy.multidevice.devices import probe_devices
     inventory = probe_devices()
-    for kind in ("npu", "cuda"):
-        if inventory.count(kind):
-            return [f"{kind}:{i}" for i in range(inventory.count(kind))]
-    return []
+    kind = auto_kind(inventory)
+    return [] if kind == "cpu" else visible_device_names(kind, inventory)
 
 
 def choose_devices(n: int | None, cpu: bool) -> list[str]:
@@ -394,7 +392,7 @@ def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Names
         reference = replicas[0]
         ref_dev = plan.devices[0]
         ref_latents, rs = euler_sample(
-            reference, [z.to(ref_dev) for z in x], context.to(ref_dev), _to(kwargs, ref_dev), sigmas,
+            reference, [z.to(ref_dev) for z in x], context.to(ref_dev), copy_for_rank(kwargs, torch.device(ref_dev)), sigmas,
             Progress("reference on 1 device", args.steps, not args.no_progress))
         ref_seconds = _steady(rs)
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
@@ -449,11 +447,6 @@ def _steady(seconds: list[float]) -> float:
     # the first step includes one-time costs (allocations, thread start-up): leave it out when we can
     tail = seconds[1:] if len(seconds) > 1 else seconds
     return sum(tail) / len(tail)
-
-
-def _to(obj: Any, device) -> Any:
-    from comfy.multidevice.sp.fan_out import copy_for_rank
-    return copy_for_rank(obj, torch.device(device))
 
 
 def write_outputs(out_dir: Path, latents, ref_latents, report: dict) -> None:

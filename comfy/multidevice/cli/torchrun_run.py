@@ -22,6 +22,7 @@ import torch
 
 from comfy.multidevice.cli import dry_run as dry
 from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env, read_torchrun_env
+from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
 
@@ -94,7 +95,7 @@ def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
     say(f"[sequence] {seq_len} tokens; tokens per rank {tokens_per_rank}")
 
     x, context, kwargs = dry.make_inputs(plan)
-    x, context, kwargs = [z.to(device) for z in x], context.to(device), dry._to(kwargs, device)
+    x, context, kwargs = [z.to(device) for z in x], context.to(device), copy_for_rank(kwargs, torch.device(device))
     sigmas = dry.sigma_schedule(args.steps, cfg.sigma_shift_video)
     shards = []
     from comfy.multidevice.sp.strategies import SPMode

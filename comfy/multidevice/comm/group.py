@@ -118,12 +118,15 @@ class _RankWorker(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 return
-            fn, args, done = job
+            fn, args, grad_modes, done = job
             if init_error is not None:
                 done(self.rank, None, init_error)
                 continue
+            grad, inference = grad_modes
             try:
-                result = fn(self.rank, self.coordinator.comm(self.rank), *args)
+                # Autograd modes are thread-local: every rank runs in the caller's.
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    result = fn(self.rank, self.coordinator.comm(self.rank), *args)
             except BaseException as exc:  # noqa: BLE001 - reported to the caller of run()
                 done(self.rank, None, exc)
             else:
@@ -192,8 +195,9 @@ class SequenceParallelCoordinator:
     def run(self, fn: Callable[..., Any], *per_rank_args: Sequence[Any]) -> list:
         """Run fn(rank, comm, *args_of_rank) on every rank thread; return the results by rank.
 
-        Each entry of per_rank_args is a sequence with one item per rank. The first rank
-        error is re-raised here (annotated with its rank) after every rank has stopped.
+        Each entry of per_rank_args is a sequence with one item per rank. Every rank runs in the
+        caller's grad / inference mode. The first rank error is re-raised here (annotated with
+        its rank) after every rank has stopped.
         """
         self._check_open()
         for i, arg in enumerate(per_rank_args):
@@ -221,8 +225,9 @@ class SequenceParallelCoordinator:
                     remaining[0] -= 1
                     finished.notify_all()
 
+            grad_modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
             for r, worker in enumerate(self._workers):
-                worker.jobs.put((fn, tuple(a[r] for a in per_rank_args), done))
+                worker.jobs.put((fn, tuple(a[r] for a in per_rank_args), grad_modes, done))
             with finished:
                 while remaining[0]:
                     finished.wait()

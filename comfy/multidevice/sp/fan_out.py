@@ -13,32 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-import torch
-
+from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.plan import SequenceParallelError
 
 log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- fan-out
-
-def copy_for_rank(obj: Any, device: torch.device) -> Any:
-    """A per-rank copy of forward inputs: containers copied, tensors moved to `device`.
-
-    dicts, lists and tuples are rebuilt (a rank may add keys, e.g. its block replacements or
-    `block_index`, without the others seeing them); tensors go to the rank's device; every
-    other object (callables, modules, layouts) is shared. Not copy.deepcopy: transformer_options
-    carry wrappers that hold the coordinator and the model replicas.
-    """
-    if torch.is_tensor(obj):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: copy_for_rank(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [copy_for_rank(v, device) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(copy_for_rank(v, device) for v in obj)
-    return obj
-
 
 def executor_for_model(executor, model):
     """The wrapper executor continued on `model` instead of `executor.class_obj`.
@@ -56,15 +36,6 @@ def executor_for_model(executor, model):
         raise SequenceParallelError(
             f"cannot run the forward on a model replica: the executor {type(executor).__name__} does "
             f"not follow ComfyUI's WrapperExecutor protocol ({exc})") from exc
-
-
-def _run_with_grad_mode(fn, grad_enabled: bool, inference: bool):
-    # Autograd modes are thread-local: rank threads must use the caller's (e.g. inference_mode).
-    if inference:
-        with torch.inference_mode():
-            return fn()
-    with torch.set_grad_enabled(grad_enabled):
-        return fn()
 
 
 class SequenceParallelFanOut:
@@ -102,7 +73,6 @@ class SequenceParallelFanOut:
     def __call__(self, executor, *args, **kwargs):
         devices = self.coordinator.devices
         inputs = [copy_for_rank((list(args), dict(kwargs)), device) for device in devices]
-        grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         # resolve on the caller's thread: a bad replica fails here, before any rank starts
         rank_models = [self.resolve_model(m) if m is not None else None for m in self.models]
         executors = [executor_for_model(executor, m) for m in rank_models]
@@ -114,8 +84,7 @@ class SequenceParallelFanOut:
             if self.prepare_rank is not None:
                 self.last_rank_states[rank] = self.prepare_rank(rank, comm, model, options)
             log.debug("rank %d: forward on %s", rank, comm.device)
-            return _run_with_grad_mode(lambda: executors[rank](*rank_args, **rank_kwargs),
-                                       grad_enabled, inference)
+            return executors[rank](*rank_args, **rank_kwargs)
 
         before = self._traffic_counts()
         results = self.coordinator.run(run_rank, inputs)

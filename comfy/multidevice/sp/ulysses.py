@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from comfy.multidevice.devices import accelerator_api, set_thread_device
 from comfy.multidevice.sp.cost_model import ulysses_degree
 from comfy.multidevice.sp.plan import SequenceParallelError, shard_sizes, ShardPlan
 
@@ -256,14 +257,9 @@ _bound = threading.local()
 
 def _bind_thread_device(device: torch.device) -> None:
     if getattr(_bound, "device", None) != device:
-        from comfy.multidevice.devices import set_thread_device
         set_thread_device(device)
         _bound.device = device
 
 
 def _stream_api(device: torch.device):
-    if device.type == "cuda":
-        return torch.cuda
-    if device.type == "npu":
-        return torch.npu  # registered by torch_npu
-    return None
+    return accelerator_api(device.type)

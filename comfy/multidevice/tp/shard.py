@@ -44,6 +44,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.tp.layers import (_frozen, _plain, check_head_split, ColumnParallelLinear,
                                          copy_whole, head_shard, QuantizedWeightsError,
                                          RowParallelLinear, TensorParallelError, weight_bytes,
@@ -350,25 +351,6 @@ def _shard_mlp(mlp: nn.Module, lay: _LayerLayout, prefix: str, comm, source: _We
 
 # ----------------------------------------------------------------------------- fan-out
 
-def _to_rank(obj, device, copy_tensors: bool):
-    """Tensors inside obj (tuples, lists, dicts) on `device`; always copied if copy_tensors.
-
-    Ranks need their own copies even on one device: upstream's blocks write results
-    into their input buffer.
-    """
-    if isinstance(obj, torch.Tensor):
-        if copy_tensors:
-            return obj.to(device, copy=True)
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_to_rank(o, device, copy_tensors) for o in obj)
-    if isinstance(obj, list):
-        return [_to_rank(o, device, copy_tensors) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to_rank(v, device, copy_tensors) for k, v in obj.items()}
-    return obj
-
-
 def _first_tensor_device(obj):
     if isinstance(obj, torch.Tensor):
         return obj.device
@@ -433,20 +415,17 @@ class TensorParallelDecoder(nn.Module):
                 "text generation (past_key_values) is not supported by the tensor-parallel text "
                 "encoder; it only encodes prompts. Use the single-device CLIP for generation")
         out_device = _first_tensor_device((args, kwargs))
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        per_rank = [(_to_rank(args, dev, True), _to_rank(kwargs, dev, True))
+        per_rank = [(copy_for_rank(args, dev, True), copy_for_rank(kwargs, dev, True))
                     for dev in self.coordinator.devices]
         shards = self.shards
 
         def run_shard(rank, comm, call):
-            # Grad and inference mode are thread-local: mirror the caller's.
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                return shards[rank](*call[0], **call[1])
+            return shards[rank](*call[0], **call[1])
 
         results = self.coordinator.run(run_shard, per_rank)
         if out_device is None:
             return results[0]
-        return _to_rank(results[0], out_device, False)
+        return copy_for_rank(results[0], out_device)
 
 
 def build_tensor_parallel_decoder(decoder: nn.Module, coordinator,

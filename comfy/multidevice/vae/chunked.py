@@ -225,13 +225,9 @@ class H3ChunkInterface:
 # ----------------------------------------------------------------------------- running
 
 def _run_on_devices(devices, runner, fn, per_rank_items):
-    """fn(rank, device, items) on every rank thread; the caller's grad/inference mode applies."""
-    inference = torch.is_inference_mode_enabled()
-    grad = torch.is_grad_enabled()
-
+    """fn(rank, device, items) on every rank thread (in the caller's grad/inference mode)."""
     def rank_fn(rank, comm, items):
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            return fn(rank, comm.device, items)
+        return fn(rank, comm.device, items)
 
     if runner is not None:
         if len(runner.devices) != len(devices):

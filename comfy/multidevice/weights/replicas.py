@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from comfy.multidevice.devices import module_device, resolve_device
+from comfy.multidevice.devices import accelerator_api, module_device, resolve_device
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 
 log = logging.getLogger(__name__)
@@ -426,7 +426,8 @@ def release_cached_device_memory(device_types: Iterable[str]) -> list[str]:
     """Empty the caching allocator of each device type present (npu, cuda); return those emptied."""
     emptied = []
     for kind in sorted(set(device_types)):
-        module = getattr(torch, kind, None) if kind in ("npu", "cuda") else None
+        # only a kind whose runtime is already loaded can hold cached memory
+        module = accelerator_api(kind) if kind == "cuda" or hasattr(torch, kind) else None
         if module is None or not hasattr(module, "empty_cache"):
             continue
         if kind == "cuda" and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
