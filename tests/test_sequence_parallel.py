@@ -386,3 +386,43 @@ def test_patcher_entry_point(model32, references, fake_patcher_extension):
             b - a for a, b in ShardPlan.edges(sum(s.tokens for s in fan_out.last_rank_states), 3)]
     disable_sequence_parallel_on_patcher(primary)
     assert primary.wrappers["diffusion_model"] == {}
+
+
+# ----------------------------------------------------------------------------- set-up once
+
+def test_rank_set_up_is_made_once_and_reused_by_every_forward(model32, references, monkeypatch):
+    """Contract check, K/V strategy, exchanging attention and the block table survive across
+    forwards; the modulation spans and RoPE rows are sliced once per forward, not per block;
+    every forward still matches the single device (fp32, 1e-5 relative)."""
+    from comfy.multidevice.sp import minimax_h3
+
+    checks, slices = [], []
+    real_check, real_slice = minimax_h3._require_support, minimax_h3.slice_mod_segments
+    monkeypatch.setattr(minimax_h3, "_require_support", lambda m, what: (checks.append(what), real_check(m, what)))
+    monkeypatch.setattr(minimax_h3, "slice_mod_segments", lambda s, p: (slices.append(p.rank), real_slice(s, p))[1])
+    x, t, ctx, kw = make_inputs("plain")
+    world, forwards = 3, 3
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, world), coord, sp_mode="allgather")
+        checks.clear()  # the checks of enable time itself
+        seen = []
+        for _ in range(forwards):
+            with torch.inference_mode():
+                out = sp(x, t, ctx, **kw)
+            assert rel_diff(out, references["plain"]) <= FP32_TOL
+            seen.append([(id(s), id(s.strategy), id(s.exchanging), id(s._table)) for s in sp.fan_out.last_rank_states])
+    assert seen[0] == seen[1] == seen[2]  # the same objects on every forward
+    assert len(checks) == world  # once per rank's model, at its first forward
+    assert sorted(slices) == sorted(list(range(world)) * forwards)  # once per rank and forward
+
+
+def test_auto_decides_and_logs_once_over_many_forwards(model32, caplog):
+    x, t, ctx, kw = make_inputs("plain")
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, 3), coord, sp_mode="auto")
+        with caplog.at_level("INFO", logger="comfy.multidevice.sp"):
+            for _ in range(3):
+                with torch.inference_mode():
+                    sp(x, t, ctx, **kw)
+    decisions = [r for r in caplog.records if "sp_mode auto" in r.getMessage()]
+    assert len(decisions) == 1, [r.getMessage() for r in decisions]

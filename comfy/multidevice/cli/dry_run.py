@@ -36,7 +36,7 @@ from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
                                             read_miniature_config, save_miniature)
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
-from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, KV_STRATEGIES
+from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
     g.add_argument("--cpu", action="store_true", help="use CPU ranks even when accelerators are visible")
     g.add_argument("--backend", choices=VALID_BACKENDS, default=None,
                    help="collective backend (default: COMFYUI_MULTI_DEVICE_BACKEND, else auto)")
-    g.add_argument("--sp-mode", choices=list(KV_STRATEGIES), default=DEFAULT_SP_MODE,
+    g.add_argument("--sp-mode", choices=list(SP_MODES), default=DEFAULT_SP_MODE,
                    help="how attention exchanges K/V between ranks (default %(default)s)")
     g.add_argument("--sp-overlap", type=int, default=1, metavar="CHUNKS",
                    help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "

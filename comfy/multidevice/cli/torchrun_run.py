@@ -103,7 +103,9 @@ def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
 
     def rank_forward(latents, timestep, text, **kw):
         options: dict = {}  # a fresh copy per forward, as the thread fan-out makes
-        shards.append(install_rank_sequence_parallel(replica, comm, options, sp_mode))
+        # the set-up of the first forward is reused by every later one
+        shards.append(install_rank_sequence_parallel(replica, comm, options, sp_mode,
+                                                     shard=shards[-1] if shards else None))
         return replica(latents, timestep, text, transformer_options=options, **kw)
 
     received = []

@@ -39,6 +39,15 @@ class ExchangingAttention:
         self._region_calls += 1
         return self.strategy.attend(self.comm, inner, *args, **kwargs)
 
+    def install(self, transformer_options: dict) -> "ExchangingAttention":
+        """Become the override of one forward's transformer_options, chaining the one found there."""
+        previous = transformer_options.get("optimized_attention_override")
+        while isinstance(previous, ExchangingAttention):  # a stale copy from an earlier forward
+            previous = previous.previous_override
+        self.previous_override = previous
+        transformer_options["optimized_attention_override"] = self
+        return self
+
     @contextlib.contextmanager
     def region(self, what: str = "attention"):
         if self._region_calls is not None:
@@ -56,10 +65,5 @@ class ExchangingAttention:
 
 
 def install_exchanging_attention(transformer_options: dict, comm, strategy) -> ExchangingAttention:
-    """Put an ExchangingAttention for this rank into transformer_options (chaining any override)."""
-    previous = transformer_options.get("optimized_attention_override")
-    while isinstance(previous, ExchangingAttention):  # a stale copy from an earlier forward
-        previous = previous.previous_override
-    exchanging = ExchangingAttention(comm, strategy, previous)
-    transformer_options["optimized_attention_override"] = exchanging
-    return exchanging
+    """Put a new ExchangingAttention for this rank into transformer_options (chaining any override)."""
+    return ExchangingAttention(comm, strategy).install(transformer_options)

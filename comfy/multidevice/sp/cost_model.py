@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 from comfy.multidevice.sp.plan import shard_sizes
 
-SP_MODES = ("allgather", "ulysses", "auto")
-
 
 def ulysses_degree(world: int, heads: int) -> int:
     """The hybrid rule: Ulysses over the largest group size that divides both W and the heads

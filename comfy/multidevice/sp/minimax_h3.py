@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comfy.multidevice.devices import module_device
-from comfy.multidevice.sp.attention import install_exchanging_attention
+from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
 from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, ShardPlan,
                                        slice_mod_segments, take_rows)
@@ -86,30 +86,73 @@ def _require_support(model: Any, what: str) -> None:
 # ----------------------------------------------------------------------------- one rank
 
 class H3RankShard:
-    """One rank's block replacements for one forward; created fresh for every forward."""
+    """One rank's sequence-parallel set-up, made once and reused by every forward.
 
-    def __init__(self, model, comm, exchanging_attention):
-        self.model = model
+    Made once: the K/V strategy (an `auto` choice is made on the first call and kept), the
+    exchanging attention and the table of block replacements. Per forward (`install`) only
+    what the inputs decide: the model the rank runs (checked against the contract when it is
+    a new object), the replacements chained in front of this forward's own, and at block 0
+    the shard plan with the RoPE rows and modulation spans sliced once for all blocks.
+    """
+
+    def __init__(self, comm, sp_mode=None):
         self.comm = comm
-        self.exchanging = exchanging_attention
-        self.num_blocks = len(model.blocks)
+        self.strategy = make_kv_strategy(sp_mode)
+        self.exchanging = ExchangingAttention(comm, self.strategy)
+        self.model = None
+        self.num_blocks = 0
+        self._table: dict = {}        # ("double_block", i) -> our replacement, made once per model
+        self._previous: dict = {}     # i -> the replacement we chain to in this forward
         self.plan: ShardPlan | None = None
+        self._sliced: dict = {}       # "rope_freqs" / "mod_segments" -> (full object, local rows)
 
     @property
     def tokens(self) -> int | None:
         return None if self.plan is None else self.plan.length
 
-    def replacement(self, index: int, previous: Callable | None) -> Callable:
-        """The patches_replace entry for ("double_block", index), chaining any earlier one."""
+    def install(self, model, transformer_options: dict) -> "H3RankShard":
+        """Set up one forward: edits `transformer_options` (the rank's own copy) in place."""
+        if model is not self.model:
+            _require_support(model, f"rank {self.comm.rank}'s model")
+            self.model = model
+            self.num_blocks = len(model.blocks)
+            self._table = {("double_block", i): self._replacement(i) for i in range(self.num_blocks)}
+        # H3 contract: the text refiner runs before the blocks with the same transformer_options;
+        # the override passes it through because it runs outside any SP region.
+        self.exchanging.install(transformer_options)
+        # H3 contract: block i is called through patches_replace["dit"][("double_block", i)] as
+        # replace(args, {"original_block": fn}) and must return {"img": new_h}.
+        patches = dict(transformer_options.get("patches_replace", {}))
+        dit = dict(patches.get("dit", {}))
+        ours = set(map(id, self._table.values()))
+        self._previous = {i: None if id(dit.get(key)) in ours else dit.get(key)
+                          for i, key in enumerate(self._table)}
+        dit.update(self._table)
+        patches["dit"] = dit
+        transformer_options["patches_replace"] = patches
+        self.plan = None
+        self._sliced = {}
+        return self
+
+    def _replacement(self, index: int) -> Callable:
         def sequence_parallel_block(args, extra):
-            return self._run_block(index, previous, args, extra)
+            return self._run_block(index, args, extra)
         return sequence_parallel_block
 
-    def _run_block(self, index, previous, args, extra):
+    def _local(self, key: str, args: dict, slicer) -> Any:
+        # Every block gets the same RoPE table and modulation spans: slice them once per forward.
+        full = args[key]
+        cached = self._sliced.get(key)
+        if cached is None or cached[0] is not full:
+            cached = self._sliced[key] = (full, slicer(full))
+        return cached[1]
+
+    def _run_block(self, index, args, extra):
         h = args["img"]
         if index == 0:
             # H3 contract: block 0 receives the full hidden state [S, hidden] in packed order.
             self.plan = ShardPlan(h.shape[0], self.comm.world_size, self.comm.rank)
+            self._sliced = {}
             # a copy, so the full [S, hidden] tensor is freed instead of pinned by a view
             h = take_rows(h, self.plan).clone()
         elif self.plan is None or h.shape[0] != self.plan.length:
@@ -120,12 +163,14 @@ class H3RankShard:
         local = dict(args)
         local["img"] = h
         # H3 contract: RoPE and modulation are per token, so slicing their rows is exact.
-        local["rope_freqs"] = take_rows(args["rope_freqs"], self.plan, ROPE_SEQ_DIM)
-        local["mod_segments"] = slice_mod_segments(args["mod_segments"], self.plan)
+        plan = self.plan
+        local["rope_freqs"] = self._local("rope_freqs", args, lambda t: take_rows(t, plan, ROPE_SEQ_DIM))
+        local["mod_segments"] = self._local("mod_segments", args, lambda m: slice_mod_segments(m, plan))
         # H3 contract: original_block honours args["attention"], called as
         # attention(h, rope_freqs=..., transformer_options=...) in place of the block's .attn.
         local["attention"] = self._attention(index)
         # args["layout"] still describes the full sequence; H3's block does not read it.
+        previous = self._previous.get(index)
         out = previous(local, extra) if previous is not None else extra["original_block"](local)
         h = out["img"]
         if index == self.num_blocks - 1:
@@ -148,33 +193,30 @@ class H3RankShard:
 
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
-                                   sp_mode: str | None = None) -> H3RankShard:
+                                   sp_mode=None, shard: H3RankShard | None = None) -> H3RankShard:
     """Set up one rank for one forward: exchanging attention + block replacements.
 
-    Edits `transformer_options` (the rank's own copy) and returns the rank's shard state.
-    `comm` is any per-rank communicator (exchange/all_reduce/rank/world_size/device).
+    Edits `transformer_options` (the rank's own copy) and returns the rank's shard state. Pass
+    the shard of the previous forward as `shard` to reuse its set-up (one process per rank
+    calling its own forward every step). `comm` is any per-rank `Communicator`.
     """
-    _require_support(model, f"rank {comm.rank}'s model")
-    strategy = make_kv_strategy(sp_mode)
-    # H3 contract: the text refiner runs before the blocks with the same transformer_options;
-    # the override passes it through because it runs outside any SP region.
-    exchanging = install_exchanging_attention(transformer_options, comm, strategy)
-    shard = H3RankShard(model, comm, exchanging)
-    # H3 contract: block i is called through patches_replace["dit"][("double_block", i)] as
-    # replace(args, {"original_block": fn}) and must return {"img": new_h}.
-    patches = dict(transformer_options.get("patches_replace", {}))
-    dit = dict(patches.get("dit", {}))
-    for i in range(shard.num_blocks):
-        dit[("double_block", i)] = shard.replacement(i, dit.get(("double_block", i)))
-    patches["dit"] = dit
-    transformer_options["patches_replace"] = patches
-    return shard
+    if shard is None:
+        shard = H3RankShard(comm, sp_mode)
+    return shard.install(model, transformer_options)
 
 
-def _rank_preparer(sp_mode: str | None):
-    def prepare(rank, comm, model, transformer_options):
-        return install_rank_sequence_parallel(model, comm, transformer_options, sp_mode)
-    return prepare
+class _RankShards:
+    """The `prepare_rank` of a fan-out: each rank's H3RankShard, made on its first forward."""
+
+    def __init__(self, sp_mode):
+        self.sp_mode = sp_mode
+        self.shards: dict[int, H3RankShard] = {}  # each rank thread writes its own key
+
+    def __call__(self, rank, comm, model, transformer_options):
+        shard = self.shards.get(rank)
+        if shard is None or shard.comm is not comm:
+            shard = self.shards[rank] = H3RankShard(comm, self.sp_mode)
+        return shard.install(model, transformer_options)
 
 
 # ----------------------------------------------------------------------------- plain modules
@@ -196,7 +238,7 @@ class SequenceParallelDiT:
         self.models = list(models)
         self.coordinator = coordinator
         self.sp_mode = sp_mode
-        self.fan_out = SequenceParallelFanOut(coordinator, self.models, prepare_rank=_rank_preparer(sp_mode))
+        self.fan_out = SequenceParallelFanOut(coordinator, self.models, prepare_rank=_RankShards(sp_mode))
 
     @property
     def world_size(self) -> int:
@@ -273,7 +315,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     for r, rep in enumerate(entries):
         if rep is not None:
             _require_support(_diffusion_module(rep), f"replica {r}")
-    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_rank_preparer(sp_mode),
+    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode),
                                      resolve_model=_diffusion_module)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)

@@ -24,6 +24,16 @@ class SequenceParallelError(RuntimeError):
 
 # ----------------------------------------------------------------------------- shard plan
 
+def shard_start(total: int, world: int, rank: int) -> int:
+    """Where rank `rank` of `world` starts in `total` rows: the one shard formula of the package."""
+    return total * rank // world
+
+
+def shard_sizes(total: int, world: int) -> list[int]:
+    """Rows per rank under the plan [S*r//W, S*(r+1)//W)."""
+    return [shard_start(total, world, r + 1) - shard_start(total, world, r) for r in range(world)]
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Which rows of a packed sequence of `seq_len` rows rank `rank` of `world_size` owns."""
@@ -44,15 +54,16 @@ class ShardPlan:
 
     @staticmethod
     def edges(seq_len: int, world_size: int) -> list[tuple[int, int]]:
-        return [(seq_len * r // world_size, seq_len * (r + 1) // world_size) for r in range(world_size)]
+        return [(shard_start(seq_len, world_size, r), shard_start(seq_len, world_size, r + 1))
+                for r in range(world_size)]
 
     @property
     def start(self) -> int:
-        return self.seq_len * self.rank // self.world_size
+        return shard_start(self.seq_len, self.world_size, self.rank)
 
     @property
     def stop(self) -> int:
-        return self.seq_len * (self.rank + 1) // self.world_size
+        return shard_start(self.seq_len, self.world_size, self.rank + 1)
 
     @property
     def length(self) -> int:
@@ -96,7 +107,3 @@ def gather_rows(comm, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """All-gather-V the ranks' rows back into the full sequence (rank order)."""
     return comm.exchange([tensor], [dim])[0]
 
-
-def shard_sizes(total: int, world: int) -> list[int]:
-    """Rows per rank under the plan [S*r//W, S*(r+1)//W)."""
-    return [total * (r + 1) // world - total * r // world for r in range(world)]

@@ -3,7 +3,7 @@
   allgather  `AllGatherKV`: every rank gathers the full K and V, keeps its own Q rows
   ulysses    `UlyssesKV` (ulysses.py): all-to-all from sequence shards to head shards
   auto       `AutoKV`: allgather or ulysses, whichever the byte model (cost_model.py) says
-             moves fewer bytes, decided once per sequence length and logged once
+             moves fewer bytes, decided on the first call and logged once
 
 `SPMode` carries a mode with its options; `make_kv_strategy` turns a name or an SPMode into a
 strategy object with `attend(comm, attention_fn, q, k, v, heads, ...)`.
@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from comfy.multidevice.sp.cost_model import choose_sp_mode, SP_MODES, ulysses_degree
+from comfy.multidevice.sp.cost_model import choose_sp_mode, ulysses_degree
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.sp.ulysses import UlyssesKV
 
@@ -44,23 +44,12 @@ class AllGatherKV:
         return attention_fn(q, k_full, v_full, heads, *args, **kwargs)
 
 
-def _ulysses_kv():
-    from comfy.multidevice.sp.ulysses import UlyssesKV  # comfy/multidevice/sp/ulysses.py: all-to-all and hybrid exchanges
-    return UlyssesKV()
-
-
-def _auto_kv():
-    from comfy.multidevice.sp.strategies import AutoKV  # picks allgather or ulysses by the byte model
-    return AutoKV()
-
-
-KV_STRATEGIES: dict[str, Callable] = {"allgather": AllGatherKV, "ulysses": _ulysses_kv, "auto": _auto_kv}
 DEFAULT_SP_MODE = "allgather"
 
 
 def make_kv_strategy(sp_mode=None):
     """The K/V exchange strategy for an `sp_mode` string (None -> the default), or for a
-    configured mode object with a `make_kv_strategy()` method (comfy.multidevice.sp.strategies.SPMode)."""
+    configured mode object with a `make_kv_strategy()` method (an `SPMode`)."""
     if hasattr(sp_mode, "make_kv_strategy"):
         return sp_mode.make_kv_strategy()
     name = (sp_mode or DEFAULT_SP_MODE).strip().lower()
@@ -71,7 +60,12 @@ def make_kv_strategy(sp_mode=None):
 
 
 class AutoKV:
-    """K/V exchange strategy "auto": allgather or ulysses, by the byte model, per call site."""
+    """K/V exchange strategy "auto": allgather or ulysses, by the byte model.
+
+    The choice depends on W, the heads and the head dim only (the byte ratio of the two modes
+    does not change with the sequence length), so it is made on the first call and kept: one
+    strategy object lives as long as the rank's set-up, and rank 0 logs the choice once.
+    """
 
     name = "auto"
 
@@ -122,3 +116,8 @@ class SPMode:
 
     def __str__(self):
         return self.mode + (f" (overlap {self.overlap_chunks} chunks)" if self.overlap_chunks > 1 else "")
+
+
+# The one registry of mode names: the CLI's choices, SPMode's check and make_kv_strategy use it.
+KV_STRATEGIES: dict[str, Callable] = {"allgather": AllGatherKV, "ulysses": UlyssesKV, "auto": AutoKV}
+SP_MODES = tuple(KV_STRATEGIES)
