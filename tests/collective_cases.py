@@ -1,8 +1,8 @@
 """Backend-independent collective tests, run once per backend.
 
 A test module imports the cases it wants and defines a `backend` fixture that returns the
-backend name (after pointing the library variable at the fake): the coordinator tests run
-them on peer-copy and HCCL, tests/test_multicuda.py on NCCL. Exchanges are compared with
+backend name (after pointing the library variable at the fake): tests/comm/test_peer.py and
+test_hccl.py run them on peer-copy and HCCL, tests/comm/test_nccl.py on NCCL. Exchanges are compared with
 torch.cat of the shards bit for bit (an all-gather moves bits, it computes nothing);
 all-reduce sums with the rank-order sum, exact in fp32 and within a stated rounding in
 16-bit types.

@@ -1,7 +1,7 @@
 """The sequence-parallel cost model (comfy/multidevice/sp/cost_model.py) and the H3 projection (bench/project_h3.py).
 
 The byte formulas are checked here for their algebra (closed forms, conservation, the
-allgather/ulysses relations); tests/test_ulysses.py checks them against the byte counters of
+allgather/ulysses relations); tests/sp/test_ulysses.py checks them against the byte counters of
 real runs of the miniature.
 """
 
@@ -15,7 +15,7 @@ import pytest
 from comfy.multidevice.sp.cost_model import (DiTShape, attention_traffic, choose_sp_mode, forward_flops, forward_traffic, ulysses_degree)
 from comfy.multidevice.sp.plan import shard_sizes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_ulysses_degree_is_the_largest_common_divisor_group():

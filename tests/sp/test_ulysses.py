@@ -1,6 +1,6 @@
 """Ulysses (all-to-all) sequence parallel, its hybrid, the overlapped exchange and `auto`.
 
-The parity matrix of tests/test_sequence_parallel.py (W in 1..4, the four layouts: S not
+The parity matrix of tests/sp/test_minimax_h3.py (W in 1..4, the four layouts: S not
 divisible by W, shard edges inside segments, a rank holding only video rows, S barely above W,
 cond/reference segments, per-token modulation rows) for the new modes, on peer-copy and on the
 fake HCCL and NCCL libraries, against the single-device forward of the same model and inputs.
@@ -370,7 +370,7 @@ def test_dry_run_options(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, str(repo / "minimax_h3_parallel.py"), "run", "--devices", "3", "--cpu",
            "--sp-mode", "ulysses", "--sp-overlap", "2", "--steps", "2", "--frames", "22", "--width", "128",
            "--height", "96", "--hidden", "64", "--blocks", "2", "--heads", "6", "--head-dim", "16",

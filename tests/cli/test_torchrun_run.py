@@ -16,7 +16,7 @@ import pytest
 
 from comfy.multidevice.cli.dry_run import REPORT_KEYS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 240
 TINY = ["--cpu", "--steps", "2", "--frames", "5", "--width", "64", "--height", "64", "--text-tokens", "8",
         "--hidden", "64", "--blocks", "2", "--heads", "2", "--head-dim", "16", "--no-progress"]

@@ -26,7 +26,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def run_ranks(world, worker_name, tmp_path, **kwargs):
-    return run_rank_processes(world, "tests.test_multinode", worker_name, tmp_path, **kwargs)
+    return run_rank_processes(world, "tests.comm.test_torch_dist", worker_name, tmp_path, **kwargs)
 
 
 def free_loopback_port():

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from comfy.multidevice.cli import dry_run as minimax_h3_dry_run
 from comfy.multidevice.cli.dry_run import REPORT_KEYS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_ARGS = ["--frames", "5", "--width", "64", "--height", "64", "--text-tokens", "9", "--hidden", "40",
              "--blocks", "2", "--heads", "2", "--head-dim", "24", "--steps", "2", "--no-progress"]
 

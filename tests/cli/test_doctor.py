@@ -11,7 +11,7 @@ import pytest
 
 from comfy.multidevice.cli import doctor
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "minimax_h3_parallel.py"
 
 # Variables that would change what the doctor selects on a developer's machine.

@@ -585,7 +585,7 @@ def distributed_worker(comm):
 @pytest.mark.timeout(120)
 def test_shards_run_over_the_torch_distributed_communicator(tmp_path):
     world = 2
-    out = run_rank_processes(world, "tests.test_tensor_parallel", "distributed_worker", tmp_path)
+    out = run_rank_processes(world, "tests.tp.test_tensor_parallel", "distributed_worker", tmp_path)
     assert sorted(out) == list(range(world)), f"ranks reported: {sorted(out)}"
     for rank, (status, payload) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {payload}"

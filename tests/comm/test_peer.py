@@ -1,0 +1,18 @@
+"""The peer-copy backend (comm/peer.py): the backend-independent exactness cases of
+tests/collective_cases.py, run on peer-copy as tests/comm/test_hccl.py and test_nccl.py run
+them on the ctypes backends.
+"""
+
+import pytest
+
+from tests.collective_cases import (test_all_reduce_16bit_within_rounding,  # noqa: F401
+                                    test_all_reduce_fp32_exact, test_all_reduce_int32,
+                                    test_exchange_matches_cat, test_exchange_with_empty_shards,
+                                    test_failing_rank_ends_the_run_fast,
+                                    test_many_collectives_in_a_row_stay_in_step,
+                                    test_non_contiguous_shards)
+
+
+@pytest.fixture
+def backend():
+    return "peer"
