@@ -113,6 +113,8 @@ class CollectiveLibrary:
     error_string = ""
     error_class = CollectiveLibraryError
     success = 0
+    dtypes: dict = {}      # torch dtype -> the library's dtype enum
+    reduce_ops: dict = {}  # "sum" / "max" / ... -> the library's reduction enum
 
     def __init__(self, path: str | None = None, lib: CLibrary | None = None):
         self.lib = lib or CLibrary(path or library_path(self.path_env, self.default_path),
@@ -128,6 +130,9 @@ class CollectiveLibrary:
     def call(self, function: str, *args) -> None:
         """Call `function` and raise `error_class` on a non-zero result."""
         self.check(function, self.lib[function](*args))
+
+    def dtype(self, dtype: torch.dtype) -> int:
+        return dtype_code(self.dtypes, dtype, self.what)
 
 
 def device_ids(devices) -> list[int]:
@@ -249,7 +254,8 @@ class CommunicatorBackend(FlatCollectiveBackend):
 
     Subclasses set `name`, `device_kind` / `hardware` (which devices the library drives;
     CPU is always accepted, for the fake libraries) and `library_class`, and implement
-    `_init_comms(device_ids)` / `_destroy_comm(comm)` plus the flat collective hooks.
+    the flat all-gather-V (and optionally all-to-all-V) hooks; the library supplies
+    `comm_init_all`, `comm_destroy` and `all_reduce`.
     """
 
     device_kind = ""
@@ -266,10 +272,15 @@ class CommunicatorBackend(FlatCollectiveBackend):
         self.comms = self._init_comms(device_ids(coordinator.devices))
 
     def _init_comms(self, ids: list[int]) -> list:
-        raise NotImplementedError
+        return self.library.comm_init_all(ids)
 
     def _destroy_comm(self, comm) -> None:
-        raise NotImplementedError
+        self.library.comm_destroy(comm)
+
+    def _all_reduce_flat(self, rank, send, recv, op, stream):
+        self.library.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(),
+                                self.library.dtype(send.dtype), self.library.reduce_ops[op],
+                                self.comms[rank], stream)
 
     def close(self):
         comms, self.comms = self.comms, []

@@ -20,7 +20,7 @@ import torch
 
 from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
                                                CollectiveLibraryError, CommunicatorBackend,
-                                               device_ids, dtype_code)
+                                               dtype_code)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ class HcclLibrary(CollectiveLibrary):
     error_string = "HcclGetErrorString"
     error_class = HcclError
     success = HCCL_SUCCESS
+    dtypes = HCCL_DTYPES
+    reduce_ops = HCCL_REDUCE_OPS
 
     @property
     def has_all_gather_v(self) -> bool:
@@ -135,8 +137,6 @@ class HcclLibrary(CollectiveLibrary):
     def broadcast(self, buf, count, dtype, root, comm, stream) -> None:
         self.call("HcclBroadcast", buf, count, dtype, root, comm, stream)
 
-
-_device_ids = device_ids  # kept for callers of the earlier private name
 
 
 class HcclBackend(CommunicatorBackend):
@@ -188,16 +188,6 @@ class HcclBackend(CommunicatorBackend):
                                dtype, self.comms[rank], stream)
         return host
 
-    def _all_reduce_flat(self, rank, send, recv, op, stream):
-        self.hccl.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(), hccl_dtype(send.dtype),
-                             HCCL_REDUCE_OPS[op], self.comms[rank], stream)
-
     @property
     def hccl(self) -> HcclLibrary:
         return self.library
-
-    def _init_comms(self, ids):
-        return self.hccl.comm_init_all(ids)
-
-    def _destroy_comm(self, comm):
-        self.hccl.comm_destroy(comm)

@@ -113,6 +113,8 @@ class NcclLibrary(CollectiveLibrary):
     error_string = "ncclGetErrorString"
     error_class = NcclError
     success = NCCL_SUCCESS
+    dtypes = NCCL_DTYPES
+    reduce_ops = NCCL_REDUCE_OPS
 
     def comm_init_all(self, device_ids: list[int]) -> list[int]:
         n = len(device_ids)
@@ -158,12 +160,6 @@ class NcclBackend(CommunicatorBackend):
     @property
     def nccl(self) -> NcclLibrary:
         return self.library
-
-    def _init_comms(self, ids):
-        return self.nccl.comm_init_all(ids)
-
-    def _destroy_comm(self, comm):
-        self.nccl.comm_destroy(comm)
 
     def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
         dtype = nccl_dtype(send.dtype)
@@ -216,7 +212,3 @@ class NcclBackend(CommunicatorBackend):
             raise
         self.nccl.group_end()
         return None
-
-    def _all_reduce_flat(self, rank, send, recv, op, stream):
-        self.nccl.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(), nccl_dtype(send.dtype),
-                             NCCL_REDUCE_OPS[op], self.comms[rank], stream)
