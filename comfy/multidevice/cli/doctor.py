@@ -295,7 +295,7 @@ def format_text(report: dict) -> str:
     lines.append(f"torch      {v['torch']}, torch_npu {v['torch_npu'] or 'not installed'}, "
                  f"CUDA runtime {v['cuda_runtime'] or 'none'}")
     d = report["devices"]
-    for kind in ("npu", "cuda"):
+    for kind in ACCELERATOR_KINDS:
         entry = d[kind]
         names = ", ".join(f"{kind}:{x['index']} {x['name']} {x['memory_bytes'] / 2**30:.1f} GiB"
                           for x in entry["devices"])

@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
 
 
 @dataclass
-class Plan:
+class RunSettings:
     """Validated options: sizes in latent rows, the model config, the devices."""
 
     devices: list[str]
@@ -133,7 +133,7 @@ def choose_devices(n: int | None, cpu: bool) -> list[str]:
     return accelerators[:n]
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
+def make_settings(args: argparse.Namespace) -> RunSettings:
     """Check every option before anything is built."""
     if args.steps < 1:
         raise DryRunError(f"--steps {args.steps}: need at least 1 step")
@@ -177,44 +177,44 @@ def make_plan(args: argparse.Namespace) -> Plan:
     dtype = getattr(torch, args.dtype)
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[args.dtype]
     audio_t = math.ceil(args.frames / VIDEO_FPS * AUDIO_LATENT_HZ)
-    plan = Plan(devices, (args.frames - 5) // 17 * 5 + 2, args.height // VAE_SPATIAL, args.width // VAE_SPATIAL,
+    settings = RunSettings(devices, (args.frames - 5) // 17 * 5 + 2, args.height // VAE_SPATIAL, args.width // VAE_SPATIAL,
                 audio_t, config, dtype, tolerance, args)
-    seq = plan_seq_len(plan)
+    seq = sequence_length(settings)
     if seq < len(devices):
         raise DryRunError(f"{seq} tokens cannot be split over {len(devices)} ranks; use --devices {seq} or fewer")
-    return plan
+    return settings
 
 
-def plan_rows(plan: Plan) -> dict[str, int]:
+def latent_rows(settings: RunSettings) -> dict[str, int]:
     """Packed rows per part of the sequence."""
-    frame_rows = (plan.latent_h // PATCH) * (plan.latent_w // PATCH)
-    return {"text": plan.args.text_tokens, "refs": plan.args.refs * frame_rows,
-            "audio": 2 * plan.audio_t, "video": plan.latent_t * frame_rows}
+    frame_rows = (settings.latent_h // PATCH) * (settings.latent_w // PATCH)
+    return {"text": settings.args.text_tokens, "refs": settings.args.refs * frame_rows,
+            "audio": 2 * settings.audio_t, "video": settings.latent_t * frame_rows}
 
 
-def plan_seq_len(plan: Plan) -> int:
-    return sum(plan_rows(plan).values())
+def sequence_length(settings: RunSettings) -> int:
+    return sum(latent_rows(settings).values())
 
 
 # ----------------------------------------------------------------------------- weights
 
-def checkpoint_path(plan: Plan) -> Path:
-    key = json.dumps({"config": plan.config.to_json(), "seed": plan.args.seed, "dtype": plan.args.dtype},
+def checkpoint_path(settings: RunSettings) -> Path:
+    key = json.dumps({"config": settings.config.to_json(), "seed": settings.args.seed, "dtype": settings.args.dtype},
                      sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return Path(plan.args.cache) / f"minimax-h3-miniature-{digest}.safetensors"
+    return Path(settings.args.cache) / f"minimax-h3-miniature-{digest}.safetensors"
 
 
-def ensure_checkpoint(plan: Plan) -> tuple[Path, bool]:
+def ensure_checkpoint(settings: RunSettings) -> tuple[Path, bool]:
     """The seeded miniature as a safetensors file in the cache; (path, reused)."""
-    path = checkpoint_path(plan)
+    path = checkpoint_path(settings)
     if path.exists():
         config, dtype = read_miniature_config(path)
-        if config == plan.config and dtype == plan.dtype:
+        if config == settings.config and dtype == settings.dtype:
             return path, True
         log.warning("cached %s does not match the requested model; rebuilding it", path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    model = build_miniature(plan.config, seed=plan.args.seed, dtype=plan.dtype)
+    model = build_miniature(settings.config, seed=settings.args.seed, dtype=settings.dtype)
     tmp = path.with_suffix(".tmp")
     save_miniature(model, tmp)
     os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
@@ -226,9 +226,6 @@ class Replicas:
     modules: list[torch.nn.Module]
     source: str        # how they were built
     bytes_read: int    # checkpoint bytes read from disk for them
-
-    def __iter__(self):  # callers written against the earlier (modules, source) tuple still unpack it
-        return iter((self.modules, self.source))
 
 
 def build_replicas(path: Path, devices: list[str]) -> Replicas:
@@ -252,15 +249,15 @@ def build_replicas(path: Path, devices: list[str]) -> Replicas:
 
 # ----------------------------------------------------------------------------- sampling
 
-def make_inputs(plan: Plan) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
+def make_inputs(settings: RunSettings) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
     """Seeded noise latents, text states and reference-image latents (on the CPU)."""
-    cfg = plan.config
-    g = torch.Generator().manual_seed(plan.args.seed + 1)
-    video = torch.randn(1, cfg.latents_dim, plan.latent_t, plan.latent_h, plan.latent_w, generator=g)
-    audio = torch.randn(1, cfg.audio_latents_dim, 2, plan.audio_t, generator=g)
-    text = torch.randn(1, plan.args.text_tokens, cfg.text_dim, generator=g)
-    refs = [torch.randn(1, cfg.latents_dim, 1, plan.latent_h, plan.latent_w, generator=g)
-            for _ in range(plan.args.refs)]
+    cfg = settings.config
+    g = torch.Generator().manual_seed(settings.args.seed + 1)
+    video = torch.randn(1, cfg.latents_dim, settings.latent_t, settings.latent_h, settings.latent_w, generator=g)
+    audio = torch.randn(1, cfg.audio_latents_dim, 2, settings.audio_t, generator=g)
+    text = torch.randn(1, settings.args.text_tokens, cfg.text_dim, generator=g)
+    refs = [torch.randn(1, cfg.latents_dim, 1, settings.latent_h, settings.latent_w, generator=g)
+            for _ in range(settings.args.refs)]
     kwargs = {"minimax_payload": {"ref_image_latents": refs}} if refs else {}
     return [video, audio], text, kwargs
 
@@ -320,48 +317,48 @@ def _cpu_threads_per_rank(devices: list[str]) -> int | None:
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     try:
-        plan = make_plan(args)
+        settings = make_settings(args)
     except DryRunError as exc:
         print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
         return 2
     try:  # a backend that cannot start is a bad option too: say so before anything is built
-        coord = SequenceParallelCoordinator(plan.devices, backend=args.backend)
+        coord = SequenceParallelCoordinator(settings.devices, backend=args.backend)
     except (BackendUnavailable, ValueError) as exc:
         print(f"minimax_h3_parallel.py run: --backend {args.backend or 'auto'}: {exc}", file=sys.stderr)
         return 2
     try:
-        return _run_on(coord, plan, args, out)
+        return _run_on(coord, settings, args, out)
     finally:
         coord.close()
 
 
-def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Namespace, out) -> int:
+def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: argparse.Namespace, out) -> int:
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
-    cfg, world = plan.config, len(plan.devices)
+    cfg, world = settings.config, len(settings.devices)
     say(f"MiniMax-H3 dry run: miniature DiT (hidden {cfg.hidden_size}, {cfg.num_layers} blocks, "
         f"{cfg.num_attention_heads}x{cfg.attention_head_dim} heads), {args.dtype}, seed {args.seed}")
 
-    path, reused = ensure_checkpoint(plan)
+    path, reused = ensure_checkpoint(settings)
     size_mb = path.stat().st_size / 2 ** 20
     say(f"[weights] {path} ({size_mb:.1f} MiB, {'reused from the cache' if reused else 'built and saved'})")
-    built = build_replicas(path, plan.devices)
+    built = build_replicas(path, settings.devices)
     replicas = built.modules
     say(f"[weights] {world} replica(s) from one read-only base ({built.source}): "
         f"{built.bytes_read / 2 ** 20:.1f} MiB read from disk")
 
-    x, context, kwargs = make_inputs(plan)
+    x, context, kwargs = make_inputs(settings)
     sigmas = sigma_schedule(args.steps, cfg.sigma_shift_video)
-    seq_len = plan_seq_len(plan)
+    seq_len = sequence_length(settings)
     tokens_per_rank = [b - a for a, b in ShardPlan.edges(seq_len, world)]
 
     threads_before = torch.get_num_threads()
-    per_rank_threads = _cpu_threads_per_rank(plan.devices)
+    per_rank_threads = _cpu_threads_per_rank(settings.devices)
     with coord:
         backend = coord.backend_name
-        say(f"[ranks] {world} x {plan.devices[0].split(':')[0]} ({', '.join(plan.devices)}), backend {backend}"
+        say(f"[ranks] {world} x {settings.devices[0].split(':')[0]} ({', '.join(settings.devices)}), backend {backend}"
             + (f" (fallback: {coord.fallback_reason})" if coord.fallback_reason else "")
             + f", sp mode {args.sp_mode}")
-        parts = ", ".join(f"{k} {n}" for k, n in plan_rows(plan).items())
+        parts = ", ".join(f"{k} {n}" for k, n in latent_rows(settings).items())
         say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {tokens_per_rank}")
         from comfy.multidevice.sp.strategies import SPMode
         sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap))
@@ -382,7 +379,7 @@ def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Names
     bytes_per_step = max(exchanged) if exchanged else 0
     say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
-    mode_used, model_bytes = _traffic_model(plan, seq_len, world)
+    mode_used, model_bytes = _traffic_model(settings, seq_len, world)
     say(f"[traffic] sp mode {mode_used}: received per rank and step "
         f"{[round(c['received'] / args.steps / 2 ** 20, 2) for c in byte_counts]} MiB "
         f"(byte model: {model_bytes / 2 ** 20:.2f} MiB in all ranks per step)")
@@ -390,7 +387,7 @@ def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Names
     ref_latents, ref_seconds = None, None
     if not args.no_reference:
         reference = replicas[0]
-        ref_dev = plan.devices[0]
+        ref_dev = settings.devices[0]
         ref_latents, rs = euler_sample(
             reference, [z.to(ref_dev) for z in x], context.to(ref_dev), copy_for_rank(kwargs, torch.device(ref_dev)), sigmas,
             Progress("reference on 1 device", args.steps, not args.no_progress))
@@ -398,15 +395,15 @@ def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Names
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
 
     report = {
-        "world_size": world, "backend": backend, "sp_mode": args.sp_mode, "devices": plan.devices,
+        "world_size": world, "backend": backend, "sp_mode": args.sp_mode, "devices": settings.devices,
         "tokens": seq_len, "tokens_per_rank": tokens_per_rank, "steps": args.steps,
-        "max_abs_diff": None, "rel_diff": None, "tolerance": plan.tolerance, "parity": "skipped",
+        "max_abs_diff": None, "rel_diff": None, "tolerance": settings.tolerance, "parity": "skipped",
         "seconds_per_step": round(sp_seconds, 6),
         "reference_seconds_per_step": None if ref_seconds is None else round(ref_seconds, 6),
         "speedup": None if ref_seconds is None else round(ref_seconds / sp_seconds, 4),
         "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
         "cpu_threads_per_rank": per_rank_threads,
-        "reference_cpu_threads": threads_before if plan.devices[0].startswith("cpu") else None,
+        "reference_cpu_threads": threads_before if settings.devices[0].startswith("cpu") else None,
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": built.source,
         "checkpoint_bytes_read": built.bytes_read,
         "out": str(args.out),
@@ -418,9 +415,9 @@ def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Names
         scale = max(float(b.float().abs().max()) for b in ref_latents)
         report["max_abs_diff"] = diff
         report["rel_diff"] = diff / scale if scale > 0 else diff
-        report["parity"] = "ok" if report["rel_diff"] <= plan.tolerance else "fail"
+        report["parity"] = "ok" if report["rel_diff"] <= settings.tolerance else "fail"
         say(f"[parity] max |diff| {diff:.3e}, relative {report['rel_diff']:.3e} "
-            f"(tolerance {plan.tolerance:g}): {report['parity']}")
+            f"(tolerance {settings.tolerance:g}): {report['parity']}")
 
     write_outputs(Path(args.out), latents, ref_latents, report)
     say(f"[output] {Path(args.out) / 'latents.safetensors'}, {Path(args.out) / 'report.json'}")
@@ -428,16 +425,16 @@ def _run_on(coord: SequenceParallelCoordinator, plan: Plan, args: argparse.Names
     return 1 if report["parity"] == "fail" else 0
 
 
-def _traffic_model(plan: Plan, seq_len: int, world: int) -> tuple[str, int]:
+def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str, int]:
     """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
     from comfy.multidevice.sp.cost_model import DiTShape, choose_sp_mode, forward_traffic
-    cfg = plan.config
-    mode = plan.args.sp_mode
+    cfg = settings.config
+    mode = settings.args.sp_mode
     if mode == "auto":
         mode = choose_sp_mode(world, cfg.num_attention_heads, cfg.attention_head_dim)
     shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=cfg.num_attention_heads,
                      head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size)
-    itemsize = plan.dtype.itemsize
+    itemsize = settings.dtype.itemsize
     total = sum(forward_traffic(mode, shape, seq_len, world, r, itemsize)["total"].received
                 for r in range(world))
     return mode, total

@@ -27,26 +27,26 @@ from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
 
 
-def _plan(args: argparse.Namespace, world: int) -> dry.Plan:
+def _settings(args: argparse.Namespace, world: int) -> dry.RunSettings:
     if args.devices is not None and args.devices != world:
         raise dry.DryRunError(f"--devices {args.devices} under torchrun: the ranks are the "
                               f"{world} processes; leave --devices out or start {args.devices} "
                               "processes (torchrun --nproc-per-node / --nnodes)")
     # The dry run picks the devices of one process; here each process has its own device,
     # so validate every other option with a single CPU rank.
-    plan = dry.make_plan(argparse.Namespace(**{**vars(args), "devices": 1, "cpu": True}))
-    if dry.plan_seq_len(plan) < world:
-        raise dry.DryRunError(f"{dry.plan_seq_len(plan)} tokens cannot be split over {world} ranks")
-    return plan
+    settings = dry.make_settings(argparse.Namespace(**{**vars(args), "devices": 1, "cpu": True}))
+    if dry.sequence_length(settings) < world:
+        raise dry.DryRunError(f"{dry.sequence_length(settings)} tokens cannot be split over {world} ranks")
+    return settings
 
 
-def _ensure_checkpoint_once(plan: dry.Plan, comm: DistributedComm, local_rank: int):
+def _ensure_checkpoint_once(settings: dry.RunSettings, comm: DistributedComm, local_rank: int):
     """Rank 0 builds the cached checkpoint, then the first process of every other machine
     (its own disk), then the rest read it: never two writers of one file."""
     result = None
     for turn in (comm.rank == 0, local_rank == 0, True):
         if turn and result is None:
-            result = dry.ensure_checkpoint(plan)
+            result = dry.ensure_checkpoint(settings)
         comm.barrier()
     return result
 
@@ -71,30 +71,30 @@ def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
 def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
     lead = comm.rank == 0
     try:
-        plan = _plan(args, comm.world_size)
+        settings = _settings(args, comm.world_size)
     except dry.DryRunError as exc:  # every rank validates the same options: all stop here
         if lead:
             print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
         return 2
     say = (lambda text: print(text, file=out, flush=True)) if lead else (lambda text: None)
-    cfg, world, device = plan.config, comm.world_size, comm.device
+    cfg, world, device = settings.config, comm.world_size, comm.device
     say(f"MiniMax-H3 dry run under torchrun: miniature DiT (hidden {cfg.hidden_size}, {cfg.num_layers} "
         f"blocks), {args.dtype}, seed {args.seed}, {world} processes")
 
-    path, reused = _ensure_checkpoint_once(plan, comm, local_rank)
+    path, reused = _ensure_checkpoint_once(settings, comm, local_rank)
     say(f"[weights] {path} ({'reused from the cache' if reused else 'built and saved'})")
     replica, weights_source = _one_replica(path, device)
 
     index = torch.tensor([device.index if device.index is not None else -1])
     indices = comm.exchange([index], 0)[0].tolist()
     devices = [device.type if i < 0 else f"{device.type}:{i}" for i in indices]
-    seq_len = dry.plan_seq_len(plan)
+    seq_len = dry.sequence_length(settings)
     tokens_per_rank = [b - a for a, b in ShardPlan.edges(seq_len, world)]
     backend = f"torch.distributed {comm.backend_name}"
     say(f"[ranks] {world} processes ({', '.join(devices)}), backend {backend}, sp mode {args.sp_mode}")
     say(f"[sequence] {seq_len} tokens; tokens per rank {tokens_per_rank}")
 
-    x, context, kwargs = dry.make_inputs(plan)
+    x, context, kwargs = dry.make_inputs(settings)
     x, context, kwargs = [z.to(device) for z in x], context.to(device), copy_for_rank(kwargs, torch.device(device))
     sigmas = dry.sigma_schedule(args.steps, cfg.sigma_shift_video)
     shards = []
@@ -132,7 +132,7 @@ def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
     report = {
         "world_size": world, "backend": backend, "sp_mode": args.sp_mode, "devices": devices,
         "tokens": seq_len, "tokens_per_rank": tokens_per_rank, "steps": args.steps,
-        "max_abs_diff": None, "rel_diff": None, "tolerance": plan.tolerance, "parity": "skipped",
+        "max_abs_diff": None, "rel_diff": None, "tolerance": settings.tolerance, "parity": "skipped",
         "seconds_per_step": round(sp_seconds, 6), "reference_seconds_per_step": None, "speedup": None,
         "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
         "cpu_threads_per_rank": torch.get_num_threads() if device.type == "cpu" else None,
@@ -154,11 +154,11 @@ def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
         report.update(max_abs_diff=diff, rel_diff=diff / scale if scale > 0 else diff,
                       reference_seconds_per_step=round(ref_seconds, 6),
                       speedup=round(ref_seconds / sp_seconds, 4))
-        report["parity"] = "ok" if report["rel_diff"] <= plan.tolerance else "fail"
+        report["parity"] = "ok" if report["rel_diff"] <= settings.tolerance else "fail"
         failed = 1.0 if report["parity"] == "fail" else 0.0
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
         say(f"[parity] max |diff| {diff:.3e}, relative {report['rel_diff']:.3e} "
-            f"(tolerance {plan.tolerance:g}): {report['parity']}")
+            f"(tolerance {settings.tolerance:g}): {report['parity']}")
     failed = float(comm.all_reduce(torch.tensor([failed], device=device), "max").item())
     if lead:
         dry.write_outputs(Path(args.out), latents, ref_latents, report)

@@ -37,7 +37,8 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           displacements, exchange_traffic, normalize_dims, numel,
                                           ShardMeta, TrafficCounter, unflatten_gathered,
                                           VALID_REDUCE_OPS)
-from comfy.multidevice.devices import accelerator_api, resolve_device, set_thread_device
+from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, resolve_device,
+                                       set_thread_device)
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,10 @@ def read_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
 
 def default_device(local_rank: int) -> torch.device:
     """This process's device: NPU `local_rank`, else CUDA GPU `local_rank`, else the CPU."""
-    npu = accelerator_api("npu")
-    if npu is not None and npu.is_available() and npu.device_count() > 0:
-        return _indexed("npu", local_rank, npu.device_count())
-    if torch.cuda.is_available():
-        return _indexed("cuda", local_rank, torch.cuda.device_count())
+    for kind in ACCELERATOR_KINDS:  # NPUs first, as everywhere in the package
+        api = accelerator_api(kind)
+        if api is not None and api.is_available() and api.device_count() > 0:
+            return _indexed(kind, local_rank, api.device_count())
     return torch.device("cpu")
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
@@ -275,16 +276,6 @@ def enable_sequence_parallel(models: Sequence[torch.nn.Module], coordinator,
 
 # ----------------------------------------------------------------------------- ComfyUI
 
-def _diffusion_module(entry):
-    """A ModelPatcher, a ComfyUI BaseModel or the DiT itself -> the DiT module."""
-    model = getattr(entry, "model", None)  # ModelPatcher.model is the BaseModel
-    if model is not None and hasattr(model, "diffusion_model"):
-        return model.diffusion_model
-    if hasattr(entry, "diffusion_model"):  # BaseModel
-        return entry.diffusion_model
-    return entry
-
-
 def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Sequence[Any],
                                         sp_mode: str | None = "allgather") -> SequenceParallelFanOut:
     """ComfyUI entry point: make `model_patcher`'s DiT forward run sequence parallel.
@@ -304,7 +295,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     if len(replicas) != coordinator.world_size:
         raise ValueError(f"enable_sequence_parallel_on_patcher got {len(replicas)} replicas for "
                          f"{coordinator.world_size} ranks; pass one per rank (None for rank 0)")
-    _require_support(_diffusion_module(model_patcher), "the patcher's diffusion model")
+    _require_support(dit_module(model_patcher), "the patcher's diffusion model")
     load_device = getattr(model_patcher, "load_device", None)
     if load_device is not None and torch.device(load_device) != coordinator.devices[0]:
         # rank 0 runs the patcher's own model, so it must load where rank 0 computes
@@ -314,9 +305,9 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
                for r, rep in enumerate(replicas)]
     for r, rep in enumerate(entries):
         if rep is not None:
-            _require_support(_diffusion_module(rep), f"replica {r}")
+            _require_support(dit_module(rep), f"replica {r}")
     fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode),
-                                     resolve_model=_diffusion_module)
+                                     resolve_model=dit_module)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)
     log.info("sequence parallel (%s) enabled on %d rank(s): %s", sp_mode or "allgather",
