@@ -1,5 +1,4 @@
-"""Devices: the one place that knows npu vs cuda vs cpu, which cards are visible, and the checks
-that run before any weight moves.
+"""Devices: npu / cuda / cpu dispatch, which cards are visible, checks before any weight moves.
 
 `accelerator_api(kind)` is torch.npu / torch.cuda / None; every per-kind call of the package
 (current device, stream, synchronize, cache) goes through it. `probe_devices()` asks torch
