@@ -788,3 +788,18 @@ def test_official_templates_take_the_node_between_loaders_and_consumers():
         json.dumps(workflow)
         done += 1
     assert done >= 3
+
+
+def test_a_comfyui_without_the_attention_hook_is_refused_by_the_node_before_anything_changes(
+        fake_patcher_extension):
+    """ComfyUI v0.33.0's H3 blocks have no `attention` parameter: the node says so and what to do,
+    before any clone, copy or rank thread (feature detection, not a commit check)."""
+    from tests.sp.test_minimax_h3 import _BlockWithoutAttentionArgument
+    objs = inputs()
+    for block in objs[0].model.diffusion_model.blocks:
+        block.__class__ = _BlockWithoutAttentionArgument
+    before, threads = snapshot(*objs), rank_threads()
+    with pytest.raises(RolePlanError, match=r"takes no `attention` argument.*update ComfyUI"):
+        configure_parallel(*objs, npu_count=4, device_kind="cpu")
+    assert_same(before, snapshot(*objs))
+    assert rank_threads() == threads and roles_apply._COORDINATORS == {}

@@ -18,7 +18,7 @@ import torch
 
 from comfy.multidevice.miniature import h3 as miniature
 from comfy.multidevice.miniature.h3 import build_layout
-from comfy.multidevice.sp.minimax_h3 import (WRAPPER_KEY, enable_sequence_parallel, enable_sequence_parallel_on_patcher, disable_sequence_parallel_on_patcher, install_rank_sequence_parallel, supports_sequence_parallel)
+from comfy.multidevice.sp.minimax_h3 import (WRAPPER_KEY, enable_sequence_parallel, enable_sequence_parallel_on_patcher, disable_sequence_parallel_on_patcher, install_rank_sequence_parallel, supports_sequence_parallel, contract_problems)
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
 from comfy.multidevice.sp.plan import (SequenceParallelError, ShardPlan, slice_mod_segments, take_rows)
@@ -426,3 +426,101 @@ def test_auto_decides_and_logs_once_over_many_forwards(model32, caplog):
                     sp(x, t, ctx, **kw)
     decisions = [r for r in caplog.records if "sp_mode auto" in r.getMessage()]
     assert len(decisions) == 1, [r.getMessage() for r in decisions]
+
+
+# ----------------------------------------------------------------------------- version guard
+
+class _BlockWithoutAttentionArgument(miniature.DiTBlock):
+    """A block as ComfyUI v0.33.0 ships it: forward() has no `attention` parameter."""
+
+    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None):
+        return super().forward(x, t_emb, mod_segments, rope_freqs, transformer_options)
+
+
+class _BlockIgnoringAttention(miniature.DiTBlock):
+    """A block that takes `attention` but runs its own module anyway (what v0.33's block wrapper
+    does with args["attention"]): under SP every rank would attend to its own rows only."""
+
+    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None, attention=None):
+        return super().forward(x, t_emb, mod_segments, rope_freqs, transformer_options)
+
+
+def _with_block_class(model, cls):
+    import copy
+    out = copy.deepcopy(model)
+    for block in out.blocks:
+        block.__class__ = cls
+    return out
+
+
+def test_blocks_without_the_attention_hook_are_refused_before_anything_is_set_up(model32):
+    old = _with_block_class(model32, _BlockWithoutAttentionArgument)
+    problems = contract_problems(old)
+    assert any("takes no `attention` argument" in p and "update ComfyUI" in p for p in problems), problems
+    assert not supports_sequence_parallel(old)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        with pytest.raises(SequenceParallelError, match="takes no `attention` argument.*v0.33.0"):
+            enable_sequence_parallel([old, copy_of(old)], coord)
+
+
+def test_a_block_that_ignores_the_attention_hook_fails_on_every_rank_not_silently(model32):
+    ignoring = _with_block_class(model32, _BlockIgnoringAttention)
+    x, t, ctx, kw = make_inputs("plain")
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(ignoring, 3), coord)
+        with pytest.raises(SequenceParallelError, match=r"block 0 did not call args\['attention'\]"):
+            with torch.inference_mode():
+                sp(x, t, ctx, **kw)
+        # the ranks are free again: a supported model runs on the same coordinator
+        good = enable_sequence_parallel(replicas(model32, 3), coord)
+        with torch.inference_mode():
+            assert rel_diff(good(x, t, ctx, **kw), model32(x, t, ctx, **kw)) <= FP32_TOL
+
+
+def copy_of(model):
+    import copy
+    return copy.deepcopy(model)
+
+
+# ----------------------------------------------------------------------------- preferred attention
+
+def _with_preferred_attention(model, calls):
+    """A copy whose every attention module prefers a function of its own (like a checkpoint
+    configured for kitchen int8 attention). It is deliberately not the default math (keys
+    scaled by 1.25), so a path that drops it gives a visibly different result."""
+    import copy
+    out = copy.deepcopy(model)
+    lock = threading.Lock()
+
+    def preferred(q, k, v, heads, **kwargs):
+        with lock:
+            calls.append(threading.current_thread().name)
+        kwargs.pop("transformer_options", None)
+        return miniature.scaled_dot_product(q, k * 1.25, v, heads, **kwargs)
+    for module in out.modules():
+        if isinstance(module, miniature.Attention):
+            module.comfy_attention.function = preferred
+    return out
+
+
+@pytest.mark.parametrize("sp_mode", ["allgather", "ulysses"])
+def test_preferred_attention_is_honoured_on_every_rank(model32, sp_mode):
+    single_calls, rank_calls = [], []
+    reference_model = _with_preferred_attention(model32, single_calls)
+    x, t, ctx, kw = make_inputs("plain")
+    with torch.inference_mode():
+        reference = reference_model(x, t, ctx, **kw)
+        default = model32(x, t, ctx, **kw)
+    attention_layers = TINY.token_refiner_num_layers + TINY.num_layers
+    assert len(single_calls) == attention_layers
+    assert rel_diff(reference, default) > 1e-3  # the preferred function really is different
+    world = 3
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(
+            [_with_preferred_attention(model32, rank_calls) for _ in range(world)], coord, sp_mode=sp_mode)
+        with torch.inference_mode():
+            out = sp(x, t, ctx, **kw)
+    assert rel_diff(out, reference) <= FP32_TOL
+    # every rank used it for the refiner and every block (ulysses: once per head chunk call)
+    assert {name for name in rank_calls} == {f"sp-rank-{r}" for r in range(world)}
+    assert all(rank_calls.count(f"sp-rank-{r}") >= attention_layers for r in range(world))

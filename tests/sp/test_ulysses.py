@@ -351,7 +351,7 @@ def test_auto_resolves_the_same_on_every_rank(models):
     def prepare(rank, comm, model, options):
         from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
         shard = install_rank_sequence_parallel(model, comm, options, "auto")
-        strategies.append(options["optimized_attention_override"].strategy)
+        strategies.append(shard.strategy)
         return shard
 
     from comfy.multidevice.sp.fan_out import SequenceParallelFanOut

@@ -159,16 +159,28 @@ def scaled_dot_product(q, k, v, heads, mask=None, skip_reshape=False, skip_outpu
     return out.transpose(1, 2).reshape(b, s, h * d)
 
 
-def attention(q, k, v, heads, transformer_options=None, **kwargs):
+class PreferredAttention:
+    """Stands for upstream's ComfyAttention: `function` is the attention a checkpoint asks for
+    (None: the default)."""
+
+    def __init__(self):
+        self.function = None
+
+
+def attention(q, k, v, heads, transformer_options=None, preferred_attention=None, **kwargs):
     """The miniature's optimized_attention: an override in transformer_options takes the call.
 
     Like ComfyUI, the override is called as override(func, q, k, v, heads, **kwargs) with
-    plain tensors, where func is the attention it may delegate to.
+    plain tensors, where func is the attention it may delegate to, and the module's
+    preferred_attention is dropped then; without an override, preferred_attention.function
+    (when set) runs instead of the default.
     """
     override = (transformer_options or {}).get("optimized_attention_override")
     if override is not None:
         return override(scaled_dot_product, q, k, v, heads,
                         transformer_options=transformer_options, **kwargs)
+    if preferred_attention is not None and preferred_attention.function is not None:
+        return preferred_attention.function(q, k, v, heads, transformer_options=transformer_options, **kwargs)
     return scaled_dot_product(q, k, v, heads, **kwargs)
 
 
@@ -296,6 +308,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(head_dim, eps=eps, dtype=dtype)
         self.k_norm = nn.RMSNorm(head_dim, eps=eps, dtype=dtype)
         self.out_proj = nn.Linear(heads * head_dim, hidden, bias=False, dtype=dtype)
+        self.comfy_attention = PreferredAttention()
 
     def forward(self, x, rope_freqs=None, transformer_options=None):
         s = x.shape[0]
@@ -304,8 +317,8 @@ class Attention(nn.Module):
         if rope_freqs is not None:
             q, k = apply_split_half_rope(q, rope_freqs), apply_split_half_rope(k, rope_freqs)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, S, head_dim]
-        out = attention(q, k, v, self.heads, mask=None, skip_reshape=True,
-                        transformer_options=transformer_options)
+        out = attention(q, k, v, self.heads, preferred_attention=self.comfy_attention, mask=None,
+                        skip_reshape=True, transformer_options=transformer_options)
         return self.out_proj(out[0])
 
 

@@ -3,6 +3,11 @@
 `ExchangingAttention` goes into `transformer_options["optimized_attention_override"]`. Inside
 its SP region it hands each call to the K/V exchange strategy; outside (e.g. a text refiner)
 it passes the call through to the override it replaced, or to the attention function itself.
+
+The attention the exchange finally calls is the one the module would have used on one card:
+the override it replaced when there is one, else the module's preferred attention (ComfyUI
+drops `preferred_attention` once any override is installed, so the region is told it), else
+the default function.
 """
 
 from __future__ import annotations
@@ -31,9 +36,15 @@ class ExchangingAttention:
         self.strategy = strategy
         self.previous_override = previous_override
         self._region_calls: int | None = None  # None: outside any region
+        self._preferred: Callable | None = None  # the region's module's preferred attention
 
     def __call__(self, func, *args, **kwargs):
-        inner = func if self.previous_override is None else functools.partial(self.previous_override, func)
+        if self.previous_override is not None:  # an override beats a preferred attention
+            inner = functools.partial(self.previous_override, func)
+        elif self._region_calls is not None and self._preferred is not None:
+            inner = self._preferred
+        else:
+            inner = func
         if self._region_calls is None:
             return inner(*args, **kwargs)
         self._region_calls += 1
@@ -49,10 +60,13 @@ class ExchangingAttention:
         return self
 
     @contextlib.contextmanager
-    def region(self, what: str = "attention"):
+    def region(self, what: str = "attention", preferred: Callable | None = None):
+        """Exchange K/V for the attention calls inside; `preferred` is the attention function the
+        module asked for (its preferred_attention), used when no other override is installed."""
         if self._region_calls is not None:
             raise SequenceParallelError("sequence-parallel attention regions cannot nest")
         self._region_calls = 0
+        self._preferred = preferred
         try:
             yield self
             if self._region_calls == 0:
@@ -62,6 +76,7 @@ class ExchangingAttention:
                     "every attention of the SP region to go through it")
         finally:
             self._region_calls = None
+            self._preferred = None
 
 
 def install_exchanging_attention(transformer_options: dict, comm, strategy) -> ExchangingAttention:

@@ -29,6 +29,7 @@ Entry points
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Sequence
 
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 WRAPPER_KEY = "minimax_h3_sequence_parallel"
 DIFFUSION_MODEL_WRAPPERS = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL
 ROPE_SEQ_DIM = 1  # H3 contract: rope_freqs is [1, S, 1, rot/2, 2, 2], the sequence on dim 1
+CHECKED_UPSTREAM = "01a56b76bba3f32021fa846104baf2e500adc0da"  # docs/ARCHITECTURE.md, "The upstream contract"
+UPDATE_COMFYUI = (f"update ComfyUI (git pull in the ComfyUI folder; checked with upstream commit "
+                  f"{CHECKED_UPSTREAM[:8]}) or run the DiT on one card (npu_count 1)")
 
 
 # ----------------------------------------------------------------------------- support check
@@ -68,7 +72,21 @@ def contract_problems(model: Any) -> list[str]:
         problems.append("no transformer blocks at .blocks")
     elif not all(callable(getattr(b, "attn", None)) for b in blocks):
         problems.append("a block has no callable .attn")
+    # H3 contract: a block's forward takes `attention`, which replaces its attention module.
+    # ComfyUI v0.33.0 ships H3 blocks without it: there every rank would silently attend to
+    # its own rows only, so such a model is refused here, before anything is set up.
+    elif not all(_takes_attention_argument(b) for b in blocks):
+        problems.append(f"its blocks' forward() takes no `attention` argument: this ComfyUI "
+                        f"predates the hook sequence parallelism needs (ComfyUI v0.33.0 and older "
+                        f"lack it); {UPDATE_COMFYUI}")
     return problems
+
+
+def _takes_attention_argument(block) -> bool:
+    try:
+        return "attention" in inspect.signature(block.forward).parameters
+    except (TypeError, ValueError):  # no introspectable signature: cannot tell, so refuse
+        return False
 
 
 def supports_sequence_parallel(model: Any) -> bool:
@@ -81,7 +99,7 @@ def _require_support(model: Any, what: str) -> None:
     if problems:
         raise SequenceParallelError(
             f"{what} ({type(model).__name__}) cannot run sequence parallel: {'; '.join(problems)}. "
-            "Sequence parallelism supports the MiniMax-H3 DiT only.")
+            "Sequence parallelism supports the MiniMax-H3 DiT (upstream's or the miniature) only.")
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -106,6 +124,7 @@ class H3RankShard:
         self._previous: dict = {}     # i -> the replacement we chain to in this forward
         self.plan: ShardPlan | None = None
         self._sliced: dict = {}       # "rope_freqs" / "mod_segments" -> (full object, local rows)
+        self._attention_calls = 0     # calls of args["attention"] in the block running now
 
     @property
     def tokens(self) -> int | None:
@@ -118,9 +137,6 @@ class H3RankShard:
             self.model = model
             self.num_blocks = len(model.blocks)
             self._table = {("double_block", i): self._replacement(i) for i in range(self.num_blocks)}
-        # H3 contract: the text refiner runs before the blocks with the same transformer_options;
-        # the override passes it through because it runs outside any SP region.
-        self.exchanging.install(transformer_options)
         # H3 contract: block i is called through patches_replace["dit"][("double_block", i)] as
         # replace(args, {"original_block": fn}) and must return {"img": new_h}.
         patches = dict(transformer_options.get("patches_replace", {}))
@@ -172,7 +188,14 @@ class H3RankShard:
         local["attention"] = self._attention(index)
         # args["layout"] still describes the full sequence; H3's block does not read it.
         previous = self._previous.get(index)
+        self._attention_calls = 0
         out = previous(local, extra) if previous is not None else extra["original_block"](local)
+        if self._attention_calls == 0:
+            # The block ran without our attention: this rank attended to its own rows only.
+            raise SequenceParallelError(
+                f"rank {self.comm.rank}: block {index} did not call args['attention'], so its "
+                f"attention saw only this rank's rows and the result would be wrong; the "
+                f"installed ComfyUI's MiniMax-H3 blocks ignore that argument: {UPDATE_COMFYUI}")
         h = out["img"]
         if index == self.num_blocks - 1:
             # H3 contract: the final layer reads the video/audio spans of the *full* h.
@@ -184,12 +207,22 @@ class H3RankShard:
         # normalises and rotates q/k per token, then calls optimized_attention, which honours
         # transformer_options["optimized_attention_override"] with [1, heads, S, head_dim]
         # tensors and skip_reshape=True, mask=None (one full self-attention, no cross-attention).
+        # H3 contract: attn.comfy_attention.function, when set (e.g. a checkpoint's kitchen int8
+        # attention), is the preferred_attention the module passes; ComfyUI drops it whenever an
+        # override is installed, so the exchange is told to use it.
         attn = self.model.blocks[index].attn
+        preferred = getattr(getattr(attn, "comfy_attention", None), "function", None)
         exchanging = self.exchanging
 
         def exchanging_attention(h, rope_freqs=None, transformer_options=None):
-            with exchanging.region(f"block {index} attention"):
-                return attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
+            self._attention_calls += 1
+            # Our override only for this call: the text refiner and anything else outside the
+            # blocks keep the rank's own transformer_options (and with them their preferred
+            # attention) untouched.
+            options = dict(transformer_options or {})
+            exchanging.install(options)
+            with exchanging.region(f"block {index} attention", preferred=preferred):
+                return attn(h, rope_freqs=rope_freqs, transformer_options=options)
         return exchanging_attention
 
 
