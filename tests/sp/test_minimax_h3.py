@@ -524,3 +524,48 @@ def test_preferred_attention_is_honoured_on_every_rank(model32, sp_mode):
     # every rank used it for the refiner and every block (ulysses: once per head chunk call)
     assert {name for name in rank_calls} == {f"sp-rank-{r}" for r in range(world)}
     assert all(rank_calls.count(f"sp-rank-{r}") >= attention_layers for r in range(world))
+
+
+# ----------------------------------------------------------------------------- full-sequence patches
+
+class FunControlBlockPatchStandIn:
+    """Shaped like upstream's MiniMaxH3FunControlBlockPatch: a block replacement carrying a
+    control stream over the whole sequence (`control_patch`); calling it would index local rows
+    with full-sequence positions."""
+
+    def __init__(self, block_index):
+        self.block_index = block_index
+        self.control_patch = object()
+        self.calls = 0
+
+    def __call__(self, args, extra):
+        self.calls += 1
+        return extra["original_block"](args)
+
+
+def test_a_fun_controlnet_patch_is_refused_on_every_rank_before_any_block_runs(model32):
+    patch = FunControlBlockPatchStandIn(0)
+    options = {"patches_replace": {"dit": {("double_block", 0): patch}}}
+    x, t, ctx, kw = make_inputs("plain")
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, 2), coord)
+        with pytest.raises(SequenceParallelError, match=r"FunControlBlockPatchStandIn \(0\).*npu_count 1 or 2"):
+            with torch.inference_mode():
+                sp(x, t, ctx, transformer_options=options, **kw)
+    assert patch.calls == 0
+
+
+def test_block_patches_that_work_per_token_still_chain(model32, references):
+    calls = []
+
+    def per_token_patch(args, extra):  # e.g. a hook that only reads or edits rows in place
+        calls.append(args["img"].shape[0])
+        return extra["original_block"](args)
+    options = {"patches_replace": {"dit": {("double_block", 1): per_token_patch}}}
+    x, t, ctx, kw = make_inputs("plain")
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, 2), coord)
+        with torch.inference_mode():
+            out = sp(x, t, ctx, transformer_options=options, **kw)
+    assert rel_diff(out, references["plain"]) <= FP32_TOL
+    assert sorted(calls) == sorted(ShardPlan(35, 2, r).length for r in range(2))  # local rows

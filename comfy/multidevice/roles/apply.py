@@ -121,8 +121,15 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
         raise RolePlanError("video_vae and audio_vae are the same VAE: connect the video VAE loader to "
                             "video_vae and the audio VAE loader to audio_vae")
     if plan.dit.mode == SEQUENCE_PARALLEL:
-        from comfy.multidevice.sp.minimax_h3 import contract_problems
+        from comfy.multidevice.sp.minimax_h3 import contract_problems, full_sequence_patches
         problems = contract_problems(dit_module(model))
+        options = getattr(model, "model_options", None) or {}
+        blocked = full_sequence_patches(options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {}))
+        if blocked:
+            raise RolePlanError(
+                f"the model input carries block patches that need the whole sequence on one card: "
+                f"{', '.join(blocked)} (a MiniMax-H3 Fun ControlNet), which sequence parallel cannot "
+                f"run yet. Set npu_count to 1 or 2 (the DiT on one card), or remove the Fun ControlNet node")
         if problems:
             raise RolePlanError(
                 f"the model input ({type(dit_module(model)).__name__}) cannot run sequence parallel: "

@@ -89,6 +89,31 @@ def _takes_attention_argument(block) -> bool:
         return False
 
 
+def full_sequence_patches(block_patches: dict) -> list[str]:
+    """The block replacements in `block_patches` (patches_replace["dit"]) that work on the whole
+    packed sequence and so cannot run on one rank's rows, as "name (block i)" strings.
+
+    Known today: upstream's Fun ControlNet (MiniMaxH3FunControlNetApply) patches
+    ("double_block", i) with an object holding a control stream built from the full hidden
+    state and indexed with full-sequence positions (its `control_patch`).
+    """
+    found = []
+    for key, patch in block_patches.items():
+        if getattr(patch, "control_patch", None) is not None:
+            found.append(f"{type(patch).__name__} ({key[1] if isinstance(key, tuple) else key})")
+    return found
+
+
+def refuse_full_sequence_patches(block_patches: dict, where: str) -> None:
+    found = full_sequence_patches(block_patches)
+    if found:
+        raise SequenceParallelError(
+            f"{where}: the model carries block patches that need the whole sequence on one card: "
+            f"{', '.join(found)} (a MiniMax-H3 Fun ControlNet). Sequence parallel cannot run them "
+            "yet: run this workflow with npu_count 1 or 2 (the DiT on one card), or remove the "
+            "Fun ControlNet node")
+
+
 def supports_sequence_parallel(model: Any) -> bool:
     """True when `model` follows the MiniMax-H3 DiT contract this adapter drives."""
     return not contract_problems(model)
@@ -141,6 +166,7 @@ class H3RankShard:
         # replace(args, {"original_block": fn}) and must return {"img": new_h}.
         patches = dict(transformer_options.get("patches_replace", {}))
         dit = dict(patches.get("dit", {}))
+        refuse_full_sequence_patches(dit, f"rank {self.comm.rank}")
         ours = set(map(id, self._table.values()))
         self._previous = {i: None if id(dit.get(key)) in ours else dit.get(key)
                           for i, key in enumerate(self._table)}
@@ -329,6 +355,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
         raise ValueError(f"enable_sequence_parallel_on_patcher got {len(replicas)} replicas for "
                          f"{coordinator.world_size} ranks; pass one per rank (None for rank 0)")
     _require_support(dit_module(model_patcher), "the patcher's diffusion model")
+    refuse_full_sequence_patches(_block_patches_of(model_patcher), "the MODEL input")
     load_device = getattr(model_patcher, "load_device", None)
     if load_device is not None and torch.device(load_device) != coordinator.devices[0]:
         # rank 0 runs the patcher's own model, so it must load where rank 0 computes
@@ -346,6 +373,11 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     log.info("sequence parallel (%s) enabled on %d rank(s): %s", sp_mode or "allgather",
              coordinator.world_size, ", ".join(map(str, coordinator.devices)))
     return fan_out
+
+
+def _block_patches_of(model_patcher) -> dict:
+    options = getattr(model_patcher, "model_options", None) or {}
+    return options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
 
 
 def disable_sequence_parallel_on_patcher(model_patcher) -> None:

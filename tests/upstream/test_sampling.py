@@ -1,0 +1,89 @@
+"""Sampling through upstream's own code path: a tiny H3 file loaded by
+`comfy.sd.load_diffusion_model`, wrapped in upstream's ModelPatcher, sampled by
+`comfy.sample.sample`, with the DiT set up the way the MultiNPUParallelConfig node sets it up
+(replicas from the shared checkpoint base of that file). Compared with the same sampling on one
+card; tolerance as in test_h3_dit.py (fp32, 1e-5 of max |reference|).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.sp.plan import SequenceParallelError
+from tests.sp_cases import rel_diff
+from tests.upstream.test_h3_dit import FP32_TOL, tiny_state_dict
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_file(upstream, tmp_path_factory):
+    import safetensors.torch
+    path = tmp_path_factory.mktemp("models") / "tiny_minimax_h3.safetensors"
+    safetensors.torch.save_file(tiny_state_dict(upstream), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def patcher(upstream, tiny_file):
+    import comfy.sd
+    model = comfy.sd.load_diffusion_model(str(tiny_file))
+    assert type(model.model).__name__ == "MiniMaxH3"  # upstream's detection took the file as H3
+    return model
+
+
+def latent_and_conditioning(seed=0):
+    from comfy_extras import nodes_minimax_h3
+    latent = nodes_minimax_h3._empty_av_latent(64, 32, 22)[0]["samples"]  # 7 latent frames + audio
+    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(seed))
+    return latent, [[text, {}]]
+
+
+def sample(model, seed=0):
+    import comfy.sample
+    latent, positive = latent_and_conditioning(seed)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    with torch.inference_mode():
+        out = comfy.sample.sample(model, noise, STEPS, 1.0, "euler", "simple", positive, positive, latent,
+                                  seed=seed, disable_pbar=True)
+    return list(out.unbind()) if getattr(out, "is_nested", False) else [out]
+
+
+def node_dit(model, world):
+    """The DiT as the node's role plan sets it up (roles/dit.py), on `world` CPU ranks."""
+    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60)
+    return coord, _sequence_parallel_dit(model, coord.devices, coord)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_node_dit_role_samples_like_one_card(upstream, patcher, world):
+    if not upstream.has_attention_hook:
+        coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60)
+        with coord, pytest.raises(SequenceParallelError, match="takes no `attention` argument"):
+            node_dit(patcher, world)[1]
+        return
+    reference = sample(patcher)
+    coord, parallel = node_dit(patcher, world)
+    with coord:
+        out = sample(parallel)
+        replicas = parallel.multinpu_dit_replicas
+    assert rel_diff(out, reference) <= FP32_TOL
+    assert replicas.base_replicas is not None, "replicas were not built from the shared checkpoint base"
+
+
+@pytest.mark.parametrize("sp_mode", ["ulysses", "auto"])
+def test_patcher_entry_point_in_every_mode(upstream, patcher, sp_mode):
+    if not upstream.has_attention_hook:
+        pytest.skip("refused on this ComfyUI (test_node_dit_role_samples_like_one_card checks that)")
+    import copy
+    from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel_on_patcher
+    reference = sample(patcher)
+    with SequenceParallelCoordinator(["cpu"] * 4, backend="peer", timeout_s=60) as coord:
+        parallel = patcher.clone()
+        replicas = [None] + [copy.deepcopy(patcher.model.diffusion_model) for _ in range(3)]
+        enable_sequence_parallel_on_patcher(parallel, coord, replicas, sp_mode=sp_mode)
+        out = sample(parallel)
+    assert rel_diff(out, reference) <= FP32_TOL
