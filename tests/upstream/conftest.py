@@ -59,3 +59,10 @@ def upstream():
     from comfy.multidevice.sp.minimax_h3 import _takes_attention_argument
     return SimpleNamespace(tree=tree, h3=h3, stood_in=stood_in,
                            has_attention_hook=_takes_attention_argument(SimpleNamespace(forward=h3.DiTBlock.forward)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests.upstream import standins
+    if standins.STOOD_IN:
+        terminalreporter.write_line(f"upstream suite: stood in for {', '.join(standins.STOOD_IN)} "
+                                    "(not importable beside this torch; the cases never call them)")
