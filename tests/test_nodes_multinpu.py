@@ -805,13 +805,13 @@ def test_a_comfyui_without_the_attention_hook_is_refused_by_the_node_before_anyt
     assert rank_threads() == threads and roles_apply._COORDINATORS == {}
 
 
-def test_a_model_with_a_fun_controlnet_is_refused_by_the_node_before_anything_changes(fake_patcher_extension):
+def test_a_control_patch_it_cannot_drive_is_refused_by_the_node_before_anything_changes(fake_patcher_extension):
     from tests.sp.test_minimax_h3 import FunControlBlockPatchStandIn
     objs = inputs()
     objs[0].model_options = {"transformer_options": {"patches_replace": {"dit": {
         ("double_block", 0): FunControlBlockPatchStandIn(0)}}}}
     before, threads = snapshot(*objs), rank_threads()
-    with pytest.raises(RolePlanError, match=r"Fun ControlNet.*npu_count to 1 or 2"):
+    with pytest.raises(RolePlanError, match=r"FunControlBlockPatchStandIn \(0\).*ControlNet-style.*npu_count to 1 or 2"):
         configure_parallel(*objs, npu_count=4, device_kind="cpu")
     assert_same(before, snapshot(*objs))
     assert rank_threads() == threads and roles_apply._COORDINATORS == {}

@@ -234,6 +234,11 @@ class MiniatureLayout:
         a, b, _ = next(s for s in self.segments if s[2] == kind)
         return a, b
 
+    @property
+    def audio_pos(self) -> torch.Tensor:
+        """Rows of the target audio in the packed sequence (upstream's PackedLayout.audio_pos)."""
+        return torch.arange(*self.span("audio"))
+
 
 def _frame_positions(t0: float, frames: int, rows_h: int, rows_w: int) -> torch.Tensor:
     """(t, h, w) for `frames` latent frames of rows_h x rows_w patch rows, centred in h and w."""

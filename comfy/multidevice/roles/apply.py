@@ -128,8 +128,8 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
         if blocked:
             raise RolePlanError(
                 f"the model input carries block patches that need the whole sequence on one card: "
-                f"{', '.join(blocked)} (a MiniMax-H3 Fun ControlNet), which sequence parallel cannot "
-                f"run yet. Set npu_count to 1 or 2 (the DiT on one card), or remove the Fun ControlNet node")
+                f"{', '.join(blocked)} (a ControlNet-style patch this version cannot drive under "
+                f"sequence parallel). Set npu_count to 1 or 2 (the DiT on one card), or remove it")
         if problems:
             raise RolePlanError(
                 f"the model input ({type(dit_module(model)).__name__}) cannot run sequence parallel: "

@@ -52,6 +52,7 @@ class SequenceParallelFanOut:
     def __init__(self, coordinator, models: Sequence[Any],
                  prepare_rank: Callable[[int, Any, Any, dict], Any] | None = None,
                  resolve_model: Callable[[Any], Any] | None = None,
+                 prepare_forward: Callable[[list, dict, dict], None] | None = None,
                  transformer_options_index: int = 3):
         if len(models) != coordinator.world_size:
             raise ValueError(f"sequence parallel needs one model replica per rank: got {len(models)} "
@@ -59,6 +60,7 @@ class SequenceParallelFanOut:
         self.coordinator = coordinator
         self.models = list(models)
         self.prepare_rank = prepare_rank
+        self.prepare_forward = prepare_forward  # (args, kwargs, transformer_options), caller's thread
         self.resolve_model = resolve_model or (lambda m: m)
         # ComfyUI's diffusion models take (x, timestep, context, transformer_options, ...)
         self.transformer_options_index = transformer_options_index
@@ -72,6 +74,9 @@ class SequenceParallelFanOut:
 
     def __call__(self, executor, *args, **kwargs):
         devices = self.coordinator.devices
+        if self.prepare_forward is not None:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            self.prepare_forward(call_args, call_kwargs, self._transformer_options(call_args, call_kwargs))
         inputs = [copy_for_rank((list(args), dict(kwargs)), device) for device in devices]
         # resolve on the caller's thread: a bad replica fails here, before any rank starts
         rank_models = [self.resolve_model(m) if m is not None else None for m in self.models]

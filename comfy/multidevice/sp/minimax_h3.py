@@ -39,6 +39,8 @@ from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
+from comfy.multidevice.sp.fun_controlnet import (fun_control_patches, prepare_control_latents,
+                                                 RankFunControl, unsupported_control_patches)
 from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, ShardPlan,
                                        slice_mod_segments, take_rows)
 from comfy.multidevice.sp.strategies import make_kv_strategy
@@ -91,17 +93,10 @@ def _takes_attention_argument(block) -> bool:
 
 def full_sequence_patches(block_patches: dict) -> list[str]:
     """The block replacements in `block_patches` (patches_replace["dit"]) that work on the whole
-    packed sequence and so cannot run on one rank's rows, as "name (block i)" strings.
-
-    Known today: upstream's Fun ControlNet (MiniMaxH3FunControlNetApply) patches
-    ("double_block", i) with an object holding a control stream built from the full hidden
-    state and indexed with full-sequence positions (its `control_patch`).
-    """
-    found = []
-    for key, patch in block_patches.items():
-        if getattr(patch, "control_patch", None) is not None:
-            found.append(f"{type(patch).__name__} ({key[1] if isinstance(key, tuple) else key})")
-    return found
+    packed sequence in a way this adapter cannot drive, as "name (block i)" strings. Upstream's
+    Fun ControlNet is driven exactly (sp/fun_controlnet.py); a control patch without its API is
+    refused."""
+    return unsupported_control_patches(block_patches)
 
 
 def refuse_full_sequence_patches(block_patches: dict, where: str) -> None:
@@ -109,9 +104,8 @@ def refuse_full_sequence_patches(block_patches: dict, where: str) -> None:
     if found:
         raise SequenceParallelError(
             f"{where}: the model carries block patches that need the whole sequence on one card: "
-            f"{', '.join(found)} (a MiniMax-H3 Fun ControlNet). Sequence parallel cannot run them "
-            "yet: run this workflow with npu_count 1 or 2 (the DiT on one card), or remove the "
-            "Fun ControlNet node")
+            f"{', '.join(found)} (a ControlNet-style patch this version cannot drive under sequence "
+            "parallel): run this workflow with npu_count 1 or 2 (the DiT on one card), or remove it")
 
 
 def supports_sequence_parallel(model: Any) -> bool:
@@ -150,6 +144,8 @@ class H3RankShard:
         self.plan: ShardPlan | None = None
         self._sliced: dict = {}       # "rope_freqs" / "mod_segments" -> (full object, local rows)
         self._attention_calls = 0     # calls of args["attention"] in the block running now
+        self._fun: dict = {}          # block index -> upstream Fun ControlNet patch of this forward
+        self._control = RankFunControl(comm.device)
 
     @property
     def tokens(self) -> int | None:
@@ -170,6 +166,11 @@ class H3RankShard:
         ours = set(map(id, self._table.values()))
         self._previous = {i: None if id(dit.get(key)) in ours else dit.get(key)
                           for i, key in enumerate(self._table)}
+        # A Fun ControlNet patch is driven here (its control stream per rank, over the full
+        # sequence); what it chained itself is chained in its place.
+        self._fun = fun_control_patches(dit)
+        for i, patch in self._fun.items():
+            self._previous[i] = None if id(patch.previous) in ours else patch.previous
         dit.update(self._table)
         patches["dit"] = dit
         transformer_options["patches_replace"] = patches
@@ -196,6 +197,7 @@ class H3RankShard:
             # H3 contract: block 0 receives the full hidden state [S, hidden] in packed order.
             self.plan = ShardPlan(h.shape[0], self.comm.world_size, self.comm.rank)
             self._sliced = {}
+            self._control.start_forward(h, self._fun)
             # a copy, so the full [S, hidden] tensor is freed instead of pinned by a view
             h = take_rows(h, self.plan).clone()
         elif self.plan is None or h.shape[0] != self.plan.length:
@@ -223,6 +225,8 @@ class H3RankShard:
                 f"attention saw only this rank's rows and the result would be wrong; the "
                 f"installed ComfyUI's MiniMax-H3 blocks ignore that argument: {UPDATE_COMFYUI}")
         h = out["img"]
+        if index in self._fun:
+            h = self._control.add_control(index, self._fun[index], args, h, self.plan)
         if index == self.num_blocks - 1:
             # H3 contract: the final layer reads the video/audio spans of the *full* h.
             h = gather_rows(self.comm, h, 0)
@@ -298,7 +302,8 @@ class SequenceParallelDiT:
         self.models = list(models)
         self.coordinator = coordinator
         self.sp_mode = sp_mode
-        self.fan_out = SequenceParallelFanOut(coordinator, self.models, prepare_rank=_RankShards(sp_mode))
+        self.fan_out = SequenceParallelFanOut(coordinator, self.models, prepare_rank=_RankShards(sp_mode),
+                                              prepare_forward=_prepare_forward)
 
     @property
     def world_size(self) -> int:
@@ -367,12 +372,20 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
         if rep is not None:
             _require_support(dit_module(rep), f"replica {r}")
     fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode),
-                                     resolve_model=dit_module)
+                                     resolve_model=dit_module, prepare_forward=_prepare_forward)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)
     log.info("sequence parallel (%s) enabled on %d rank(s): %s", sp_mode or "allgather",
              coordinator.world_size, ", ".join(map(str, coordinator.devices)))
     return fan_out
+
+
+def _prepare_forward(args: list, kwargs: dict, transformer_options: dict) -> None:
+    # H3 contract: x = [video [1, 24, T, H, W], audio]; what must happen once per forward on the
+    # caller's thread happens here, before the ranks start.
+    block_patches = transformer_options.get("patches_replace", {}).get("dit", {})
+    if block_patches and args:
+        prepare_control_latents(block_patches, args[0][0].shape)
 
 
 def _block_patches_of(model_patcher) -> dict:

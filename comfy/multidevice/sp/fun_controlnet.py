@@ -1,0 +1,105 @@
+"""Upstream's MiniMax-H3 Fun ControlNet under sequence parallel: exact, by a replicated control stream.
+
+Upstream's `MiniMaxH3FunControlNetApply` patches the blocks at its injection layers with an
+object whose `control_patch` runs a second, small DiT (the control tower) beside the base:
+at the first injection layer it builds a control stream from the *full* hidden state before
+that block, each injection layer advances the stream by one control block (full self-attention
+over the stream) and adds `strength * after_proj(stream)` to the base block's output, audio rows
+zeroed. The stream never reads the base hidden state again, so every rank can compute it over
+the whole sequence and add just its own rows: the result equals one card. What this costs:
+every rank runs the control blocks on the full sequence (5 blocks against the base's 50).
+
+Facts relied on (upstream `comfy_extras/nodes_minimax_h3.py` and `comfy/ldm/minimax/controlnet.py`,
+the newest stored versions, 13a83ce7 and 7ffa5d85):
+  block patch   .control_patch, .block_index, .previous (the replacement it chained, or None)
+  control_patch .model_patch.model (MiniMaxH3FunControl: .injection_layers, .init_stream(h,
+                latent, layout, t_emb), .step(i, stream, t_emb, mod_segments, rope_freqs,
+                transformer_options) -> (stream, skip)), .active (set per step by its own
+                DIFFUSION_MODEL wrapper), .control_latent (prepared by that wrapper, or by
+                .prepare_control_latent(video_shape)), .strength
+  layout        .audio_pos: the full-sequence rows of the target audio
+Per rank state (the stream, a copy of the control tower on the rank's device) lives here, never
+in the shared patch object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from comfy.multidevice.sp.plan import ShardPlan, take_rows
+from comfy.multidevice.weights.replicas import ReplicaCache
+
+
+def _has_control_api(patch) -> bool:
+    control = patch.control_patch
+    tower = getattr(getattr(control, "model_patch", None), "model", None)
+    return (hasattr(patch, "previous") and hasattr(control, "active") and hasattr(control, "strength")
+            and all(callable(getattr(tower, name, None)) for name in ("init_stream", "step"))
+            and hasattr(tower, "injection_layers"))
+
+
+def fun_control_patches(block_patches: dict) -> dict[int, Any]:
+    """{block index: upstream Fun ControlNet block patch} among patches_replace["dit"], for the
+    patches that follow the API above (the others are refused by `unsupported_control_patches`)."""
+    return {key[1]: patch for key, patch in block_patches.items()
+            if getattr(patch, "control_patch", None) is not None and isinstance(key, tuple)
+            and key[0] == "double_block" and _has_control_api(patch)}
+
+
+def unsupported_control_patches(block_patches: dict) -> list[str]:
+    """Block patches that carry a full-sequence control stream this module cannot drive."""
+    return [f"{type(patch).__name__} ({key[1] if isinstance(key, tuple) else key})"
+            for key, patch in block_patches.items()
+            if getattr(patch, "control_patch", None) is not None and not _has_control_api(patch)]
+
+
+def prepare_control_latents(block_patches: dict, video_shape) -> None:
+    """Encode each control video once, on the caller's thread, before the ranks start: its own
+    wrapper would otherwise run that VAE encode on every rank thread at once."""
+    seen = set()
+    for patch in fun_control_patches(block_patches).values():
+        control = patch.control_patch
+        if id(control) not in seen and callable(getattr(control, "prepare_control_latent", None)):
+            seen.add(id(control))
+            control.prepare_control_latent(video_shape)
+
+
+class RankFunControl:
+    """One rank's side of every Fun ControlNet of a forward."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._towers: dict[int, ReplicaCache] = {}   # id(control model) -> copies per device
+        self._streams: dict[int, torch.Tensor] = {}  # id(control_patch) -> this forward's stream
+        self._pristine: torch.Tensor | None = None   # the full hidden state before block 0
+
+    def start_forward(self, full_h_before_block_0: torch.Tensor, patches: dict[int, Any]) -> None:
+        self._streams = {}
+        self._pristine = full_h_before_block_0.clone() if patches else None
+
+    def _tower(self, control_model):
+        cache = self._towers.get(id(control_model))
+        if cache is None:
+            cache = self._towers[id(control_model)] = ReplicaCache(control_model, "Fun ControlNet tower")
+        return cache.get(self.device)
+
+    def add_control(self, index: int, patch, full_args: dict, local_out: torch.Tensor,
+                    plan: ShardPlan) -> torch.Tensor:
+        """local_out plus this rank's rows of the control patch's contribution at block `index`."""
+        control = patch.control_patch
+        if not control.active:
+            return local_out
+        tower = self._tower(control.model_patch.model)
+        step = tower.injection_layers.index(index)
+        if step == 0:
+            latent = control.control_latent.to(self.device)
+            stream = tower.init_stream(self._pristine, latent, full_args["layout"], full_args["t_emb"])
+        else:
+            stream = self._streams[id(control)]
+        stream, skip = tower.step(step, stream, full_args["t_emb"], full_args["mod_segments"],
+                                  full_args["rope_freqs"], transformer_options=full_args["transformer_options"])
+        self._streams[id(control)] = stream
+        skip[full_args["layout"].audio_pos.to(skip.device)] = 0
+        return local_out.add_(take_rows(skip, plan), alpha=control.strength)
