@@ -1,0 +1,72 @@
+"""Upstream's MiniMax-H3 video VAE (`MiniMaxH3VideoVAE` inside `comfy.sd.VAE`, tiny config,
+seeded weights): the node's chunked decode on several ranks against upstream's own decode on one.
+Decoding moves no data between ranks inside a chunk, so the result must be bit-identical.
+
+The tiny config: upstream's classes with smaller widths and one decoder layer (their defaults
+are the released model's). `comfy.sd.VAE` detects the file by its keys, as for the real one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+
+
+@pytest.fixture(scope="module")
+def tiny_vae(upstream):
+    import comfy.sd
+    from comfy.ldm.minimax import vae as h3_vae
+    small = {"ch": 32, "ch_mult": (1, 1, 1, 1, 1, 1), "num_res_blocks": 1}  # GroupNorm(32) needs 32
+    decoder = {"num_layers": 1, "heads": 2, "dim_head": 16, "num_register_tokens": 1}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(h3_vae, "ViT3DDecoder", functools.partial(h3_vae.ViT3DDecoder, **decoder))
+    mp.setattr(h3_vae, "MiniMaxH3VideoVAE", functools.partial(h3_vae.MiniMaxH3VideoVAE, **small))
+    try:
+        shell = h3_vae.MiniMaxH3VideoVAE()
+        g = torch.Generator().manual_seed(2)
+        state = {}
+        for name, value in shell.state_dict().items():
+            if name in ("latents_mean", "latents_std"):
+                state[name] = value.clone()
+            else:
+                state[name] = torch.randn(value.shape, generator=g) * 0.1 + (1.0 if "norm" in name else 0.0)
+        vae = comfy.sd.VAE(sd=state)
+    finally:
+        mp.undo()
+    assert type(vae.first_stage_model).__name__ == "MiniMaxH3VideoVAE"
+    return vae
+
+
+def parallel_vae(vae, world):
+    from comfy.multidevice.roles.apply import _chunked_video_vae
+    coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=120)
+    return coord, _chunked_video_vae(vae, coord.devices, coord.devices[0], coord)
+
+
+@pytest.mark.parametrize("latent_frames", [1, 2, 7, 12])
+@pytest.mark.parametrize("world", [2, 4])
+def test_chunked_decode_is_bit_identical(upstream, tiny_vae, world, latent_frames):
+    z = torch.randn(1, 24, latent_frames, 2, 3, generator=torch.Generator().manual_seed(latent_frames))
+    with torch.inference_mode():
+        reference = tiny_vae.decode(z)
+    coord, parallel = parallel_vae(tiny_vae, world)
+    with coord, torch.inference_mode():
+        out = parallel.decode(z)
+    assert out.shape == reference.shape
+    assert torch.equal(out, reference)
+
+
+def test_chunked_decode_with_upstreams_spatial_tiles_is_bit_identical(upstream, tiny_vae):
+    """18 x 20 latent rows are 288 x 320 pixels: above upstream's 256-pixel tile, so every
+    chunk is decoded in spatial tiles and blended, on each rank as on one card."""
+    z = torch.randn(1, 24, 7, 18, 20, generator=torch.Generator().manual_seed(99))
+    with torch.inference_mode():
+        reference = tiny_vae.decode(z)
+    coord, parallel = parallel_vae(tiny_vae, 3)
+    with coord, torch.inference_mode():
+        out = parallel.decode(z)
+    assert torch.equal(out, reference)
