@@ -635,5 +635,4 @@ def test_fun_controlnet_runs_exactly_under_sp(model32, references, world):
         with torch.inference_mode():
             out = sp(x, t, ctx, transformer_options=options, **kw)
     assert rel_diff(out, reference) <= FP32_TOL
-    assert control.prepared == [tuple(x[0].shape)]  # the control latent prepared once, on the caller's thread
     assert not hasattr(control, "stream")  # the shared patch object was never used for rank state

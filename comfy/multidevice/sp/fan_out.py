@@ -1,8 +1,10 @@
 """The fan-out: one forward of the DiT run on every rank at once.
 
-`SequenceParallelFanOut` is a DIFFUSION_MODEL-style wrapper `fn(executor, *args, **kwargs)`
-that runs the forward on every rank concurrently through a coordinator, with per-rank copies
-of the inputs and of `transformer_options`, and returns rank 0's result.
+`SequenceParallelFanOut` is a DIFFUSION_MODEL-style wrapper `fn(executor, *args, **kwargs)`.
+The wrappers after it in the chain (step caches such as EasyCache, a ControlNet's set-up) run
+once on the caller's thread, as on one card, whatever order they were added in; then the
+model's own forward runs on every rank concurrently through a coordinator, with per-rank copies
+of the inputs and of `transformer_options`, and rank 0's result is returned.
 
 Per-rank code only uses the per-rank communicator interface (comm/types.py `Communicator`), so
 it runs unchanged over the in-process coordinator or the torch.distributed communicator.
@@ -20,18 +22,16 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- fan-out
 
-def executor_for_model(executor, model):
-    """The wrapper executor continued on `model` instead of `executor.class_obj`.
+def _forward_method(executor, model):
+    """The method the executor finally calls (`original`, a bound method of `class_obj`), on `model`.
 
-    Relies on ComfyUI's WrapperExecutor protocol (`original` is a bound method of `class_obj`,
-    `wrappers`, `idx`, classmethod `new_class_executor`): the rebound executor runs the same
-    remaining wrappers, then the same method of the replica.
+    Relies on ComfyUI's WrapperExecutor protocol (`original`, `class_obj`, `wrappers`, `idx`,
+    classmethod `new_class_executor`).
     """
-    if model is None or model is getattr(executor, "class_obj", None):
-        return executor
     try:
-        method = getattr(model, executor.original.__name__)
-        return type(executor).new_class_executor(method, model, executor.wrappers, executor.idx)
+        if model is None or model is executor.class_obj:
+            return executor.original
+        return getattr(model, executor.original.__name__)
     except AttributeError as exc:
         raise SequenceParallelError(
             f"cannot run the forward on a model replica: the executor {type(executor).__name__} does "
@@ -52,7 +52,6 @@ class SequenceParallelFanOut:
     def __init__(self, coordinator, models: Sequence[Any],
                  prepare_rank: Callable[[int, Any, Any, dict], Any] | None = None,
                  resolve_model: Callable[[Any], Any] | None = None,
-                 prepare_forward: Callable[[list, dict, dict], None] | None = None,
                  transformer_options_index: int = 3):
         if len(models) != coordinator.world_size:
             raise ValueError(f"sequence parallel needs one model replica per rank: got {len(models)} "
@@ -60,7 +59,6 @@ class SequenceParallelFanOut:
         self.coordinator = coordinator
         self.models = list(models)
         self.prepare_rank = prepare_rank
-        self.prepare_forward = prepare_forward  # (args, kwargs, transformer_options), caller's thread
         self.resolve_model = resolve_model or (lambda m: m)
         # ComfyUI's diffusion models take (x, timestep, context, transformer_options, ...)
         self.transformer_options_index = transformer_options_index
@@ -73,23 +71,26 @@ class SequenceParallelFanOut:
         return self.coordinator.world_size
 
     def __call__(self, executor, *args, **kwargs):
-        devices = self.coordinator.devices
-        if self.prepare_forward is not None:
-            call_args, call_kwargs = list(args), dict(kwargs)
-            self.prepare_forward(call_args, call_kwargs, self._transformer_options(call_args, call_kwargs))
-        inputs = [copy_for_rank((list(args), dict(kwargs)), device) for device in devices]
         # resolve on the caller's thread: a bad replica fails here, before any rank starts
         rank_models = [self.resolve_model(m) if m is not None else None for m in self.models]
-        executors = [executor_for_model(executor, m) for m in rank_models]
+        methods = [_forward_method(executor, m) for m in rank_models]
+        # The wrappers after this one (step caches, a ControlNet's set-up, ...) run once, here on
+        # the caller's thread, exactly as on one card; only the model's own forward fans out.
+        rest = type(executor).new_class_executor(
+            lambda *a, **kw: self._on_ranks(methods, a, kw), executor.class_obj, executor.wrappers, executor.idx)
+        return rest(*args, **kwargs)
+
+    def _on_ranks(self, methods, args, kwargs):
+        inputs = [copy_for_rank((list(args), dict(kwargs)), device) for device in self.coordinator.devices]
 
         def run_rank(rank, comm, rank_inputs):
             rank_args, rank_kwargs = rank_inputs
             options = self._transformer_options(rank_args, rank_kwargs)
-            model = executors[rank].class_obj
+            model = methods[rank].__self__
             if self.prepare_rank is not None:
                 self.last_rank_states[rank] = self.prepare_rank(rank, comm, model, options)
             log.debug("rank %d: forward on %s", rank, comm.device)
-            return executors[rank](*rank_args, **rank_kwargs)
+            return methods[rank](*rank_args, **rank_kwargs)
 
         before = self._traffic_counts()
         results = self.coordinator.run(run_rank, inputs)

@@ -15,8 +15,8 @@ the newest stored versions, 13a83ce7 and 7ffa5d85):
   control_patch .model_patch.model (MiniMaxH3FunControl: .injection_layers, .init_stream(h,
                 latent, layout, t_emb), .step(i, stream, t_emb, mod_segments, rope_freqs,
                 transformer_options) -> (stream, skip)), .active (set per step by its own
-                DIFFUSION_MODEL wrapper), .control_latent (prepared by that wrapper, or by
-                .prepare_control_latent(video_shape)), .strength
+                DIFFUSION_MODEL wrapper, which the fan-out runs once on the caller's thread),
+                .control_latent (prepared by that wrapper), .strength
   layout        .audio_pos: the full-sequence rows of the target audio
 Per rank state (the stream, a copy of the control tower on the rank's device) lives here, never
 in the shared patch object.
@@ -53,17 +53,6 @@ def unsupported_control_patches(block_patches: dict) -> list[str]:
     return [f"{type(patch).__name__} ({key[1] if isinstance(key, tuple) else key})"
             for key, patch in block_patches.items()
             if getattr(patch, "control_patch", None) is not None and not _has_control_api(patch)]
-
-
-def prepare_control_latents(block_patches: dict, video_shape) -> None:
-    """Encode each control video once, on the caller's thread, before the ranks start: its own
-    wrapper would otherwise run that VAE encode on every rank thread at once."""
-    seen = set()
-    for patch in fun_control_patches(block_patches).values():
-        control = patch.control_patch
-        if id(control) not in seen and callable(getattr(control, "prepare_control_latent", None)):
-            seen.add(id(control))
-            control.prepare_control_latent(video_shape)
 
 
 class RankFunControl:

@@ -39,8 +39,8 @@ from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
-from comfy.multidevice.sp.fun_controlnet import (fun_control_patches, prepare_control_latents,
-                                                 RankFunControl, unsupported_control_patches)
+from comfy.multidevice.sp.fun_controlnet import (fun_control_patches, RankFunControl,
+                                                 unsupported_control_patches)
 from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, ShardPlan,
                                        slice_mod_segments, take_rows)
 from comfy.multidevice.sp.strategies import make_kv_strategy
@@ -302,8 +302,7 @@ class SequenceParallelDiT:
         self.models = list(models)
         self.coordinator = coordinator
         self.sp_mode = sp_mode
-        self.fan_out = SequenceParallelFanOut(coordinator, self.models, prepare_rank=_RankShards(sp_mode),
-                                              prepare_forward=_prepare_forward)
+        self.fan_out = SequenceParallelFanOut(coordinator, self.models, prepare_rank=_RankShards(sp_mode))
 
     @property
     def world_size(self) -> int:
@@ -372,20 +371,12 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
         if rep is not None:
             _require_support(dit_module(rep), f"replica {r}")
     fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode),
-                                     resolve_model=dit_module, prepare_forward=_prepare_forward)
+                                     resolve_model=dit_module)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)
     log.info("sequence parallel (%s) enabled on %d rank(s): %s", sp_mode or "allgather",
              coordinator.world_size, ", ".join(map(str, coordinator.devices)))
     return fan_out
-
-
-def _prepare_forward(args: list, kwargs: dict, transformer_options: dict) -> None:
-    # H3 contract: x = [video [1, 24, T, H, W], audio]; what must happen once per forward on the
-    # caller's thread happens here, before the ranks start.
-    block_patches = transformer_options.get("patches_replace", {}).get("dit", {})
-    if block_patches and args:
-        prepare_control_latents(block_patches, args[0][0].shape)
 
 
 def _block_patches_of(model_patcher) -> dict:

@@ -1,0 +1,57 @@
+"""Upstream's step caches (EasyCache, LazyCache from comfy_extras/nodes_easycache.py) with the
+node's DiT role, applied before and after it, against the same cache on one card (fp32, 1e-5
+of max |reference|). The caches decide per step from the model's inputs and outputs, so they
+must run once per step on the caller's thread, not once per rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sp_cases import rel_diff
+from tests.upstream.test_h3_dit import FP32_TOL
+from tests.upstream.test_sampling import node_dit, patcher, tiny_file  # noqa: F401  (fixtures)
+
+STEPS = 8
+
+
+def sample_steps(model, steps=STEPS):
+    import comfy.sample
+    import torch
+    from tests.upstream.test_sampling import latent_and_conditioning
+    latent, positive = latent_and_conditioning()
+    noise = comfy.sample.prepare_noise(latent, 0)
+    with torch.inference_mode():
+        out = comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", positive, positive, latent,
+                                  seed=0, disable_pbar=True)
+    return list(out.unbind()) if getattr(out, "is_nested", False) else [out]
+
+
+def with_cache(model, name):
+    from comfy_extras import nodes_easycache
+    node = {"EasyCache": nodes_easycache.EasyCacheNode, "LazyCache": nodes_easycache.LazyCacheNode}[name]
+    return node.execute(model, 3.0, 0.0, 1.0, False).args[0]  # a high threshold: steps get skipped
+
+
+@pytest.fixture(scope="module")
+def hook(upstream):
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+
+
+@pytest.mark.parametrize("name", ["EasyCache", "LazyCache"])
+def test_the_cache_skips_steps_on_one_card(hook, patcher, name):  # noqa: F811
+    assert rel_diff(sample_steps(with_cache(patcher, name)), sample_steps(patcher)) > 1e-4
+
+
+@pytest.mark.parametrize("order", ["cache before the node", "cache after the node"])
+@pytest.mark.parametrize("name", ["EasyCache", "LazyCache"])
+def test_step_cache_under_sp_equals_one_card(hook, patcher, name, order):  # noqa: F811
+    reference = sample_steps(with_cache(patcher, name))
+    if order == "cache before the node":
+        coord, parallel = node_dit(with_cache(patcher, name), 3)
+    else:
+        coord, parallel = node_dit(patcher, 3)
+        parallel = with_cache(parallel, name)
+    with coord:
+        out = sample_steps(parallel)
+    assert rel_diff(out, reference) <= FP32_TOL
