@@ -172,3 +172,37 @@ def test_preferred_attention_is_honoured_on_every_rank(upstream, model32):
     assert rel_diff(out, reference) <= FP32_TOL
     assert sorted(set(calls)) == [f"sp-rank-{r}" for r in range(world)]
     assert all(calls.count(f"sp-rank-{r}") == single_calls for r in range(world))
+
+
+# ----------------------------------------------------------------------------- PDD head bank
+
+def with_pdd_heads(model, n=3, seed=4):
+    """Upstream's final layer with an n-fold "PDD" head bank (weights n x out rows, the layer's
+    out_features unchanged: that is how upstream tells the bank from a plain head)."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    for head in (out.final_layer.video_out, out.final_layer.audio_out):
+        rows, cols = head.weight.shape
+        head.weight = torch.nn.Parameter(torch.randn(rows * n, cols, generator=g) * 0.2, requires_grad=False)
+        head.bias = torch.nn.Parameter(torch.randn(rows * n, generator=g) * 0.05, requires_grad=False)
+    return out
+
+
+@pytest.mark.parametrize("sigma_index", [0, 2])
+def test_pdd_head_bank_under_sp(upstream, model32, sigma_index):
+    needs_hook(upstream)
+    pdd = with_pdd_heads(model32)
+    sigmas = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+    x, t, ctx, kw = inputs("plain")
+    t = sigmas[sigma_index:sigma_index + 1] * 1000.0
+    options = {"sample_sigmas": sigmas}
+    with torch.inference_mode():
+        reference = pdd(x, t, ctx, transformer_options=dict(options), **kw)
+        plain = model32(x, t, ctx, transformer_options=dict(options), **kw)
+    assert rel_diff(reference, plain) > 1e-3  # the bank is in use
+    world = 3
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
+        sp = minimax_h3.enable_sequence_parallel([copy.deepcopy(pdd) for _ in range(world)], coord)
+        with torch.inference_mode():
+            out = sp(x, t, ctx, transformer_options=dict(options), **kw)
+    assert rel_diff(out, reference) <= FP32_TOL
