@@ -27,7 +27,7 @@ BF16_TOL = 1e-2
 TINY = dict(hidden_size=32, num_layers=3, token_refiner_num_layers=1, num_attention_heads=3,
             attention_head_dim=16, ffn_hidden_size=48, text_dim=24, timestep_input_dim=16,
             time_embed_hidden_size=32, time_embed_dim=16, rope_inv_freq_len=2)
-CASES = ("plain", "tiny")  # upstream crashes single-device on a partial video mask (its own bug)
+CASES = ("plain", "tiny", "audio_mask")  # upstream crashes single-device on a partial video mask (its own bug)
 
 
 def tiny_state_dict(upstream, seed=0):
@@ -62,7 +62,11 @@ def needs_hook(upstream):
 
 
 def inputs(case, dtype=torch.float32):
-    x, t, ctx, kw = make_inputs(case)
+    if case == "audio_mask":  # sp_cases' masked layout with its audio mask only (per-token modulation rows)
+        x, t, ctx, kw = make_inputs("masked")
+        kw = {"audio_denoise_mask": kw["audio_denoise_mask"]}
+    else:
+        x, t, ctx, kw = make_inputs(case)
     return x, t, ctx.to(dtype), kw  # the text states come in the DiT's dtype, as from ComfyUI
 
 
@@ -113,9 +117,9 @@ def test_version_guard_at_run_time_even_when_detection_is_fooled(upstream, model
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_sp_matches_upstreams_single_device(upstream, model32, world, sp_mode, case):
     needs_hook(upstream)
-    x, *_ = make_inputs(case)
+    x, _, ctx, _ = inputs(case)
     reference = single_forward(model32, case)
-    seq = sum(v.shape[-1] * v.shape[-2] // 4 * v.shape[-3] for v in x[:1]) + x[1].shape[-1] + make_inputs(case)[2].shape[1]
+    seq = sum(v.shape[-1] * v.shape[-2] // 4 * v.shape[-3] for v in x[:1]) + x[1].shape[-1] + ctx.shape[1]
     if world > seq:
         pytest.skip(f"{case}: {seq} tokens cannot be split over {world} ranks")
     out = sp_forward([copy.deepcopy(model32) for _ in range(world)], world, case, sp_mode)
