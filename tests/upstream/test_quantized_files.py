@@ -85,3 +85,40 @@ def test_pruned_curve_form_file_under_sp(upstream, hook, tmp_path, world):
     with coord:
         out = sample(parallel)
     assert rel_diff(out, reference) <= FP32_TOL
+
+
+WIDE = dict(TINY, hidden_size=256, num_attention_heads=16, attention_head_dim=16, ffn_hidden_size=256,
+            num_layers=2, time_embed_hidden_size=256)  # convrot groups 256 input features
+
+
+@pytest.mark.parametrize("linear_dtype", ["int4", "int8"])
+def test_convrot_dit_file_under_sp(upstream, hook, tmp_path, linear_dtype):
+    """comfy-kitchen's ConvRot layout (weights rotated, packed int4 or int8; groups of 256 input
+    features, hence a wider tiny config), through upstream's loader, at W = 4."""
+    import comfy.ops
+    import comfy.quant_ops
+    from comfy_kitchen.tensor.base import get_layout_class
+    shell = upstream.h3.MiniMaxH3Model(**WIDE, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    g = torch.Generator().manual_seed(9)
+    layout = get_layout_class(comfy.quant_ops.QUANT_ALGOS["convrot_w4a4"]["comfy_tensor_layout"])
+    state = {}
+    for name, p in shell.state_dict().items():
+        value = torch.randn(p.shape, generator=g) * (0.05 if p.dim() > 1 else 0.05) + (1.0 if "norm" in name else 0.0)
+        if name.startswith("blocks.") and name.endswith(".weight") and value.dim() == 2 and "adaln" not in name:
+            prefix = name[:-len("weight")]
+            qdata, params = layout.quantize(value, linear_dtype=linear_dtype)
+            for suffix, tensor in layout.state_dict_tensors(qdata, params).items():
+                state[f"{prefix}weight{suffix}"] = tensor
+            conf = {"format": "convrot_w4a4", "convrot": True, "convrot_groupsize": 256,
+                    "linear_dtype": linear_dtype}
+            state[f"{prefix}comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+        else:
+            state[name] = value
+    state["rope.inv_freq"] = torch.tensor([1.0, 0.3])
+    model = load(upstream, state, tmp_path, f"convrot_{linear_dtype}")
+    assert type(model.model.diffusion_model.blocks[0].attn.qkv_proj.weight).__name__ == "QuantizedTensor"
+    reference = sample(model)
+    coord, parallel = node_dit(model, 4)
+    with coord:
+        out = sample(parallel)
+    assert rel_diff(out, reference) <= FP32_TOL
