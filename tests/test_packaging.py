@@ -651,3 +651,18 @@ def test_sample_inputs_are_the_generator_output():
         assert path.stat().st_size < 64 * 1024, name
         assert not make_sample_inputs.differs(path, draw()), \
             f"{name} is stale: run .venv/bin/python tools/make_sample_inputs.py"
+
+
+def test_model_sources_match_the_workflows_own_download_links():
+    # Every file a workflow links (node properties "models": url .../OWNER/REPO/resolve/...)
+    # has that OWNER/REPO as its source in source_deps_info.json.
+    sources = {m["file"]: m["source"] for m in PINS["model_files"]["files"]}
+    links = {}
+    for path in sorted((REPO / "additional_files" / "workflows" / "minimax-h3").glob("*.json")):
+        for repo, name in re.findall(r"huggingface\.co/([^/\"]+/[^/\"]+)/resolve/[^/\"]+/(?:[^\"]*/)?([^/\"]+)\"",
+                                     path.read_text(encoding="utf-8")):
+            links.setdefault(name, set()).add(repo)
+    assert links, "no model links found in the workflows"
+    for name, repos in links.items():
+        assert name in sources, f"{name} is linked by a workflow but not listed in source_deps_info.json"
+        assert repos == {sources[name]}, f"{name}: workflows link {sorted(repos)}, pins say {sources[name]}"
