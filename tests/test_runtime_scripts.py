@@ -45,6 +45,14 @@ if mode == "crash":
         traceback.print_exc()
     print("ValueError: a later, unrelated error", flush=True)
     sys.exit(1)
+if mode == "harmless_then_fatal":
+    try:  # ComfyUI logs an optional custom node's failed import and carries on
+        raise ImportError("No module named 'optional_pack'")
+    except ImportError:
+        import traceback
+        traceback.print_exc()
+    print("Cannot import custom_nodes/optional_pack module for custom nodes", flush=True)
+    raise RuntimeError("HCCL init failed: device 3 is held by another process")
 if mode == "hang":
     time.sleep(3600)
 if mode == "stubborn":
@@ -183,10 +191,10 @@ def test_restart_after_out_of_memory_starts_a_clean_process(home):
 
 
 @pytest.mark.timeout(120)
-def test_start_failure_prints_first_exception_and_exits_nonzero(home):
+def test_start_failure_prints_the_exception_that_ended_it_and_exits_nonzero(home):
     result = home.run("restart-v1.sh", STANDIN_MODE="crash")
     assert result.returncode != 0
-    assert ("first exception in" in result.stderr and "RuntimeError: device count mismatch: asked "
+    assert ("the exception that ended it" in result.stderr and "RuntimeError: device count mismatch: asked "
             "for 4 NPUs, found 2" in result.stderr)
     assert "a later, unrelated error" not in result.stderr
     assert "exited (status 1)" in result.stderr
@@ -249,3 +257,50 @@ def test_restart_refuses_a_folder_without_main_py(home):
     (home.root / "main.py").unlink()
     result = home.run("restart-v1.sh")
     assert result.returncode != 0 and "no main.py" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_start_failure_names_the_fatal_exception_not_an_earlier_harmless_one(home):
+    result = home.run("restart-v1.sh", STANDIN_MODE="harmless_then_fatal")
+    assert result.returncode != 0
+    assert "RuntimeError: HCCL init failed: device 3 is held by another process" in result.stderr
+    assert "optional_pack" not in result.stderr
+    assert not home.pid_file.exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_port_taken_by_another_server_is_an_error_naming_it(home):
+    other = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(home.port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=home.root)
+    try:
+        for _ in range(100):  # until the other server listens
+            try:
+                socket.create_connection(("127.0.0.1", home.port), timeout=1).close()
+                break
+            except OSError:
+                import time
+                time.sleep(0.1)
+        result = home.run("restart-v1.sh")
+        assert result.returncode != 0
+        assert f"port {home.port} on 127.0.0.1 is already in use by pid {other.pid}" in result.stderr
+        assert "http.server" in result.stderr and "COMFYUI_PORT" in result.stderr
+        assert not home.pid_file.exists()  # nothing of ours was started
+        assert other.poll() is None  # and the other server was left alone
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_pid_file_without_start_time_is_never_trusted(home):
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        home.pid_file.write_text(f"{bystander.pid}\n")  # an older or hand-written pid file
+        result = home.run("stop-v1.sh")
+        assert result.returncode == 0
+        assert "no start time" in result.stdout and "signalled nothing" in result.stdout
+        assert bystander.poll() is None
+        assert not home.pid_file.exists()
+    finally:
+        bystander.kill()
+        bystander.wait(timeout=10)

@@ -13,8 +13,11 @@
 #      MINIMAX_H3_MODELS             <ComfyUI>/models   (read by extra_model_paths.yaml)
 # 3. Starts <ComfyUI>/main.py --listen HOST --port PORT in its own session, output to
 #    runtime/comfyui.log (the previous log is kept as runtime/comfyui.previous.log).
+#    Before that, a port already taken by another process is an error naming that process
+#    (its readiness probe would otherwise be answered by the other server).
 # 4. Waits until http://HOST:PORT/ answers. If the process exits or the wait times out,
-#    prints the first exception line of the log, stops what it started and exits 1.
+#    prints the exception that ended it (the last traceback's, not an earlier harmless one
+#    such as an optional custom node that failed to import), stops what it started, exits 1.
 #
 # Settings (environment): COMFYUI_DIR (default: the folder above runtime/), COMFYUI_PYTHON
 # (default: <ComfyUI>/venv/bin/python or <ComfyUI>/.venv/bin/python if present, else python3),
@@ -61,6 +64,49 @@ export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:Tru
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 export MINIMAX_H3_MODELS="${MINIMAX_H3_MODELS:-$COMFYUI_DIR/models}"
 
+# The port must be free: another server there would answer the readiness probe for us.
+port_holder() {  # "pid command" of the process listening on PORT (Linux /proc), or nothing
+    "$PYTHON" - "$PORT" <<'PY' 2>/dev/null || true
+import os, sys
+port = int(sys.argv[1])
+inodes = set()
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    try:
+        rows = open(table).read().splitlines()[1:]
+    except OSError:
+        continue
+    for row in rows:
+        fields = row.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+            inodes.add(fields[9])
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    except OSError:
+        continue
+    if any(f"socket:[{inode}]" in links for inode in inodes):
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+        print(pid, cmd[:200])
+        break
+else:
+    if inodes:
+        print("? (a process of another user)")
+PY
+}
+port_in_use() {
+    "$PYTHON" - "$HOST" "$PORT" <<'PY' 2>/dev/null
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()
+except OSError:
+    sys.exit(1)
+PY
+}
+if port_in_use; then
+    holder="$(port_holder)"
+    fail "port $PORT on $HOST is already in use${holder:+ by pid $holder}; stop that process or set COMFYUI_PORT to a free port"
+fi
+
 # 3. Start in a new session (its own process group), detached from this terminal.
 [ -f "$LOG_FILE" ] && mv -f "$LOG_FILE" "$RUNTIME_DIR/comfyui.previous.log"
 echo "restart-v1.sh: starting ComfyUI in $COMFYUI_DIR on $HOST:$PORT (devices $ASCEND_RT_VISIBLE_DEVICES, backend $COMFYUI_MULTI_DEVICE_BACKEND); log $LOG_FILE"
@@ -87,16 +133,22 @@ running() {  # our child counts as gone once it is a zombie
     case "${fields%% *}" in Z|X) return 1 ;; esac
 }
 
-first_exception() {
-    # The line that names the exception ("RuntimeError: ...", "torch.OutOfMemoryError: ...").
-    grep -m1 -E '^([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception|Exit|Interrupt)(:|$)' "$LOG_FILE" 2>/dev/null || true
+fatal_exception() {
+    # The line that names the exception that ended the process: the one closing the log's last
+    # traceback ("RuntimeError: ...", "torch.OutOfMemoryError: ..."); without a traceback, the
+    # last such line. Earlier tracebacks (e.g. an optional custom node's import) were survived.
+    awk -v re='^([A-Za-z_][A-Za-z0-9_]*\\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception|Exit|Interrupt)(:|$)' '
+        /^Traceback \(most recent call last\):/ { in_tb = 1; next }
+        $0 ~ re { if (in_tb) { fatal = $0; in_tb = 0 } else { loose = $0 } }
+        END { if (fatal != "") print fatal; else if (loose != "") print loose }
+    ' "$LOG_FILE" 2>/dev/null || true
 }
 
 explain_and_fail() {
     local why="$1" line
-    line="$(first_exception)"
+    line="$(fatal_exception)"
     if [ -n "$line" ]; then
-        echo "restart-v1.sh: first exception in $LOG_FILE: $line" >&2
+        echo "restart-v1.sh: the exception that ended it, from $LOG_FILE: $line" >&2
         case "$line" in
             *"out of memory"*|*OutOfMemory*)
                 echo "restart-v1.sh: the cards ran out of memory: use fewer frames or a lower resolution, or check that no other process holds the cards (npu-smi info); a restart starts from a clean process" >&2 ;;

@@ -2,8 +2,9 @@
 # Stop the ComfyUI server that runtime/restart-v1.sh started, and wait until it is gone.
 #
 # It finds the server only through runtime/comfyui.pid ("PID START_TICKS"), never by process
-# name. A pid file whose process is gone, or whose pid now belongs to another process (other
-# start time), is stale: it is removed and nothing is signalled. Otherwise the server's whole
+# name. A pid file whose process is gone, whose pid now belongs to another process (other
+# start time), or that has no start time to check, is not trusted: it is removed and nothing
+# is signalled. Otherwise the server's whole
 # process group gets SIGTERM, then SIGKILL after COMFYUI_STOP_TIMEOUT_S (default 60) seconds.
 # Linux only (/proc).
 set -euo pipefail
@@ -62,7 +63,11 @@ fi
 fields="$(stat_fields "$PID")"
 # shellcheck disable=SC2086
 set -- $fields
-if [ -n "${TICKS:-}" ] && [ "${20:-}" != "$TICKS" ]; then
+if [ -z "${TICKS:-}" ]; then
+    echo "stop-v1.sh: pid file has no start time, so pid $PID cannot be told apart from another process that got the same pid; signalled nothing, removed the pid file (if pid $PID is our ComfyUI, stop it with: kill $PID)"
+    rm -f "$PID_FILE"; exit 0
+fi
+if [ "${20:-}" != "$TICKS" ]; then
     echo "stop-v1.sh: stale pid file: pid $PID now belongs to another process (started at another time); left that process alone, removed the pid file"
     rm -f "$PID_FILE"; exit 0
 fi
