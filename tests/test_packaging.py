@@ -286,13 +286,32 @@ def test_conflicting_overlay_file_leaves_the_checkout_unchanged(tmp_path):
 
 def test_conflicting_additional_file_stops_before_the_patch(tmp_path):
     project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
-    edited = comfy / "user/default/workflows/minimax-h3/ref2va_21steps.json"
+    edited = comfy / "runtime/restart-v1.sh"
     edited.parent.mkdir(parents=True)
-    edited.write_text("{}\n")
+    edited.write_text("#!/bin/sh\necho my own script\n")
     before = snapshot(comfy)
     result = install(project, "--comfyui", str(comfy), "--no-deps")
-    assert result.returncode != 0 and "ref2va_21steps.json" in result.stderr
+    assert result.returncode != 0 and "restart-v1.sh" in result.stderr
     assert snapshot(comfy) == before
+
+
+def test_a_rerun_keeps_a_workflow_the_user_saved_and_installs_ours_beside_it(tmp_path):
+    project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
+    assert install(project, "--comfyui", str(comfy), "--no-deps").returncode == 0
+    saved = comfy / "user/default/workflows/minimax-h3/ref2va_21steps.json"
+    saved.write_text('{"the user": "saved this with Ctrl+S"}\n')
+    result = install(project, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert saved.read_text() == '{"the user": "saved this with Ctrl+S"}\n'  # theirs, untouched
+    beside = [p for p in saved.parent.glob("ref2va_21steps.*.json")]
+    assert len(beside) == 1 and "kept your edited" in result.stdout and beside[0].name in result.stdout
+    ours = project / "additional_files/workflows/minimax-h3/ref2va_21steps.json"
+    assert beside[0].read_bytes() == ours.read_bytes()
+    again = install(project, "--comfyui", str(comfy), "--no-deps")  # and a third run changes nothing
+    assert again.returncode == 0 and "nothing changed" in again.stdout
+    removed = install(project, "--comfyui", str(comfy), "--uninstall")
+    assert removed.returncode == 0
+    assert saved.exists() and not beside[0].exists()  # uninstall takes ours, leaves theirs
 
 
 def test_a_failure_while_copying_undoes_the_patch_and_the_copies(tmp_path):

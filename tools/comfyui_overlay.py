@@ -41,6 +41,9 @@ EXTRA_DESTINATIONS = {
 }
 # DIR's own copy of this file is the user's configuration: never replaced, never removed.
 USER_OWNED_IF_PRESENT = {Path("extra_model_paths.yaml")}
+# A workflow the user saved over ours (Ctrl+S) is theirs: kept, and this version of ours goes
+# beside it under a name that carries its content hash.
+WORKFLOWS_DIR = Path("user/default/workflows")
 SKIPPED_SUFFIXES = (".log", ".pid", ".pyc")
 # The checkout's required folders existed before any install: an uninstall leaves them in
 # place even when it empties them (without custom_nodes/, DIR would no longer pass the
@@ -213,8 +216,20 @@ def _same_content(a: Path, b: Path) -> bool:
         hashlib.sha256(b.read_bytes()).digest()
 
 
+def beside(extra: ExtraFile) -> ExtraFile:
+    """Where this version of a workflow goes when the user's edited copy holds its name."""
+    digest = hashlib.sha256(extra.source.read_bytes()).hexdigest()[:8]
+    target = extra.target.with_name(f"{extra.target.stem}.{digest}{extra.target.suffix}")
+    return ExtraFile(extra.source, target)
+
+
+def is_workflow(extra: ExtraFile) -> bool:
+    return WORKFLOWS_DIR in extra.target.parents
+
+
 def plan_extras(comfyui: Path, extras: list[ExtraFile]) -> list[ExtraFile]:
-    """The extra files to copy; raises, before anything is written, on a file DIR has with other content."""
+    """The extra files to copy; raises, before anything is written, on a file DIR has with other
+    content (except a workflow the user edited: kept, ours goes beside it)."""
     to_copy, clashes = [], []
     for extra in extras:
         target = comfyui / extra.target
@@ -222,6 +237,16 @@ def plan_extras(comfyui: Path, extras: list[ExtraFile]) -> list[ExtraFile]:
             to_copy.append(extra)
         elif _same_content(extra.source, target):
             continue
+        elif is_workflow(extra):
+            new = beside(extra)
+            if _same_content(new.source, comfyui / new.target):
+                continue
+            if (comfyui / new.target).exists():
+                clashes.append(str(new.target))
+                continue
+            say(f"kept your edited {extra.target}; this version's workflow is installed beside it "
+                f"as {new.target.name}")
+            to_copy.append(new)
         elif extra.target in USER_OWNED_IF_PRESENT:
             say(f"{extra.target} already exists in {comfyui} and differs from ours; left as it is "
                 f"(merge the minimax_h3 entries from {extra.source} by hand if you want them)")
@@ -304,6 +329,7 @@ def uninstall(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: 
                            f"runtime/stop-v1.sh, then rerun --uninstall")
     ours = [e for e in extra_files(extras_dir) if e.target not in USER_OWNED_IF_PRESENT
             or _same_content(e.source, comfyui / e.target)]
+    ours += [beside(e) for e in ours if is_workflow(e) and (comfyui / beside(e).target).exists()]
     if state == "applied":
         own = [comfyui / f for f in COMFYUI_FOLDERS if (comfyui / f).is_dir()]
         _git_apply(comfyui, patch, "--reverse")
