@@ -40,7 +40,8 @@ Options:
   --base-python PATH the interpreter that creates .venv and runs the helpers (default:
                      $PYTHON or python3; must be Python 3.11 or newer)
   --no-test-deps     skip the test-only packages (pytest, hypothesis, ...)
-  --force            reinstall even if the environment already matches the pins
+  --force            reinstall even if the environment already matches the pins; with
+                     --comfyui: also install into a ComfyUI that has no MiniMax-H3 nodes
                      (with --python: also install the pinned torch over the one there)
   --comfyui DIR      install the patch and additional files into the ComfyUI checkout DIR
   --uninstall        with --comfyui: remove them again (only files still unchanged);
@@ -89,7 +90,9 @@ fi
 # The ComfyUI part runs in tools/comfyui_overlay.py; `check` validates DIR and the patch
 # before anything (dependencies included) is installed, so a bad DIR fails first.
 overlay() {
-    "$BASE_PYTHON" "$REPO_DIR/tools/comfyui_overlay.py" "$@" --comfyui "$COMFYUI_DIR"
+    local force=()
+    [ "$FORCE" -eq 1 ] && force=(--force)  # also: install into a ComfyUI without MiniMax-H3
+    "$BASE_PYTHON" "$REPO_DIR/tools/comfyui_overlay.py" "$@" ${force[@]+"${force[@]}"} --comfyui "$COMFYUI_DIR"
 }
 if [ -n "$COMFYUI_DIR" ]; then
     if [ "$UNINSTALL" -eq 1 ]; then

@@ -206,6 +206,7 @@ def comfyui_checkout(tmp: Path) -> Path:
                       "comfy/model_management.py": "# placeholder\n",
                       "comfy/ldm/minimax/model.py": "# placeholder\n",
                       "comfy_extras/nodes_placeholder.py": "# placeholder\n",
+                      "comfy_extras/nodes_minimax_h3.py": "# placeholder\n",
                       "custom_nodes/example_node.py.example": "# placeholder\n",
                       "input/example.txt": "placeholder\n"}.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -685,3 +686,17 @@ def test_model_sources_match_the_workflows_own_download_links():
     for name, repos in links.items():
         assert name in sources, f"{name} is linked by a workflow but not listed in source_deps_info.json"
         assert repos == {sources[name]}, f"{name}: workflows link {sorted(repos)}, pins say {sources[name]}"
+
+
+def test_a_comfyui_without_the_h3_nodes_is_refused_unless_forced(tmp_path):
+    project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
+    (comfy / "comfy_extras/nodes_minimax_h3.py").unlink()
+    git(comfy, "commit", "-qam", "an older ComfyUI")
+    before = snapshot(comfy)
+    result = install(project, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode != 0
+    assert "no MiniMax-H3 nodes" in result.stderr and PINS["upstream"]["commit"] in result.stderr
+    assert "--force" in result.stderr and snapshot(comfy) == before
+    forced = install(project, "--comfyui", str(comfy), "--no-deps", "--force")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert (comfy / "comfy/multidevice/__init__.py").is_file()

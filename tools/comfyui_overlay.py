@@ -277,9 +277,22 @@ def copy_extras(comfyui: Path, to_copy: list[ExtraFile], keep=COMFYUI_FOLDERS) -
 
 # ----------------------------------------------------------------------------- commands
 
+H3_NODES = Path("comfy_extras/nodes_minimax_h3.py")
+
+
+def require_h3(comfyui: Path, pins: Path) -> None:
+    """A ComfyUI without MiniMax-H3 gets nothing from this overlay: refuse it (unless forced)."""
+    if not (comfyui / H3_NODES).is_file():
+        raise OverlayError(f"{comfyui} has no MiniMax-H3 nodes ({H3_NODES} is missing): this ComfyUI "
+                           f"predates MiniMax-H3; update it (git pull; tested with upstream commit "
+                           f"{pinned_commit(pins)}), or pass --force to install anyway")
+
+
 def check(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, uninstalling: bool,
-          report: bool = True) -> str:
+          report: bool = True, force: bool = False) -> str:
     comfyui = validate_checkout(comfyui)
+    if not uninstalling and not force:
+        require_h3(comfyui, pins)
     if not patch.is_file():
         raise OverlayError(f"{patch} is missing; regenerate it with tools/make_patch.py")
     if report:
@@ -292,8 +305,9 @@ def check(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, uninstalling
     return state
 
 
-def apply(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: bool = True) -> None:
-    state = check(comfyui, patch, pins, extras_dir, uninstalling=False, report=report)
+def apply(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: bool = True,
+          force: bool = False) -> None:
+    state = check(comfyui, patch, pins, extras_dir, uninstalling=False, report=report, force=force)
     comfyui = comfyui.resolve()
     to_copy = plan_extras(comfyui, extra_files(extras_dir))
     if state == "applied" and not to_copy:
@@ -363,13 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extras", type=Path, default=REPO_DIR / "additional_files")
     parser.add_argument("--checked", action="store_true",
                         help="the caller already ran `check`: don't report the commit again")
+    parser.add_argument("--force", action="store_true",
+                        help="install into a ComfyUI that has no MiniMax-H3 nodes")
     args = parser.parse_args(argv)
     paths = (args.comfyui, args.patch.resolve(), args.pins, args.extras)
     try:
         if args.command == "check":
-            check(*paths, uninstalling=args.uninstall)
+            check(*paths, uninstalling=args.uninstall, force=args.force)
         elif args.command == "apply":
-            apply(*paths, report=not args.checked)
+            apply(*paths, report=not args.checked, force=args.force)
         else:
             uninstall(*paths, report=not args.checked)
     except OverlayError as exc:
