@@ -32,7 +32,7 @@ that DIR is one (main.py, comfy/, comfy_extras/, custom_nodes/), warns when DIR'
 commit is not the pinned upstream.commit, applies comfy-ui-changes.patch (new files
 only) after `git apply --check`, and copies additional_files/ (workflows to
 user/default/workflows/minimax-h3/, sample inputs to input/minimax-h3/, the service
-scripts to runtime/, extra_model_paths.yaml unless DIR has one). Running it again
+scripts to runtime/; an edited workflow is kept, ours goes beside it). Running it again
 finds it installed and changes nothing. Every failure leaves DIR unchanged.
 
 Options:

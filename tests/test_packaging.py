@@ -238,7 +238,7 @@ def test_install_apply_twice_and_uninstall_restore_the_checkout(tmp_path):
             (WORKFLOW_DIR / f"{name}.json").read_bytes()
     assert (comfy / "input/minimax-h3/first_frame.png").is_file()
     assert os.access(comfy / "runtime/restart-v1.sh", os.X_OK)
-    assert (comfy / "extra_model_paths.yaml").is_file()
+    assert not (comfy / "extra_model_paths.yaml").exists()  # model folders come from the node pack
     installed = snapshot(comfy)
 
     second = install(project, "--comfyui", str(comfy), "--no-deps")
@@ -501,11 +501,31 @@ def test_model_files_match_the_workflows_loaders():
         assert set(entry["used_by"]) == used.get(file_name, set()), file_name
 
 
-def test_extra_model_paths_names_every_weight_folder():
-    text = (REPO / "additional_files" / "extra_model_paths.yaml").read_text()
-    assert re.search(r"^  base_path: \$MINIMAX_H3_MODELS$", text, re.M)
-    for folder in {f["folder"] for f in PINS["model_files"]["files"]}:
-        assert re.search(rf"^  {folder}: {folder}$", text, re.M), folder
+def _load_shim(monkeypatch, environ):
+    """The node pack's loader shim, imported with a stand-in for ComfyUI's folder_paths."""
+    import importlib.util
+    import types
+    added = []
+    fake = types.ModuleType("folder_paths")
+    fake.add_model_folder_path = lambda folder, path, is_default=False: added.append((folder, path))
+    monkeypatch.setitem(sys.modules, "folder_paths", fake)
+    for key in ("MINIMAX_H3_MODELS",):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    spec = importlib.util.spec_from_file_location("multinpu_shim_under_test",
+                                                  REPO / "custom_nodes/ComfyUI-MultiNPU/__init__.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    return added
+
+
+def test_model_folders_from_the_variable_and_nothing_without_it(monkeypatch, tmp_path):
+    folders = {f["folder"] for f in PINS["model_files"]["files"]}
+    added = _load_shim(monkeypatch, {"MINIMAX_H3_MODELS": str(tmp_path / "models")})
+    assert {folder for folder, _ in added} == folders  # every folder the H3 files use
+    assert all(path == str(tmp_path / "models" / folder) for folder, path in added)
+    assert _load_shim(monkeypatch, {}) == []  # unset: ComfyUI's own models/<folder>/, no literal path
+    assert _load_shim(monkeypatch, {"MINIMAX_H3_MODELS": ""}) == []
     assert "MINIMAX_H3_MODELS" in (REPO / "additional_files/runtime/restart-v1.sh").read_text()
 
 

@@ -9,9 +9,10 @@ Called by `install_deps_minimax_h3.sh --comfyui DIR [--uninstall]`; usable on it
 
 What it installs:
 - comfy-ui-changes.patch (new files only) through `git apply`, after `git apply --check`;
-- additional_files/: workflows into DIR/user/default/workflows/, sample inputs into DIR/input/,
-  the service scripts into DIR/runtime/, extra_model_paths.yaml into DIR/ unless DIR already
-  has one (then it says so and leaves DIR's file alone).
+- additional_files/: workflows into DIR/user/default/workflows/ (a workflow the user saved over
+  ours is kept, ours goes beside it), sample inputs into DIR/input/, the service scripts into
+  DIR/runtime/. DIR's extra_model_paths.yaml is never touched: the node pack adds
+  $MINIMAX_H3_MODELS/<folder> itself when that variable is set.
 
 Every check runs before anything is written; a failure while writing undoes what this run
 wrote. A second `apply` finds everything in place and changes nothing. `uninstall` removes
@@ -37,10 +38,7 @@ EXTRA_DESTINATIONS = {
     "workflows": Path("user/default/workflows"),
     "input": Path("input"),
     "runtime": Path("runtime"),
-    "extra_model_paths.yaml": Path("extra_model_paths.yaml"),
 }
-# DIR's own copy of this file is the user's configuration: never replaced, never removed.
-USER_OWNED_IF_PRESENT = {Path("extra_model_paths.yaml")}
 # A workflow the user saved over ours (Ctrl+S) is theirs: kept, and this version of ours goes
 # beside it under a name that carries its content hash.
 WORKFLOWS_DIR = Path("user/default/workflows")
@@ -247,9 +245,6 @@ def plan_extras(comfyui: Path, extras: list[ExtraFile]) -> list[ExtraFile]:
             say(f"kept your edited {extra.target}; this version's workflow is installed beside it "
                 f"as {new.target.name}")
             to_copy.append(new)
-        elif extra.target in USER_OWNED_IF_PRESENT:
-            say(f"{extra.target} already exists in {comfyui} and differs from ours; left as it is "
-                f"(merge the minimax_h3 entries from {extra.source} by hand if you want them)")
         else:
             clashes.append(str(extra.target))
     if clashes:
@@ -341,8 +336,7 @@ def uninstall(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: 
     if pid_file.exists():
         raise OverlayError(f"{pid_file} exists: the ComfyUI service may be running; stop it with "
                            f"runtime/stop-v1.sh, then rerun --uninstall")
-    ours = [e for e in extra_files(extras_dir) if e.target not in USER_OWNED_IF_PRESENT
-            or _same_content(e.source, comfyui / e.target)]
+    ours = extra_files(extras_dir)
     ours += [beside(e) for e in ours if is_workflow(e) and (comfyui / beside(e).target).exists()]
     if state == "applied":
         own = [comfyui / f for f in COMFYUI_FOLDERS if (comfyui / f).is_dir()]

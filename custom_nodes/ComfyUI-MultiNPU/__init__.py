@@ -14,6 +14,10 @@ Two ways to install, no upstream file edited in either:
 
 ComfyUI's loader takes NODE_CLASS_MAPPINGS before comfy_entrypoint; this shim exports only
 comfy_entrypoint (the V3 hook).
+
+Model folders: when MINIMAX_H3_MODELS names a folder (runtime/restart-v1.sh sets it), its
+diffusion_models/, text_encoders/, vae/ and loras/ are added to ComfyUI's search paths when the
+pack loads; without it ComfyUI's own models/<folder>/ is used, and nothing is added.
 """
 
 import importlib
@@ -25,6 +29,26 @@ log = logging.getLogger(__name__)
 
 _MODULE = "comfy_extras.nodes_multinpu"
 ROOT_ENV = "COMFYUI_MULTINPU_ROOT"
+MODELS_ENV = "MINIMAX_H3_MODELS"
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras")  # the H3 files' folders
+
+
+def register_model_folders(environ=os.environ):
+    """Add $MINIMAX_H3_MODELS/<folder> to ComfyUI's model search paths; returns what was added."""
+    root = environ.get(MODELS_ENV, "").strip()
+    if not root:
+        return []
+    try:
+        import folder_paths  # ComfyUI's; absent when the pack is imported outside ComfyUI
+    except ImportError:
+        return []
+    added = []
+    for folder in MODEL_FOLDERS:
+        path = os.path.join(os.path.abspath(os.path.expanduser(root)), folder)
+        folder_paths.add_model_folder_path(folder, path)
+        added.append(path)
+    log.info("ComfyUI-MultiNPU: model folders from %s=%s: %s", MODELS_ENV, root, ", ".join(MODEL_FOLDERS))
+    return added
 
 
 def _candidate_roots():
@@ -64,3 +88,6 @@ def load_node_module():
 
 async def comfy_entrypoint():
     return await load_node_module().comfy_entrypoint()
+
+
+register_model_folders()

@@ -61,7 +61,10 @@ def server(upstream, tmp_path_factory):
         "import importlib.util\n"
         f"spec = importlib.util.spec_from_file_location('_standins', {str(Path(__file__).with_name('standins.py'))!r})\n"
         "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod); mod.install()\n")
-    env = dict(os.environ)
+    models = root / "h3-models"
+    (models / "diffusion_models").mkdir(parents=True)
+    (models / "diffusion_models" / "from_the_variable.safetensors").write_bytes(b"")
+    env = dict(os.environ, MINIMAX_H3_MODELS=str(models))
     env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     port = free_port()
     log = open(root / "comfyui.log", "w")
@@ -114,3 +117,8 @@ def test_a_prompt_with_a_bad_card_count_is_refused_by_the_servers_validation(ser
     assert status == 400, answer
     errors = json.dumps(answer)
     assert "npu_count" in errors  # the node's own option list, enforced by the real server
+
+
+def test_the_node_pack_adds_the_model_folders_of_minimax_h3_models(server):
+    status, names = request(f"{server}/models/diffusion_models")
+    assert status == 200 and "from_the_variable.safetensors" in names
