@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
 """MiniMax-H3 multi-device command line.
 
-  run      the parallel pipeline; without weights it is the dry run on the miniature model
+  run      the parallel pipeline: without weights, the dry run on a small model with random
+           weights, on W ranks against one device (parity check, traffic, timing)
   doctor   what this machine offers: devices, backends, a self-test exchange
 
-Each subcommand registers its options in `add_<name>_arguments` and runs in `<name>_main`;
-the work itself lives in the package comfy/multidevice/, so ComfyUI and the tests can use it too.
+Examples:
+  minimax_h3_parallel.py run                        all visible cards (or 4 CPU ranks)
+  minimax_h3_parallel.py run --devices 4 --sp-mode auto
+  torchrun --nproc-per-node 2 minimax_h3_parallel.py run      one rank per process
+  minimax_h3_parallel.py doctor --json
 """
+# Each subcommand registers its options in `add_<name>_arguments` and runs in `<name>_main`;
+# the work itself lives in the package comfy/multidevice/, so ComfyUI and the tests use it too.
 
 from __future__ import annotations
 
@@ -47,12 +53,29 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------- main
 
+RUN_DESCRIPTION = """\
+The dry run: a small model with H3's structure and random weights (written to --cache once)
+samples a short clip on W ranks and once on one device, and compares the two. Prints progress,
+then one JSON report on the last line (also in --out/report.json).
+Exit status: 0 the ranks match one device, 1 they do not, 2 a bad option or a backend that
+cannot start (said before anything runs)."""
+
+DOCTOR_DESCRIPTION = """\
+Lists the visible NPUs/GPUs, which collective libraries load (HCCL, NCCL) and the settings in
+the environment, then runs one exchange between the selected devices and checks it.
+Exit status: 0 the selected set-up works, 1 it does not (the report says why)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minimax_h3_parallel.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    add_run_arguments(sub.add_parser("run", help="run the parallel pipeline (dry run by default)"))
-    add_doctor_arguments(sub.add_parser("doctor", help="check devices and backends"))
+    add_run_arguments(sub.add_parser(
+        "run", help="run the parallel pipeline (dry run by default)", description=RUN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    add_doctor_arguments(sub.add_parser(
+        "doctor", help="check devices and backends", description=DOCTOR_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 

@@ -68,19 +68,26 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
     g.add_argument("--backend", choices=VALID_BACKENDS, default=None,
                    help="collective backend (default: COMFYUI_MULTI_DEVICE_BACKEND, else auto)")
     g.add_argument("--sp-mode", choices=list(SP_MODES), default=DEFAULT_SP_MODE,
-                   help="how attention exchanges K/V between ranks (default %(default)s)")
+                   help="how the ranks share attention: allgather = every rank gathers all keys "
+                        "and values (simple; the most bytes at 8 cards), ulysses = each rank takes a "
+                        "block of heads over the whole sequence (fewer bytes at 4-8 cards), auto = "
+                        "whichever moves fewer bytes for these cards and heads (default %(default)s)")
     g.add_argument("--sp-overlap", type=int, default=1, metavar="CHUNKS",
                    help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
                         "attention (default 1: no overlap)")
     g = parser.add_argument_group("sampling")
     g.add_argument("--steps", type=int, default=10, help="Euler steps (default %(default)s)")
     g.add_argument("--frames", type=int, default=39, help="video frames, 17k+5 (default %(default)s)")
-    g.add_argument("--width", type=int, default=384, help="video width in pixels, a multiple of 32")
-    g.add_argument("--height", type=int, default=256, help="video height in pixels, a multiple of 32")
-    g.add_argument("--refs", type=int, default=0, help="reference-image segments (default 0)")
+    g.add_argument("--width", type=int, default=384,
+                   help="video width in pixels, a multiple of 32 (default %(default)s)")
+    g.add_argument("--height", type=int, default=256,
+                   help="video height in pixels, a multiple of 32 (default %(default)s)")
+    g.add_argument("--refs", type=int, default=0,
+                   help="reference images packed ahead of the video, as in ref2va (default 0)")
     g.add_argument("--text-tokens", type=int, default=64, help="text tokens (default %(default)s)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the noise")
-    g.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the noise (default 0)")
+    g.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32",
+                   help="precision of the DiT blocks (default %(default)s)")
     g.add_argument("--no-reference", action="store_true", help="skip the single-device reference run")
     g.add_argument("--tolerance", type=float, default=None,
                    help="parity tolerance, relative to max |reference| (default: 1e-5 fp32, 2e-2 bf16)")
