@@ -87,3 +87,35 @@ def test_patcher_entry_point_in_every_mode(upstream, patcher, sp_mode):
         enable_sequence_parallel_on_patcher(parallel, coord, replicas, sp_mode=sp_mode)
         out = sample(parallel)
     assert rel_diff(out, reference) <= FP32_TOL
+
+
+def test_first_prompt_shows_replica_progress_and_logs_each_card(upstream, patcher, monkeypatch, caplog):  # noqa: F811
+    """The first sampling builds the W-1 replicas: one step of ComfyUI's progress bar and one
+    log line (card, GiB, seconds) per card; the second sampling builds nothing."""
+    if not upstream.has_attention_hook:
+        pytest.skip("refused on this ComfyUI (test_node_dit_role_samples_like_one_card checks that)")
+    import comfy.utils
+    steps = []
+
+    class RecordingBar:
+        def __init__(self, total):
+            steps.append(("new", total))
+
+        def update(self, value):
+            steps.append(("step", value))
+
+        def update_absolute(self, value, total=None, preview=None):  # the sampler's own bar
+            pass
+    monkeypatch.setattr(comfy.utils, "ProgressBar", RecordingBar)
+    world = 4
+    coord, parallel = node_dit(patcher, world)
+    with coord, caplog.at_level("INFO", logger="comfy.multidevice.roles"):
+        sample(parallel)
+        first = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DiT replica for")]
+        caplog.clear()
+        sample(parallel)
+        second = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DiT replica for")]
+    assert len(first) == world - 1 and all("GiB" in m and " s" in m for m in first), first
+    assert second == []
+    ours = [s for s in steps if s == ("new", world - 1) or s == ("step", 1)]
+    assert ours.count(("new", world - 1)) == 1 and ours.count(("step", 1)) >= world - 1

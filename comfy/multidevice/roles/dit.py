@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence
 
 import torch
@@ -41,6 +42,7 @@ class DitReplicas:
         self.armed = False  # until the adapter is installed, entries only serve its checks
         self._copies: dict = {}
         self._copy_version = None
+        self._progress = None  # ComfyUI's progress bar over the replica builds, made on the first
         try:
             from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
             self.base_replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
@@ -63,7 +65,14 @@ class DitReplicas:
     def module(self, index: int):
         if self.uses_base():
             replica = self.base_replicas[index]
-            return replica.load().module if self.armed else replica.module
+            if not self.armed:
+                return replica.module
+            if replica.resident:
+                return replica.load().module  # refreshes patches only if they changed
+            with self._building(index) as done:
+                replica.load()
+                done(replica.resident_bytes, "from the shared checkpoint base")
+            return replica.module
         source = dit_module(self.primary)
         device = self.devices[index]
         if not self.armed or module_device(source) in (None, device):
@@ -77,11 +86,43 @@ class DitReplicas:
                 log.info("DiT replicas: the weights carry patches added after this node (e.g. a LoRA "
                          "loader placed after it); copying the loaded weights to the other cards")
         if index not in self._copies:
-            self._copies[index] = replica_on(source, device)
+            with self._building(index) as done:
+                self._copies[index] = replica_on(source, device)
+                done(sum(t.nbytes for t in self._copies[index].state_dict().values()),
+                     "copied from the loaded model")
         return self._copies[index]
+
+    def _building(self, index: int):
+        """Times one replica build, logs it with its card and bytes, and moves ComfyUI's progress
+        bar (one step per card: the first prompt builds W-1 replicas, minutes for a 66 GB DiT)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def building():
+            start = time.monotonic()
+            record = {}
+            yield lambda nbytes, how: record.update(nbytes=nbytes, how=how)
+            seconds = time.monotonic() - start
+            log.info("DiT replica for %s: %.2f GiB %s in %.1f s", self.devices[index],
+                     record.get("nbytes", 0) / 2 ** 30, record.get("how", ""), seconds)
+            self._progress_step()
+        return building()
+
+    def _progress_step(self) -> None:
+        try:
+            import comfy.utils  # ComfyUI's progress bar (shown in the UI); absent in the tests
+        except ImportError:
+            return
+        bar_type = getattr(comfy.utils, "ProgressBar", None)
+        if bar_type is None:
+            return
+        if getattr(self, "_progress", None) is None:
+            self._progress = bar_type(len(self.devices))
+        self._progress.update(1)
 
     def unload(self) -> int:
         """Drop the replicas' device residency (the base stays in RAM); return the bytes dropped."""
+        self._progress = None  # the next build is a new run of the bar
         dropped = self.base_replicas.unload() if self.base_replicas is not None else 0
         self._copies.clear()
         self._copy_version = None
