@@ -60,11 +60,17 @@ NODE_SCHEMA = {
                     "visible cards."},
     ],
     "outputs": [
-        {"name": "MODEL", "type": "MODEL"},
-        {"name": "CLIP", "type": "CLIP"},
-        {"name": "video_vae", "type": "VAE"},
-        {"name": "audio_vae", "type": "VAE"},
+        {"name": "model", "type": "MODEL",
+         "tooltip": "The DiT set up to run sequence parallel over the planned cards (or on card 0)."},
+        {"name": "clip", "type": "CLIP",
+         "tooltip": "The text encoder set up tensor parallel over the planned cards (or on card 0)."},
+        {"name": "video_vae", "type": "VAE",
+         "tooltip": "The video VAE, decoding its temporal chunks on the planned cards."},
+        {"name": "audio_vae", "type": "VAE", "tooltip": "The audio VAE, on its planned card."},
     ],
+    # What users type into the node search to find it (upstream's own H3 nodes declare these too).
+    "search_aliases": ["multi gpu", "multi npu", "multigpu", "sequence parallel", "tensor parallel",
+                       "ascend", "npu", "minimax h3 parallel"],
 }
 
 
@@ -115,8 +121,26 @@ def _io_input(io, spec: dict):
 
 
 def _io_output(io, spec: dict):
+    import inspect
+
     kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae}
-    return kinds[spec["type"]].Output(display_name=spec["name"])
+    cls = kinds[spec["type"]].Output
+    kwargs = {"display_name": spec["name"]}
+    if "tooltip" in inspect.signature(cls.__init__).parameters:
+        kwargs["tooltip"] = spec["tooltip"]
+    return cls(**kwargs)
+
+
+def _schema_extras(io) -> dict:
+    """Schema fields an older ComfyUI's io.Schema may not take (search_aliases)."""
+    import inspect
+
+    try:
+        accepted = inspect.signature(io.Schema).parameters
+    except (TypeError, ValueError):
+        return {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    return {"search_aliases": NODE_SCHEMA["search_aliases"]} if takes_any or "search_aliases" in accepted else {}
 
 
 def node_class():
@@ -136,6 +160,7 @@ def node_class():
                 description=NODE_SCHEMA["description"],
                 inputs=[_io_input(io, s) for s in NODE_SCHEMA["inputs"]],
                 outputs=[_io_output(io, s) for s in NODE_SCHEMA["outputs"]],
+                **_schema_extras(io),
             )
 
         @classmethod

@@ -113,7 +113,9 @@ def test_schema_inputs_outputs_types_defaults():
     assert ins["device_kind"]["options"] == ["auto", "npu", "cuda", "cpu"]
     assert ins["devices"]["type"] == "STRING" and ins["devices"]["default"] == ""
     assert [o["type"] for o in NODE_SCHEMA["outputs"]] == ["MODEL", "CLIP", "VAE", "VAE"]
-    assert [o["name"] for o in NODE_SCHEMA["outputs"]] == ["MODEL", "CLIP", "video_vae", "audio_vae"]
+    assert [o["name"] for o in NODE_SCHEMA["outputs"]] == ["model", "clip", "video_vae", "audio_vae"]
+    assert all(o["tooltip"] for o in NODE_SCHEMA["outputs"])  # every output says what it carries
+    assert {"multi gpu", "multi npu", "sequence parallel"} <= set(NODE_SCHEMA["search_aliases"])
     assert widget_defaults() == [4, "default", "auto", ""]
     json.dumps(NODE_SCHEMA)  # plain data, readable by tools without ComfyUI
 
@@ -133,8 +135,8 @@ def make_fake_comfy_api(with_advanced=True):
         return type(f"{io_type}Input", (), {"__init__": __init__})
 
     def output_class(io_type):
-        def __init__(self, id=None, display_name=None):
-            self.io_type, self.display_name = io_type, display_name
+        def __init__(self, id=None, display_name=None, tooltip=None):
+            self.io_type, self.display_name, self.tooltip = io_type, display_name, tooltip
         return type(f"{io_type}Output", (), {"__init__": __init__})
 
     def comfy_type(io_type):
@@ -172,7 +174,9 @@ def test_v3_node_is_built_from_the_plain_schema(monkeypatch, with_advanced):
     assert by_id["backend"].optional is True
     assert by_id["backend"].advanced == (True if with_advanced else "absent")
     assert [(o.io_type, o.display_name) for o in schema.outputs] == [
-        ("MODEL", "MODEL"), ("CLIP", "CLIP"), ("VAE", "video_vae"), ("VAE", "audio_vae")]
+        ("MODEL", "model"), ("CLIP", "clip"), ("VAE", "video_vae"), ("VAE", "audio_vae")]
+    assert [o.tooltip for o in schema.outputs] == [o["tooltip"] for o in NODE_SCHEMA["outputs"]]
+    assert schema.search_aliases == NODE_SCHEMA["search_aliases"]
 
     seen = {}
 

@@ -56,8 +56,8 @@ FALLBACK_NODE_SCHEMA = {
         {"name": "devices", "type": "STRING", "default": "", "optional": True},
     ],
     "outputs": [
-        {"name": "MODEL", "type": "MODEL"},
-        {"name": "CLIP", "type": "CLIP"},
+        {"name": "model", "type": "MODEL"},
+        {"name": "clip", "type": "CLIP"},
         {"name": "video_vae", "type": "VAE"},
         {"name": "audio_vae", "type": "VAE"},
     ],

@@ -102,7 +102,10 @@ def test_the_server_lists_the_node_with_its_schema(server):
     required = node["input"]["required"]
     assert [required[k][0] for k in ("model", "clip", "video_vae", "audio_vae")] == ["MODEL", "CLIP", "VAE", "VAE"]
     assert node["output"] == ["MODEL", "CLIP", "VAE", "VAE"]
+    assert node["output_name"] == ["model", "clip", "video_vae", "audio_vae"]
     assert node["category"] == "advanced/multigpu"
+    assert {"multi gpu", "sequence parallel"} <= set(node.get("search_aliases", []))
+    assert all(node.get("output_tooltips", [None] * 4))
 
 
 def test_a_prompt_with_a_bad_card_count_is_refused_by_the_servers_validation(server):
