@@ -720,3 +720,18 @@ def test_a_comfyui_without_the_h3_nodes_is_refused_unless_forced(tmp_path):
     forced = install(project, "--comfyui", str(comfy), "--no-deps", "--force")
     assert forced.returncode == 0, forced.stdout + forced.stderr
     assert (comfy / "comfy/multidevice/__init__.py").is_file()
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_the_node_sits_inside_the_workflows_models_group(name):
+    workflow = load_workflow(name)
+    node = next(n for n in workflow["nodes"] if n["type"] == "MultiNPUParallelConfig")
+    models = [g for g in workflow["groups"] if g["title"] == "Models"]
+    assert len(models) == 1, [g["title"] for g in workflow["groups"]]
+    x, y, w, h = models[0]["bounding"]
+    (nx, ny), (nw, nh) = node["pos"], node["size"]
+    assert x <= nx and nx + nw <= x + w and y <= ny and ny + nh <= y + h, (models[0]["bounding"], node["pos"])
+    for group in workflow["groups"]:  # the grown group covers no other group
+        if group is not models[0]:
+            gx, gy, gw, gh = group["bounding"]
+            assert gx >= x + w or gx + gw <= x or gy >= y + h or gy + gh <= y, (group["title"], group["bounding"])

@@ -421,7 +421,36 @@ def insert_parallel_node(graph: Graph) -> dict:
                 if target["type"] not in LOADER_TYPES:
                     graph.connect(node, out_slot, target, target["inputs"][link.target_slot]["name"])
         graph.connect(source, 0, node, socket["name"])
+    _grow_group_around(graph, loaders, node)
     return node
+
+
+GROUP_MARGIN = 40  # pixels between a node and its group's edge
+
+
+def _grow_group_around(graph: "Graph", members: list[dict], node: dict) -> None:
+    """Put the node inside the group that holds the loaders (the templates' "Models" group):
+    its bounding box grows down and out to cover the node, and a group right below it (with
+    its nodes) moves down by as much, so no two groups overlap. No group holds them: nothing."""
+    def holds(group, n):
+        x, y, w, h = group["bounding"]
+        return x <= n["pos"][0] <= x + w and y <= n["pos"][1] <= y + h
+    group = next((g for g in graph.groups if all(holds(g, n) for n in members)), None)
+    if group is None:
+        return
+    x, y, w, h = group["bounding"]
+    right = max(x + w, node["pos"][0] + node["size"][0] + GROUP_MARGIN)
+    bottom = max(y + h, node["pos"][1] + node["size"][1] + GROUP_MARGIN)
+    group["bounding"] = [x, y, right - x, bottom - y]
+    grown = bottom - (y + h)
+    for other in graph.groups:
+        ox, oy, ow, oh = other["bounding"]
+        if other is group or oy < y + h or ox >= right or ox + ow <= x or grown <= 0:
+            continue
+        for n in graph.nodes.values():
+            if n is not node and holds(other, n):
+                n["pos"] = [n["pos"][0], n["pos"][1] + grown]
+        other["bounding"] = [ox, oy + grown, ow, oh]
 
 
 def add_note(graph: Graph, variant: Variant, template_name: str) -> None:
