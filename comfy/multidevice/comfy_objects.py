@@ -7,6 +7,9 @@ the DiT. Tests and the dry run pass the DiT module itself, which every function 
 from __future__ import annotations
 
 
+
+
+
 def is_model_patcher(model) -> bool:
     return callable(getattr(model, "clone", None)) and callable(getattr(model, "add_wrapper_with_key", None))
 
@@ -17,3 +20,9 @@ def dit_module(model):
     if inner is not None and hasattr(inner, "diffusion_model"):
         return inner.diffusion_model
     return getattr(model, "diffusion_model", model)
+
+
+def block_patches_of(model) -> dict:
+    """The block replacements a MODEL carries (model_options' patches_replace["dit"]); {} for none."""
+    options = getattr(model, "model_options", None) or {}
+    return options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})

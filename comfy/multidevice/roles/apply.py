@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from comfy.multidevice.comfy_objects import dit_module
+from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import backend_from_env
 from comfy.multidevice.devices import resolve_device
@@ -121,10 +121,10 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
         raise RolePlanError("video_vae and audio_vae are the same VAE: connect the video VAE loader to "
                             "video_vae and the audio VAE loader to audio_vae")
     if plan.dit.mode == SEQUENCE_PARALLEL:
-        from comfy.multidevice.sp.minimax_h3 import contract_problems, full_sequence_patches
+        from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
+        from comfy.multidevice.sp.minimax_h3 import contract_problems
         problems = contract_problems(dit_module(model))
-        options = getattr(model, "model_options", None) or {}
-        blocked = full_sequence_patches(options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {}))
+        blocked = unsupported_control_patches(block_patches_of(model))
         if blocked:
             raise RolePlanError(
                 f"the model input carries block patches that need the whole sequence on one card: "

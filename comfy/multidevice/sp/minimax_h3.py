@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from comfy.multidevice.comfy_objects import dit_module
+from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
@@ -91,16 +91,10 @@ def _takes_attention_argument(block) -> bool:
         return False
 
 
-def full_sequence_patches(block_patches: dict) -> list[str]:
-    """The block replacements in `block_patches` (patches_replace["dit"]) that work on the whole
-    packed sequence in a way this adapter cannot drive, as "name (block i)" strings. Upstream's
-    Fun ControlNet is driven exactly (sp/fun_controlnet.py); a control patch without its API is
-    refused."""
-    return unsupported_control_patches(block_patches)
-
-
 def refuse_full_sequence_patches(block_patches: dict, where: str) -> None:
-    found = full_sequence_patches(block_patches)
+    """Upstream's Fun ControlNet is driven exactly (sp/fun_controlnet.py); a control patch
+    without its API works on the whole sequence in a way this adapter cannot drive: refused."""
+    found = unsupported_control_patches(block_patches)
     if found:
         raise SequenceParallelError(
             f"{where}: the model carries block patches that need the whole sequence on one card: "
@@ -359,7 +353,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
         raise ValueError(f"enable_sequence_parallel_on_patcher got {len(replicas)} replicas for "
                          f"{coordinator.world_size} ranks; pass one per rank (None for rank 0)")
     _require_support(dit_module(model_patcher), "the patcher's diffusion model")
-    refuse_full_sequence_patches(_block_patches_of(model_patcher), "the MODEL input")
+    refuse_full_sequence_patches(block_patches_of(model_patcher), "the MODEL input")
     load_device = getattr(model_patcher, "load_device", None)
     if load_device is not None and torch.device(load_device) != coordinator.devices[0]:
         # rank 0 runs the patcher's own model, so it must load where rank 0 computes
@@ -377,11 +371,6 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     log.info("sequence parallel (%s) enabled on %d rank(s): %s", sp_mode or "allgather",
              coordinator.world_size, ", ".join(map(str, coordinator.devices)))
     return fan_out
-
-
-def _block_patches_of(model_patcher) -> dict:
-    options = getattr(model_patcher, "model_options", None) or {}
-    return options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
 
 
 def disable_sequence_parallel_on_patcher(model_patcher) -> None:
