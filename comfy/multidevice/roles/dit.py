@@ -42,7 +42,7 @@ class DitReplicas:
         self.armed = False  # until the adapter is installed, entries only serve its checks
         self._copies: dict = {}
         self._copy_version = None
-        self._progress = None  # ComfyUI's progress bar over the replica builds, made on the first
+        self._progress = None  # ComfyUI's progress bar over the replica builds, made at the first
         try:
             from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
             self.base_replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
@@ -69,9 +69,9 @@ class DitReplicas:
                 return replica.module
             if replica.resident:
                 return replica.load().module  # refreshes patches only if they changed
-            with self._building(index) as done:
-                replica.load()
-                done(replica.resident_bytes, "from the shared checkpoint base")
+            start = time.monotonic()
+            replica.load()
+            self._built(index, replica.resident_bytes, "from the shared checkpoint base", start)
             return replica.module
         source = dit_module(self.primary)
         device = self.devices[index]
@@ -86,29 +86,17 @@ class DitReplicas:
                 log.info("DiT replicas: the weights carry patches added after this node (e.g. a LoRA "
                          "loader placed after it); copying the loaded weights to the other cards")
         if index not in self._copies:
-            with self._building(index) as done:
-                self._copies[index] = replica_on(source, device)
-                done(sum(t.nbytes for t in self._copies[index].state_dict().values()),
-                     "copied from the loaded model")
+            start = time.monotonic()
+            self._copies[index] = replica_on(source, device)
+            self._built(index, sum(t.nbytes for t in self._copies[index].state_dict().values()),
+                        "copied from the loaded model", start)
         return self._copies[index]
 
-    def _building(self, index: int):
-        """Times one replica build, logs it with its card and bytes, and moves ComfyUI's progress
-        bar (one step per card: the first prompt builds W-1 replicas, minutes for a 66 GB DiT)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def building():
-            start = time.monotonic()
-            record = {}
-            yield lambda nbytes, how: record.update(nbytes=nbytes, how=how)
-            seconds = time.monotonic() - start
-            log.info("DiT replica for %s: %.2f GiB %s in %.1f s", self.devices[index],
-                     record.get("nbytes", 0) / 2 ** 30, record.get("how", ""), seconds)
-            self._progress_step()
-        return building()
-
-    def _progress_step(self) -> None:
+    def _built(self, index: int, nbytes: int, how: str, start: float) -> None:
+        """Log one replica build with its card, bytes and seconds, and move ComfyUI's progress bar
+        one step (the first prompt builds W-1 replicas: minutes for a 66 GB DiT)."""
+        log.info("DiT replica for %s: %.2f GiB %s in %.1f s", self.devices[index], nbytes / 2 ** 30,
+                 how, time.monotonic() - start)
         try:
             import comfy.utils  # ComfyUI's progress bar (shown in the UI); absent in the tests
         except ImportError:
@@ -116,7 +104,7 @@ class DitReplicas:
         bar_type = getattr(comfy.utils, "ProgressBar", None)
         if bar_type is None:
             return
-        if getattr(self, "_progress", None) is None:
+        if self._progress is None:
             self._progress = bar_type(len(self.devices))
         self._progress.update(1)
 
