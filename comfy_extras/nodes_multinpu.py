@@ -107,40 +107,33 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
 _NODE_CLASS = None
 
 
-def _io_input(io, spec: dict):
-    """One plain-data input spec -> the matching comfy_api io Input."""
-    import inspect
-
-    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae, "COMBO": io.Combo, "STRING": io.String}
-    cls = kinds[spec["type"]].Input
-    kwargs = {k: spec[k] for k in ("default", "options", "optional", "tooltip", "advanced") if k in spec}
-    accepted = inspect.signature(cls.__init__).parameters
-    if "advanced" in kwargs and "advanced" not in accepted:  # older ComfyUI: no advanced section
-        kwargs.pop("advanced")
-    return cls(spec["name"], **kwargs)
-
-
-def _io_output(io, spec: dict):
-    import inspect
-
-    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae}
-    cls = kinds[spec["type"]].Output
-    kwargs = {"display_name": spec["name"]}
-    if "tooltip" in inspect.signature(cls.__init__).parameters:
-        kwargs["tooltip"] = spec["tooltip"]
-    return cls(**kwargs)
-
-
-def _schema_extras(io) -> dict:
-    """Schema fields an older ComfyUI's io.Schema may not take (search_aliases)."""
+def _supported(fn, kwargs: dict, optional: tuple) -> dict:
+    """`kwargs` less the `optional` ones that `fn` does not take: an older ComfyUI's comfy_api
+    lacks some (advanced inputs, output tooltips, search_aliases), and the node still loads."""
     import inspect
 
     try:
-        accepted = inspect.signature(io.Schema).parameters
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return {}
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    return {"search_aliases": NODE_SCHEMA["search_aliases"]} if takes_any or "search_aliases" in accepted else {}
+        return {k: v for k, v in kwargs.items() if k not in optional}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k not in optional or k in params}
+
+
+def _io_input(io, spec: dict):
+    """One plain-data input spec -> the matching comfy_api io Input."""
+    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae, "COMBO": io.Combo, "STRING": io.String}
+    cls = kinds[spec["type"]].Input
+    kwargs = {k: spec[k] for k in ("default", "options", "optional", "tooltip", "advanced") if k in spec}
+    return cls(spec["name"], **_supported(cls.__init__, kwargs, optional=("advanced",)))
+
+
+def _io_output(io, spec: dict):
+    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae}
+    cls = kinds[spec["type"]].Output
+    kwargs = {"display_name": spec["name"], "tooltip": spec["tooltip"]}
+    return cls(**_supported(cls.__init__, kwargs, optional=("tooltip",)))
 
 
 def node_class():
@@ -160,7 +153,8 @@ def node_class():
                 description=NODE_SCHEMA["description"],
                 inputs=[_io_input(io, s) for s in NODE_SCHEMA["inputs"]],
                 outputs=[_io_output(io, s) for s in NODE_SCHEMA["outputs"]],
-                **_schema_extras(io),
+                **_supported(io.Schema, {"search_aliases": NODE_SCHEMA["search_aliases"]},
+                             optional=("search_aliases",)),
             )
 
         @classmethod
