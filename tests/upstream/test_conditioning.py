@@ -12,7 +12,7 @@ import torch
 
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL
-from tests.upstream.test_sampling import node_dit, patcher, tiny_file  # noqa: F401  (fixtures)
+from tests.upstream.test_sampling import node_dit, patcher, sample, tiny_file  # noqa: F401  (fixtures)
 
 TEXT_LEN = 7
 
@@ -35,14 +35,7 @@ def conditioning(kind):
 
 
 def sample_with(model, positive):
-    import comfy.sample
-    from comfy_extras import nodes_minimax_h3
-    latent = nodes_minimax_h3._empty_av_latent(64, 32, 22)[0]["samples"]
-    noise = comfy.sample.prepare_noise(latent, 0)
-    with torch.inference_mode():
-        out = comfy.sample.sample(model, noise, 3, 1.0, "euler", "simple", positive, positive, latent,
-                                  seed=0, disable_pbar=True)
-    return list(out.unbind())
+    return sample(model, steps=3, positive=positive)
 
 
 @pytest.mark.parametrize("world", [3, 4])

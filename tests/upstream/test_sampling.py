@@ -41,12 +41,14 @@ def latent_and_conditioning(seed=0):
     return latent, [[text, {}]]
 
 
-def sample(model, seed=0):
+def sample(model, seed=0, steps=STEPS, positive=None):
+    """Euler sampling through comfy.sample; `positive` replaces the default text conditioning."""
     import comfy.sample
-    latent, positive = latent_and_conditioning(seed)
+    latent, default_positive = latent_and_conditioning(seed)
+    positive = default_positive if positive is None else positive
     noise = comfy.sample.prepare_noise(latent, seed)
     with torch.inference_mode():
-        out = comfy.sample.sample(model, noise, STEPS, 1.0, "euler", "simple", positive, positive, latent,
+        out = comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", positive, positive, latent,
                                   seed=seed, disable_pbar=True)
     return list(out.unbind()) if getattr(out, "is_nested", False) else [out]
 

@@ -9,21 +9,13 @@ import pytest
 
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL
-from tests.upstream.test_sampling import node_dit, patcher, tiny_file  # noqa: F401  (fixtures)
+from tests.upstream.test_sampling import node_dit, patcher, sample, tiny_file  # noqa: F401  (fixtures)
 
 STEPS = 8
 
 
-def sample_steps(model, steps=STEPS):
-    import comfy.sample
-    import torch
-    from tests.upstream.test_sampling import latent_and_conditioning
-    latent, positive = latent_and_conditioning()
-    noise = comfy.sample.prepare_noise(latent, 0)
-    with torch.inference_mode():
-        out = comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", positive, positive, latent,
-                                  seed=0, disable_pbar=True)
-    return list(out.unbind()) if getattr(out, "is_nested", False) else [out]
+def sample_steps(model):
+    return sample(model, steps=STEPS)
 
 
 def with_cache(model, name):
