@@ -337,7 +337,7 @@ def uninstall(comfyui: Path, patch: Path, pins: Path, extras_dir: Path, report: 
         raise OverlayError(f"{pid_file} exists: the ComfyUI service may be running; stop it with "
                            f"runtime/stop-v1.sh, then rerun --uninstall")
     ours = extra_files(extras_dir)
-    ours += [beside(e) for e in ours if is_workflow(e) and (comfyui / beside(e).target).exists()]
+    ours += [b for b in (beside(e) for e in ours if is_workflow(e)) if (comfyui / b.target).exists()]
     if state == "applied":
         own = [comfyui / f for f in COMFYUI_FOLDERS if (comfyui / f).is_dir()]
         _git_apply(comfyui, patch, "--reverse")
