@@ -29,7 +29,7 @@ import make_workflows  # noqa: E402
 
 RUN_TIMEOUT_S = 120
 PINS = json.loads((REPO / "source_deps_info.json").read_text())
-WORKFLOW_DIR = REPO / "additional_files" / "workflows" / "minimax-h3"
+WORKFLOW_DIR = REPO / "custom_nodes" / "ComfyUI-MultiNPU" / "example_workflows"
 WORKFLOW_NAMES = ("ref2va_8steps_lora", "fl2va_8steps_lora", "ref2va_21steps", "fl2va_21steps",
                   "ref2va_50steps", "fl2va_50steps")
 LOADER_FOLDERS = {"UNETLoader": ("unet_name", "diffusion_models"),
@@ -194,6 +194,7 @@ def project_copy(tmp: Path, pins: dict | None = None) -> Path:
     shutil.copy2(REPO / "tools" / "comfyui_overlay.py", project / "tools")
     shutil.copytree(REPO / "additional_files", project / "additional_files",
                     ignore=shutil.ignore_patterns("*.log", "*.pid", "__pycache__"))
+    shutil.copytree(WORKFLOW_DIR, project / WORKFLOW_DIR.relative_to(REPO))
     (project / "source_deps_info.json").write_text(json.dumps(pins or PINS, indent=2))
     (project / make_patch.PATCH_NAME).write_text(make_patch.generate(REPO), newline="")
     return project
@@ -306,7 +307,7 @@ def test_a_rerun_keeps_a_workflow_the_user_saved_and_installs_ours_beside_it(tmp
     assert saved.read_text() == '{"the user": "saved this with Ctrl+S"}\n'  # theirs, untouched
     beside = [p for p in saved.parent.glob("ref2va_21steps.*.json")]
     assert len(beside) == 1 and "kept your edited" in result.stdout and beside[0].name in result.stdout
-    ours = project / "additional_files/workflows/minimax-h3/ref2va_21steps.json"
+    ours = project / WORKFLOW_DIR.relative_to(REPO) / "ref2va_21steps.json"
     assert beside[0].read_bytes() == ours.read_bytes()
     again = install(project, "--comfyui", str(comfy), "--no-deps")  # and a third run changes nothing
     assert again.returncode == 0 and "nothing changed" in again.stdout
@@ -698,7 +699,7 @@ def test_model_sources_match_the_workflows_own_download_links():
     # has that OWNER/REPO as its source in source_deps_info.json.
     sources = {m["file"]: m["source"] for m in PINS["model_files"]["files"]}
     links = {}
-    for path in sorted((REPO / "additional_files" / "workflows" / "minimax-h3").glob("*.json")):
+    for path in sorted(WORKFLOW_DIR.glob("*.json")):
         for repo, name in re.findall(r"huggingface\.co/([^/\"]+/[^/\"]+)/resolve/[^/\"]+/(?:[^\"]*/)?([^/\"]+)\"",
                                      path.read_text(encoding="utf-8")):
             links.setdefault(name, set()).add(repo)
