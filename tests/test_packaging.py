@@ -316,6 +316,88 @@ def test_a_rerun_keeps_a_workflow_the_user_saved_and_installs_ours_beside_it(tmp
     assert saved.exists() and not beside[0].exists()  # uninstall takes ours, leaves theirs
 
 
+def next_version(tmp: Path) -> tuple[Path, dict[str, str]]:
+    """A project copy whose overlay differs from this one as a release would: one module changed,
+    one removed, one added, a workflow and a service script changed. Returns it and the changes."""
+    project = project_copy(tmp)
+    files = {rel: data for rel, (data, _) in committed_overlay(REPO).items()}
+    changed, dropped, added = "comfy/multidevice/devices.py", "comfy/multidevice/comfy_objects.py", \
+        "comfy/multidevice/added_in_next_version.py"
+    workflow = WORKFLOW_DIR.relative_to(REPO) / "fl2va_21steps.json"
+    files[changed] += b"# changed in the next version\n"
+    del files[dropped]
+    files[added] = b'"""A module the next version adds."""\n'
+    files[str(workflow)] = files[str(workflow)].replace(b'"seed', b'"seed_next', 1)
+    (project / workflow).write_bytes(files[str(workflow)])
+    script = project / "additional_files/runtime/restart-v1.sh"
+    script.write_bytes(script.read_bytes() + b"# changed in the next version\n")
+    repo = _overlay_repo(tmp / "next", files, executable=[p for p, (_, m) in committed_overlay(REPO).items()
+                                                          if m == "100755"])
+    (project / make_patch.PATCH_NAME).write_text(make_patch.generate(repo), newline="")
+    return project, {"changed": changed, "dropped": dropped, "added": added, "workflow": str(workflow)}
+
+
+def test_a_newer_version_upgrades_the_install_it_recorded(tmp_path):
+    old, comfy = project_copy(tmp_path / "old"), comfyui_checkout(tmp_path)
+    before = without_mtimes(snapshot(comfy))
+    assert install(old, "--comfyui", str(comfy), "--no-deps").returncode == 0
+    record = json.loads((comfy / ".minimax-h3-install.json").read_text())["files"]
+    assert "comfy/multidevice/devices.py" in record and "runtime/restart-v1.sh" in record
+    saved = comfy / "user/default/workflows/minimax-h3/ref2va_21steps.json"
+    saved.write_text('{"the user": "saved this"}\n')
+
+    new, change = next_version(tmp_path / "new")
+    result = install(new, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "upgraded" in result.stdout
+    assert (comfy / change["changed"]).read_bytes().endswith(b"# changed in the next version\n")
+    assert not (comfy / change["dropped"]).exists() and (comfy / change["added"]).is_file()
+    assert (comfy / "runtime/restart-v1.sh").read_bytes() == \
+        (new / "additional_files/runtime/restart-v1.sh").read_bytes()
+    assert os.access(comfy / "runtime/restart-v1.sh", os.X_OK)
+    copied = comfy / "user/default/workflows/minimax-h3/fl2va_21steps.json"
+    assert copied.read_bytes() == (new / change["workflow"]).read_bytes() == \
+        (comfy / change["workflow"]).read_bytes()
+    assert saved.read_text() == '{"the user": "saved this"}\n'  # theirs, kept over the upgrade
+    assert install(new, "--comfyui", str(comfy), "--no-deps").stdout.count("nothing changed") == 1
+
+    removed = install(new, "--comfyui", str(comfy), "--uninstall")
+    assert removed.returncode == 0, removed.stderr
+    left = without_mtimes(snapshot(comfy))
+    assert left.pop("user/default/workflows/minimax-h3/ref2va_21steps.json")  # the user's file
+    left = {k: v for k, v in left.items() if not k.startswith("user")}  # its folders stay with it
+    assert left == {k: v for k, v in before.items() if not k.startswith("user")}
+
+
+def test_an_upgrade_stops_at_an_edited_overlay_file_and_changes_nothing(tmp_path):
+    old, comfy = project_copy(tmp_path / "old"), comfyui_checkout(tmp_path)
+    assert install(old, "--comfyui", str(comfy), "--no-deps").returncode == 0
+    with open(comfy / "comfy/multidevice/comm/peer.py", "a") as f:
+        f.write("# a local edit\n")
+    before = snapshot(comfy)
+    new, _ = next_version(tmp_path / "new")
+    result = install(new, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode != 0
+    assert "comfy/multidevice/comm/peer.py" in result.stderr and "Nothing was changed" in result.stderr
+    assert snapshot(comfy) == before
+
+
+def test_a_failed_upgrade_restores_the_earlier_install(tmp_path):
+    old, comfy = project_copy(tmp_path / "old"), comfyui_checkout(tmp_path)
+    assert install(old, "--comfyui", str(comfy), "--no-deps").returncode == 0
+    new, change = next_version(tmp_path / "new")
+    # The new version brings a service helper whose folder is a file in DIR: the copy fails
+    # after the earlier files were removed and the new patch applied.
+    (new / "additional_files/runtime/helpers").mkdir()
+    (new / "additional_files/runtime/helpers/extra.sh").write_text("#!/bin/sh\n")
+    (comfy / "runtime/helpers").write_text("not a folder\n")
+    before = without_mtimes(snapshot(comfy))
+    result = install(new, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode != 0 and "restored" in result.stderr
+    assert without_mtimes(snapshot(comfy)) == before
+    assert (comfy / change["dropped"]).is_file()  # the earlier version is whole again
+
+
 def test_a_failure_while_copying_undoes_the_patch_and_the_copies(tmp_path):
     # runtime/ is a file here: the copy fails after the patch and some additional files went
     # in; the run removes what it wrote (folders it made included) and nothing else.
