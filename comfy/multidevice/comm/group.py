@@ -29,8 +29,8 @@ import torch
 
 from comfy.multidevice.comm.barrier import AbortableBarrier
 from comfy.multidevice.comm.peer import PeerCopyBackend
-from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, TIMEOUT_ENV,
-                                             timeout_from_env, VALID_BACKENDS)
+from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_timeout,
+                                             TIMEOUT_ENV, timeout_from_env, VALID_BACKENDS)
 from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
                                           all_to_all_traffic, BackendUnavailable,
                                           check_all_reduce_metadata, check_all_to_all_metadata,
@@ -163,9 +163,7 @@ class SequenceParallelCoordinator:
             raise ValueError("SequenceParallelCoordinator needs at least one device, got none")
         self.devices = [resolve_device(d) for d in devices]
         self.world_size = len(self.devices)
-        self.timeout_s = float(timeout_s) if timeout_s is not None else timeout_from_env()
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = check_timeout(timeout_s) if timeout_s is not None else timeout_from_env()
         requested = backend_from_env(backend)
         self.requested_backend = requested
         self._barrier = AbortableBarrier(self.world_size, self.timeout_s)
