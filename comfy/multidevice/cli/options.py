@@ -1,5 +1,6 @@
-"""Option values shared by `run` and `doctor`: parsing that argparse's int/float are too lax for,
-and the checks of the machine's limits and of output folders, all before anything is built.
+"""Option checks shared by `run` and `doctor`: ASCII-only numbers, output folders, machine limits.
+
+All of them run before anything is built.
 
 argparse's `type=int` takes "１２" (full-width digits), "1_000" and " 12 "; `type=float`
 takes "nan" and "inf". The types here take plain ASCII decimals only, so a value is what the
