@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from comfy.multidevice.comm.settings import timeout_from_env
+from comfy.multidevice.comm.settings import check_timeout, timeout_from_env
 from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
                                           all_to_all_traffic, check_all_reduce_metadata,
                                           check_all_to_all_metadata, check_exchange_metadata,
@@ -329,7 +329,7 @@ def init_process_group(rank: int, world_size: int, device: torch.device | str | 
     backend = backend or dist_backend_for(device)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
-    timeout_s = timeout_from_env() if timeout_s is None else float(timeout_s)
+    timeout_s = timeout_from_env() if timeout_s is None else check_timeout(timeout_s)
     set_thread_device(device)  # nccl/hccl bind the communicator to the current device
     log.info("rank %d/%d: joining the %s process group via %s on %s", rank, world_size, backend,
              init_method, device)
