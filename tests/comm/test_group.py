@@ -370,3 +370,23 @@ def test_runs_without_comfyui_look_at_no_flag(monkeypatch):
     monkeypatch.delitem(sys.modules, "comfy.model_management", raising=False)
     with SequenceParallelCoordinator(["cpu"] * 2, backend="peer") as coord:
         assert coord.run(lambda rank, comm: rank) == [0, 1]
+
+
+def test_the_node_runs_again_after_a_coordinator_was_abandoned(monkeypatch):
+    from comfy_extras import nodes_multinpu
+    from tests.test_nodes_multinpu import make_fake_comfy_api
+    package, latest = make_fake_comfy_api(True)
+    monkeypatch.setitem(sys.modules, "comfy_api", package)
+    monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)
+    monkeypatch.setattr(nodes_multinpu, "_NODE_CLASS", None)
+    node = nodes_multinpu.node_class()
+    before = node.fingerprint_inputs(npu_count=2)
+    assert node.fingerprint_inputs(npu_count=2) == before  # cached as usual
+    release = threading.Event()
+    coord = SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=0.2)
+    try:
+        with pytest.raises(CollectiveTimeout):
+            coord.run(lambda rank, comm: _stuck_until(release) if rank else comm.barrier())
+    finally:
+        release.set()
+    assert node.fingerprint_inputs(npu_count=2) != before  # ComfyUI runs the node again

@@ -46,6 +46,17 @@ ABANDON_GRACE_MAX_S = 5.0
 _INTERRUPT_POLL_S = 0.05  # how often run() looks at ComfyUI's Cancel flag
 
 
+_abandoned = {"coordinators": 0}  # how many coordinators closed themselves after a stuck rank
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_coordinator_count() -> int:
+    """Changes whenever a coordinator is closed after abandoning ranks: the node uses it as its
+    fingerprint, so ComfyUI runs it again (and it builds a fresh coordinator) instead of
+    reusing cached outputs bound to the closed one."""
+    return _abandoned["coordinators"]
+
+
 def _comfy_interrupt_flag():
     """ComfyUI's model_management when its Cancel flag is set, else None.
 
@@ -323,6 +334,8 @@ class SequenceParallelCoordinator:
                   "itself. This coordinator is closed; the next use builds a new one.",
                   self.broken_reason)
         self._close(abandoned=set(ranks))
+        with _abandoned_lock:
+            _abandoned["coordinators"] += 1
 
     @staticmethod
     def _first_error(errors):
