@@ -390,3 +390,19 @@ def test_the_node_runs_again_after_a_coordinator_was_abandoned(monkeypatch):
     finally:
         release.set()
     assert node.fingerprint_inputs(npu_count=2) != before  # ComfyUI runs the node again
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -1.0, True, 1e9, "5"])
+def test_a_bad_timeout_argument_is_refused_before_any_thread_starts(timeout):
+    from comfy.multidevice.comm.settings import SettingError
+    threads = threading.active_count()
+    with pytest.raises(SettingError, match=r"timeout_s=.*must be a number of seconds above 0 and at most 86400"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=timeout)
+    assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "\u0665"])
+def test_a_bad_timeout_variable_is_refused_by_the_coordinator_too(monkeypatch, value):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"environment variable COMFYUI_MULTI_DEVICE_TIMEOUT_S={value!r}"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="peer")
