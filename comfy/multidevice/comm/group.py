@@ -35,8 +35,8 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           all_to_all_traffic, BackendUnavailable,
                                           check_all_reduce_metadata, check_all_to_all_metadata,
                                           check_exchange_metadata, chunk_shape, CollectiveAborted,
-                                          CollectiveError, CollectiveTimeout, concat_received, exchange_traffic,
-                                          normalize_dims, numel, pack_chunks, ShardMeta,
+                                          CollectiveError, CollectiveTimeout, concat_received,
+                                          exchange_traffic, normalize_dims, numel, pack_chunks, ShardMeta,
                                           TrafficCounter, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 ABANDON_GRACE_MAX_S = 5.0
 _INTERRUPT_POLL_S = 0.05  # how often run() looks at ComfyUI's Cancel flag
 
-
-_abandoned = {"coordinators": 0}  # how many coordinators closed themselves after a stuck rank
+_abandoned_coordinators = 0  # how many coordinators closed themselves after a stuck rank
 _abandoned_lock = threading.Lock()
 
 
@@ -54,7 +53,7 @@ def abandoned_coordinator_count() -> int:
     """Changes whenever a coordinator is closed after abandoning ranks: the node uses it as its
     fingerprint, so ComfyUI runs it again (and it builds a fresh coordinator) instead of
     reusing cached outputs bound to the closed one."""
-    return _abandoned["coordinators"]
+    return _abandoned_coordinators
 
 
 def _comfy_interrupt_flag():
@@ -334,8 +333,9 @@ class SequenceParallelCoordinator:
                   "itself. This coordinator is closed; the next use builds a new one.",
                   self.broken_reason)
         self._close(abandoned=set(ranks))
+        global _abandoned_coordinators
         with _abandoned_lock:
-            _abandoned["coordinators"] += 1
+            _abandoned_coordinators += 1
 
     @staticmethod
     def _first_error(errors):
