@@ -42,7 +42,7 @@ from comfy.multidevice.devices import resolve_device, set_thread_device, synchro
 
 log = logging.getLogger(__name__)
 
-ABANDON_GRACE_MAX_S = 5.0
+ABANDON_GRACE_MAX_S = 10.0  # enough for a busy rank to finish its current block of the real H3
 _INTERRUPT_POLL_S = 0.05  # how often run() looks at ComfyUI's Cancel flag
 
 _abandoned_coordinators = 0  # how many coordinators closed themselves after a stuck rank
