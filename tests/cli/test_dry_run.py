@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from comfy.multidevice.cli import dry_run as minimax_h3_dry_run

@@ -370,3 +370,39 @@ def test_runs_without_comfyui_look_at_no_flag(monkeypatch):
     monkeypatch.delitem(sys.modules, "comfy.model_management", raising=False)
     with SequenceParallelCoordinator(["cpu"] * 2, backend="peer") as coord:
         assert coord.run(lambda rank, comm: rank) == [0, 1]
+
+
+def test_the_node_runs_again_after_a_coordinator_was_abandoned(monkeypatch):
+    from comfy_extras import nodes_multinpu
+    from tests.test_nodes_multinpu import make_fake_comfy_api
+    package, latest = make_fake_comfy_api(True)
+    monkeypatch.setitem(sys.modules, "comfy_api", package)
+    monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)
+    monkeypatch.setattr(nodes_multinpu, "_NODE_CLASS", None)
+    node = nodes_multinpu.node_class()
+    before = node.fingerprint_inputs(npu_count=2)
+    assert node.fingerprint_inputs(npu_count=2) == before  # cached as usual
+    release = threading.Event()
+    coord = SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=0.2)
+    try:
+        with pytest.raises(CollectiveTimeout):
+            coord.run(lambda rank, comm: _stuck_until(release) if rank else comm.barrier())
+    finally:
+        release.set()
+    assert node.fingerprint_inputs(npu_count=2) != before  # ComfyUI runs the node again
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -1.0, True, 1e9, "5"])
+def test_a_bad_timeout_argument_is_refused_before_any_thread_starts(timeout):
+    from comfy.multidevice.comm.settings import SettingError
+    threads = threading.active_count()
+    with pytest.raises(SettingError, match=r"timeout_s=.*must be a number of seconds above 0 and at most 86400"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=timeout)
+    assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "\u0665"])
+def test_a_bad_timeout_variable_is_refused_by_the_coordinator_too(monkeypatch, value):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"environment variable COMFYUI_MULTI_DEVICE_TIMEOUT_S={value!r}"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="peer")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 
@@ -73,3 +74,54 @@ def test_cancel_seen_by_upstream_ops_on_a_rank_thread_stops_the_others(upstream)
     with torch.inference_mode(), \
             SequenceParallelCoordinator(["cpu"] * WORLD, backend="peer", timeout_s=30) as coord:
         _check_cancelled_and_usable(coord, job, blocks_done)
+
+
+def test_cancel_during_sp_sampling_of_the_real_dit_interrupts_and_the_next_prompt_matches(upstream):
+    """Cancel pressed after the first step of upstream's sampler (the node's DiT on 2 CPU
+    ranks): the sampling ends with upstream's InterruptProcessingException, and a second
+    sampling on the same coordinator still equals one card (tolerance as in test_sampling)."""
+    if not upstream.has_attention_hook:
+        pytest.skip("refused on this ComfyUI (test_sampling checks that)")
+    import comfy.model_management
+    import comfy.sample
+    import comfy.sd
+    import safetensors.torch
+    from tests.sp_cases import rel_diff
+    from tests.upstream.test_h3_dit import FP32_TOL, tiny_state_dict
+    from tests.upstream.test_sampling import latent_and_conditioning, node_dit, sample
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/tiny_minimax_h3.safetensors"
+        safetensors.torch.save_file(tiny_state_dict(upstream), path)
+        patcher = comfy.sd.load_diffusion_model(path)
+        reference = sample(patcher)
+        coord, parallel = node_dit(patcher, 2)
+        with coord:
+            latent, positive = latent_and_conditioning(0)
+            noise = comfy.sample.prepare_noise(latent, 0)
+            steps_seen = []
+
+            def press_cancel_after_the_first_step(step, *rest):
+                steps_seen.append(step)
+                comfy.model_management.interrupt_current_processing(True)
+
+            raised_by_run = []
+            real_run = coord.run
+
+            def recording_run(*args, **kwargs):  # to see that the ranks' run ended the sampling
+                try:
+                    return real_run(*args, **kwargs)
+                except BaseException as exc:
+                    raised_by_run.append(type(exc))
+                    raise
+            coord.run = recording_run
+            comfy.model_management.interrupt_current_processing(False)
+            with torch.inference_mode(), \
+                    pytest.raises(comfy.model_management.InterruptProcessingException):
+                comfy.sample.sample(parallel, noise, 3, 1.0, "euler", "simple", positive, positive, latent,
+                                    seed=0, disable_pbar=True, callback=press_cancel_after_the_first_step)
+            assert steps_seen == [0]  # stopped in the second step's forward, on the ranks
+            assert raised_by_run == [comfy.model_management.InterruptProcessingException]
+            assert not comfy.model_management.processing_interrupted() and not coord.closed
+            out = sample(parallel)
+    assert rel_diff(out, reference) <= FP32_TOL

@@ -66,11 +66,12 @@ def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
     """Validate every option, join the process group, run. A failure on this rank (a lost
     peer process above all) is one line on stderr and exit status 1; `--debug` re-raises it
     for the traceback."""
-    env = read_torchrun_env()
+    env = None
     try:  # every rank validates the same options: all stop here, before joining the group
+        env = read_torchrun_env()
         settings = _settings(args, env.world_size)
     except (dry.DryRunError, SettingError) as exc:
-        if env.rank == 0:
+        if env is None or env.rank == 0:
             print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
         return 2
     try:

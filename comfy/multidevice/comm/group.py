@@ -35,15 +35,25 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           all_to_all_traffic, BackendUnavailable,
                                           check_all_reduce_metadata, check_all_to_all_metadata,
                                           check_exchange_metadata, chunk_shape, CollectiveAborted,
-                                          CollectiveError, CollectiveTimeout, concat_received, exchange_traffic,
-                                          normalize_dims, numel, pack_chunks, ShardMeta,
+                                          CollectiveError, CollectiveTimeout, concat_received,
+                                          exchange_traffic, normalize_dims, numel, pack_chunks, ShardMeta,
                                           TrafficCounter, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
 log = logging.getLogger(__name__)
 
-ABANDON_GRACE_MAX_S = 5.0
+ABANDON_GRACE_MAX_S = 10.0  # enough for a busy rank to finish its current block of the real H3
 _INTERRUPT_POLL_S = 0.05  # how often run() looks at ComfyUI's Cancel flag
+
+_abandoned_coordinators = 0  # how many coordinators closed themselves after a stuck rank
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_coordinator_count() -> int:
+    """Changes whenever a coordinator is closed after abandoning ranks: the node uses it as its
+    fingerprint, so ComfyUI runs it again (and it builds a fresh coordinator) instead of
+    reusing cached outputs bound to the closed one."""
+    return _abandoned_coordinators
 
 
 def _comfy_interrupt_flag():
@@ -323,6 +333,9 @@ class SequenceParallelCoordinator:
                   "itself. This coordinator is closed; the next use builds a new one.",
                   self.broken_reason)
         self._close(abandoned=set(ranks))
+        global _abandoned_coordinators
+        with _abandoned_lock:
+            _abandoned_coordinators += 1
 
     @staticmethod
     def _first_error(errors):

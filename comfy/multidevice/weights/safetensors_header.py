@@ -166,7 +166,8 @@ def parse_header_json(header: bytes, data_size: int, source: str) -> Safetensors
         obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
                          parse_int=_json_int, parse_float=_json_float)
         _check_json_limits(obj)
-    except (ValueError, RecursionError, OverflowError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors; OverflowError: an int beyond a double
+    except (ValueError, RecursionError, OverflowError) as exc:
         raise CheckpointError(f"{source}: bad JSON in the header: {exc}") from None
     if not isinstance(obj, dict):
         raise CheckpointError(
