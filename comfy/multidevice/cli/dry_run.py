@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
                    help="folder for latents.safetensors and report.json (default ./out)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g.add_argument("--debug", action="store_true",
-                   help="on an error, print the full traceback instead of one line")
+                   help="under torchrun, a failing rank prints its full traceback instead of one line")
 
 
 @dataclass
@@ -194,7 +194,7 @@ def _check_memory(settings: "RunSettings") -> None:
     need, tokens, params = estimated_memory_bytes(settings)
     if need > available:
         raise DryRunError(
-            f"{tokens} tokens and a {params / 1e6:.1f}M-parameter model need about "
+            f"{tokens} tokens and a {params / 1e6:,.1f}M-parameter model need about "
             f"{need / 2**30:.1f} GiB, and this machine has {available / 2**30:.1f} GiB available; "
             "lower --frames, --width, --height, --refs or --text-tokens (the tokens) or --hidden, "
             "--blocks, --heads or --head-dim (the model)")
