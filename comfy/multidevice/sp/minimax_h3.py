@@ -285,10 +285,17 @@ class _RankShards:
         self.block_weights = block_weights  # ShardedBlockWeights of all ranks, or None
         self.shards: dict[int, H3RankShard] = {}  # each rank thread writes its own key
 
+    def _family(self):
+        # a family, or a callable that returns the current one (remade after an unload)
+        weights = self.block_weights
+        return weights() if callable(weights) else weights
+
     def __call__(self, rank, comm, model, transformer_options):
         shard = self.shards.get(rank)
-        if shard is None or shard.comm is not comm:
-            view = None if self.block_weights is None else self.block_weights.rank_view(rank)
+        family = self._family()
+        view = shard.block_weights if shard is not None else None
+        if shard is None or shard.comm is not comm or (view.family if view else None) is not family:
+            view = None if family is None else family.rank_view(rank)
             shard = self.shards[rank] = H3RankShard(comm, self.sp_mode, view)
         return shard.install(model, transformer_options)
 
@@ -394,7 +401,8 @@ def enable_sequence_parallel(models: Sequence[torch.nn.Module], coordinator,
 # ----------------------------------------------------------------------------- ComfyUI
 
 def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Sequence[Any],
-                                        sp_mode: str | None = "allgather") -> SequenceParallelFanOut:
+                                        sp_mode: str | None = "allgather",
+                                        block_weights=None) -> SequenceParallelFanOut:
     """ComfyUI entry point: make `model_patcher`'s DiT forward run sequence parallel.
 
     replicas[r]: rank r's model on coordinator.devices[r] (ModelPatcher, BaseModel or the DiT
@@ -404,7 +412,8 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     DIFFUSION_MODEL wrapper `WRAPPER_KEY` (replacing an earlier one) and returns it; every
     sampling step then runs on all ranks and returns rank 0's result. Raises ValueError /
     SequenceParallelError before changing the patcher when the mode, the replica count or the
-    model is wrong.
+    model is wrong. `block_weights`: for dit_weights="shard", a callable returning the
+    ShardedBlockWeights of the replicas' current load (roles/dit_shards.py).
     """
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
@@ -424,7 +433,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     for r, rep in enumerate(entries):
         if rep is not None:
             _require_support(dit_module(rep), f"replica {r}")
-    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode),
+    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode, block_weights),
                                      resolve_model=dit_module)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)

@@ -62,6 +62,10 @@ def _leaves(value: torch.Tensor) -> list[torch.Tensor]:
     return [value.detach()]
 
 
+def _nbytes(value: torch.Tensor) -> int:
+    return sum(leaf.numel() * leaf.element_size() for leaf in _leaves(value))
+
+
 @dataclass(frozen=True)
 class _LeafSpec:
     shape: tuple
@@ -181,9 +185,11 @@ class BlockShardPlan:
 class ShardedBlockWeights:
     """The block weights of W per-rank DiT modules, sharded: one object for all ranks.
 
-    models[r]   rank r's DiT module (on its card), with full weights at construction; the
-                tensors rank r does not own are dropped from it here (an empty placeholder
-                stays in their slot, so running a block without its gather fails loudly).
+    models[r]   rank r's DiT module (on its card); the block tensors rank r does not own are
+                dropped from it here (an empty placeholder stays in their slot, so running a
+                block without its gather fails loudly).
+    plan        who owns what; None: balanced over rank 0's tensors (then every rank must hold
+                every tensor now). With a plan, a rank need only hold the tensors it owns.
     blocks_of   module -> its sequence of transformer blocks (H3 contract: `model.blocks`).
     lane        None, or an object with `run(fn, per_rank_args)` over the same devices
                 (a second coordinator): block i+1's gather is then prefetched there.
@@ -191,7 +197,8 @@ class ShardedBlockWeights:
     """
 
     def __init__(self, models: Sequence[torch.nn.Module], blocks_of: Callable[[Any], Sequence],
-                 devices: Sequence[torch.device], lane=None, timeout_s: float = 600.0):
+                 devices: Sequence[torch.device], lane=None, timeout_s: float = 600.0,
+                 plan: "BlockShardPlan | None" = None):
         if len(models) != len(devices):
             raise ValueError(f"ShardedBlockWeights got {len(models)} models for {len(devices)} devices")
         self.models = list(models)
@@ -207,14 +214,21 @@ class ShardedBlockWeights:
             if len(blocks) != self.num_blocks:
                 raise ValueError(f"rank {r}'s model has {len(blocks)} blocks, rank 0's {self.num_blocks}")
             self._slots.append([_block_slots(b) for b in blocks])
-        self.specs = [{name: _TensorSpec(name, _get(slot), slot[2]) for name, slot in slots.items()}
-                      for slots in self._slots[0]]
         for r in range(1, self.world_size):
             for i, slots in enumerate(self._slots[r]):
-                if list(slots) != list(self.specs[i]):
+                if list(slots) != list(self._slots[0][i]):
                     raise ValueError(f"rank {r}'s block {i} has other tensors than rank 0's")
-        self.plan = BlockShardPlan.balanced(
-            [{n: s.nbytes for n, s in specs.items()} for specs in self.specs], self.world_size)
+        if plan is None:  # every rank holds every tensor now: rank 0's sizes
+            plan = BlockShardPlan.balanced(
+                [{n: _nbytes(_get(slot)) for n, slot in slots.items()} for slots in self._slots[0]],
+                self.world_size)
+        elif plan.world_size != self.world_size or len(plan.owner) != self.num_blocks:
+            raise ValueError(f"the shard plan is for {plan.world_size} ranks and {len(plan.owner)} "
+                             f"blocks, the models are {self.world_size} ranks of {self.num_blocks} blocks")
+        self.plan = plan
+        # What each tensor looks like, read from its owner (the only rank that must hold it now).
+        self.specs = [{name: _TensorSpec(name, _get(self._slots[plan.owner[i][name]][i][name]), slot[2])
+                       for name, slot in slots.items()} for i, slots in enumerate(self._slots[0])]
         self._drop_unowned()
         self.lane = lane
         self._lock = threading.Lock()

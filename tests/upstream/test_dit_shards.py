@@ -1,0 +1,62 @@
+"""dit_weights="shard" on upstream's own MiniMax-H3: a tiny H3 file loaded by
+`comfy.sd.load_diffusion_model`, sampled by `comfy.sample.sample` through the node's DiT role
+with every card (card 0 included) holding 1/W of the block weights. Compared with the same
+role and `replicate`: bit-identical (torch.equal), with and without a LoRA loaded before the
+node by upstream's `comfy.sd.load_lora_for_models`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.roles.plan import RolePlanError
+from tests.upstream.test_lora import lora, with_lora  # noqa: F401  (fixture)
+from tests.upstream.test_sampling import patcher, sample, tiny_file  # noqa: F401  (fixtures)
+
+
+def node_dit(model, world, dit_weights):
+    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60)
+    return coord, _sequence_parallel_dit(model, coord.devices, coord, dit_weights=dit_weights)
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_hook(upstream):
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+
+
+def identical(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("with_a_lora", [False, True])
+def test_shard_samples_exactly_like_replicate(patcher, lora, world, with_a_lora):  # noqa: F811
+    model = with_lora(patcher, lora) if with_a_lora else patcher
+    coord, replicated = node_dit(model, world, "replicate")
+    with coord:
+        reference = sample(replicated)
+    coord, sharded = node_dit(model, world, "shard")
+    with coord:
+        out = sample(sharded)
+        shards = sharded.multinpu_dit_shards
+        full = sum(t.nbytes for t in patcher.model.diffusion_model.state_dict().values())
+        resident = [shards.resident_bytes(r) for r in range(world)]
+        gathered = shards.family.gathered_bytes
+        shards.family.close()
+    assert identical(out, reference)
+    assert all(b < full for b in resident) and all(g > 0 for g in gathered)
+    # ComfyUI loads and counts card 0's shard, not the full DiT; the input MODEL is unchanged
+    assert sharded.model_size() == sum(t.nbytes for t in sharded.model.state_dict().values()) < patcher.model_size()
+    assert sharded.model.diffusion_model is shards.module(0)
+    assert patcher.model.diffusion_model is not shards.module(0)
+    assert all(t.numel() > 0 for t in patcher.model.diffusion_model.state_dict().values())
+
+
+def test_a_lora_added_after_the_node_is_refused(patcher, lora):  # noqa: F811
+    coord, sharded = node_dit(patcher, 2, "shard")
+    with coord, pytest.raises(RolePlanError, match="added after MultiNPUParallelConfig"):
+        sample(with_lora(sharded, lora))
