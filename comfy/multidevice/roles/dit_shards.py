@@ -142,9 +142,12 @@ def _base_model_with(base_model, diffusion_model):
     """A shallow copy of a BaseModel whose diffusion_model is another module (the original is
     untouched: its module tables are copied, not shared)."""
     light = copy.copy(base_model)
-    for table in ("_modules", "_parameters", "_buffers"):
-        setattr(light, table, dict(getattr(base_model, table)))
-    light._modules["diffusion_model"] = diffusion_model
+    if isinstance(base_model, torch.nn.Module):
+        for table in ("_modules", "_parameters", "_buffers"):
+            setattr(light, table, dict(getattr(base_model, table)))
+        light._modules["diffusion_model"] = diffusion_model
+    else:  # a stand-in object with its own attribute dict (tests)
+        light.diffusion_model = diffusion_model
     # ComfyUI's load state of the original (weights loaded, patches applied) is not the copy's:
     # left as it is, ComfyUI would skip loading the copy, and with it any patch added later.
     for name, fresh in (("model_loaded_weight_memory", 0), ("model_offload_buffer_memory", 0),
