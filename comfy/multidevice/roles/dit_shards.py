@@ -25,7 +25,8 @@ import torch
 
 from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.roles.plan import RolePlanError
-from comfy.multidevice.weights.block_shards import BlockShardPlan, ShardedBlockWeights
+from comfy.multidevice.weights.block_shards import (BlockShardPlan, ShardedBlockWeights, block_tensors,
+                                                    tensor_nbytes)
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,14 @@ class DitShards:
 
     @staticmethod
     def _block_sizes(replica, index: int) -> dict:
-        # bytes of each block tensor as the card will hold it (the loaded model's dtype)
+        # bytes of each block tensor as the card will hold it (the loaded model's dtype); the
+        # replica is still bound to the base here
         sizes = {}
-        for name in _blocks(replica.module)[index].state_dict(keep_vars=True):
+        for name, value in block_tensors(_blocks(replica.module)[index]).items():
             full = f"blocks.{index}.{name}"
-            base = replica.base[replica.prefix + full]
-            sizes[name] = base.numel() * replica._target_dtype(full, base).itemsize
+            plain = type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(type(value), "__tensor_flatten__")
+            sizes[name] = (value.numel() * replica._target_dtype(full, value).itemsize if plain
+                           else tensor_nbytes(value))
         return sizes
 
     def keep_names(self, rank: int) -> list[str]:

@@ -24,7 +24,8 @@ from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import free_memory_bytes
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TENSOR_PARALLEL
 from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
-from comfy.multidevice.weights.block_shards import BlockShardPlan, DIT_WEIGHT_MODES
+from comfy.multidevice.weights.block_shards import (BlockShardPlan, DIT_WEIGHT_MODES, block_tensors,
+                                                    tensor_nbytes)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def dit_shape_of(dit) -> DiTShape | None:
 
 
 def _block_sizes(dit) -> list[dict]:
-    return [{n: t.nbytes for n, t in block.state_dict().items()} for block in dit.blocks]
+    return [{n: tensor_nbytes(t) for n, t in block_tensors(block).items()} for block in dit.blocks]
 
 
 @dataclass

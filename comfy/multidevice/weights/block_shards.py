@@ -125,13 +125,29 @@ class _TensorSpec:
 
 
 def _block_slots(block: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, bool]]:
-    """name -> (owning submodule, attribute, is_parameter) for every tensor in a block's state dict."""
+    """name -> (owning submodule, attribute, is_parameter) for every parameter and persistent
+    buffer of a block: the tensors it really holds (a quantized layer's state dict lists its
+    scales under names of their own, but holds them inside its weight)."""
     slots = {}
-    for name in block.state_dict(keep_vars=True):
-        owner_path, _, leaf = name.rpartition(".")
-        owner = block.get_submodule(owner_path) if owner_path else block
-        slots[name] = (owner, leaf, leaf in owner._parameters)
+    for path, module in block.named_modules():
+        prefix = f"{path}." if path else ""
+        for leaf, value in module._parameters.items():
+            if value is not None:
+                slots[prefix + leaf] = (module, leaf, True)
+        for leaf, value in module._buffers.items():
+            if value is not None and leaf not in module._non_persistent_buffers_set:
+                slots[prefix + leaf] = (module, leaf, False)
     return slots
+
+
+def block_tensors(block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a block holds, by the names the shards use (see _block_slots)."""
+    return {name: _get(slot) for name, slot in _block_slots(block).items()}
+
+
+def tensor_nbytes(value: torch.Tensor) -> int:
+    """Bytes of a tensor, or of a flattenable subclass's inner tensors."""
+    return _nbytes(value)
 
 
 def _get(slot) -> torch.Tensor:
