@@ -30,10 +30,12 @@ A second run with unchanged pins checks the environment and installs nothing.
 With --comfyui DIR it also installs this project into a ComfyUI checkout: it checks
 that DIR is one (main.py, comfy/, comfy_extras/, custom_nodes/), warns when DIR's git
 commit is not the pinned upstream.commit, applies comfy-ui-changes.patch (new files
-only) after `git apply --check`, and copies additional_files/ (workflows to
-user/default/workflows/minimax-h3/, sample inputs to input/minimax-h3/, the service
-scripts to runtime/; an edited workflow is kept, ours goes beside it). Running it again
-finds it installed and changes nothing. Every failure leaves DIR unchanged.
+only) after `git apply --check`, copies the node pack's example workflows to
+user/default/workflows/minimax-h3/ (an edited workflow is kept, ours goes beside it) and
+additional_files/ (sample inputs to input/minimax-h3/, the service scripts to runtime/),
+and records every file it wrote in DIR/.minimax-h3-install.json. Running it again finds
+it installed and changes nothing; running a newer checkout's copy upgrades: the earlier
+install's unedited files are replaced. Every failure leaves DIR as it was.
 
 Options:
   --platform NAME    ascend | nvidia | cpu | auto (default auto: detect)
@@ -44,8 +46,8 @@ Options:
                      --comfyui: also install into a ComfyUI that has no MiniMax-H3 nodes
                      (with --python: also install the pinned torch over the one there)
   --comfyui DIR      install the patch and additional files into the ComfyUI checkout DIR
-  --uninstall        with --comfyui: remove them again (only files still unchanged);
-                     installs no dependencies
+  --uninstall        with --comfyui: remove what the install wrote (only files still
+                     unchanged, whichever version wrote them); installs no dependencies
   --python PATH      install the runtime dependencies into the Python that runs ComfyUI
                      (e.g. DIR/venv/bin/python) instead of .venv; packages it already has
                      are kept (a version other than the pin gets a warning), missing ones

@@ -57,13 +57,15 @@ RUN_DESCRIPTION = """\
 The dry run: a small model with H3's structure and random weights (written to --cache once)
 samples a short clip on W ranks and once on one device, and compares the two. Prints progress,
 then one JSON report on the last line (also in --out/report.json).
-Exit status: 0 the ranks match one device, 1 they do not, 2 a bad option or a backend that
-cannot start (said before anything runs)."""
+Exit status: 0 the ranks match one device, 1 they do not (or, under torchrun, a rank failed:
+one line per rank, the traceback with --debug), 2 a bad option, environment variable or
+backend that cannot start (said before anything runs)."""
 
 DOCTOR_DESCRIPTION = """\
 Lists the visible NPUs/GPUs, which collective libraries load (HCCL, NCCL) and the settings in
 the environment, then runs one exchange between the selected devices and checks it.
-Exit status: 0 the selected set-up works, 1 it does not (the report says why)."""
+Exit status: 0 the selected set-up works, 1 it does not (the report says why), 2 a bad option
+or environment variable (said before the self-test runs)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -178,6 +178,13 @@ def node_class():
             )
 
         @classmethod
+        def fingerprint_inputs(cls, **inputs):
+            # Outputs stay cached as usual, except after a stuck rank closed a coordinator:
+            # they would still point at it, so the node runs again and builds a fresh one.
+            from comfy.multidevice.comm.group import abandoned_coordinator_count
+            return abandoned_coordinator_count()
+
+        @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                     device_kind="auto", devices="", dit_weights="auto", plan_tokens=109952) -> io.NodeOutput:
             return io.NodeOutput(*configure_parallel(

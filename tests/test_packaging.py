@@ -29,7 +29,7 @@ import make_workflows  # noqa: E402
 
 RUN_TIMEOUT_S = 120
 PINS = json.loads((REPO / "source_deps_info.json").read_text())
-WORKFLOW_DIR = REPO / "additional_files" / "workflows" / "minimax-h3"
+WORKFLOW_DIR = REPO / "custom_nodes" / "ComfyUI-MultiNPU" / "example_workflows"
 WORKFLOW_NAMES = ("ref2va_8steps_lora", "fl2va_8steps_lora", "ref2va_21steps", "fl2va_21steps",
                   "ref2va_50steps", "fl2va_50steps")
 LOADER_FOLDERS = {"UNETLoader": ("unet_name", "diffusion_models"),
@@ -194,6 +194,7 @@ def project_copy(tmp: Path, pins: dict | None = None) -> Path:
     shutil.copy2(REPO / "tools" / "comfyui_overlay.py", project / "tools")
     shutil.copytree(REPO / "additional_files", project / "additional_files",
                     ignore=shutil.ignore_patterns("*.log", "*.pid", "__pycache__"))
+    shutil.copytree(WORKFLOW_DIR, project / WORKFLOW_DIR.relative_to(REPO))
     (project / "source_deps_info.json").write_text(json.dumps(pins or PINS, indent=2))
     (project / make_patch.PATCH_NAME).write_text(make_patch.generate(REPO), newline="")
     return project
@@ -306,13 +307,95 @@ def test_a_rerun_keeps_a_workflow_the_user_saved_and_installs_ours_beside_it(tmp
     assert saved.read_text() == '{"the user": "saved this with Ctrl+S"}\n'  # theirs, untouched
     beside = [p for p in saved.parent.glob("ref2va_21steps.*.json")]
     assert len(beside) == 1 and "kept your edited" in result.stdout and beside[0].name in result.stdout
-    ours = project / "additional_files/workflows/minimax-h3/ref2va_21steps.json"
+    ours = project / WORKFLOW_DIR.relative_to(REPO) / "ref2va_21steps.json"
     assert beside[0].read_bytes() == ours.read_bytes()
     again = install(project, "--comfyui", str(comfy), "--no-deps")  # and a third run changes nothing
     assert again.returncode == 0 and "nothing changed" in again.stdout
     removed = install(project, "--comfyui", str(comfy), "--uninstall")
     assert removed.returncode == 0
     assert saved.exists() and not beside[0].exists()  # uninstall takes ours, leaves theirs
+
+
+def next_version(tmp: Path) -> tuple[Path, dict[str, str]]:
+    """A project copy whose overlay differs from this one as a release would: one module changed,
+    one removed, one added, a workflow and a service script changed. Returns it and the changes."""
+    project = project_copy(tmp)
+    files = {rel: data for rel, (data, _) in committed_overlay(REPO).items()}
+    changed, dropped, added = "comfy/multidevice/devices.py", "comfy/multidevice/comfy_objects.py", \
+        "comfy/multidevice/added_in_next_version.py"
+    workflow = WORKFLOW_DIR.relative_to(REPO) / "fl2va_21steps.json"
+    files[changed] += b"# changed in the next version\n"
+    del files[dropped]
+    files[added] = b'"""A module the next version adds."""\n'
+    files[str(workflow)] = files[str(workflow)].replace(b'"seed', b'"seed_next', 1)
+    (project / workflow).write_bytes(files[str(workflow)])
+    script = project / "additional_files/runtime/restart-v1.sh"
+    script.write_bytes(script.read_bytes() + b"# changed in the next version\n")
+    repo = _overlay_repo(tmp / "next", files, executable=[p for p, (_, m) in committed_overlay(REPO).items()
+                                                          if m == "100755"])
+    (project / make_patch.PATCH_NAME).write_text(make_patch.generate(repo), newline="")
+    return project, {"changed": changed, "dropped": dropped, "added": added, "workflow": str(workflow)}
+
+
+def test_a_newer_version_upgrades_the_install_it_recorded(tmp_path):
+    old, comfy = project_copy(tmp_path / "old"), comfyui_checkout(tmp_path)
+    before = without_mtimes(snapshot(comfy))
+    assert install(old, "--comfyui", str(comfy), "--no-deps").returncode == 0
+    record = json.loads((comfy / ".minimax-h3-install.json").read_text())["files"]
+    assert "comfy/multidevice/devices.py" in record and "runtime/restart-v1.sh" in record
+    saved = comfy / "user/default/workflows/minimax-h3/ref2va_21steps.json"
+    saved.write_text('{"the user": "saved this"}\n')
+
+    new, change = next_version(tmp_path / "new")
+    result = install(new, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "upgraded" in result.stdout
+    assert (comfy / change["changed"]).read_bytes().endswith(b"# changed in the next version\n")
+    assert not (comfy / change["dropped"]).exists() and (comfy / change["added"]).is_file()
+    assert (comfy / "runtime/restart-v1.sh").read_bytes() == \
+        (new / "additional_files/runtime/restart-v1.sh").read_bytes()
+    assert os.access(comfy / "runtime/restart-v1.sh", os.X_OK)
+    copied = comfy / "user/default/workflows/minimax-h3/fl2va_21steps.json"
+    assert copied.read_bytes() == (new / change["workflow"]).read_bytes() == \
+        (comfy / change["workflow"]).read_bytes()
+    assert saved.read_text() == '{"the user": "saved this"}\n'  # theirs, kept over the upgrade
+    assert install(new, "--comfyui", str(comfy), "--no-deps").stdout.count("nothing changed") == 1
+
+    removed = install(new, "--comfyui", str(comfy), "--uninstall")
+    assert removed.returncode == 0, removed.stderr
+    left = without_mtimes(snapshot(comfy))
+    assert left.pop("user/default/workflows/minimax-h3/ref2va_21steps.json")  # the user's file
+    left = {k: v for k, v in left.items() if not k.startswith("user")}  # its folders stay with it
+    assert left == {k: v for k, v in before.items() if not k.startswith("user")}
+
+
+def test_an_upgrade_stops_at_an_edited_overlay_file_and_changes_nothing(tmp_path):
+    old, comfy = project_copy(tmp_path / "old"), comfyui_checkout(tmp_path)
+    assert install(old, "--comfyui", str(comfy), "--no-deps").returncode == 0
+    with open(comfy / "comfy/multidevice/comm/peer.py", "a") as f:
+        f.write("# a local edit\n")
+    before = snapshot(comfy)
+    new, _ = next_version(tmp_path / "new")
+    result = install(new, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode != 0
+    assert "comfy/multidevice/comm/peer.py" in result.stderr and "Nothing was changed" in result.stderr
+    assert snapshot(comfy) == before
+
+
+def test_a_failed_upgrade_restores_the_earlier_install(tmp_path):
+    old, comfy = project_copy(tmp_path / "old"), comfyui_checkout(tmp_path)
+    assert install(old, "--comfyui", str(comfy), "--no-deps").returncode == 0
+    new, change = next_version(tmp_path / "new")
+    # The new version brings a service helper whose folder is a file in DIR: the copy fails
+    # after the earlier files were removed and the new patch applied.
+    (new / "additional_files/runtime/helpers").mkdir()
+    (new / "additional_files/runtime/helpers/extra.sh").write_text("#!/bin/sh\n")
+    (comfy / "runtime/helpers").write_text("not a folder\n")
+    before = without_mtimes(snapshot(comfy))
+    result = install(new, "--comfyui", str(comfy), "--no-deps")
+    assert result.returncode != 0 and "restored" in result.stderr
+    assert without_mtimes(snapshot(comfy)) == before
+    assert (comfy / change["dropped"]).is_file()  # the earlier version is whole again
 
 
 def test_a_failure_while_copying_undoes_the_patch_and_the_copies(tmp_path):
@@ -698,7 +781,7 @@ def test_model_sources_match_the_workflows_own_download_links():
     # has that OWNER/REPO as its source in source_deps_info.json.
     sources = {m["file"]: m["source"] for m in PINS["model_files"]["files"]}
     links = {}
-    for path in sorted((REPO / "additional_files" / "workflows" / "minimax-h3").glob("*.json")):
+    for path in sorted(WORKFLOW_DIR.glob("*.json")):
         for repo, name in re.findall(r"huggingface\.co/([^/\"]+/[^/\"]+)/resolve/[^/\"]+/(?:[^\"]*/)?([^/\"]+)\"",
                                      path.read_text(encoding="utf-8")):
             links.setdefault(name, set()).add(repo)
@@ -735,3 +818,52 @@ def test_the_node_sits_inside_the_workflows_models_group(name):
         if group is not models[0]:
             gx, gy, gw, gh = group["bounding"]
             assert gx >= x + w or gx + gw <= x or gy >= y + h or gy + gh <= y, (group["title"], group["bounding"])
+
+
+# ----------------------------------------------------------------------------- the node pack
+
+PACK_DIR = REPO / "custom_nodes" / "ComfyUI-MultiNPU"
+
+
+def pack_project() -> dict:
+    import tomllib
+    return tomllib.loads((PACK_DIR / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_the_packs_pyproject_follows_the_registrys_rules():
+    # The registry's published rules for [project] name/version and [tool.comfy].
+    import re
+    data = pack_project()
+    name, version = data["project"]["name"], data["project"]["version"]
+    assert len(name) < 100 and re.fullmatch(r"[A-Za-z][A-Za-z0-9]*(?:[-_.][A-Za-z0-9]+)*", name), name
+    assert "comfyui" not in name.lower()  # the registry asks names not to repeat "ComfyUI"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    assert data["project"]["license"] == {"file": "LICENSE"}
+    comfy = data["tool"]["comfy"]
+    assert re.fullmatch(r"[a-z][a-z0-9-]*", comfy["PublisherId"]) and comfy["DisplayName"].strip()
+
+
+def test_the_whole_project_and_the_pack_carry_the_same_gpl3_license():
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert text.lstrip().startswith("GNU GENERAL PUBLIC LICENSE") and "Version 3, 29 June 2007" in text
+    assert (PACK_DIR / "LICENSE").read_bytes() == (REPO / "LICENSE").read_bytes()
+
+
+def test_the_help_page_is_where_web_directory_serves_it_and_names_every_input_and_output():
+    from comfy_extras.nodes_multinpu import NODE_SCHEMA
+    shim = (PACK_DIR / "__init__.py").read_text(encoding="utf-8")
+    assert 'WEB_DIRECTORY = "./web"' in shim
+    page = (PACK_DIR / "web" / "docs" / f"{NODE_SCHEMA['node_id']}.md").read_text(encoding="utf-8")
+    for spec in NODE_SCHEMA["inputs"] + NODE_SCHEMA["outputs"]:
+        assert f"**{spec['name']}**" in page, spec["name"]
+    for spec in NODE_SCHEMA["inputs"]:
+        for option in spec.get("options", []):
+            assert str(option) in page, (spec["name"], option)
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_workflows_name_the_pack_for_comfyui_manager(name):
+    project = pack_project()["project"]
+    node = _one(load_workflow(name), "MultiNPUParallelConfig")
+    assert node["properties"]["cnr_id"] == project["name"]
+    assert node["properties"]["ver"] == project["version"]

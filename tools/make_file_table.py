@@ -28,11 +28,25 @@ def patched_files(patch_text: str) -> list[str]:
 
 
 def describe(path: Path) -> str:
-    """The first line of the module docstring (the patch only adds Python files today)."""
-    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    """A file's own first words: a Python module's docstring line, a TOML file's first comment,
+    a Markdown file's title, the license's title; a workflow is named by its folder's role."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".py":
+        doc = ast.get_docstring(ast.parse(text))
+    elif path.suffix == ".toml":
+        doc = next((line.lstrip("# ") for line in text.splitlines() if line.startswith("#")), None)
+    elif path.suffix == ".md":
+        doc = next((line.lstrip("# ") + " (the node's help page)" for line in text.splitlines()
+                    if line.startswith("# ")), None)
+    elif path.suffix == ".json" and path.parent.name == "example_workflows":
+        doc = f"example workflow {path.stem} (ComfyUI's Templates browser lists it)"
+    elif path.name == "LICENSE":
+        doc = ", ".join(line.strip() for line in text.splitlines()[:2]) + ": the project's license"
+    else:
+        doc = None
     if not doc:
-        raise SystemExit(f"{path.relative_to(REPO_DIR)} has no module docstring; give it one "
-                         "(its first line is the file's row in the README)")
+        raise SystemExit(f"{path.relative_to(REPO_DIR)} has no description; give it a module "
+                         "docstring / a first comment (its first line is the file's row in the README)")
     return doc.strip().splitlines()[0].rstrip(".").replace("|", "\\|")
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate the MiniMax-H3 multi-card workflows (additional_files/workflows/minimax-h3/).
+"""Generate the MiniMax-H3 multi-card workflows (the node pack's example_workflows/).
 
 Each workflow starts from an official H3 template shipped in the MIT-licensed Python package
 comfyui-workflow-templates-json (which template: source_deps_info.json "workflow_templates")
@@ -10,7 +10,12 @@ and is edited as a graph:
   3. the turbo on/off switches are resolved: the LoRA is kept only in the *_lora variants;
   4. steps, sampler, 1344x768, 15 s at 24 fps, a fixed seed, our sample inputs and prompt;
   5. MultiNPUParallelConfig (npu_count 4) goes between the loaders (UNET/LoRA, CLIP, the two
-     VAEs) and every consumer of what they load.
+     VAEs) and every consumer of what they load; its node properties carry the pack's registry
+     id and version (cnr_id / ver, from the pack's pyproject.toml), so ComfyUI-Manager can
+     resolve the pack when a workflow is opened without it.
+
+ComfyUI's Templates browser lists a pack's example_workflows/; the installer also copies them
+into user/default/workflows/minimax-h3/ (ComfyUI versions without that browser).
 
   tools/make_workflows.py          (re)write the six workflow files
   tools/make_workflows.py --check  exit 1 when a committed file differs from the generator
@@ -28,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parent.parent
-OUT_DIR = REPO_DIR / "additional_files" / "workflows" / "minimax-h3"
+PACK_DIR = REPO_DIR / "custom_nodes" / "ComfyUI-MultiNPU"
+OUT_DIR = PACK_DIR / "example_workflows"
 PINS_FILE = REPO_DIR / "source_deps_info.json"
 sys.path.insert(0, str(REPO_DIR))
 
@@ -66,6 +72,14 @@ FALLBACK_NODE_SCHEMA = {
     ],
 }
 SOCKET_TYPES = ("MODEL", "CLIP", "VAE")  # the inputs that are links, not widgets
+
+
+def pack_identity() -> dict:
+    """The node properties ComfyUI-Manager resolves a custom node by: registry id and version."""
+    import tomllib
+
+    project = tomllib.loads((PACK_DIR / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    return {"cnr_id": project["name"], "ver": project["version"]}
 
 
 def node_schema() -> dict:
@@ -411,7 +425,7 @@ def insert_parallel_node(graph: Graph) -> dict:
         "order": 0, "mode": 0,
         "inputs": [{"name": s["name"], "type": s["type"], "link": None} for s in sockets],
         "outputs": [{"name": o["name"], "type": o["type"], "links": []} for o in schema["outputs"]],
-        "properties": {"Node name for S&R": schema["node_id"]},
+        "properties": {**pack_identity(), "Node name for S&R": schema["node_id"]},
         "widgets_values": [NPU_COUNT if s["name"] == "npu_count" else s["default"] for s in widgets],
         "widgets_values_named": {s["name"]: NPU_COUNT if s["name"] == "npu_count" else s["default"]
                                  for s in widgets},

@@ -229,19 +229,41 @@ def _too_few(n_cards: int, kind: str, found: int, inventory: DeviceInventory) ->
         f"({inventory.env_text(kind)}). Fix: " + "; or ".join(fixes) + ".")
 
 
+_DEVICE_LIST_HELP = ("write 'npu:i', 'cuda:i' or 'cpu' (i = 0, 1, ... in the digits 0-9), separated "
+                     "by commas (e.g. 'npu:0,npu:1,npu:2,npu:3'), or leave devices empty to use the "
+                     "first npu_count visible cards")
+
+
 def parse_device_list(text: str | Sequence) -> list[tuple[str, int | None]]:
-    """'npu:0, npu:2' (or a list) -> [(kind, index)]; refuses bare indices, unknown kinds, duplicates."""
-    items = [s.strip() for s in text.split(",")] if isinstance(text, str) else [str(s).strip() for s in text]
-    items = [s for s in items if s]
+    """'npu:0, npu:2' (or a list of such strings) -> [(kind, index)].
+
+    Refuses, naming the entry: a value that is not text, empty entries (',,'), bare indices,
+    unknown kinds, indices that are not plain ASCII digits (also for 'cpu:i'), duplicates.
+    """
+    if isinstance(text, str):
+        if not text.strip():  # only blanks: the same as empty
+            return []
+        items = text.split(",")
+    elif isinstance(text, (list, tuple)):
+        items = list(text)
+    else:
+        raise InvalidDeviceList(f"devices={text!r} is of type {type(text).__name__}, not text: "
+                                f"{_DEVICE_LIST_HELP}.")
     devices = []
-    for item in items:
-        kind, _, index = item.partition(":")
-        if kind not in ("npu", "cuda", "cpu") or (kind != "cpu" and not index.isdigit()):
-            raise InvalidDeviceList(
-                f"devices entry {item!r} is not a device: write 'npu:i', 'cuda:i' or 'cpu', "
-                f"separated by commas (e.g. 'npu:0,npu:1,npu:2,npu:3'), or leave devices empty "
-                f"to use the first npu_count visible cards.")
-        devices.append((kind, int(index) if index else None))
+    for position, item in enumerate(items, 1):
+        if not isinstance(item, str):
+            raise InvalidDeviceList(f"devices entry {position} ({item!r}) is of type "
+                                    f"{type(item).__name__}, not text: {_DEVICE_LIST_HELP}.")
+        item = item.strip()
+        if not item:
+            raise InvalidDeviceList(f"devices entry {position} is empty (in {text!r}): remove the "
+                                    f"extra comma; {_DEVICE_LIST_HELP}.")
+        kind, colon, index = (part.strip() for part in item.partition(":"))
+        kind = kind.lower()
+        ascii_index = index.isascii() and index.isdigit()
+        if kind not in ("npu", "cuda", "cpu") or (colon and not ascii_index) or (kind != "cpu" and not colon):
+            raise InvalidDeviceList(f"devices entry {item!r} is not a device: {_DEVICE_LIST_HELP}.")
+        devices.append((kind, int(index) if colon else None))
     dup = sorted({_name(d) for d in devices if d[0] != "cpu" and devices.count(d) > 1})
     if dup:
         raise InvalidDeviceList(f"devices lists {', '.join(dup)} more than once; each card can "
@@ -277,7 +299,7 @@ def select_devices(n_cards, kind: str = "auto", devices: str | Sequence | None =
         raise UnsupportedCardCount(f"{exc} Visible now: {inventory.describe()}.{hint}") from None
     if kind not in DEVICE_KINDS:
         raise DeviceSelectionError(f"device_kind={kind!r} is unknown: use one of {', '.join(DEVICE_KINDS)}.")
-    explicit = parse_device_list(devices) if devices else []
+    explicit = [] if devices is None or devices == "" else parse_device_list(devices)
     if kind == "cpu" or (explicit and _kinds_found(explicit) == ["cpu"]):
         if explicit and _kinds_found(explicit) != ["cpu"]:
             raise MixedDeviceKinds(

@@ -13,7 +13,7 @@ Two ways to install, no upstream file edited in either:
     still comes from ComfyUI's own tree, which stays first on the path.
 
 ComfyUI's loader takes NODE_CLASS_MAPPINGS before comfy_entrypoint; this shim exports only
-comfy_entrypoint (the V3 hook).
+comfy_entrypoint (the V3 hook). WEB_DIRECTORY serves web/docs/<node id>.md, the node's help page.
 
 Model folders: when MINIMAX_H3_MODELS names a folder (runtime/restart-v1.sh sets it), its
 diffusion_models/, text_encoders/, vae/ and loras/ are added to ComfyUI's search paths when the
@@ -31,6 +31,7 @@ _MODULE = "comfy_extras.nodes_multinpu"
 ROOT_ENV = "COMFYUI_MULTINPU_ROOT"
 MODELS_ENV = "MINIMAX_H3_MODELS"
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras")  # the H3 files' folders
+WEB_DIRECTORY = "./web"
 
 
 def register_model_folders(environ=os.environ):

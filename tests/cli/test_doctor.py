@@ -137,3 +137,22 @@ def test_text_report_names_every_part(monkeypatch, fake_nccl_path):
     for part in ("platform", "torch", "npu", "cuda", "cpu", "backends", "hccl:", "nccl: usable",
                  "environment", "self-test  2 rank(s) on cpu, cpu, backend nccl: passed", "result     OK"):
         assert part in text
+
+
+def test_malformed_doctor_options_exit_2_naming_the_value(capsys):
+    import argparse
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    for argv, message in ((["--timeout", "nan"], "'nan' is not a number of seconds"),
+                          (["--timeout", "-1"], "'-1' must be more than 0 seconds"),
+                          (["--timeout", "1e9"], "'1e9' is not a number of seconds"),
+                          (["--devices", "\uff12"], "is not an integer; write it with the digits 0-9")):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_too_many_cpu_ranks_are_refused_naming_the_cores():
+    from comfy.multidevice.cli.options import max_cpu_ranks
+    with pytest.raises(doctor.DoctorFailure, match=f"use --devices {max_cpu_ranks()} or fewer"):
+        doctor.self_test_devices("cpu", 500, inventory())

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from comfy.multidevice.cli import dry_run as minimax_h3_dry_run
@@ -135,3 +134,125 @@ def test_default_devices_without_accelerators(monkeypatch):
     assert minimax_h3_dry_run.choose_devices(3, cpu=True) == ["cpu"] * 3
     with pytest.raises(ValueError, match="only 2 accelerator"):
         minimax_h3_dry_run.choose_devices(4, cpu=False)
+
+
+# ----------------------------------------------------------------------------- every option checked first
+
+def _exit_2_before_anything(tmp_path, capsys, extra, message, cache=None, out=None):
+    """run() with TINY_ARGS + extra: exit 2, the message on stderr, nothing written."""
+    before = sorted(tmp_path.rglob("*"))
+    args = _parser().parse_args(TINY_ARGS + ["--cpu", "--cache", str(cache or tmp_path / "c"),
+                                             "--out", str(out or tmp_path / "o")] + extra)
+    printed = io.StringIO()
+    assert minimax_h3_dry_run.run(args, out=printed) == 2
+    assert printed.getvalue() == ""
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert sorted(tmp_path.rglob("*")) == before  # no cache, no output, no checkpoint
+    return err
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--steps", "1001"], "--steps 1001: above the dry run's limit of 1000; use --steps 1000 or less"),
+    (["--refs", "10000000"], "--refs 10000000: above the dry run's limit of 64"),
+    (["--width", "10000000000000"], "--width 10000000000000: above the dry run's limit of 16384"),
+    (["--frames", str(10**30 * 17 + 5)], "above the dry run's limit of 34005"),
+    (["--seed", "-1"], "--seed -1: must be 0 or more"),
+    (["--seed", str(2**63)], f"--seed {2**63}: above the dry run's limit"),
+    (["--tolerance", "2"], "--tolerance 2.0: above 1 any result passes"),
+    (["--sp-mode", "ulysses", "--sp-overlap", "3"], "--sp-overlap 3: more chunks than the 2 heads"),
+    (["--devices", "500"], "--devices 500: CPU ranks are threads sharing this machine's"),
+    (["--hidden", "60000"], "GiB available; lower --frames"),
+    (["--text-tokens", str(2**20), "--width", "16384", "--height", "16384", "--frames", "34005"],
+     "GiB available; lower --frames"),
+])
+def test_sizes_beyond_the_limits_exit_2_before_anything_is_built(tmp_path, capsys, bad, message):
+    _exit_2_before_anything(tmp_path, capsys, bad, message)
+
+
+def test_output_folders_are_checked_before_the_sampling(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    _exit_2_before_anything(tmp_path, capsys, [], f"--out {a_file}: is an existing file, not a folder",
+                            out=a_file)
+    _exit_2_before_anything(tmp_path, capsys, [], f"--cache {a_file}: is an existing file", cache=a_file)
+    _exit_2_before_anything(tmp_path, capsys, [], f"cannot be created: {a_file} is a file",
+                            out=a_file / "sub")
+    (tmp_path / "o2" / "report.json").mkdir(parents=True)
+    _exit_2_before_anything(tmp_path, capsys, [], "holds a folder named report.json", out=tmp_path / "o2")
+    assert a_file.read_text() == "keep me"
+
+
+def test_an_unwritable_output_folder_exits_2(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # root may write anywhere: answer as for a user
+        from comfy.multidevice.cli import options
+        real_access = os.access
+        monkeypatch.setattr(options.os, "access",
+                            lambda path, mode: Path(path) != locked and real_access(path, mode))
+    try:
+        _exit_2_before_anything(tmp_path, capsys, [], "is not writable", out=locked / "out")
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "\uff13"], "'\uff13' is not an integer; write it with the digits 0-9"),  # full-width 3
+    (["--devices", "\u0663"], "is not an integer"),  # Arabic-Indic 3
+    (["--steps", "1_0"], "'1_0' is not an integer"),
+    (["--tolerance", "nan"], "'nan' is not a finite number"),
+    (["--tolerance", "inf"], "'inf' is not a finite number"),
+    (["--out", ""], "argument --out: an empty path would write into the current folder"),
+    (["--cache", "  "], "argument --cache: an empty path would write into the current folder"),
+])
+def test_malformed_values_are_refused_by_the_parser_with_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        _parser().parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+TIMEOUT_VARIABLE = "COMFYUI_MULTI_DEVICE_TIMEOUT_S"
+NOT_SECONDS = "is not a number of seconds (plain digits, e.g. 600)"
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("nan", NOT_SECONDS), ("inf", NOT_SECONDS),
+    ("-5", "must be more than 0 seconds"), ("0", "must be more than 0 seconds"),
+    ("\u0661\u0662", NOT_SECONDS), ("1e3", NOT_SECONDS), ("1_0", NOT_SECONDS),
+    ("100000", "is above the limit of 86400 seconds (one day)"),
+])
+def test_a_bad_timeout_variable_is_refused_the_same_by_run_and_doctor(tmp_path, capsys, monkeypatch,
+                                                                      value, problem):
+    from comfy.multidevice.cli import doctor
+    monkeypatch.setenv(TIMEOUT_VARIABLE, value)
+    expected = f"environment variable {TIMEOUT_VARIABLE}={value!r} {problem}; set it to seconds"
+    run_err = _exit_2_before_anything(tmp_path, capsys, [], expected)
+    doctor_args = argparse_namespace(json=True, devices=None, device_kind="cpu", backend=None, timeout=5.0)
+    assert doctor.main(doctor_args) == 2
+    doctor_err = capsys.readouterr().err
+    assert expected in doctor_err
+    assert run_err.split(": ", 1)[1] == doctor_err.split(": ", 1)[1]  # word for word
+
+
+def test_a_bad_backend_variable_is_worded_as_a_variable(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "gloo")
+    err = _exit_2_before_anything(tmp_path, capsys, [], "environment variable "
+                                  "COMFYUI_MULTI_DEVICE_BACKEND='gloo' is not a backend")
+    assert "--backend" not in err
+
+
+def test_a_forced_backend_from_the_variable_that_cannot_start_names_the_variable(tmp_path, capsys,
+                                                                                   monkeypatch):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "hccl")
+    monkeypatch.setenv("HCCL_SO_PATH", str(tmp_path / "no-such-libhccl.so"))
+    err = _exit_2_before_anything(tmp_path, capsys, ["--devices", "2"],
+                                  "environment variable COMFYUI_MULTI_DEVICE_BACKEND='hccl': ")
+    assert "--backend" not in err and "no-such-libhccl.so" in err
+
+
+def argparse_namespace(**values):
+    import argparse
+    return argparse.Namespace(**values)

@@ -6,6 +6,7 @@ when the time limit passes.
 """
 
 import json
+import time
 import os
 import signal
 import subprocess
@@ -51,3 +52,61 @@ def test_torchrun_runs_one_rank_per_process_with_parity(tmp_path):
     assert report["parity"] == "ok" and report["rel_diff"] <= 1e-5
     assert (tmp_path / "out" / "report.json").exists()
     assert out.count("MiniMax-H3 dry run under torchrun") == 1  # only rank 0 prints
+
+
+# ----------------------------------------------------------------------------- a lost peer
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(tmp_path, *extra):
+    """Two rank processes with torchrun's variables set by hand, so the test owns their pids."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "COMFYUI_MULTI_DEVICE_TIMEOUT_S": "60"}
+        cmd = [sys.executable, str(REPO / "minimax_h3_parallel.py"), "run", *TINY, "--steps", "1000",
+               "--no-reference", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), *extra]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    return procs
+
+
+def _kill_rank_1_while_sampling(procs):
+    survivor, victim = procs
+    for line in survivor.stdout:  # rank 0 prints the sequence line just before sampling
+        if line.startswith("[sequence]"):
+            break
+    else:
+        pytest.fail(f"rank 0 ended before sampling: {survivor.stderr.read()[-2000:]}")
+    time.sleep(0.5)
+    victim.kill()
+    victim.wait(10)
+    try:
+        _, err = survivor.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(survivor.pid, signal.SIGKILL)
+        pytest.fail("the surviving rank did not stop after its peer was killed")
+    return survivor.returncode, err
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_a_killed_peer_leaves_one_clean_error_line_and_a_nonzero_exit(tmp_path):
+    code, err = _kill_rank_1_while_sampling(_start_ranks(tmp_path))
+    assert code == 1, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err, err
+    ours = [line for line in lines if line.startswith("minimax_h3_parallel.py run: rank 0 of 2 stops:")]
+    assert len(ours) == 1 and "--debug shows the traceback" in ours[0], err
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_debug_shows_the_traceback_of_a_lost_peer(tmp_path):
+    code, err = _kill_rank_1_while_sampling(_start_ranks(tmp_path, "--debug"))
+    assert code != 0 and "Traceback" in err, err

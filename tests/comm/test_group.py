@@ -5,6 +5,7 @@ arrives must end every rank's collective quickly, whatever the backend.
 """
 
 import logging
+import sys
 import threading
 import time
 
@@ -42,7 +43,7 @@ def test_unknown_backend_lists_valid_values(monkeypatch):
     with pytest.raises(ValueError, match="auto, hccl, nccl, peer"):
         SequenceParallelCoordinator(["cpu"] * 2, backend="mpi")
     monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "gloo")
-    with pytest.raises(ValueError, match="'gloo'.*COMFYUI_MULTI_DEVICE_BACKEND"):
+    with pytest.raises(ValueError, match="environment variable COMFYUI_MULTI_DEVICE_BACKEND='gloo' is not a backend"):
         SequenceParallelCoordinator(["cpu"] * 2)
 
 
@@ -187,3 +188,221 @@ def test_rank_failing_to_allocate_never_strands_the_others_in_the_library(
         monkeypatch.setattr(coord.backend, "_empty", real_empty)
         out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
         assert all(torch.equal(o, torch.arange(3.0)) for o in out)
+
+
+# ----------------------------------------------------------------------------- stuck ranks, Cancel
+
+def _stuck_until(release: threading.Event):
+    """A rank that never returns by itself (the test releases it at the end)."""
+    release.wait(60)
+
+
+def test_a_stuck_rank_is_abandoned_and_the_caller_gets_the_timeout(caplog):
+    release = threading.Event()
+    coord = SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=0.3)
+    stuck_worker = coord._workers[1]
+
+    def job(rank, comm):
+        if rank == 1:
+            _stuck_until(release)
+        return comm.exchange([torch.ones(1)], 0)
+
+    start = time.monotonic()
+    try:
+        with caplog.at_level(logging.ERROR, logger=group.__name__):
+            with pytest.raises(CollectiveTimeout, match=r"rank\(s\) \[1\]") as info:
+                coord.run(job)
+        elapsed = time.monotonic() - start
+        # the barrier timeout (0.3 s) plus the grace (0.3 s) plus scheduling slack
+        assert elapsed < 0.3 + 0.3 + 1.5, elapsed
+        assert any("abandoned" in note for note in info.value.__notes__)
+        assert coord.closed and "rank 1 on cpu" in coord.broken_reason
+        assert any("rank 1 on cpu" in r.getMessage() and "abandoned" in r.getMessage()
+                   for r in caplog.records)
+        with pytest.raises(RuntimeError, match="closed after rank 1 on cpu"):
+            coord.run(lambda rank, comm: None)
+    finally:
+        release.set()
+    stuck_worker.join(5)
+    assert not stuck_worker.is_alive()  # once it returns, the abandoned thread ends
+
+
+def test_a_rank_stuck_outside_collectives_is_abandoned_after_the_others_finish():
+    release = threading.Event()
+    coord = SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=0.3)
+    try:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match=r"rank\(s\) \[1\] neither returned"):
+            coord.run(lambda rank, comm: _stuck_until(release) if rank == 1 else rank)
+        assert time.monotonic() - start < 0.3 + 0.3 + 1.5
+        assert coord.closed
+    finally:
+        release.set()
+
+
+def test_a_failing_rank_beside_a_stuck_one_raises_the_failure():
+    release = threading.Event()
+    coord = SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=0.3)
+
+    def job(rank, comm):
+        if rank == 0:
+            raise KeyError("boom")
+        _stuck_until(release)
+
+    try:
+        start = time.monotonic()
+        with pytest.raises(KeyError, match="boom"):
+            coord.run(job)
+        assert time.monotonic() - start < 0.3 + 1.5
+        assert coord.closed
+    finally:
+        release.set()
+
+
+def test_a_slow_rank_within_the_grace_keeps_the_coordinator():
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=2) as coord:
+        def job(rank, comm):
+            if rank == 0:
+                raise KeyError("boom")
+            time.sleep(0.2)  # busy, not stuck: it returns well within the grace
+            return rank
+        with pytest.raises(KeyError):
+            coord.run(job)
+        assert not coord.closed
+        assert coord.run(lambda rank, comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
+
+
+def test_shared_coordinator_is_rebuilt_after_an_abandoned_rank():
+    from comfy.multidevice.roles.apply import close_shared_coordinators, shared_coordinator
+    release = threading.Event()
+    devices = [torch.device("cpu")] * 2
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", "0.3")
+    try:
+        first = shared_coordinator(devices, "peer")
+        with pytest.raises(CollectiveTimeout):
+            first.run(lambda rank, comm: _stuck_until(release) if rank == 1 else comm.barrier())
+        second = shared_coordinator(devices, "peer")
+        assert second is not first and not second.closed
+        assert second.run(lambda rank, comm: comm.exchange([torch.full((1,), rank)], 0)[0].tolist()) \
+            == [[0, 1], [0, 1]]
+    finally:
+        release.set()
+        monkey.undo()
+        close_shared_coordinators()
+
+
+class _FakeModelManagement:
+    """The part of ComfyUI's comfy.model_management that a Cancel goes through."""
+
+    class InterruptProcessingException(Exception):
+        pass
+
+    def __init__(self):
+        self.flag = False
+
+    def processing_interrupted(self):
+        return self.flag
+
+    def throw_exception_if_processing_interrupted(self):
+        if self.flag:
+            self.flag = False
+            raise self.InterruptProcessingException()
+
+
+@pytest.fixture
+def comfy_cancel(monkeypatch):
+    fake = _FakeModelManagement()
+    monkeypatch.setitem(sys.modules, "comfy.model_management", fake)
+    return fake
+
+
+def _press_cancel_after(fake, seconds):
+    timer = threading.Timer(seconds, lambda: setattr(fake, "flag", True))
+    timer.start()
+    return timer
+
+
+def test_cancel_stops_every_rank_at_its_next_collective(backend, comfy_cancel):
+    blocks_done = [0, 0, 0]
+    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=20) as coord:
+        def job(rank, comm):
+            for _ in range(100_000):  # a "sampling" far longer than the test
+                time.sleep(0.005)  # one block's compute
+                comm.exchange([torch.ones(2)], 0)
+                blocks_done[rank] += 1
+        timer = _press_cancel_after(comfy_cancel, 0.3)
+        start = time.monotonic()
+        with pytest.raises(_FakeModelManagement.InterruptProcessingException):
+            coord.run(job)
+        elapsed = time.monotonic() - start
+        timer.join()
+        assert elapsed < 0.3 + 1.5, elapsed
+        assert comfy_cancel.flag is False  # consumed, as upstream's sampler does
+        # every rank stopped within one block of the others
+        assert max(blocks_done) - min(blocks_done) <= 1 and max(blocks_done) < 100_000
+        assert not coord.closed
+        out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
+        assert all(torch.equal(o, torch.tensor([0.0, 1.0, 2.0])) for o in out)
+
+
+def test_cancel_with_a_rank_that_never_stops_abandons_it(comfy_cancel):
+    release = threading.Event()
+    coord = SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=0.4)
+
+    def job(rank, comm):
+        if rank == 1:
+            _stuck_until(release)
+        while True:
+            comm.barrier()
+
+    timer = _press_cancel_after(comfy_cancel, 0.1)
+    try:
+        with pytest.raises(_FakeModelManagement.InterruptProcessingException):
+            coord.run(job)
+        assert coord.closed
+    finally:
+        timer.join()
+        release.set()
+
+
+def test_runs_without_comfyui_look_at_no_flag(monkeypatch):
+    monkeypatch.delitem(sys.modules, "comfy.model_management", raising=False)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer") as coord:
+        assert coord.run(lambda rank, comm: rank) == [0, 1]
+
+
+def test_the_node_runs_again_after_a_coordinator_was_abandoned(monkeypatch):
+    from comfy_extras import nodes_multinpu
+    from tests.test_nodes_multinpu import make_fake_comfy_api
+    package, latest = make_fake_comfy_api(True)
+    monkeypatch.setitem(sys.modules, "comfy_api", package)
+    monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)
+    monkeypatch.setattr(nodes_multinpu, "_NODE_CLASS", None)
+    node = nodes_multinpu.node_class()
+    before = node.fingerprint_inputs(npu_count=2)
+    assert node.fingerprint_inputs(npu_count=2) == before  # cached as usual
+    release = threading.Event()
+    coord = SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=0.2)
+    try:
+        with pytest.raises(CollectiveTimeout):
+            coord.run(lambda rank, comm: _stuck_until(release) if rank else comm.barrier())
+    finally:
+        release.set()
+    assert node.fingerprint_inputs(npu_count=2) != before  # ComfyUI runs the node again
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -1.0, True, 1e9, "5"])
+def test_a_bad_timeout_argument_is_refused_before_any_thread_starts(timeout):
+    from comfy.multidevice.comm.settings import SettingError
+    threads = threading.active_count()
+    with pytest.raises(SettingError, match=r"timeout_s=.*must be a number of seconds above 0 and at most 86400"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=timeout)
+    assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "\u0665"])
+def test_a_bad_timeout_variable_is_refused_by_the_coordinator_too(monkeypatch, value):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"environment variable COMFYUI_MULTI_DEVICE_TIMEOUT_S={value!r}"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="peer")

@@ -270,3 +270,13 @@ def test_a_stuck_process_makes_the_others_time_out(tmp_path):
         assert res["error_type"] == "CollectiveError", res
         assert f"rank {rank}/3: exchange failed" in res["error"]
         assert 1.5 < res["after_s"] < 20, res
+
+
+def test_torchrun_variables_take_ascii_digits_only_and_read_as_variables():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.5",
+           "MASTER_PORT": "29500"}
+    for name, value in (("RANK", "\u0661"), ("WORLD_SIZE", "\uff12"), ("LOCAL_RANK", "-1"),
+                        ("MASTER_PORT", "29_500")):
+        with pytest.raises(TorchrunEnvError) as info:
+            read_torchrun_env({**env, name: value})
+        assert str(info.value).startswith(f"environment variable {name}={value!r} is not an integer")

@@ -21,6 +21,7 @@ decoder as the language model.
 """
 
 import logging
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -240,6 +241,27 @@ def test_rank_weight_bytes_follow_the_formula(world, layout):
     replicated = replicated_elements(cfg) * 2
     if world <= cfg.num_key_value_heads:
         assert (per_rank[0] - replicated) * world == weight_bytes(model) - replicated
+
+
+def test_the_split_logs_each_card_and_moves_comfyuis_progress_bar(monkeypatch, caplog):
+    # A stand-in for comfy.utils (ComfyUI's module) whose ProgressBar records its steps.
+    steps = []
+
+    class RecordingBar:
+        def __init__(self, total):
+            steps.append(("new", total))
+
+        def update(self, value):
+            steps.append(("step", value))
+    monkeypatch.setitem(sys.modules, "comfy.utils", SimpleNamespace(ProgressBar=RecordingBar))
+    model = build_miniature_decoder(LAYOUTS["separate"])
+    with coordinator(4) as coord, caplog.at_level("INFO", logger="comfy.multidevice.tp"):
+        build_tensor_parallel_decoder(model, coord)
+        devices = [str(d) for d in coord.devices]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("text encoder shard")]
+    assert len(lines) == 4 and all(" GiB " in m and m.endswith(" s") for m in lines), lines
+    assert sorted(m.split(" for ")[1].split(":")[0] for m in lines) == sorted(devices)
+    assert steps.count(("new", 4)) == 1 and steps.count(("step", 1)) == 4
 
 
 class ReadOnlyBase(torch.Tensor):

@@ -44,6 +44,14 @@ def request(url, data=None, timeout=10):
         return exc.code, json.loads(exc.read() or b"null")
 
 
+def fetch_bytes(url, timeout=10) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
 @pytest.fixture(scope="module")
 def server(upstream, tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
@@ -125,3 +133,21 @@ def test_a_prompt_with_a_bad_card_count_is_refused_by_the_servers_validation(ser
 def test_the_node_pack_adds_the_model_folders_of_minimax_h3_models(server):
     status, names = request(f"{server}/models/diffusion_models")
     assert status == 200 and "from_the_variable.safetensors" in names
+
+
+PACK = REPO / "custom_nodes" / "ComfyUI-MultiNPU"
+
+
+def test_the_templates_browser_lists_the_packs_example_workflows(server):
+    status, templates = request(f"{server}/workflow_templates")
+    assert status == 200
+    ours = sorted(p.stem for p in (PACK / "example_workflows").glob("*.json"))
+    assert len(ours) == 6 and sorted(templates.get("ComfyUI-MultiNPU", [])) == ours
+    status, data = fetch_bytes(f"{server}/api/workflow_templates/ComfyUI-MultiNPU/{ours[0]}.json")
+    assert status == 200 and data == (PACK / "example_workflows" / f"{ours[0]}.json").read_bytes()
+
+
+def test_the_server_serves_the_nodes_help_page(server):
+    status, data = fetch_bytes(f"{server}/extensions/ComfyUI-MultiNPU/docs/MultiNPUParallelConfig.md")
+    assert status == 200
+    assert data == (PACK / "web" / "docs" / "MultiNPUParallelConfig.md").read_bytes()

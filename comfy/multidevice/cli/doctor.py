@@ -30,7 +30,9 @@ import time
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env, VALID_BACKENDS
+from comfy.multidevice.cli.options import integer, max_cpu_ranks, seconds
+from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_environment,
+                                             MAX_TIMEOUT_S, SettingError, VALID_BACKENDS)
 from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, auto_kind, DEVICE_KINDS,
                                        DeviceInventory, visible_device_names, VISIBLE_DEVICES_ENV)
 
@@ -171,6 +173,10 @@ def self_test_devices(kind: str, count: int | None, devices: dict) -> list[str]:
                 "torch_npu or a CUDA build of torch is installed; to self-test "
                 f"{count} CPU ranks instead, add --device-kind cpu")
     if kind == "cpu":
+        if count is not None and count > max_cpu_ranks():
+            raise DoctorFailure(f"--devices {count}: CPU ranks are threads sharing this machine's "
+                                f"{os.cpu_count()} CPU core(s), and more than {max_cpu_ranks()} only "
+                                f"take turns; use --devices {max_cpu_ranks()} or fewer")
         return ["cpu"] * (count or CPU_SELF_TEST_RANKS)
     have = found[kind]
     want = have if count is None else count
@@ -265,10 +271,12 @@ def collect_report(device_kind: str = "auto", count: int | None = None, backend:
     report["devices"] = devices_report()
     report["backends"] = backends_report()
     report["environment"] = environment_report()
-    try:
+    try:  # the same checks, and the same words, as `run`
+        check_environment()
         requested = backend_from_env(backend)
-    except ValueError as exc:
+    except SettingError as exc:
         report["reason"] = str(exc)
+        report["bad_setting"] = True
         return report
     if launched_by_torchrun():
         report["self_test"] = distributed_self_test(device_kind, timeout_s)
@@ -331,15 +339,16 @@ def format_text(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--devices", type=int, default=None, metavar="N",
+    parser.add_argument("--devices", type=integer, default=None, metavar="N",
                         help="self-test on N devices (default: all visible accelerators; "
                              f"{CPU_SELF_TEST_RANKS} CPU ranks when there is none); fails when fewer are visible")
     parser.add_argument("--device-kind", choices=DEVICE_KINDS, default="auto",
                         help="which devices: auto = NPUs, else CUDA GPUs, else the CPU (default auto)")
     parser.add_argument("--backend", choices=VALID_BACKENDS, default=None,
                         help=f"collective backend to test (default: ${BACKEND_ENV} or auto)")
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                        help="seconds a self-test collective may wait for the other ranks (default 60)")
+    parser.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
+                        help="seconds a self-test collective may wait for the other ranks "
+                             f"(default 60, at most {MAX_TIMEOUT_S:g})")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -350,5 +359,5 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=str) if args.json else format_text(report))
     if not report["ok"]:
         print(f"doctor: {report['reason']}", file=sys.stderr)
-        return 1
+        return 2 if report.get("bad_setting") else 1
     return 0

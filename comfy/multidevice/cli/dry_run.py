@@ -29,7 +29,10 @@ from typing import Callable
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.settings import VALID_BACKENDS
+from comfy.multidevice.cli.options import (available_memory_bytes, finite_number, folder,
+                                           folder_problem, integer, max_cpu_ranks)
+from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, SettingError,
+                                             VALID_BACKENDS)
 from comfy.multidevice.comm.types import BackendUnavailable
 from comfy.multidevice.devices import auto_kind, copy_for_rank, probe_devices, visible_device_names
 from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
@@ -46,6 +49,18 @@ VAE_SPATIAL = 16         # video VAE: 16x spatial, latent frames = 5k+2 for 17k+
 PATCH = 2                # DiT patch (1, 2, 2)
 DEFAULT_CPU_RANKS = 4
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # relative to max |reference latent|
+OUTPUT_FILES = ("latents.safetensors", "report.json")
+# Upper bounds of the options: far above any useful dry run, low enough that the arithmetic
+# and the memory estimate below stay meaningful. The memory estimate is the machine's limit.
+MAX_STEPS = 1000            # H3 samples with 50 steps at most
+MAX_FRAMES = 17 * 2000 + 5
+MAX_PIXELS_SIDE = 16384     # ComfyUI's largest image side
+MAX_REFS = 64
+MAX_TEXT_TOKENS = 1 << 20
+MAX_SEED = 2**63 - 2        # the noise uses seed + 1, torch seeds are 64-bit
+LIMITS = {"steps": MAX_STEPS, "frames": MAX_FRAMES, "width": MAX_PIXELS_SIDE, "height": MAX_PIXELS_SIDE,
+          "refs": MAX_REFS, "text_tokens": MAX_TEXT_TOKENS, "hidden": 1 << 16, "blocks": 1024,
+          "heads": 1024, "head_dim": 1024, "seed": MAX_SEED, "sp_overlap": 1024}
 REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_per_rank", "steps",
                "max_abs_diff", "rel_diff", "tolerance", "parity", "seconds_per_step",
                "reference_seconds_per_step", "speedup", "exchanged_bytes_per_step", "dtype",
@@ -62,7 +77,7 @@ class DryRunError(ValueError):
 
 def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
     g = parser.add_argument_group("ranks")
-    g.add_argument("--devices", type=int, default=None,
+    g.add_argument("--devices", type=integer, default=None,
                    help="number of ranks (default: all visible NPUs/GPUs, else 4 CPU ranks)")
     g.add_argument("--cpu", action="store_true", help="use CPU ranks even when accelerators are visible")
     g.add_argument("--backend", choices=VALID_BACKENDS, default=None,
@@ -72,36 +87,38 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
                         "and values (simple; the most bytes at 8 cards), ulysses = each rank takes a "
                         "block of heads over the whole sequence (fewer bytes at 4-8 cards), auto = "
                         "whichever moves fewer bytes for these cards and heads (default %(default)s)")
-    g.add_argument("--sp-overlap", type=int, default=1, metavar="CHUNKS",
+    g.add_argument("--sp-overlap", type=integer, default=1, metavar="CHUNKS",
                    help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
                         "attention (default 1: no overlap)")
     g = parser.add_argument_group("sampling")
-    g.add_argument("--steps", type=int, default=10, help="Euler steps (default %(default)s)")
-    g.add_argument("--frames", type=int, default=39, help="video frames, 17k+5 (default %(default)s)")
-    g.add_argument("--width", type=int, default=384,
+    g.add_argument("--steps", type=integer, default=10, help="Euler steps (default %(default)s)")
+    g.add_argument("--frames", type=integer, default=39, help="video frames, 17k+5 (default %(default)s)")
+    g.add_argument("--width", type=integer, default=384,
                    help="video width in pixels, a multiple of 32 (default %(default)s)")
-    g.add_argument("--height", type=int, default=256,
+    g.add_argument("--height", type=integer, default=256,
                    help="video height in pixels, a multiple of 32 (default %(default)s)")
-    g.add_argument("--refs", type=int, default=0,
+    g.add_argument("--refs", type=integer, default=0,
                    help="reference images packed ahead of the video, as in ref2va (default 0)")
-    g.add_argument("--text-tokens", type=int, default=64, help="text tokens (default %(default)s)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the noise (default 0)")
+    g.add_argument("--text-tokens", type=integer, default=64, help="text tokens (default %(default)s)")
+    g.add_argument("--seed", type=integer, default=0, help="seed of the weights and the noise (default 0)")
     g.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32",
                    help="precision of the DiT blocks (default %(default)s)")
     g.add_argument("--no-reference", action="store_true", help="skip the single-device reference run")
-    g.add_argument("--tolerance", type=float, default=None,
+    g.add_argument("--tolerance", type=finite_number, default=None,
                    help="parity tolerance, relative to max |reference| (default: 1e-5 fp32, 2e-2 bf16)")
     g = parser.add_argument_group("miniature model")
-    g.add_argument("--hidden", type=int, default=256, help="hidden size (default %(default)s)")
-    g.add_argument("--blocks", type=int, default=6, help="DiT blocks (default %(default)s)")
-    g.add_argument("--heads", type=int, default=6, help="attention heads (default %(default)s)")
-    g.add_argument("--head-dim", type=int, default=64, help="head dim (default %(default)s)")
+    g.add_argument("--hidden", type=integer, default=256, help="hidden size (default %(default)s)")
+    g.add_argument("--blocks", type=integer, default=6, help="DiT blocks (default %(default)s)")
+    g.add_argument("--heads", type=integer, default=6, help="attention heads (default %(default)s)")
+    g.add_argument("--head-dim", type=integer, default=64, help="head dim (default %(default)s)")
     g = parser.add_argument_group("files")
-    g.add_argument("--cache", type=Path, default=repo_dir / "cache",
+    g.add_argument("--cache", type=folder, default=repo_dir / "cache",
                    help="folder of the miniature checkpoint (default ./cache)")
-    g.add_argument("--out", type=Path, default=repo_dir / "out",
+    g.add_argument("--out", type=folder, default=repo_dir / "out",
                    help="folder for latents.safetensors and report.json (default ./out)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g.add_argument("--debug", action="store_true",
+                   help="on an error, print the full traceback instead of one line")
 
 
 @dataclass
@@ -131,6 +148,11 @@ def choose_devices(n: int | None, cpu: bool) -> list[str]:
         raise DryRunError(f"--devices {n}: need at least 1 rank")
     accelerators = [] if cpu else visible_accelerators()
     if not accelerators:
+        most = max_cpu_ranks()
+        if n is not None and n > most:
+            raise DryRunError(f"--devices {n}: CPU ranks are threads sharing this machine's "
+                              f"{os.cpu_count()} CPU core(s), and more than {most} only take turns; "
+                              f"use --devices {most} or fewer")
         return ["cpu"] * (n or DEFAULT_CPU_RANKS)
     if n is None:
         return accelerators
@@ -140,8 +162,63 @@ def choose_devices(n: int | None, cpu: bool) -> list[str]:
     return accelerators[:n]
 
 
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_upper_bounds(args: argparse.Namespace) -> None:
+    for name, most in LIMITS.items():
+        value = getattr(args, name)
+        if value > most:
+            raise DryRunError(f"{_option(name)} {value}: above the dry run's limit of {most}; "
+                              f"use {_option(name)} {most} or less")
+    if args.seed < 0:
+        raise DryRunError(f"--seed {args.seed}: must be 0 or more")
+    if args.tolerance is not None and args.tolerance > 1:
+        raise DryRunError(f"--tolerance {args.tolerance}: above 1 any result passes (it is relative to "
+                          "max |reference|); use a value between 0 and 1")
+
+
+def _check_folders(args: argparse.Namespace) -> None:
+    for name, files in (("out", OUTPUT_FILES), ("cache", ())):
+        problem = folder_problem(Path(getattr(args, name)), files)
+        if problem:
+            raise DryRunError(f"--{name} {getattr(args, name)}: {problem}")
+
+
+def _check_memory(settings: "RunSettings") -> None:
+    """Refuse sizes whose estimated host memory exceeds what this machine has available."""
+    available = available_memory_bytes()
+    if available is None:
+        return
+    need, tokens, params = estimated_memory_bytes(settings)
+    if need > available:
+        raise DryRunError(
+            f"{tokens} tokens and a {params / 1e6:.1f}M-parameter model need about "
+            f"{need / 2**30:.1f} GiB, and this machine has {available / 2**30:.1f} GiB available; "
+            "lower --frames, --width, --height, --refs or --text-tokens (the tokens) or --hidden, "
+            "--blocks, --heads or --head-dim (the model)")
+
+
+def estimated_memory_bytes(settings: "RunSettings") -> tuple[int, int, int]:
+    """(bytes, tokens, parameters): the model three times (built, saved file in the page cache,
+    loaded base) plus one fp32 forward's working set over all tokens and the K/V every rank
+    gathers. An estimate to catch sizes that cannot fit, not a measurement."""
+    from comfy.multidevice.miniature.h3 import MiniatureH3Model
+    cfg = settings.config
+    with torch.device("meta"):  # counts the parameters, allocates nothing
+        params = sum(p.numel() for p in MiniatureH3Model(cfg, dtype=settings.dtype).parameters())
+    tokens = sequence_length(settings)
+    width = cfg.num_attention_heads * cfg.attention_head_dim
+    forward = tokens * (cfg.ffn_hidden_size + 8 * cfg.hidden_size + 4 * width) * 4
+    gathered_kv = len(settings.devices) * 2 * tokens * width * 4
+    return 3 * params * settings.dtype.itemsize + forward + gathered_kv, tokens, params
+
+
 def make_settings(args: argparse.Namespace) -> RunSettings:
-    """Check every option before anything is built."""
+    """Check every option (and the multi-device environment variables) before anything is built."""
+    check_environment()
+    _check_upper_bounds(args)
     if args.steps < 1:
         raise DryRunError(f"--steps {args.steps}: need at least 1 step")
     if args.frames < 5 or (args.frames - 5) % 17:
@@ -189,6 +266,11 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
     seq = sequence_length(settings)
     if seq < len(devices):
         raise DryRunError(f"{seq} tokens cannot be split over {len(devices)} ranks; use --devices {seq} or fewer")
+    if args.sp_overlap > args.heads:
+        raise DryRunError(f"--sp-overlap {args.sp_overlap}: more chunks than the {args.heads} heads; "
+                          f"use --sp-overlap {args.heads} or fewer")
+    _check_memory(settings)
+    _check_folders(args)
     return settings
 
 
@@ -325,13 +407,15 @@ def _cpu_threads_per_rank(devices: list[str]) -> int | None:
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     try:
         settings = make_settings(args)
-    except DryRunError as exc:
+    except (DryRunError, SettingError) as exc:
         print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
         return 2
     try:  # a backend that cannot start is a bad option too: say so before anything is built
         coord = SequenceParallelCoordinator(settings.devices, backend=args.backend)
     except (BackendUnavailable, ValueError) as exc:
-        print(f"minimax_h3_parallel.py run: --backend {args.backend or 'auto'}: {exc}", file=sys.stderr)
+        where = (f"--backend {args.backend}" if args.backend is not None
+                 else f"environment variable {BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r}")
+        print(f"minimax_h3_parallel.py run: {where}: {exc}", file=sys.stderr)
         return 2
     try:
         return _run_on(coord, settings, args, out)

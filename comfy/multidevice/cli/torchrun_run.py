@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from comfy.multidevice.cli import dry_run as dry
+from comfy.multidevice.comm.settings import SettingError
 from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env, read_torchrun_env
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
@@ -62,20 +63,36 @@ def _one_replica(path, device):
 
 
 def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
-    env = read_torchrun_env()
-    comm = init_from_env(device="cpu" if args.cpu else None)
-    with comm:
-        return _run(args, comm, env.local_rank, out)
-
-
-def _run(args, comm: DistributedComm, local_rank: int, out) -> int:
-    lead = comm.rank == 0
-    try:
-        settings = _settings(args, comm.world_size)
-    except dry.DryRunError as exc:  # every rank validates the same options: all stop here
-        if lead:
+    """Validate every option, join the process group, run. A failure on this rank (a lost
+    peer process above all) is one line on stderr and exit status 1; `--debug` re-raises it
+    for the traceback."""
+    env = None
+    try:  # every rank validates the same options: all stop here, before joining the group
+        env = read_torchrun_env()
+        settings = _settings(args, env.world_size)
+    except (dry.DryRunError, SettingError) as exc:
+        if env is None or env.rank == 0:
             print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
         return 2
+    try:
+        comm = init_from_env(device="cpu" if args.cpu else None)
+        with comm:
+            return _run(args, settings, comm, env.local_rank, out)
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"minimax_h3_parallel.py run: rank {env.rank} of {env.world_size} stops: "
+              f"{_one_line(exc)} (--debug shows the traceback)", file=sys.stderr, flush=True)
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
+
+
+def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int, out) -> int:
+    lead = comm.rank == 0
     say = (lambda text: print(text, file=out, flush=True)) if lead else (lambda text: None)
     cfg, world, device = settings.config, comm.world_size, comm.device
     say(f"MiniMax-H3 dry run under torchrun: miniature DiT (hidden {cfg.hidden_size}, {cfg.num_layers} "

@@ -81,5 +81,10 @@ class AbortableBarrier:
             self._generation += 1
 
     @property
+    def waiting(self) -> int:
+        """How many ranks are waiting here now (each of them times out by itself)."""
+        return len(self._arrived)
+
+    @property
     def aborted(self) -> str | None:
         return self._abort_reason

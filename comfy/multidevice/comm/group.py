@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -28,18 +29,48 @@ import torch
 
 from comfy.multidevice.comm.barrier import AbortableBarrier
 from comfy.multidevice.comm.peer import PeerCopyBackend
-from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, timeout_from_env,
-                                             VALID_BACKENDS)
+from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_timeout,
+                                             TIMEOUT_ENV, timeout_from_env, VALID_BACKENDS)
 from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
                                           all_to_all_traffic, BackendUnavailable,
                                           check_all_reduce_metadata, check_all_to_all_metadata,
                                           check_exchange_metadata, chunk_shape, CollectiveAborted,
-                                          CollectiveError, concat_received, exchange_traffic,
-                                          normalize_dims, numel, pack_chunks, ShardMeta,
+                                          CollectiveError, CollectiveTimeout, concat_received,
+                                          exchange_traffic, normalize_dims, numel, pack_chunks, ShardMeta,
                                           TrafficCounter, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
 log = logging.getLogger(__name__)
+
+ABANDON_GRACE_MAX_S = 10.0  # enough for a busy rank to finish its current block of the real H3
+_INTERRUPT_POLL_S = 0.05  # how often run() looks at ComfyUI's Cancel flag
+
+_abandoned_coordinators = 0  # how many coordinators closed themselves after a stuck rank
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_coordinator_count() -> int:
+    """Changes whenever a coordinator is closed after abandoning ranks: the node uses it as its
+    fingerprint, so ComfyUI runs it again (and it builds a fresh coordinator) instead of
+    reusing cached outputs bound to the closed one."""
+    return _abandoned_coordinators
+
+
+def _comfy_interrupt_flag():
+    """ComfyUI's model_management when its Cancel flag is set, else None.
+
+    Only looked up when ComfyUI has already imported it: the core runs without ComfyUI, and
+    importing model_management would probe devices as a side effect.
+    """
+    module = sys.modules.get("comfy.model_management")
+    probe = getattr(module, "processing_interrupted", None)
+    return module if probe is not None and probe() else None
+
+
+def _raise_comfy_interrupt(module) -> None:
+    """Raise ComfyUI's InterruptProcessingException the way its sampler does (clearing the flag)."""
+    module.throw_exception_if_processing_interrupted()
+    raise module.InterruptProcessingException()  # the flag was already cleared by someone else
 
 
 def _open_backend(name: str, coordinator: "SequenceParallelCoordinator"):
@@ -142,9 +173,7 @@ class SequenceParallelCoordinator:
             raise ValueError("SequenceParallelCoordinator needs at least one device, got none")
         self.devices = [resolve_device(d) for d in devices]
         self.world_size = len(self.devices)
-        self.timeout_s = float(timeout_s) if timeout_s is not None else timeout_from_env()
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = check_timeout(timeout_s) if timeout_s is not None else timeout_from_env()
         requested = backend_from_env(backend)
         self.requested_backend = requested
         self._barrier = AbortableBarrier(self.world_size, self.timeout_s)
@@ -158,6 +187,9 @@ class SequenceParallelCoordinator:
         self._traffic = [TrafficCounter() for _ in range(self.world_size)]  # each rank writes its own
         self._run_lock = threading.Lock()
         self._closed = False
+        self.broken_reason: str | None = None  # set when ranks were abandoned
+        # How long ranks get to stop once told to (a failure, a Cancel) before they are abandoned.
+        self.abandon_grace_s = min(self.timeout_s, ABANDON_GRACE_MAX_S)
         self.fallback_reason: str | None = None
         self._a2a_fallback_logged = False
         self.backend = self._choose_backend(requested)
@@ -197,7 +229,15 @@ class SequenceParallelCoordinator:
 
         Each entry of per_rank_args is a sequence with one item per rank. Every rank runs in the
         caller's grad / inference mode. The first rank error is re-raised here (annotated with
-        its rank) after every rank has stopped.
+        its rank) once every rank has stopped.
+
+        This call never waits on a rank forever: once a rank has failed, or ComfyUI's Cancel was
+        pressed, or a rank has finished while another has neither returned nor reached a
+        collective for `timeout_s`, the others get `abandon_grace_s` to stop. A rank that still
+        has not returned is abandoned (its daemon thread and its memory stay until it returns by
+        itself), the coordinator is closed, and the error is raised; `closed` tells the next user
+        to build a fresh coordinator. A Cancel that every rank obeyed leaves it usable and raises
+        ComfyUI's own InterruptProcessingException.
         """
         self._check_open()
         for i, arg in enumerate(per_rank_args):
@@ -212,30 +252,90 @@ class SequenceParallelCoordinator:
                 slots[:] = [None] * self.world_size
             results: list[Any] = [None] * self.world_size
             errors: list[tuple[float, int, BaseException]] = []
-            remaining = [self.world_size]
+            running = set(range(self.world_size))
             finished = threading.Condition()
 
             def done(rank, result, exc):
                 with finished:
+                    if rank not in running:  # an abandoned rank came back after run() gave up
+                        return
                     if exc is not None:
                         errors.append((time.monotonic(), rank, exc))
                         self._barrier.abort(f"rank {rank} failed: {type(exc).__name__}: {exc}")
                     else:
                         results[rank] = result
-                    remaining[0] -= 1
+                    running.discard(rank)
                     finished.notify_all()
 
             grad_modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
             for r, worker in enumerate(self._workers):
                 worker.jobs.put((fn, tuple(a[r] for a in per_rank_args), grad_modes, done))
             with finished:
-                while remaining[0]:
-                    finished.wait()
+                cancel = self._wait_for_ranks(finished, running, errors)
+                stuck = sorted(running)
+                running.clear()  # from here on, a late rank's result is dropped
             for slots in (*self._meta_slots, *self._data_slots):  # don't pin the last tensors
                 slots[:] = [None] * self.world_size
+            if stuck:
+                self._abandon(stuck, fn)
+            if cancel is not None:  # seen before any error: the errors are its consequences
+                _raise_comfy_interrupt(cancel[1])
             if errors:
-                raise self._first_error(errors)
+                exc = self._first_error(errors)
+                if stuck:
+                    exc.add_note(f"rank(s) {stuck} did not stop and were abandoned; this "
+                                 "coordinator is closed")
+                raise exc
             return results
+
+    def _wait_for_ranks(self, finished: threading.Condition, running: set, errors: list):
+        """Wait (holding `finished`) until every rank has returned or the ones left must be
+        abandoned. Polls ComfyUI's interrupt flag; returns (time, module) of a Cancel, else None.
+        """
+        grace = self.abandon_grace_s
+        cancel = None
+        give_up_at = None   # set once the ranks left have been told to stop
+        stall_since = None  # first time a rank finished while others still ran
+        while running:
+            now = time.monotonic()
+            if give_up_at is None:
+                if errors:
+                    give_up_at = errors[0][0] + grace
+                elif cancel is None and (module := _comfy_interrupt_flag()) is not None:
+                    cancel = (now, module)
+                    self._barrier.abort("cancelled from ComfyUI (interrupt)")
+                    give_up_at = now + grace
+                elif len(running) < self.world_size:
+                    stall_since = stall_since or now
+                    if now - stall_since > self.timeout_s and self._barrier.waiting == 0:
+                        # The finished ranks wait for the others as at a collective.
+                        left = sorted(running)
+                        reason = (f"rank(s) {left} neither returned nor reached a collective "
+                                  f"{self.timeout_s:g}s after the other ranks had finished "
+                                  f"(raise {TIMEOUT_ENV} if they are just slow)")
+                        errors.append((now, left[0], CollectiveTimeout(reason)))
+                        self._barrier.abort(reason)
+                        give_up_at = now + grace
+            if give_up_at is not None and now >= give_up_at:
+                return cancel
+            finished.wait(_INTERRUPT_POLL_S if give_up_at is None
+                          else min(_INTERRUPT_POLL_S, give_up_at - now))
+        return cancel
+
+    def _abandon(self, ranks: list[int], fn) -> None:
+        """Give up on ranks that did not stop: close this coordinator without waiting for them."""
+        what = getattr(fn, "__qualname__", repr(fn))
+        places = ", ".join(f"rank {r} on {self.devices[r]}" for r in ranks)
+        self.broken_reason = (f"{places} did not stop within {self.abandon_grace_s:g}s of being "
+                              f"told to (running {what}) and {'was' if len(ranks) == 1 else 'were'} "
+                              "abandoned")
+        log.error("multi-device: %s; its thread and the memory it holds stay until it returns by "
+                  "itself. This coordinator is closed; the next use builds a new one.",
+                  self.broken_reason)
+        self._close(abandoned=set(ranks))
+        global _abandoned_coordinators
+        with _abandoned_lock:
+            _abandoned_coordinators += 1
 
     @staticmethod
     def _first_error(errors):
@@ -383,9 +483,13 @@ class SequenceParallelCoordinator:
 
     def _check_open(self):
         if self._closed:
-            raise RuntimeError("this SequenceParallelCoordinator is closed; create a new one")
+            why = f" after {self.broken_reason}" if self.broken_reason else ""
+            raise RuntimeError(f"this SequenceParallelCoordinator was closed{why}; create a new one")
 
     def close(self) -> None:
+        self._close(abandoned=set())
+
+    def _close(self, abandoned: set) -> None:
         if self._closed:
             return
         self._closed = True
@@ -393,7 +497,13 @@ class SequenceParallelCoordinator:
         for w in self._workers:
             w.jobs.put(None)
         for w in self._workers:
-            w.join(timeout=self.timeout_s)
+            if w.rank not in abandoned:
+                w.join(timeout=self.timeout_s)
+        if abandoned and self.backend.name != "peer":
+            # A native communicator cannot be destroyed under a thread still inside a call.
+            log.warning("multi-device: the %s communicator of the abandoned coordinator is left "
+                        "open", self.backend.name)
+            return
         self.backend.close()
 
     def __enter__(self):

@@ -2,12 +2,18 @@
 
 COMFYUI_MULTI_DEVICE_BACKEND   auto | hccl | nccl | peer (default auto)
 COMFYUI_MULTI_DEVICE_TIMEOUT_S seconds a rank waits for the others at a collective (default 600)
+
+Every bad value raises SettingError worded as an environment-variable error: the variable, the
+value, what is wrong and what to set instead. The command line and the node call these same
+functions, so each value is refused the same way everywhere.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 
 log = logging.getLogger(__name__)
 
@@ -17,25 +23,68 @@ VALID_BACKENDS = ("auto", "hccl", "nccl", "peer")
 
 
 DEFAULT_TIMEOUT_S = 600.0  # a rank may load weights for minutes before its first collective
+MAX_TIMEOUT_S = 86_400.0   # one day: a rank that waits longer is stuck, not slow
+# Plain ASCII decimals only: float() also takes "nan", "inf", "1_0" and non-ASCII digits.
+_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+
+
+class SettingError(ValueError):
+    """An environment variable or option has a bad value; the message names it and the fix."""
+
+
+def env_error(name: str, raw: str, problem: str, fix: str) -> SettingError:
+    return SettingError(f"environment variable {name}={raw!r} {problem}; {fix}")
 
 
 def backend_from_env(value: str | None = None) -> str:
-    name = (value if value is not None else os.environ.get(BACKEND_ENV, "auto")).strip().lower() or "auto"
+    """The backend name of an option/input `value`, else of COMFYUI_MULTI_DEVICE_BACKEND."""
+    if value is not None:
+        if not isinstance(value, str) or value.strip().lower() not in VALID_BACKENDS:
+            raise SettingError(f"unknown multi-device backend {value!r}; valid values: "
+                               f"{', '.join(VALID_BACKENDS)}")
+        return value.strip().lower()
+    raw = os.environ.get(BACKEND_ENV, "")
+    name = raw.strip().lower() or "auto"
     if name not in VALID_BACKENDS:
-        raise ValueError(
-            f"unknown multi-device backend {name!r} (from {BACKEND_ENV} or the backend option); "
-            f"valid values: {', '.join(VALID_BACKENDS)}")
+        raise env_error(BACKEND_ENV, raw, "is not a backend",
+                        f"set it to one of {', '.join(VALID_BACKENDS)}, or unset it for auto")
     return name
+
+
+def seconds_problem(text: str) -> tuple[float | None, str | None]:
+    """(seconds, None) for a valid timeout written as text, else (None, what is wrong)."""
+    if not _DECIMAL.fullmatch(text.strip()):
+        return None, "is not a number of seconds (plain digits, e.g. 600)"
+    value = float(text)
+    if value <= 0:
+        return None, "must be more than 0 seconds"
+    if value > MAX_TIMEOUT_S:
+        return None, f"is above the limit of {MAX_TIMEOUT_S:g} seconds (one day)"
+    return value, None
+
+
+def check_timeout(value, where: str = "timeout_s") -> float:
+    """A timeout given as a number (an argument, not text): finite, > 0, at most a day."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_TIMEOUT_S:
+        raise SettingError(f"{where}={value!r}: must be a number of seconds above 0 and at most "
+                           f"{MAX_TIMEOUT_S:g}")
+    return float(value)
 
 
 def timeout_from_env() -> float:
     raw = os.environ.get(TIMEOUT_ENV)
-    if not raw:
+    if raw is None or not raw.strip():
         return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be positive")
+    value, problem = seconds_problem(raw)
+    if problem:
+        raise env_error(TIMEOUT_ENV, raw, problem,
+                        f"set it to seconds above 0 and at most {MAX_TIMEOUT_S:g}, or unset it for "
+                        f"the default {DEFAULT_TIMEOUT_S:g}")
     return value
+
+
+def check_environment() -> None:
+    """Raise SettingError for the first bad multi-device variable (before anything is built)."""
+    backend_from_env()
+    timeout_from_env()

@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from comfy.multidevice.comm.settings import timeout_from_env
+from comfy.multidevice.comm.settings import check_timeout, SettingError, timeout_from_env
 from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
                                           all_to_all_traffic, check_all_reduce_metadata,
                                           check_all_to_all_metadata, check_exchange_metadata,
@@ -54,7 +54,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _OPS = ("barrier", "exchange", "all_to_all_v", "all_reduce sum", "all_reduce max")
 
 
-class TorchrunEnvError(ValueError):
+class TorchrunEnvError(SettingError):
     """The torchrun environment variables are missing or malformed."""
 
 
@@ -83,16 +83,17 @@ def read_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
             "or set them yourself")
     values = {}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        try:
-            values[name] = int(environ[name])
-        except ValueError:
-            raise TorchrunEnvError(f"{name}={environ[name]!r} is not an integer") from None
+        text = environ[name].strip()
+        if not (text.isascii() and text.isdigit()):  # int() would also take "٣", "1_0", "-1"
+            raise TorchrunEnvError(f"environment variable {name}={environ[name]!r} is not an integer "
+                                   "(the digits 0-9); torchrun sets it, or set it yourself")
+        values[name] = int(text)
     if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
-        raise TorchrunEnvError(f"RANK={values['RANK']} must be in [0, WORLD_SIZE={values['WORLD_SIZE']})")
-    if values["LOCAL_RANK"] < 0:
-        raise TorchrunEnvError(f"LOCAL_RANK={values['LOCAL_RANK']} must not be negative")
+        raise TorchrunEnvError(f"environment variable RANK={values['RANK']} must be in [0, "
+                               f"WORLD_SIZE={values['WORLD_SIZE']}); give each process its own rank")
     if not 0 < values["MASTER_PORT"] < 65536:
-        raise TorchrunEnvError(f"MASTER_PORT={values['MASTER_PORT']} is not a TCP port")
+        raise TorchrunEnvError(f"environment variable MASTER_PORT={values['MASTER_PORT']} is not a "
+                               "TCP port; use a free port from 1 to 65535")
     return TorchrunEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
                        environ["MASTER_ADDR"], values["MASTER_PORT"])
 
@@ -329,7 +330,7 @@ def init_process_group(rank: int, world_size: int, device: torch.device | str | 
     backend = backend or dist_backend_for(device)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
-    timeout_s = timeout_from_env() if timeout_s is None else float(timeout_s)
+    timeout_s = timeout_from_env() if timeout_s is None else check_timeout(timeout_s)
     set_thread_device(device)  # nccl/hccl bind the communicator to the current device
     log.info("rank %d/%d: joining the %s process group via %s on %s", rank, world_size, backend,
              init_method, device)

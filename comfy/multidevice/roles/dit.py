@@ -11,6 +11,7 @@ import torch
 
 from comfy.multidevice.comfy_objects import dit_module, is_model_patcher
 from comfy.multidevice.devices import module_device
+from comfy.multidevice.progress import CardProgress
 from comfy.multidevice.roles.plan import RolePlanError
 from comfy.multidevice.weights.replicas import replica_on
 
@@ -42,7 +43,7 @@ class DitReplicas:
         self.armed = False  # until the adapter is installed, entries only serve its checks
         self._copies: dict = {}
         self._copy_version = None
-        self._progress = None  # ComfyUI's progress bar over the replica builds, made at the first
+        self._progress = None  # over the replica builds, made at the first one
         try:
             from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
             self.base_replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
@@ -93,20 +94,10 @@ class DitReplicas:
         return self._copies[index]
 
     def _built(self, index: int, nbytes: int, how: str, start: float) -> None:
-        """Log one replica build with its card, bytes and seconds, and move ComfyUI's progress bar
-        one step (the first prompt builds W-1 replicas: minutes for a 66 GB DiT)."""
-        log.info("DiT replica for %s: %.2f GiB %s in %.1f s", self.devices[index], nbytes / 2 ** 30,
-                 how, time.monotonic() - start)
-        try:
-            import comfy.utils  # ComfyUI's progress bar (shown in the UI); absent in the tests
-        except ImportError:
-            return
-        bar_type = getattr(comfy.utils, "ProgressBar", None)
-        if bar_type is None:
-            return
+        # The first prompt builds W-1 replicas: minutes for a 66 GB DiT, shown per card.
         if self._progress is None:
-            self._progress = bar_type(len(self.devices))
-        self._progress.update(1)
+            self._progress = CardProgress("DiT replica", len(self.devices), log)
+        self._progress.done(self.devices[index], nbytes, how, start)
 
     def unload(self) -> int:
         """Drop the replicas' device residency (the base stays in RAM); return the bytes dropped."""

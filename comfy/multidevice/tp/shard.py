@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -45,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from comfy.multidevice.devices import copy_for_rank
+from comfy.multidevice.progress import CardProgress
 from comfy.multidevice.tp.layers import (_frozen, _plain, check_head_split, ColumnParallelLinear,
                                          copy_whole, head_shard, QuantizedWeightsError,
                                          RowParallelLinear, TensorParallelError, weight_bytes,
@@ -439,11 +441,14 @@ def build_tensor_parallel_decoder(decoder: nn.Module, coordinator,
     if weights is not None:
         _WeightSource(decoder, weights).check_all()
 
+    progress = CardProgress(f"text encoder shard (1/{coordinator.world_size} of each layer)",
+                            coordinator.world_size, log)
+
     def build(rank, comm):
-        return shard_decoder(decoder, comm, weights)
+        start = time.monotonic()
+        shard = shard_decoder(decoder, comm, weights)
+        progress.done(comm.device, weight_bytes(shard), "sliced from the loaded weights", start)
+        return shard
 
     shards = coordinator.run(build)
-    for rank, shard in enumerate(shards):
-        log.info("tensor parallel: rank %d/%d on %s holds %.1f MiB of weights", rank,
-                 coordinator.world_size, coordinator.devices[rank], weight_bytes(shard) / 2**20)
     return TensorParallelDecoder(coordinator, shards, source=decoder)

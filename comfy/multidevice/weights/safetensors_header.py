@@ -8,7 +8,13 @@ plus an optional "__metadata__" object of string -> string.
 Every violation raises CheckpointError naming the file, the tensor and the problem. The
 checks follow the format's reference implementation: the tensors must tile the data
 section exactly (no overlap, no gap, nothing after the last one), so a file that passes
-here is one the reference loader accepts too.
+here is one the reference loader accepts too. Where Python's JSON reader is looser than the
+reference's, the reference's rules are applied on top: at most 127 nested arrays/objects,
+no lone UTF-16 surrogate escape in any string, numbers within a double's range, `-0` and
+integers beyond 64 bits read as floats (so never a dimension or an offset), and the element
+count multiplied out dimension by dimension without passing 2**64. A dimension must also fit
+torch's int64 sizes. tests/weights/test_safetensors_header.py checks this against the
+reference on generated files.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import torch
 
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
+MAX_JSON_DEPTH = 127             # the reference's JSON reader stops at 128 nested containers
+U64_LIMIT = 2**64                # the reference counts sizes in 64-bit unsigned integers
+MAX_DIMENSION = 2**63 - 1        # torch sizes are int64
 METADATA_KEY = "__metadata__"
 
 # safetensors dtype name -> torch dtype name; entries torch does not have are left out.
@@ -106,6 +115,46 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _json_int(text: str):
+    """An integer literal as the reference reads it: `-0` and anything outside 64 bits become
+    floats (so they are never valid sizes), and one beyond a double's range is an error."""
+    if text == "-0":
+        return -0.0
+    value = int(text)
+    if -2**63 <= value < U64_LIMIT:
+        return value
+    return float(value)  # OverflowError beyond the double range
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _check_json_limits(obj: Any) -> None:
+    """Raise ValueError where the reference's JSON reader refuses what Python's accepts:
+    nesting deeper than MAX_JSON_DEPTH, a lone surrogate (e.g. from "\\ud800") in a string."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")  # fails exactly on a lone surrogate
+            except UnicodeEncodeError:
+                raise ValueError(f"the string {_short(value)} holds a lone UTF-16 surrogate "
+                                 "escape") from None
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"arrays/objects nested more than {MAX_JSON_DEPTH} deep")
+            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+            for key, item in items:
+                if key is not None:
+                    stack.append((key, depth))
+                stack.append((item, depth + 1))
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -114,14 +163,18 @@ def parse_header_json(header: bytes, data_size: int, source: str) -> Safetensors
     """Parse and validate the JSON header against a data section of `data_size` bytes."""
     try:
         text = header.decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
+                         parse_int=_json_int, parse_float=_json_float)
+        _check_json_limits(obj)
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors; OverflowError: an int beyond a double
+    except (ValueError, RecursionError, OverflowError) as exc:
         raise CheckpointError(f"{source}: bad JSON in the header: {exc}") from None
     if not isinstance(obj, dict):
         raise CheckpointError(
             f"{source}: the header is JSON {type(obj).__name__}, not an object of tensor entries")
 
-    metadata = obj.get(METADATA_KEY, {})
+    metadata = obj.get(METADATA_KEY)
+    metadata = {} if metadata is None else metadata  # the reference takes null for "none"
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointError(f"{source}: '{METADATA_KEY}' must be an object of string -> string, "
@@ -171,6 +224,15 @@ def _parse_entry(name: str, entry: Any, data_size: int, source: str) -> TensorIn
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, "
                               f"got {_short(shape)}")
+    if any(d > MAX_DIMENSION for d in shape):
+        raise CheckpointError(f"{where}: shape {_short(shape)} has a dimension above "
+                              f"{MAX_DIMENSION}, more than torch can hold")
+    elements = 1
+    for d in shape:  # in order, as the reference multiplies: it refuses any overflow on the way
+        elements *= d
+        if elements >= U64_LIMIT:
+            raise CheckpointError(f"{where}: shape {_short(shape)}: the element count overflows "
+                                  "64 bits")
 
     offsets = entry["data_offsets"]
     if (not isinstance(offsets, list) or len(offsets) != 2
@@ -186,7 +248,7 @@ def _parse_entry(name: str, entry: Any, data_size: int, source: str) -> TensorIn
             f"{data_size} bytes (file truncated?)")
 
     itemsize = dtype.itemsize
-    expected = math.prod(shape) * itemsize
+    expected = elements * itemsize
     if expected != end - begin:
         raise CheckpointError(
             f"{where}: shape {shape} x {itemsize} bytes ({dtype_name}) = {expected} bytes, but "

@@ -1,0 +1,60 @@
+"""COMFYUI_MULTI_DEVICE_BACKEND / _TIMEOUT_S: one parser, one wording, refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from comfy.multidevice.comm.settings import (backend_from_env, check_timeout, DEFAULT_TIMEOUT_S,
+                                             SettingError, timeout_from_env)
+
+
+@pytest.mark.parametrize("raw, seconds", [("30", 30.0), (" 2.5 ", 2.5), (".5", 0.5), ("86400", 86400.0),
+                                          ("", DEFAULT_TIMEOUT_S), ("  ", DEFAULT_TIMEOUT_S)])
+def test_valid_timeouts(monkeypatch, raw, seconds):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", raw)
+    assert timeout_from_env() == seconds
+
+
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "1e3", "1_0", "\uff11\uff10", "ten", "-0", "0",
+                                 "86400.5"])
+def test_invalid_timeouts_name_the_variable_the_value_and_the_fix(monkeypatch, raw):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", raw)
+    with pytest.raises(SettingError) as info:
+        timeout_from_env()
+    text = str(info.value)
+    assert text.startswith(f"environment variable COMFYUI_MULTI_DEVICE_TIMEOUT_S={raw!r} ")
+    assert "set it to seconds above 0 and at most 86400, or unset it for the default 600" in text
+
+
+def test_backend_errors_say_whether_the_variable_or_the_option_was_wrong(monkeypatch):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "gloo")
+    with pytest.raises(SettingError, match=r"^environment variable COMFYUI_MULTI_DEVICE_BACKEND='gloo' "
+                                           r"is not a backend; set it to one of auto, hccl, nccl, peer"):
+        backend_from_env()
+    assert backend_from_env("peer") == "peer"  # an option given wins over the variable
+    with pytest.raises(SettingError, match=r"^unknown multi-device backend 'mpi'; valid values"):
+        backend_from_env("mpi")
+    with pytest.raises(SettingError, match=r"unknown multi-device backend 4"):
+        backend_from_env(4)
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", " NCCL ")
+    assert backend_from_env() == "nccl"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0, -3, 86401, True, None, "5"])
+def test_timeout_arguments(value):
+    with pytest.raises(SettingError, match="must be a number of seconds above 0 and at most 86400"):
+        check_timeout(value, "timeout_s")
+    assert check_timeout(3) == 3.0
+
+
+def test_the_node_refuses_a_bad_variable_before_touching_anything(monkeypatch):
+    from comfy.multidevice.roles import apply as roles_apply
+    from comfy_extras.nodes_multinpu import configure_parallel
+    from tests.test_nodes_multinpu import assert_same, inputs, rank_threads, snapshot
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", "inf")
+    objs = inputs()
+    before, threads, coords = snapshot(*objs), rank_threads(), dict(roles_apply._COORDINATORS)
+    with pytest.raises(SettingError, match="environment variable COMFYUI_MULTI_DEVICE_TIMEOUT_S='inf'"):
+        configure_parallel(*objs, npu_count=4, device_kind="cpu")
+    assert_same(before, snapshot(*objs))
+    assert rank_threads() == threads and roles_apply._COORDINATORS == coords
