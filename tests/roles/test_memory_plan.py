@@ -21,6 +21,7 @@ from comfy_extras.nodes_multinpu import configure_parallel
 from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture)
 from tests.sp_cases import make_inputs, tiny_model
 from tests.test_nodes_multinpu import FakeModelPatcher, inputs, run_dit
+from tests.tp.test_tensor_parallel import WrappedWeight
 
 CPU4 = [torch.device("cpu")] * 4
 TOKENS = 1000
@@ -57,6 +58,21 @@ def test_dit_stage_counts_the_weights_and_the_activation_estimate():
         assert items["non-block weights"] == nbytes(dit) - blocks
         assert items["gathered blocks"] == IN_FLIGHT_BLOCKS * largest
         assert card.stage_total("DiT") < nbytes(dit) + act
+
+
+def test_text_encoder_share_and_vae_copies_follow_what_apply_will_do():
+    model, clip, video, audio = inputs()
+    te = sum(t.nbytes for t in clip.cond_stage_model.state_dict().values())
+    memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=TOKENS)
+    assert [c.stages["text encoder"]["weights"] for c in memory.cards] == [te // 4] * 4
+    assert all("video VAE" in c.stages["VAE decode"] for c in memory.cards)  # a copy per chunk card
+    assert "audio VAE" in memory.cards[3].stages["VAE decode"]
+    # a quantized encoder cannot be sliced: apply keeps it whole on card 0, and so does the plan
+    proj = clip.cond_stage_model.qwen3vl_32b.transformer.model.layers[0].mlp.up_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().as_subclass(WrappedWeight), requires_grad=False)
+    memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=TOKENS)
+    assert memory.cards[0].stages["text encoder"]["weights"] == te
+    assert all("text encoder" not in c.stages for c in memory.cards[1:])
 
 
 def test_auto_shards_only_when_a_replica_does_not_fit():

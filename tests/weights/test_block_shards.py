@@ -238,3 +238,53 @@ def test_dit_weights_and_model_mismatch_are_clear_errors():
             with torch.inference_mode():
                 sp(x, t, ctx, **kw)
         sp.close()
+
+
+def test_the_next_blocks_gather_runs_on_the_lane_while_a_block_computes(monkeypatch):
+    """One lane gather per block (not per rank), issued when block i's weights are taken and
+    before any rank needs block i+1, on the lane's threads rather than the rank threads."""
+    import threading
+
+    model = tiny_model(seed=7)
+    world = 3
+    x, t, ctx, kw = make_inputs("plain")
+    events, lock = [], threading.Lock()
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model, world), coord, dit_weights="shard")
+        family = sp.block_weights
+        real_submit, real_take, real_gather = family._submit, family.take, family.gather
+
+        def log(*event):
+            with lock:
+                events.append(event)
+
+        def submit(key):
+            log("submit", key[1], threading.get_ident())
+            return real_submit(key)
+
+        def take(rank, comm, index):
+            log("take", index, threading.get_ident())
+            return real_take(rank, comm, index)
+
+        def gather(rank, comm, index):
+            log("gather", index, threading.get_ident())
+            return real_gather(rank, comm, index)
+
+        monkeypatch.setattr(family, "_submit", submit)
+        monkeypatch.setattr(family, "take", take)
+        monkeypatch.setattr(family, "gather", gather)
+        with torch.inference_mode():
+            sp(x, t, ctx, **kw)
+        sp.close()
+    n = family.num_blocks
+    submits = [e[1] for e in events if e[0] == "submit"]
+    assert submits == list(range(n))  # each block gathered once for all ranks, in order
+    kinds = [e[:2] for e in events]
+    for i in range(1, n):
+        submitted = kinds.index(("submit", i))
+        # issued while block i-1 was running (after its weights were taken) and before any
+        # rank asked for block i's (a take without a prefetch would submit after its entry)
+        assert kinds.index(("take", i - 1)) < submitted < kinds.index(("take", i))
+    rank_threads = {e[2] for e in events if e[0] == "take"}
+    lane_threads = {e[2] for e in events if e[0] == "gather"}
+    assert len(rank_threads) == world and len(lane_threads) == world and not rank_threads & lane_threads

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import free_memory_bytes
-from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
 from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
 from comfy.multidevice.weights.block_shards import (BlockShardPlan, DIT_WEIGHT_MODES, block_tensors,
                                                     tensor_nbytes)
@@ -187,14 +187,21 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     else:
         for c in dit_cards:
             cards[c].stages["DiT"] = {"weights": dit_bytes, "activations": act}
+    from comfy.multidevice.roles.apply import _has_chunk_interface, text_encoder_split_problem
+
     te_bytes = _clip_bytes(clip)
     te_cards = list(plan.text_encoder.cards)
-    share = te_bytes // len(te_cards) if plan.text_encoder.mode == TENSOR_PARALLEL else te_bytes
-    for c in te_cards:
-        cards[c].stages["text encoder"] = {"weights": share}
+    if plan.text_encoder.mode == TENSOR_PARALLEL and text_encoder_split_problem(clip, len(te_cards)) is None:
+        for c in te_cards:
+            cards[c].stages["text encoder"] = {"weights": te_bytes // len(te_cards)}
+    else:  # one card, or an encoder that stays on card 0 (apply.py says why in the log)
+        cards[te_cards[0]].stages["text encoder"] = {"weights": te_bytes}
     video = _bytes(getattr(video_vae, "first_stage_model", None))
     audio = _bytes(getattr(audio_vae, "first_stage_model", None))
-    for c in plan.video_vae.cards:
+    video_cards = list(plan.video_vae.cards)
+    if plan.video_vae.mode == TEMPORAL_CHUNKS and not _has_chunk_interface(video_vae):
+        video_cards = [plan.video_vae.merge_card or 0]  # it decodes on the merge card only
+    for c in video_cards:
         cards[c].stages.setdefault("VAE decode", {})["video VAE"] = video
     for c in plan.audio_vae.cards:
         cards[c].stages.setdefault("VAE decode", {})["audio VAE"] = audio
