@@ -93,17 +93,19 @@ class _TensorSpec:
     @staticmethod
     def _rebuild_fn(value) -> Callable[[list[torch.Tensor]], torch.Tensor]:
         names, ctx = value.__tensor_flatten__()
-        subs = {name: getattr(value, name) for name in names}
+        # per inner tensor: how many leaves it takes and how to rebuild it (None: one plain
+        # leaf); the structure only, so the set-up's tensors are not kept alive
+        parts = []
+        for name in names:
+            sub = getattr(value, name)
+            parts.append((name, len(_leaves(sub)), _TensorSpec._rebuild_fn(sub) if _flattenable(sub) else None))
         size, stride, cls = value.size(), value.stride(), type(value)
 
         def rebuild(leaves: list[torch.Tensor]) -> torch.Tensor:
             inner, at = {}, 0
-            for name in names:
-                n = len(_leaves(subs[name]))
-                part = leaves[at:at + n]
+            for name, n, sub_rebuild in parts:
+                inner[name] = leaves[at] if sub_rebuild is None else sub_rebuild(leaves[at:at + n])
                 at += n
-                inner[name] = (_TensorSpec._rebuild_fn(subs[name])(part) if _flattenable(subs[name])
-                               else part[0])
             return cls.__tensor_unflatten__(inner, ctx, size, stride)
         return rebuild
 
