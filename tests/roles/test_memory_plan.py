@@ -147,3 +147,17 @@ def test_shard_through_the_node_is_bit_identical_to_replicate(as_patcher, fake_p
             p_model.close()
     assert all(torch.equal(a, b) for ra, rb in zip(outs["replicate"], outs["shard"]) for a, b in zip(ra, rb))
     assert all(t.numel() > 0 for t in dit.state_dict().values())  # the input DiT keeps its weights
+
+
+def test_the_prefetch_lane_is_one_shared_coordinator_across_node_runs(fake_patcher_extension):  # noqa: F811
+    model, clip, video, audio = inputs()
+    lanes = []
+    for _ in range(2):
+        p_model, *_ = configure_parallel(model, clip, video, audio, npu_count=4, device_kind="cpu",
+                                         dit_weights="shard", plan_tokens=TOKENS)
+        family = p_model.multinpu_dit_shards.family
+        lanes.append(family.lane)
+        family.close()  # the family's own executor; the shared lane keeps running
+        assert not family.lane.closed
+    assert lanes[0] is lanes[1]
+    assert sorted(key[2] for key in roles_apply._COORDINATORS) == ["block weights", "roles"]

@@ -160,7 +160,7 @@ def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) ->
     return [first] + [r.module for r in others]
 
 
-def _sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate"):
+def _sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", lane=None):
     from comfy.multidevice.sp.minimax_h3 import (enable_sequence_parallel, enable_sequence_parallel_on_patcher)
 
     if not is_model_patcher(model):  # a plain DiT module (tests, the dry run)
@@ -170,7 +170,7 @@ def _sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate")
         return enable_sequence_parallel(models, coordinator, dit_weights=dit_weights)
     if dit_weights == "shard":  # roles/dit_shards.py: every card, card 0 included, holds a shard
         from comfy.multidevice.roles.dit_shards import sharded_primary
-        primary, shards = sharded_primary(model, devices, coordinator)
+        primary, shards = sharded_primary(model, devices, coordinator, lane=lane)
         enable_sequence_parallel_on_patcher(primary, coordinator, shards.entries(),
                                             block_weights=lambda: shards.family)
         primary.multinpu_dit_shards = shards  # for unload / inspection

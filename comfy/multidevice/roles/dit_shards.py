@@ -41,12 +41,14 @@ def _blocks(model):
 class DitShards:
     """Per-rank sharded DiTs of a ComfyUI MODEL; `entries()` are what the SP adapter resolves."""
 
-    def __init__(self, primary, devices: Sequence[torch.device], coordinator, prefetch: bool = True):
+    def __init__(self, primary, devices: Sequence[torch.device], coordinator, prefetch: bool = True,
+                 lane=None):
         from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
 
         self.devices = list(devices)
         self.coordinator = coordinator
         self.prefetch = prefetch
+        self.lane = lane  # a shared coordinator for the prefetches (roles/apply.py), or None
         try:
             self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
         except Exception as exc:  # the base is what makes a card-by-card shard possible
@@ -84,13 +86,14 @@ class DitShards:
         if self.family is None:
             for rank, replica in enumerate(self.replicas):
                 replica.load(self.keep_names(rank), only=True)
-            lane = None
-            if self.prefetch and len(self.devices) > 1:
+            lane, own_lane = self.lane, False
+            if lane is None and self.prefetch and len(self.devices) > 1:
                 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-                lane = SequenceParallelCoordinator(self.devices, backend=self.coordinator.backend_name,
-                                                   timeout_s=self.coordinator.timeout_s)
+                lane, own_lane = SequenceParallelCoordinator(
+                    self.devices, backend=self.coordinator.backend_name, timeout_s=self.coordinator.timeout_s), True
             self.family = ShardedBlockWeights([r.module for r in self.replicas], _blocks, self.devices,
-                                              lane=lane, timeout_s=self.coordinator.timeout_s, plan=self.plan)
+                                              lane=lane if self.prefetch else None, own_lane=own_lane,
+                                              timeout_s=self.coordinator.timeout_s, plan=self.plan)
             log.info("DiT shards: %s", ", ".join(
                 f"{d}: {self.resident_bytes(r) / 2 ** 30:.2f} GiB" for r, d in enumerate(self.devices)))
         return self.family
@@ -161,14 +164,14 @@ def _base_model_with(base_model, diffusion_model):
     return light
 
 
-def sharded_primary(model, devices, coordinator, prefetch: bool = True):
+def sharded_primary(model, devices, coordinator, prefetch: bool = True, lane=None):
     """The MODEL output for dit_weights=shard: a clone that runs rank 0's shard on card 0, and
     the DitShards behind every rank (rank 0 included)."""
     primary = model.clone()
     if getattr(primary, "load_device", devices[0]) != devices[0]:
         log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
         primary.load_device = devices[0]
-    shards = DitShards(primary, devices, coordinator, prefetch)
+    shards = DitShards(primary, devices, coordinator, prefetch, lane)
     shards.load()  # before ComfyUI loads card 0: it must find the shard there, not a full DiT
     primary.model = _base_model_with(primary.model, shards.module(0))
     primary.size = 0  # ComfyUI's model_size() is recounted from the shard

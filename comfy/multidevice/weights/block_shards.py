@@ -210,13 +210,14 @@ class ShardedBlockWeights:
                 every tensor now). With a plan, a rank need only hold the tensors it owns.
     blocks_of   module -> its sequence of transformer blocks (H3 contract: `model.blocks`).
     lane        None, or an object with `run(fn, per_rank_args)` over the same devices
-                (a second coordinator): block i+1's gather is then prefetched there.
+                (a second coordinator): block i+1's gather is then prefetched there; closed
+                by `close()` when `own_lane` (a shared one is left running).
     timeout_s   how long a rank waits for a prefetched gather before it raises.
     """
 
     def __init__(self, models: Sequence[torch.nn.Module], blocks_of: Callable[[Any], Sequence],
                  devices: Sequence[torch.device], lane=None, timeout_s: float = 600.0,
-                 plan: "BlockShardPlan | None" = None):
+                 plan: "BlockShardPlan | None" = None, own_lane: bool = True):
         if len(models) != len(devices):
             raise ValueError(f"ShardedBlockWeights got {len(models)} models for {len(devices)} devices")
         self.models = list(models)
@@ -249,6 +250,7 @@ class ShardedBlockWeights:
                        for name, slot in slots.items()} for i, slots in enumerate(self._slots[0])]
         self._drop_unowned()
         self.lane = lane
+        self._own_lane = own_lane  # close() closes the lane only when it was made for this family
         self._lock = threading.Lock()
         self._pending: dict = {}  # (generation, block) -> [Future, ranks that took their part]
         self._generation = [0] * self.world_size
@@ -378,7 +380,7 @@ class ShardedBlockWeights:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self.lane is not None and callable(getattr(self.lane, "close", None)):
+        if self._own_lane and self.lane is not None and callable(getattr(self.lane, "close", None)):
             self.lane.close()
 
 
