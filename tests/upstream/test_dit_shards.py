@@ -88,3 +88,25 @@ def test_quantized_block_weights_travel_whole_and_stay_bit_identical(upstream, t
                 outs[mode] = [sp(x, t, ctx, **kw) for _ in range(2)]
             sp.close()
     assert all(identical(a, b) for a, b in zip(outs["replicate"], outs["shard"]))
+
+
+def test_the_memory_plan_reads_upstreams_dit(patcher):  # noqa: F811
+    """The activation estimate's sizes come from upstream's own block layout, and `auto` on a
+    card too small for a replica picks shard."""
+    from comfy.multidevice.roles.memory_plan import dit_shape_of, plan_memory
+    from comfy.multidevice.roles.plan import plan_roles
+    from comfy.multidevice.sp.cost_model import DiTShape
+    from tests.upstream.test_h3_dit import TINY
+
+    shape = dit_shape_of(patcher.model.diffusion_model)
+    assert shape == DiTShape(hidden=TINY["hidden_size"], blocks=TINY["num_layers"], heads=TINY["num_attention_heads"],
+                             head_dim=TINY["attention_head_dim"], ffn=TINY["ffn_hidden_size"])
+    vae = SimpleVAE()
+    full = sum(t.nbytes for t in patcher.model.diffusion_model.state_dict().values())
+    plan = plan_memory(plan_roles(4), [torch.device("cpu")] * 4, patcher, None, vae, SimpleVAE(),
+                       tokens=100, free={"cpu": int(1.2 * full)})  # too small for a replica + activations
+    assert plan.dit_weights == "shard" and not plan.problems()
+
+
+class SimpleVAE:
+    first_stage_model = torch.nn.Linear(2, 2)
