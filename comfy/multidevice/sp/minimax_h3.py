@@ -265,15 +265,18 @@ class H3RankShard:
 
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
-                                   sp_mode=None, shard: H3RankShard | None = None) -> H3RankShard:
+                                   sp_mode=None, shard: H3RankShard | None = None,
+                                   block_weights=None) -> H3RankShard:
     """Set up one rank for one forward: exchanging attention + block replacements.
 
     Edits `transformer_options` (the rank's own copy) and returns the rank's shard state. Pass
     the shard of the previous forward as `shard` to reuse its set-up (one process per rank
     calling its own forward every step). `comm` is any per-rank `Communicator`.
+    `block_weights`: this rank's `RankBlockWeights` for dit_weights="shard" (a
+    weights/block_shards.py family holding this process's rank), used by a new shard.
     """
     if shard is None:
-        shard = H3RankShard(comm, sp_mode)
+        shard = H3RankShard(comm, sp_mode, block_weights)
     return shard.install(model, transformer_options)
 
 

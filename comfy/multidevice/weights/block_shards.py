@@ -205,9 +205,12 @@ class ShardedBlockWeights:
 
     models[r]   rank r's DiT module (on its card); the block tensors rank r does not own are
                 dropped from it here (an empty placeholder stays in their slot, so running a
-                block without its gather fails loudly).
-    plan        who owns what; None: balanced over rank 0's tensors (then every rank must hold
-                every tensor now). With a plan, a rank need only hold the tensors it owns.
+                block without its gather fails loudly). None for a rank of another process
+                (one process per rank, torchrun): this process serves its own ranks only.
+    devices[r]  rank r's device (None where models[r] is None).
+    plan        who owns what; None: balanced over the first local model's tensors (then the
+                local models must hold every tensor now). With a plan, a rank need only hold
+                the tensors it owns.
     blocks_of   module -> its sequence of transformer blocks (H3 contract: `model.blocks`).
     lane        None, or an object with `run(fn, per_rank_args)` over the same devices
                 (a second coordinator): block i+1's gather is then prefetched there; closed
@@ -225,29 +228,37 @@ class ShardedBlockWeights:
         self.world_size = len(self.models)
         self.blocks_of = blocks_of
         self.timeout_s = timeout_s
-        first = list(blocks_of(self.models[0]))
-        self.num_blocks = len(first)
-        self._slots = []  # per rank, per block: {name: slot}
-        for r, model in enumerate(self.models):
-            blocks = list(blocks_of(model))
+        self.local_ranks = [r for r, m in enumerate(self.models) if m is not None]
+        if not self.local_ranks:
+            raise ValueError("ShardedBlockWeights needs the model of at least one rank of this process")
+        if lane is not None and len(self.local_ranks) != self.world_size:
+            raise ValueError("a prefetch lane needs every rank in this process; pass lane=None")
+        first = self.local_ranks[0]
+        self.num_blocks = len(list(blocks_of(self.models[first])))
+        self._slots = [None] * self.world_size  # per local rank, per block: {name: slot}
+        for r in self.local_ranks:
+            blocks = list(blocks_of(self.models[r]))
             if len(blocks) != self.num_blocks:
-                raise ValueError(f"rank {r}'s model has {len(blocks)} blocks, rank 0's {self.num_blocks}")
-            self._slots.append([_block_slots(b) for b in blocks])
-        for r in range(1, self.world_size):
+                raise ValueError(f"rank {r}'s model has {len(blocks)} blocks, rank {first}'s {self.num_blocks}")
+            self._slots[r] = [_block_slots(b) for b in blocks]
             for i, slots in enumerate(self._slots[r]):
-                if list(slots) != list(self._slots[0][i]):
-                    raise ValueError(f"rank {r}'s block {i} has other tensors than rank 0's")
-        if plan is None:  # every rank holds every tensor now: rank 0's sizes
+                if list(slots) != list(self._slots[first][i]):
+                    raise ValueError(f"rank {r}'s block {i} has other tensors than rank {first}'s")
+        if plan is None:  # the local models hold every tensor now: their sizes
             plan = BlockShardPlan.balanced(
-                [{n: _nbytes(_get(slot)) for n, slot in slots.items()} for slots in self._slots[0]],
+                [{n: _nbytes(_get(slot)) for n, slot in slots.items()} for slots in self._slots[first]],
                 self.world_size)
         elif plan.world_size != self.world_size or len(plan.owner) != self.num_blocks:
             raise ValueError(f"the shard plan is for {plan.world_size} ranks and {len(plan.owner)} "
                              f"blocks, the models are {self.world_size} ranks of {self.num_blocks} blocks")
         self.plan = plan
-        # What each tensor looks like, read from its owner (the only rank that must hold it now).
-        self.specs = [{name: _TensorSpec(name, _get(self._slots[plan.owner[i][name]][i][name]), slot[2])
-                       for name, slot in slots.items()} for i, slots in enumerate(self._slots[0])]
+        # What each tensor looks like, read from its owner (the only rank that must hold it now),
+        # or, for an owner in another process, from a local model that still holds it all.
+        def source(i, name):
+            owner = plan.owner[i][name]
+            return self._slots[owner if self._slots[owner] is not None else first][i][name]
+        self.specs = [{name: _TensorSpec(name, _get(source(i, name)), slot[2]) for name, slot in slots.items()}
+                      for i, slots in enumerate(self._slots[first])]
         self._drop_unowned()
         self.lane = lane
         self._own_lane = own_lane  # close() closes the lane only when it was made for this family
@@ -260,7 +271,7 @@ class ShardedBlockWeights:
 
     # -- set-up
     def _drop_unowned(self) -> None:
-        for r in range(self.world_size):
+        for r in self.local_ranks:
             for i, slots in enumerate(self._slots[r]):
                 for name, slot in slots.items():
                     if self.plan.owner[i][name] != r:
@@ -371,7 +382,7 @@ class ShardedBlockWeights:
     def begin_forward(self, rank: int) -> None:
         """A new forward on `rank`: its requests count from block 0 again; stale gathers go."""
         self._generation[rank] += 1
-        oldest = min(self._generation)
+        oldest = min(self._generation[r] for r in self.local_ranks)
         with self._lock:
             for key in [k for k in self._pending if k[0] < oldest]:
                 self._pending.pop(key)
