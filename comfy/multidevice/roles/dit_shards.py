@@ -71,9 +71,9 @@ class DitShards:
         sizes = {}
         for name, value in block_tensors(_blocks(replica.module)[index]).items():
             full = f"blocks.{index}.{name}"
-            plain = type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(type(value), "__tensor_flatten__")
-            sizes[name] = (value.numel() * replica._target_dtype(full, value).itemsize if plain
-                           else tensor_nbytes(value))
+            flattenable = hasattr(type(value), "__tensor_flatten__")  # e.g. a QuantizedTensor
+            sizes[name] = (tensor_nbytes(value) if flattenable
+                           else value.numel() * replica._target_dtype(full, value).itemsize)
         return sizes
 
     def keep_names(self, rank: int) -> list[str]:
@@ -112,7 +112,8 @@ class DitShards:
                 "only: place the LoRA loader before the node, or use dit_weights=replicate")
 
     def resident_bytes(self, rank: int) -> int:
-        """DiT bytes card `rank` keeps between blocks (non-block weights + its block tensors)."""
+        """Bytes copied to card `rank` for its shard (non-block weights + its block tensors; 0 on
+        a CPU rank in the stored dtype, which uses the base's memory in place)."""
         return self.replicas[rank].resident_bytes
 
     def module(self, rank: int):
