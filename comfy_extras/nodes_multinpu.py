@@ -58,6 +58,16 @@ NODE_SCHEMA = {
         {"name": "devices", "type": "STRING", "default": "", "optional": True, "advanced": True,
          "tooltip": "Explicit cards, e.g. 'npu:0,npu:2,npu:4,npu:6'. Empty = the first npu_count "
                     "visible cards."},
+        {"name": "dit_weights", "type": "COMBO", "options": ["auto", "replicate", "shard"], "default": "auto",
+         "optional": True,
+         "tooltip": "DiT weights per card with 4 or 8 cards: replicate = a full DiT on every card; shard = "
+                    "each card keeps 1/N of the block weights and gathers a block just before it runs "
+                    "(exact; the BF16 DiT fits 4 x 64 GB only this way); auto = shard when a full "
+                    "replica plus the activations does not fit a card."},
+        {"name": "plan_tokens", "type": "INT", "default": 109952, "min": 1, "max": 10_000_000,
+         "optional": True, "advanced": True,
+         "tooltip": "The longest packed sequence this workflow samples, for the memory plan's activation "
+                    "estimate: 109952 = 768p 15 s, 38592 = 768p 5 s."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",
@@ -82,24 +92,32 @@ def widget_defaults() -> list:
 # ----------------------------------------------------------------------------- configure
 
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
-                       device_kind="auto", devices="", inventory=None):
+                       device_kind="auto", devices="", inventory=None, dit_weights="auto",
+                       plan_tokens=109952, free_memory=None):
     """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
 
     Every check (card count, device kind, visible cards, backend name, the four inputs'
-    shape) runs before anything is cloned, moved or started; the inputs are never modified.
+    shape, the memory plan of every card) runs before anything is cloned, moved or started;
+    the inputs are never modified. `free_memory` overrides the probed free bytes per device
+    name (tests).
     """
     from comfy.multidevice.devices import select_devices
     from comfy.multidevice.roles import apply as roles_apply
+    from comfy.multidevice.roles.memory_plan import plan_memory
 
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}.")
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
     plan = plan_roles(npu_count)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
-    log.info("%s: %d card(s) %s; %s", NODE_ID, npu_count, ", ".join(map(str, selected)), plan.describe())
+    memory = plan_memory(plan, selected, model, clip, video_vae, audio_vae, dit_weights=dit_weights,
+                         tokens=plan_tokens, free=free_memory)
+    log.info("%s: %d card(s) %s; %s\n%s", NODE_ID, npu_count, ", ".join(map(str, selected)),
+             plan.describe(), memory.table())
+    memory.check()
     return roles_apply.apply_role_plan(
         plan, selected, model, clip, video_vae, audio_vae,
-        backend=None if backend == "default" else backend)
+        backend=None if backend == "default" else backend, dit_weights=memory.dit_weights)
 
 
 # ----------------------------------------------------------------------------- ComfyUI node
@@ -123,9 +141,11 @@ def _supported(fn, kwargs: dict, optional: tuple) -> dict:
 
 def _io_input(io, spec: dict):
     """One plain-data input spec -> the matching comfy_api io Input."""
-    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae, "COMBO": io.Combo, "STRING": io.String}
+    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae, "COMBO": io.Combo, "STRING": io.String,
+             "INT": io.Int}
     cls = kinds[spec["type"]].Input
-    kwargs = {k: spec[k] for k in ("default", "options", "optional", "tooltip", "advanced") if k in spec}
+    kwargs = {k: spec[k] for k in ("default", "options", "optional", "tooltip", "advanced", "min", "max")
+              if k in spec}
     return cls(spec["name"], **_supported(cls.__init__, kwargs, optional=("advanced",)))
 
 
@@ -166,10 +186,11 @@ def node_class():
 
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
-                    device_kind="auto", devices="") -> io.NodeOutput:
+                    device_kind="auto", devices="", dit_weights="auto", plan_tokens=109952) -> io.NodeOutput:
             return io.NodeOutput(*configure_parallel(
                 model, clip, video_vae, audio_vae, npu_count=int(npu_count), backend=backend,
-                device_kind=device_kind, devices=devices))
+                device_kind=device_kind, devices=devices, dit_weights=dit_weights,
+                plan_tokens=int(plan_tokens)))
 
     _NODE_CLASS = MultiNPUParallelConfig
     return _NODE_CLASS

@@ -101,7 +101,8 @@ def test_schema_inputs_outputs_types_defaults():
     assert NODE_SCHEMA["category"] == "advanced/multigpu"  # upstream's multi-GPU nodes' category
     ins = {s["name"]: s for s in NODE_SCHEMA["inputs"]}
     assert [s["name"] for s in NODE_SCHEMA["inputs"]] == [
-        "model", "clip", "video_vae", "audio_vae", "npu_count", "backend", "device_kind", "devices"]
+        "model", "clip", "video_vae", "audio_vae", "npu_count", "backend", "device_kind", "devices",
+        "dit_weights", "plan_tokens"]  # new widgets go last: saved workflows keep their positions
     assert [(n, ins[n]["type"]) for n in ("model", "clip", "video_vae", "audio_vae")] == [
         ("model", "MODEL"), ("clip", "CLIP"), ("video_vae", "VAE"), ("audio_vae", "VAE")]
     assert ins["npu_count"] == {**ins["npu_count"], "type": "COMBO", "options": [1, 2, 4, 8], "default": 4}
@@ -112,11 +113,13 @@ def test_schema_inputs_outputs_types_defaults():
     assert ins["backend"]["options"] == ["default", "auto", "hccl", "nccl", "peer"]
     assert ins["device_kind"]["options"] == ["auto", "npu", "cuda", "cpu"]
     assert ins["devices"]["type"] == "STRING" and ins["devices"]["default"] == ""
+    assert ins["dit_weights"]["options"] == ["auto", "replicate", "shard"] and ins["dit_weights"]["optional"]
+    assert ins["plan_tokens"]["type"] == "INT" and ins["plan_tokens"]["advanced"]
     assert [o["type"] for o in NODE_SCHEMA["outputs"]] == ["MODEL", "CLIP", "VAE", "VAE"]
     assert [o["name"] for o in NODE_SCHEMA["outputs"]] == ["model", "clip", "video_vae", "audio_vae"]
     assert all(o["tooltip"] for o in NODE_SCHEMA["outputs"])  # every output says what it carries
     assert {"multi gpu", "multi npu", "sequence parallel"} <= set(NODE_SCHEMA["search_aliases"])
-    assert widget_defaults() == [4, "default", "auto", ""]
+    assert widget_defaults() == [4, "default", "auto", "", "auto", 109952]
     json.dumps(NODE_SCHEMA)  # plain data, readable by tools without ComfyUI
 
 
@@ -124,12 +127,12 @@ def make_fake_comfy_api(with_advanced=True):
     """A stand-in for comfy_api.latest that records how the node declares itself."""
     def input_class(io_type):
         def __init__(self, id, display_name=None, optional=False, tooltip=None, default=None,
-                     options=None, advanced=None):
+                     options=None, advanced=None, min=None, max=None):
             self.io_type, self.id, self.optional, self.tooltip = io_type, id, optional, tooltip
             self.default, self.options, self.advanced = default, options, advanced
         if not with_advanced:
             def __init__(self, id, display_name=None, optional=False, tooltip=None, default=None,  # noqa: F811
-                         options=None):
+                         options=None, min=None, max=None):
                 self.io_type, self.id, self.optional, self.default, self.options = io_type, id, optional, default, options
                 self.advanced = "absent"
         return type(f"{io_type}Input", (), {"__init__": __init__})
@@ -147,7 +150,7 @@ def make_fake_comfy_api(with_advanced=True):
         Schema=lambda **kw: types.SimpleNamespace(**kw),
         NodeOutput=lambda *values: ("NodeOutput", values),
         Model=comfy_type("MODEL"), Clip=comfy_type("CLIP"), Vae=comfy_type("VAE"),
-        Combo=comfy_type("COMBO"), String=comfy_type("STRING"))
+        Combo=comfy_type("COMBO"), String=comfy_type("STRING"), Int=comfy_type("INT"))
     latest = types.ModuleType("comfy_api.latest")
     latest.io = io
     latest.ComfyExtension = type("ComfyExtension", (), {})
@@ -188,7 +191,8 @@ def test_v3_node_is_built_from_the_plain_schema(monkeypatch, with_advanced):
     out = node.execute("M", "C", "V", "A", npu_count=2, backend="peer")
     assert out == ("NodeOutput", ("m", "c", "v", "a"))
     assert seen["args"] == ("M", "C", "V", "A")
-    assert seen["kwargs"] == {"npu_count": 2, "backend": "peer", "device_kind": "auto", "devices": ""}
+    assert seen["kwargs"] == {"npu_count": 2, "backend": "peer", "device_kind": "auto", "devices": "",
+                              "dit_weights": "auto", "plan_tokens": 109952}
     assert list(inspect.signature(node.execute).parameters)[:4] == ["model", "clip", "video_vae", "audio_vae"]
 
 
@@ -239,7 +243,7 @@ def fake_comfyui(tmp_path, link_shim=True):
             return types.SimpleNamespace(Input=_Socket, Output=_Socket)
         io = types.SimpleNamespace(ComfyNode=object, Schema=lambda **kw: types.SimpleNamespace(**kw),
                                    NodeOutput=tuple, Model=_kind(), Clip=_kind(), Vae=_kind(),
-                                   Combo=_kind(), String=_kind())
+                                   Combo=_kind(), String=_kind(), Int=_kind())
     """))
     (root / "custom_nodes").mkdir()
     shim = root / "custom_nodes" / "ComfyUI-MultiNPU"

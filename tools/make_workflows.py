@@ -60,6 +60,9 @@ FALLBACK_NODE_SCHEMA = {
         {"name": "device_kind", "type": "COMBO", "options": ["auto", "npu", "cuda", "cpu"],
          "default": "auto", "optional": True},
         {"name": "devices", "type": "STRING", "default": "", "optional": True},
+        {"name": "dit_weights", "type": "COMBO", "options": ["auto", "replicate", "shard"], "default": "auto",
+         "optional": True},
+        {"name": "plan_tokens", "type": "INT", "default": 109952, "optional": True},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL"},

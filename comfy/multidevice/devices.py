@@ -71,6 +71,21 @@ def synchronize(device: torch.device) -> None:
         api.current_stream(device).synchronize()
 
 
+def free_memory_bytes(device) -> int | None:
+    """Bytes a card can still give: free on the device plus what this process's caching
+    allocator holds unused. None for the CPU (or when the runtime cannot say)."""
+    device = resolve_device(device)
+    api = accelerator_api(device.type)
+    if api is None or not hasattr(api, "mem_get_info"):
+        return None
+    try:
+        free, _total = api.mem_get_info(device)
+        cached = api.memory_reserved(device) - api.memory_allocated(device)
+    except Exception:  # a runtime that cannot answer: the plan reports "unknown"
+        return None
+    return int(free + max(cached, 0))
+
+
 def current_stream_handle(device: torch.device) -> int | None:
     """The raw stream handle of the calling thread's current stream (None on CPU)."""
     api = accelerator_api(device.type)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from comfy.multidevice.cli import dry_run as minimax_h3_dry_run
@@ -117,6 +118,25 @@ def test_parity_failure_exits_1(tmp_path, monkeypatch):
     assert minimax_h3_dry_run.run(args, out=out) == 1
     report = json.loads(out.getvalue().strip().splitlines()[-1])
     assert report["parity"] == "fail" and report["rel_diff"] > 1e-5
+
+
+def test_shard_dry_run_gives_the_replicate_latents_with_less_per_rank(tmp_path):
+    """--dit-weights shard against replicate, same settings: bit-identical latents (the same
+    SP computation over the owners' bytes), each rank holding less of the DiT."""
+    reports, latents = {}, {}
+    for mode in ("replicate", "shard"):
+        args = _parser().parse_args(TINY_ARGS + ["--devices", "3", "--cpu", "--dit-weights", mode,
+                                                 "--cache", str(tmp_path / "c"), "--out", str(tmp_path / mode)])
+        out = io.StringIO()
+        assert minimax_h3_dry_run.run(args, out=out) == 0
+        reports[mode] = json.loads(out.getvalue().strip().splitlines()[-1])
+        latents[mode] = load_file(str(tmp_path / mode / "latents.safetensors"))
+    assert reports["shard"]["parity"] == "ok" and reports["shard"]["dit_weights"] == "shard"
+    assert all(torch.equal(latents["shard"][k], latents["replicate"][k]) for k in latents["replicate"])
+    full = reports["replicate"]["dit_weight_bytes_per_rank"]
+    assert all(s < f for s, f in zip(reports["shard"]["dit_weight_bytes_per_rank"], full))
+    assert all(g > 0 for g in reports["shard"]["dit_gathered_bytes_per_step"])
+    assert reports["replicate"]["dit_gathered_bytes_per_step"] == [0, 0, 0]
 
 
 def _parser():

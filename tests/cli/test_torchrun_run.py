@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from comfy.multidevice.cli.dry_run import REPORT_KEYS
 
@@ -52,6 +53,25 @@ def test_torchrun_runs_one_rank_per_process_with_parity(tmp_path):
     assert report["parity"] == "ok" and report["rel_diff"] <= 1e-5
     assert (tmp_path / "out" / "report.json").exists()
     assert out.count("MiniMax-H3 dry run under torchrun") == 1  # only rank 0 prints
+
+
+@pytest.mark.timeout(2 * LIMIT_S + 30)
+def test_torchrun_shard_gives_the_replicate_latents(tmp_path):
+    """--dit-weights shard with one rank per process: each process keeps its rank's share of the
+    block weights and gathers through the process group; latents bit-identical to replicate."""
+    from safetensors.torch import load_file
+    reports, latents = {}, {}
+    for mode in ("replicate", "shard"):
+        code, out, err = torchrun(2, *TINY, "--dit-weights", mode, "--cache", str(tmp_path / "cache"),
+                                  "--out", str(tmp_path / mode))
+        assert code == 0, f"{out[-3000:]}\n{err[-3000:]}"
+        reports[mode] = json.loads(out.strip().splitlines()[-1])
+        latents[mode] = load_file(str(tmp_path / mode / "latents.safetensors"))
+    assert reports["shard"]["parity"] == "ok" and reports["shard"]["dit_weights"] == "shard"
+    assert all(torch.equal(latents["shard"][k], latents["replicate"][k]) for k in latents["replicate"])
+    assert all(s < f for s, f in zip(reports["shard"]["dit_weight_bytes_per_rank"],
+                                      reports["replicate"]["dit_weight_bytes_per_rank"]))
+    assert all(g > 0 for g in reports["shard"]["dit_gathered_bytes_per_step"])
 
 
 # ----------------------------------------------------------------------------- a lost peer

@@ -66,7 +66,8 @@ REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_
                "reference_seconds_per_step", "speedup", "exchanged_bytes_per_step", "dtype",
                "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
                "weights_source", "checkpoint_bytes_read", "out", "sp_overlap", "sp_mode_used",
-               "byte_counts", "model_bytes_per_step")
+               "byte_counts", "model_bytes_per_step", "dit_weights", "dit_weight_bytes_per_rank",
+               "dit_gathered_bytes_per_step")
 
 
 class DryRunError(ValueError):
@@ -90,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
     g.add_argument("--sp-overlap", type=integer, default=1, metavar="CHUNKS",
                    help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
                         "attention (default 1: no overlap)")
+    g.add_argument("--dit-weights", choices=["replicate", "shard"], default="replicate",
+                   help="replicate = a full DiT on every rank; shard = each rank keeps 1/N of the "
+                        "block weights and gathers a block just before it runs, the same result "
+                        "with less memory per card (default %(default)s)")
     g = parser.add_argument_group("sampling")
     g.add_argument("--steps", type=integer, default=10, help="Euler steps (default %(default)s)")
     g.add_argument("--frames", type=integer, default=39, help="video frames, 17k+5 (default %(default)s)")
@@ -452,7 +457,11 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         parts = ", ".join(f"{k} {n}" for k, n in latent_rows(settings).items())
         say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {tokens_per_rank}")
         from comfy.multidevice.sp.strategies import SPMode
-        sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap))
+        # shard strips the ranks' copies: the reference gets its own (from the same base, no read)
+        reference = (build_replicas(path, settings.devices[:1]).modules[0]
+                     if args.dit_weights == "shard" else replicas[0])
+        sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap),
+                                      dit_weights=args.dit_weights)
         exchanged = []
         if per_rank_threads is not None:
             torch.set_num_threads(per_rank_threads)
@@ -463,6 +472,8 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
                 after_step=lambda: exchanged.append(sp.bytes_exchanged_last_forward()))
         finally:
             torch.set_num_threads(threads_before)
+            if args.dit_weights == "shard":
+                sp.close()  # the prefetch lane's rank threads
         if sp.tokens_per_rank() != tokens_per_rank:
             raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
         byte_counts = coord.byte_counts()  # per rank, the whole sampling
@@ -470,6 +481,12 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     bytes_per_step = max(exchanged) if exchanged else 0
     say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
+    dit_bytes = [sum(t.nbytes for t in m.state_dict().values()) for m in replicas]
+    gathered = [0] * world
+    if args.dit_weights == "shard":
+        gathered = [b // args.steps for b in sp.block_weights.gathered_bytes]
+        say(f"[weights] shard: DiT MiB per rank between blocks {[round(b / 2 ** 20, 2) for b in dit_bytes]}, "
+            f"block weights gathered per rank and step {[round(b / 2 ** 20, 2) for b in gathered]} MiB")
     mode_used, model_bytes = _traffic_model(settings, seq_len, world)
     say(f"[traffic] sp mode {mode_used}: received per rank and step "
         f"{[round(c['received'] / args.steps / 2 ** 20, 2) for c in byte_counts]} MiB "
@@ -477,7 +494,6 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
 
     ref_latents, ref_seconds = None, None
     if not args.no_reference:
-        reference = replicas[0]
         ref_dev = settings.devices[0]
         ref_latents, rs = euler_sample(
             reference, [z.to(ref_dev) for z in x], context.to(ref_dev), copy_for_rank(kwargs, torch.device(ref_dev)), sigmas,
@@ -499,7 +515,9 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         "checkpoint_bytes_read": built.bytes_read,
         "out": str(args.out),
         "sp_overlap": args.sp_overlap, "sp_mode_used": mode_used, "byte_counts": byte_counts,
-        "model_bytes_per_step": model_bytes,
+        "model_bytes_per_step": model_bytes, "dit_weights": args.dit_weights,
+        # DiT bytes each rank's module holds between blocks (on a card: resident there)
+        "dit_weight_bytes_per_rank": dit_bytes, "dit_gathered_bytes_per_step": gathered,
     }
     if ref_latents is not None:
         diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))

@@ -86,6 +86,11 @@ def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
         return 1
 
 
+def _per_rank(comm: DistributedComm, value: int) -> list[int]:
+    """One integer from every rank, in rank order (a collective: every rank calls it)."""
+    return [int(v) for v in comm.exchange([torch.tensor([value], dtype=torch.int64)], 0)[0].tolist()]
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
@@ -101,6 +106,14 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     path, reused = _ensure_checkpoint_once(settings, comm, local_rank)
     say(f"[weights] {path} ({'reused from the cache' if reused else 'built and saved'})")
     replica, weights_source = _one_replica(path, device)
+    reference, block_weights = replica, None
+    if args.dit_weights == "shard":  # this process keeps its rank's share of the block weights
+        from comfy.multidevice.weights.block_shards import ShardedBlockWeights
+        reference = _one_replica(path, device)[0] if comm.rank == 0 and not args.no_reference else None
+        family = ShardedBlockWeights([replica if r == comm.rank else None for r in range(comm.world_size)],
+                                     lambda m: m.blocks,  # H3 contract: the blocks are model.blocks
+                                     [device if r == comm.rank else None for r in range(comm.world_size)])
+        block_weights = family.rank_view(comm.rank)
 
     index = torch.tensor([device.index if device.index is not None else -1])
     indices = comm.exchange([index], 0)[0].tolist()
@@ -122,7 +135,8 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
         options: dict = {}  # a fresh copy per forward, as the thread fan-out makes
         # the set-up of the first forward is reused by every later one
         shards.append(install_rank_sequence_parallel(replica, comm, options, sp_mode,
-                                                     shard=shards[-1] if shards else None))
+                                                     shard=shards[-1] if shards else None,
+                                                     block_weights=block_weights))
         return replica(latents, timestep, text, transformer_options=options, **kw)
 
     received = []
@@ -155,7 +169,10 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
         "cpu_threads_per_rank": torch.get_num_threads() if device.type == "cpu" else None,
         "reference_cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": weights_source,
-        "out": str(args.out), "launcher": "torchrun",
+        "out": str(args.out), "launcher": "torchrun", "dit_weights": args.dit_weights,
+        "dit_weight_bytes_per_rank": _per_rank(comm, sum(t.nbytes for t in replica.state_dict().values())),
+        "dit_gathered_bytes_per_step": _per_rank(
+            comm, 0 if block_weights is None else block_weights.family.gathered_bytes[comm.rank] // args.steps),
     }
     for key in dry.REPORT_KEYS:  # keys the thread run has and this mode does not measure
         report.setdefault(key, None)
@@ -163,7 +180,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     ref_latents = None
     if lead and not args.no_reference:  # the others wait in the all_reduce below
         ref_latents, rs = dry.euler_sample(
-            replica, x, context, kwargs, sigmas, dry.Progress("reference on 1 device", args.steps,
+            reference, x, context, kwargs, sigmas, dry.Progress("reference on 1 device", args.steps,
                                                               not args.no_progress))
         ref_seconds = dry._steady(rs)
         diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))

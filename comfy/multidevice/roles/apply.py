@@ -48,15 +48,17 @@ _COORDINATORS: dict = {}
 _COORDINATORS_LOCK = threading.Lock()
 
 
-def shared_coordinator(devices: Sequence[torch.device], backend: str | None = None) -> SequenceParallelCoordinator:
-    """One coordinator (rank threads + backend) per device list and backend, kept for reuse.
+def shared_coordinator(devices: Sequence[torch.device], backend: str | None = None,
+                       purpose: str = "roles") -> SequenceParallelCoordinator:
+    """One coordinator (rank threads + backend) per device list, backend and purpose, kept for reuse.
 
-    The DiT, the text encoder and the VAE decode of one plan share it (they never run at the
-    same time), and re-running the node with the same cards reuses it instead of starting
-    more rank threads.
+    The DiT, the text encoder and the VAE decode of one plan share the "roles" one (they never
+    run at the same time), and re-running the node with the same cards reuses it instead of
+    starting more rank threads. Sharded DiT weights prefetch the next block on a second one,
+    "block weights", since its gathers run while the first is busy with the block.
     """
     name = backend_from_env(backend)
-    key = (tuple(str(d) for d in devices), name)
+    key = (tuple(str(d) for d in devices), name, purpose)
     with _COORDINATORS_LOCK:
         coordinator = _COORDINATORS.get(key)
         if coordinator is None or coordinator.closed:
@@ -206,13 +208,17 @@ def _chunked_video_vae(vae, devices, merge_device, coordinator):
 # ----------------------------------------------------------------------------- apply
 
 def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_vae, audio_vae,
-                    backend: str | None = None, coordinator=None):
+                    backend: str | None = None, coordinator=None, dit_weights: str = "replicate"):
     """Return (model, clip, video_vae, audio_vae) set up per `plan` on `devices`.
 
     devices[i] is plan card i. `backend` picks the collective backend (None: from the
     environment). `coordinator` may be given (tests); otherwise the shared one for the
     planned cards is used (started here when the plan needs more than one card).
+    `dit_weights`: "replicate" or "shard" for a sequence-parallel DiT (roles/memory_plan.py
+    resolves the node's "auto").
     """
+    if dit_weights not in ("replicate", "shard"):
+        raise RolePlanError(f"dit_weights={dit_weights!r}: apply_role_plan takes 'replicate' or 'shard'")
     devices = [resolve_device(d) for d in devices]  # 'npu:i' needs torch_npu: imported here
     if len(devices) != plan.n_cards:
         raise RolePlanError(f"the plan is for {plan.n_cards} cards but {len(devices)} devices were given")
@@ -229,7 +235,9 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
         raise RolePlanError(f"the coordinator runs on {coordinator.devices}, the plan on {devices}")
 
     if plan.dit.mode == SEQUENCE_PARALLEL:
-        out_model = _sequence_parallel_dit(model, cards(plan.dit), coordinator)
+        lane = (shared_coordinator(cards(plan.dit), coordinator.backend_name, purpose="block weights")
+                if dit_weights == "shard" else None)
+        out_model = _sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)
     else:
         out_model = _place_dit(model, cards(plan.dit)[0])
 

@@ -160,11 +160,21 @@ def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) ->
     return [first] + [r.module for r in others]
 
 
-def _sequence_parallel_dit(model, devices, coordinator):
+def _sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", lane=None):
     from comfy.multidevice.sp.minimax_h3 import (enable_sequence_parallel, enable_sequence_parallel_on_patcher)
 
     if not is_model_patcher(model):  # a plain DiT module (tests, the dry run)
-        return enable_sequence_parallel(_module_replicas(model, devices), coordinator)
+        models = _module_replicas(model, devices)
+        if dit_weights == "shard" and models[0] is model:  # sharding strips rank 0's copy, not the input
+            models[0] = replica_on(model, devices[0])
+        return enable_sequence_parallel(models, coordinator, dit_weights=dit_weights)
+    if dit_weights == "shard":  # roles/dit_shards.py: every card, card 0 included, holds a shard
+        from comfy.multidevice.roles.dit_shards import sharded_primary
+        primary, shards = sharded_primary(model, devices, coordinator, lane=lane)
+        enable_sequence_parallel_on_patcher(primary, coordinator, shards.entries(),
+                                            block_weights=lambda: shards.family)
+        primary.multinpu_dit_shards = shards  # for unload / inspection
+        return primary
     primary = model.clone()
     if getattr(primary, "load_device", devices[0]) != devices[0]:
         log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])

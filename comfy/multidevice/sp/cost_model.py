@@ -136,3 +136,48 @@ def choose_sp_mode(world: int, heads: int, head_dim: int = 128) -> str:
     worst = {mode: max(attention_traffic(mode, probe, world, r, heads, head_dim, 2).received
                        for r in range(world)) for mode in ("allgather", "ulysses")}
     return "ulysses" if worst["ulysses"] < worst["allgather"] else "allgather"
+
+
+# ----------------------------------------------------------------------------- memory
+
+def block_parameters(shape: DiTShape, t_dim: int = 2688, modalities: int = 3) -> int:
+    """Parameters of one H3 transformer block: qkv, out_proj, SwiGLU fc1/fc2, the adaLN
+    projection (6 chunks x modality rows from the t_dim-wide timestep embedding, with bias),
+    two RMS norms over the hidden size and the q/k norms over the head dim."""
+    a, h = shape.attention_width, shape.hidden
+    linear = h * 3 * a + a * h + h * 2 * shape.ffn + shape.ffn * h
+    adaln = (6 * h * modalities) * (t_dim + 1)
+    return linear + adaln + 2 * h + 2 * shape.head_dim
+
+
+def sharded_weight_bytes(block_bytes: int, blocks: int, other_bytes: int, world: int,
+                         in_flight: int = 2) -> dict:
+    """DiT weight bytes one card holds with dit_weights=shard (blocks balanced over W ranks by
+    whole tensors: the exact split is weights/block_shards.py's, this is its mean) and with
+    replicate. `in_flight`: gathered blocks alive at once (the running one and the prefetch)."""
+    replica = block_bytes * blocks + other_bytes
+    if world <= 1:
+        return {"replicate": replica, "shard": replica, "shard_resident": replica, "gathered": 0}
+    resident = other_bytes + -(-block_bytes * blocks // world)
+    gathered = min(in_flight, blocks) * block_bytes
+    return {"replicate": replica, "shard": resident + gathered, "shard_resident": resident,
+            "gathered": gathered}
+
+
+def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2) -> int:
+    """An estimate of the DiT's peak activation bytes on one rank under sequence parallel.
+
+    Held for the whole sequence on every rank: the embedded hidden state before block 0 and
+    the gathered one after the last block ([S, hidden] each), the RoPE table (fp32,
+    [S, 48, 2, 2] at H3's head dim) and the gathered K and V of one block ([S, H*D] each).
+    Held for the rank's own rows L = ceil(S/W) inside one block: q/k/v before and after the
+    norm and rotation (6 H*D), the attention output (H*D), the modulated inputs and residual
+    updates (4 hidden) and the SwiGLU's 2F + F. A fused attention kernel is assumed (no
+    [L, S] score matrix). Not counted: the text refiner (short) and allocator fragmentation.
+    """
+    rows = -(-seq_len // max(world, 1))
+    a, h = shape.attention_width, shape.hidden
+    rope = seq_len * (shape.head_dim * 3 // 4) * 2 * 4  # 96 rotated dims -> 48 pairs of 2x2 fp32
+    full = seq_len * (2 * h + 2 * a) * itemsize + rope
+    local = rows * (6 * a + a + 4 * h + 3 * shape.ffn) * itemsize
+    return full + local

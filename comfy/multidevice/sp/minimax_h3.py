@@ -127,8 +127,9 @@ class H3RankShard:
     the shard plan with the RoPE rows and modulation spans sliced once for all blocks.
     """
 
-    def __init__(self, comm, sp_mode=None):
+    def __init__(self, comm, sp_mode=None, block_weights=None):
         self.comm = comm
+        self.block_weights = block_weights  # RankBlockWeights when dit_weights="shard", else None
         self.strategy = make_kv_strategy(sp_mode)
         self.exchanging = ExchangingAttention(comm, self.strategy)
         self.model = None
@@ -149,6 +150,10 @@ class H3RankShard:
         """Set up one forward: edits `transformer_options` (the rank's own copy) in place."""
         if model is not self.model:
             _require_support(model, f"rank {self.comm.rank}'s model")
+            if self.block_weights is not None and model is not self.block_weights.model:
+                raise SequenceParallelError(
+                    f"rank {self.comm.rank} runs another DiT than the one its block weights were "
+                    "sharded from; run the node again so the shards are made for this model")
             self.model = model
             self.num_blocks = len(model.blocks)
             self._table = {("double_block", i): self._replacement(i) for i in range(self.num_blocks)}
@@ -170,6 +175,8 @@ class H3RankShard:
         transformer_options["patches_replace"] = patches
         self.plan = None
         self._sliced = {}
+        if self.block_weights is not None:
+            self.block_weights.begin_forward()
         return self
 
     def _replacement(self, index: int) -> Callable:
@@ -211,7 +218,14 @@ class H3RankShard:
         # args["layout"] still describes the full sequence; H3's block does not read it.
         previous = self._previous.get(index)
         self._attention_calls = 0
-        out = previous(local, extra) if previous is not None else extra["original_block"](local)
+        weights = self.block_weights
+        if weights is not None:  # dit_weights="shard": block i's tensors are here only while it runs
+            weights.bind(index, self.comm)
+        try:
+            out = previous(local, extra) if previous is not None else extra["original_block"](local)
+        finally:
+            if weights is not None:
+                weights.release(index)
         if self._attention_calls == 0:
             # The block ran without our attention: this rank attended to its own rows only.
             raise SequenceParallelError(
@@ -251,30 +265,66 @@ class H3RankShard:
 
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
-                                   sp_mode=None, shard: H3RankShard | None = None) -> H3RankShard:
+                                   sp_mode=None, shard: H3RankShard | None = None,
+                                   block_weights=None) -> H3RankShard:
     """Set up one rank for one forward: exchanging attention + block replacements.
 
     Edits `transformer_options` (the rank's own copy) and returns the rank's shard state. Pass
     the shard of the previous forward as `shard` to reuse its set-up (one process per rank
     calling its own forward every step). `comm` is any per-rank `Communicator`.
+    `block_weights`: this rank's `RankBlockWeights` for dit_weights="shard" (a
+    weights/block_shards.py family holding this process's rank), used by a new shard.
     """
     if shard is None:
-        shard = H3RankShard(comm, sp_mode)
+        shard = H3RankShard(comm, sp_mode, block_weights)
     return shard.install(model, transformer_options)
 
 
 class _RankShards:
     """The `prepare_rank` of a fan-out: each rank's H3RankShard, made on its first forward."""
 
-    def __init__(self, sp_mode):
+    def __init__(self, sp_mode, block_weights=None):
         self.sp_mode = sp_mode
+        self.block_weights = block_weights  # ShardedBlockWeights of all ranks, or None
         self.shards: dict[int, H3RankShard] = {}  # each rank thread writes its own key
+
+    def _family(self):
+        # a family, or a callable that returns the current one (remade after an unload)
+        weights = self.block_weights
+        return weights() if callable(weights) else weights
 
     def __call__(self, rank, comm, model, transformer_options):
         shard = self.shards.get(rank)
-        if shard is None or shard.comm is not comm:
-            shard = self.shards[rank] = H3RankShard(comm, self.sp_mode)
+        family = self._family()
+        view = shard.block_weights if shard is not None else None
+        if shard is None or shard.comm is not comm or (view.family if view else None) is not family:
+            view = None if family is None else family.rank_view(rank)
+            shard = self.shards[rank] = H3RankShard(comm, self.sp_mode, view)
         return shard.install(model, transformer_options)
+
+
+def shard_dit_blocks(models: Sequence[torch.nn.Module], coordinator, prefetch: bool = True):
+    """dit_weights="shard": keep 1/W of the block tensors on each rank (weights/block_shards.py).
+
+    `models[r]` is rank r's DiT with its full weights; the tensors it does not own are dropped
+    from it here. With `prefetch`, block i+1's gather runs on a second coordinator over the
+    same cards (same backend) while block i computes.
+    """
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+    from comfy.multidevice.weights.block_shards import ShardedBlockWeights
+
+    lane = None
+    if prefetch and coordinator.world_size > 1:
+        lane = SequenceParallelCoordinator(coordinator.devices, backend=coordinator.backend_name,
+                                           timeout_s=coordinator.timeout_s)
+    # H3 contract: the transformer blocks are model.blocks[i].
+    family = ShardedBlockWeights(models, lambda m: m.blocks, coordinator.devices, lane=lane,
+                                 timeout_s=coordinator.timeout_s)
+    log.info("DiT block weights sharded over %d rank(s): %s resident per rank of %.3f GiB of blocks",
+             family.world_size, ", ".join(f"{family.resident_bytes(r) / 2 ** 30:.3f}"
+                                          for r in range(family.world_size)),
+             sum(family.plan.block_bytes(i) for i in range(family.num_blocks)) / 2 ** 30)
+    return family
 
 
 # ----------------------------------------------------------------------------- plain modules
@@ -282,8 +332,10 @@ class _RankShards:
 class SequenceParallelDiT:
     """Calls like the DiT; runs each forward on all ranks of `coordinator` (rank 0's result)."""
 
-    def __init__(self, models: Sequence[torch.nn.Module], coordinator, sp_mode: str | None = None):
+    def __init__(self, models: Sequence[torch.nn.Module], coordinator, sp_mode: str | None = None,
+                 dit_weights: str = "replicate", prefetch: bool = True):
         make_kv_strategy(sp_mode)  # a bad mode fails here, before anything is set up
+        _check_dit_weights(dit_weights)
         if len(models) != coordinator.world_size:
             raise ValueError(f"enable_sequence_parallel got {len(models)} model replicas for "
                              f"{coordinator.world_size} ranks; pass one replica per rank")
@@ -296,7 +348,10 @@ class SequenceParallelDiT:
         self.models = list(models)
         self.coordinator = coordinator
         self.sp_mode = sp_mode
-        self.fan_out = SequenceParallelFanOut(coordinator, self.models, prepare_rank=_RankShards(sp_mode))
+        self.block_weights = (shard_dit_blocks(self.models, coordinator, prefetch)
+                              if dit_weights == "shard" else None)
+        self.fan_out = SequenceParallelFanOut(coordinator, self.models,
+                                              prepare_rank=_RankShards(sp_mode, self.block_weights))
 
     @property
     def world_size(self) -> int:
@@ -318,23 +373,39 @@ class SequenceParallelDiT:
         """Bytes all ranks together received from each other in the last forward."""
         return self.fan_out.bytes_received_last_forward()
 
+    def close(self) -> None:
+        """Stop the prefetch lane of sharded block weights (nothing to do for replicas)."""
+        if self.block_weights is not None:
+            self.block_weights.close()
+
+
+def _check_dit_weights(dit_weights: str) -> None:
+    if dit_weights not in ("replicate", "shard"):
+        raise ValueError(f"dit_weights={dit_weights!r} is unknown here: use 'replicate' (a full DiT "
+                         "per rank) or 'shard' (1/W of the block weights per rank)")
+
 
 def enable_sequence_parallel(models: Sequence[torch.nn.Module], coordinator,
-                             sp_mode: str | None = "allgather") -> SequenceParallelDiT:
+                             sp_mode: str | None = "allgather", dit_weights: str = "replicate",
+                             prefetch: bool = True) -> SequenceParallelDiT:
     """Plain-module entry point: sequence parallelism over per-rank replicas.
 
     models[r]: rank r's DiT replica on coordinator.devices[r] (same weights on every rank).
-    sp_mode: the K/V exchange ("allgather"). Returns a callable with the DiT's forward signature
+    sp_mode: the K/V exchange ("allgather"). dit_weights: "replicate" keeps the replicas as
+    they are; "shard" keeps 1/W of the block tensors on each rank (dropped from `models` here)
+    and gathers a block just before it runs (`prefetch`: the next block's gather overlaps).
+    Returns a callable with the DiT's forward signature
     `(x=[video, audio], timestep, context, transformer_options=None, **kwargs)` whose result is
     rank 0's output, equal to the single-device forward.
     """
-    return SequenceParallelDiT(models, coordinator, sp_mode)
+    return SequenceParallelDiT(models, coordinator, sp_mode, dit_weights, prefetch)
 
 
 # ----------------------------------------------------------------------------- ComfyUI
 
 def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Sequence[Any],
-                                        sp_mode: str | None = "allgather") -> SequenceParallelFanOut:
+                                        sp_mode: str | None = "allgather",
+                                        block_weights=None) -> SequenceParallelFanOut:
     """ComfyUI entry point: make `model_patcher`'s DiT forward run sequence parallel.
 
     replicas[r]: rank r's model on coordinator.devices[r] (ModelPatcher, BaseModel or the DiT
@@ -344,7 +415,8 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     DIFFUSION_MODEL wrapper `WRAPPER_KEY` (replacing an earlier one) and returns it; every
     sampling step then runs on all ranks and returns rank 0's result. Raises ValueError /
     SequenceParallelError before changing the patcher when the mode, the replica count or the
-    model is wrong.
+    model is wrong. `block_weights`: for dit_weights="shard", a callable returning the
+    ShardedBlockWeights of the replicas' current load (roles/dit_shards.py).
     """
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
@@ -364,7 +436,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     for r, rep in enumerate(entries):
         if rep is not None:
             _require_support(dit_module(rep), f"replica {r}")
-    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode),
+    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode, block_weights),
                                      resolve_model=dit_module)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)

@@ -280,12 +280,16 @@ class RankReplica:
             self._owned.add(source)
         return t
 
-    def load(self, names: Iterable[str] | None = None) -> "RankReplica":
-        """Make the replica resident on its device (only `names` are rebuilt if given and resident)."""
+    def load(self, names: Iterable[str] | None = None, only: bool = False) -> "RankReplica":
+        """Make the replica resident on its device (only `names` are rebuilt if given and resident).
+
+        only=True: copy just `names` to the device, resident or not (the others stay bound to
+        the base); sharded DiT blocks use it so a card never holds the whole model at once.
+        """
         with self._lock:
             if self._resident and self._patch_version == self.patches.version and names is None:
                 return self
-            sources = list(self._groups) if names is None or not self._resident else [
+            sources = list(self._groups) if names is None or not (self._resident or only) else [
                 s for s, group in self._groups.items() if any(n in group for n in names)]
             self._bind({s: self._materialize(s) for s in sources})
             for owner, leaf, buf in self._extra_buffers.values():

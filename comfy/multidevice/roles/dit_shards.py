@@ -1,0 +1,192 @@
+"""The DiT's role with `dit_weights="shard"`: every card keeps 1/W of the block weights.
+
+Every rank, card 0 included, runs a DiT built from the shared checkpoint base (the loader's
+file read once per process, or the loaded CPU weights zero-copy) with the MODEL's weight
+patches (a Turbo LoRA loaded before the node) applied by ComfyUI's own patch math
+(weights/replicas.py). Each card is given only the non-block weights and the block tensors
+its rank owns; the others are gathered block by block while the DiT runs
+(weights/block_shards.py). A card never holds a whole replica, not even while it is built.
+
+Rank 0's sharded DiT is also what ComfyUI loads on card 0: the node's MODEL output is a clone
+whose BaseModel is a shallow copy with that DiT in place of the full one, so ComfyUI's memory
+accounting sees the shard (the input MODEL is not changed). Its weight patches are already
+in the shard, so the clone carries none; a LoRA added after the node is refused, since it
+would reach card 0's shard only.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import uuid
+from typing import Sequence
+
+import torch
+
+from comfy.multidevice.comfy_objects import dit_module
+from comfy.multidevice.roles.plan import RolePlanError
+from comfy.multidevice.weights.block_shards import (BlockShardPlan, ShardedBlockWeights, block_tensors,
+                                                    tensor_nbytes)
+
+log = logging.getLogger(__name__)
+
+SHARD_NEEDS_BASE = ("dit_weights=shard builds every card's DiT from the shared checkpoint base; "
+                    "use dit_weights=replicate (or the INT8 DiT file) for this MODEL")
+
+
+def _blocks(model):
+    return model.blocks  # H3 contract: the transformer blocks are model.blocks[i]
+
+
+class DitShards:
+    """Per-rank sharded DiTs of a ComfyUI MODEL; `entries()` are what the SP adapter resolves."""
+
+    def __init__(self, primary, devices: Sequence[torch.device], coordinator, prefetch: bool = True,
+                 lane=None):
+        from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
+
+        self.devices = list(devices)
+        self.coordinator = coordinator
+        self.prefetch = prefetch
+        self.lane = lane  # a shared coordinator for the prefetches (roles/apply.py), or None
+        try:
+            self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
+        except Exception as exc:  # the base is what makes a card-by-card shard possible
+            raise RolePlanError(f"{SHARD_NEEDS_BASE} ({type(exc).__name__}: {exc})") from exc
+        replica = self.replicas[0]
+        names = list(replica.names)
+        self.num_blocks = len(_blocks(replica.module))
+        self.plan = BlockShardPlan.balanced(
+            [self._block_sizes(replica, i) for i in range(self.num_blocks)], len(self.devices))
+        self._block_names = {f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.nbytes[i]}
+        self._shared_names = [n for n in names if n not in self._block_names]
+        self.family: ShardedBlockWeights | None = None
+        self.output_model = None  # the BaseModel ComfyUI loads for rank 0 (sharded_primary)
+        self.patches_uuid = None  # the weight-patch set that BaseModel may carry: ours (none)
+
+    @staticmethod
+    def _block_sizes(replica, index: int) -> dict:
+        # bytes of each block tensor as the card will hold it (the loaded model's dtype); the
+        # replica is still bound to the base here
+        sizes = {}
+        for name, value in block_tensors(_blocks(replica.module)[index]).items():
+            full = f"blocks.{index}.{name}"
+            flattenable = hasattr(type(value), "__tensor_flatten__")  # e.g. a QuantizedTensor
+            sizes[name] = (tensor_nbytes(value) if flattenable
+                           else value.numel() * replica._target_dtype(full, value).itemsize)
+        return sizes
+
+    def keep_names(self, rank: int) -> list[str]:
+        """What card `rank` holds between blocks: the non-block weights and its own block tensors."""
+        owned = [f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.names_of(i, rank)]
+        return self._shared_names + owned
+
+    def load(self) -> ShardedBlockWeights:
+        """Make every card's shard resident (from RAM) and the block gathers ready."""
+        if self.family is None:
+            for rank, replica in enumerate(self.replicas):
+                replica.load(self.keep_names(rank), only=True)
+            lane, own_lane = self.lane, False
+            if lane is None and self.prefetch and len(self.devices) > 1:
+                from comfy.multidevice.comm.group import SequenceParallelCoordinator
+                lane, own_lane = SequenceParallelCoordinator(
+                    self.devices, backend=self.coordinator.backend_name, timeout_s=self.coordinator.timeout_s), True
+            self.family = ShardedBlockWeights([r.module for r in self.replicas], _blocks, self.devices,
+                                              lane=lane if self.prefetch else None, own_lane=own_lane,
+                                              timeout_s=self.coordinator.timeout_s, plan=self.plan)
+            log.info("DiT shards: %s", ", ".join(
+                f"{d}: {self.resident_bytes(r) / 2 ** 30:.2f} GiB" for r, d in enumerate(self.devices)))
+        return self.family
+
+    def refuse_patches_added_after(self) -> None:
+        """ComfyUI records on the BaseModel which patch set it applied to its weights; another
+        set than ours is a LoRA loader placed after the node, which would reach card 0 only."""
+        applied = getattr(self.output_model, "current_weight_patches_uuid", None)
+        # ComfyUI's low-VRAM load applies patches at compute time instead (per-layer lists)
+        lazy = any(getattr(m, attr, None) for m in self.module(0).modules()
+                   for attr in ("weight_function", "bias_function"))
+        if lazy or (applied is not None and applied != self.patches_uuid):
+            raise RolePlanError(
+                "the DiT carries weight patches added after MultiNPUParallelConfig (e.g. a LoRA "
+                "loader placed after it); with dit_weights=shard they would reach card 0's shard "
+                "only: place the LoRA loader before the node, or use dit_weights=replicate")
+
+    def resident_bytes(self, rank: int) -> int:
+        """Bytes copied to card `rank` for its shard (non-block weights + its block tensors; 0 on
+        a CPU rank in the stored dtype, which uses the base's memory in place)."""
+        return self.replicas[rank].resident_bytes
+
+    def module(self, rank: int):
+        return self.replicas[rank].module
+
+    def unload(self) -> int:
+        """Drop every card's shard (the base stays in RAM); return the bytes dropped."""
+        family, self.family = self.family, None
+        if family is not None:
+            family.close()
+        return self.replicas.unload()
+
+    def entries(self) -> list:
+        return [_RankShard(self, r) for r in range(len(self.devices))]
+
+
+class _RankShard:
+    """What the SP adapter resolves each forward: `.diffusion_model` of one rank."""
+
+    def __init__(self, shards: DitShards, rank: int):
+        self.shards = shards
+        self.rank = rank
+
+    @property
+    def diffusion_model(self):
+        if self.rank == 0:
+            self.shards.refuse_patches_added_after()
+        self.shards.load()
+        return self.shards.module(self.rank)
+
+
+def _base_model_with(base_model, diffusion_model):
+    """A shallow copy of a BaseModel whose diffusion_model is another module (the original is
+    untouched: its module tables are copied, not shared)."""
+    light = copy.copy(base_model)
+    if isinstance(base_model, torch.nn.Module):
+        for table in ("_modules", "_parameters", "_buffers"):
+            setattr(light, table, dict(getattr(base_model, table)))
+        light._modules["diffusion_model"] = diffusion_model
+    else:  # a stand-in object with its own attribute dict (tests)
+        light.diffusion_model = diffusion_model
+    # ComfyUI's load state of the original (weights loaded, patches applied) is not the copy's:
+    # left as it is, ComfyUI would skip loading the copy, and with it any patch added later.
+    for name, fresh in (("model_loaded_weight_memory", 0), ("model_offload_buffer_memory", 0),
+                        ("lowvram_patch_counter", 0), ("model_lowvram", False),
+                        ("current_weight_patches_uuid", None)):
+        if hasattr(base_model, name):
+            setattr(light, name, fresh)
+    return light
+
+
+def sharded_primary(model, devices, coordinator, prefetch: bool = True, lane=None):
+    """The MODEL output for dit_weights=shard: a clone that runs rank 0's shard on card 0, and
+    the DitShards behind every rank (rank 0 included)."""
+    primary = model.clone()
+    if getattr(primary, "load_device", devices[0]) != devices[0]:
+        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
+        primary.load_device = devices[0]
+    shards = DitShards(primary, devices, coordinator, prefetch, lane)
+    shards.load()  # before ComfyUI loads card 0: it must find the shard there, not a full DiT
+    primary.model = _base_model_with(primary.model, shards.module(0))
+    primary.size = 0  # ComfyUI's model_size() is recounted from the shard
+    # The patches are inside the shards already (ComfyUI's patch math on the base); a second
+    # application by ComfyUI would patch card 0's weights twice.
+    primary.patches = {}
+    primary.patches_uuid = uuid.uuid4()
+    primary.backup = {}
+    shards.output_model, shards.patches_uuid = primary.model, primary.patches_uuid
+    return primary, shards
+
+
+def check_shard_input(model) -> None:
+    """The checks dit_weights=shard needs before anything is cloned or moved."""
+    if not hasattr(dit_module(model), "blocks"):
+        raise RolePlanError(f"dit_weights=shard needs a DiT with transformer blocks at .blocks; "
+                            f"{type(dit_module(model)).__name__} has none: use dit_weights=replicate")

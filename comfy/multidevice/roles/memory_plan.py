@@ -1,0 +1,208 @@
+"""The memory plan: what each card will hold, against its free memory, before anything loads.
+
+Per card and per stage (ComfyUI runs the text encoder, then the DiT, then the VAE decode, and
+can evict one stage's models before the next loads):
+
+  text encoder   its share: 1/W of the language model when tensor parallel, else all of it
+  DiT            `replicate`: the whole DiT; `shard`: the non-block weights, the block tensors
+                 the card owns (the exact whole-tensor split of weights/block_shards.py) and
+                 two gathered blocks (the running one and the prefetch); plus the activation
+                 estimate for the planned sequence length (sp/cost_model.py)
+  VAE decode     a video VAE copy on every chunk card, the audio VAE on its card
+
+Sizes are counted from the objects themselves (bytes of their tensors). Free memory is the
+card's (cards only: CPU ranks are not checked). `auto` picks `shard` when sequence parallel
+is planned and a full replica plus the activations does not fit on some card.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from comfy.multidevice.comfy_objects import dit_module
+from comfy.multidevice.devices import free_memory_bytes
+from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
+from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
+from comfy.multidevice.weights.block_shards import (BlockShardPlan, DIT_WEIGHT_MODES, block_tensors,
+                                                    tensor_nbytes)
+
+log = logging.getLogger(__name__)
+
+GIB = 2 ** 30
+IN_FLIGHT_BLOCKS = 2  # the block running now and the next one's prefetch
+DEFAULT_PLAN_TOKENS = 109_952  # MiniMax-H3 at 768p, 15 s: the longest official workflow
+
+
+class MemoryPlanError(RolePlanError):
+    """A card cannot hold what the plan puts on it (the message names the card and the fixes)."""
+
+
+def _bytes(module) -> int:
+    if module is None:
+        return 0
+    try:
+        return sum(t.nbytes for t in module.state_dict().values())
+    except Exception:  # not a module: nothing to count
+        return 0
+
+
+def _clip_bytes(clip) -> int:
+    patcher = getattr(clip, "patcher", None)
+    size = getattr(patcher, "model_size", None)
+    if callable(size):
+        return int(size())
+    return _bytes(getattr(clip, "cond_stage_model", None))
+
+
+def dit_shape_of(dit) -> DiTShape | None:
+    """The sizes the activation estimate needs, read from the DiT's first block (H3 layout)."""
+    try:
+        block = dit.blocks[0]
+        hidden = block.attn.qkv_proj.weight.shape[1]
+        head_dim = block.attn.q_norm.weight.shape[0]
+        heads = block.attn.qkv_proj.weight.shape[0] // 3 // head_dim
+        ffn = block.mlp.fc2.weight.shape[1]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return DiTShape(hidden=hidden, blocks=len(dit.blocks), heads=heads, head_dim=head_dim, ffn=ffn)
+
+
+def _block_sizes(dit) -> list[dict]:
+    return [{n: tensor_nbytes(t) for n, t in block_tensors(block).items()} for block in dit.blocks]
+
+
+@dataclass
+class CardMemory:
+    device: object
+    free: int | None  # bytes; None: not known (CPU), not checked
+    stages: dict = field(default_factory=dict)  # stage -> {item: bytes}
+
+    def stage_total(self, stage: str) -> int:
+        return sum(self.stages.get(stage, {}).values())
+
+    @property
+    def peak_stage(self) -> tuple[str, int]:
+        return max(((s, self.stage_total(s)) for s in self.stages), key=lambda x: x[1], default=("", 0))
+
+
+@dataclass
+class MemoryPlan:
+    dit_weights: str
+    tokens: int
+    cards: list
+
+    def table(self) -> str:
+        """One line per card: each stage's GiB and the free GiB."""
+        lines = [f"memory plan (dit_weights={self.dit_weights}, {self.tokens} tokens):"]
+        for c in self.cards:
+            stages = ", ".join(
+                f"{s} {self.stage_total_gib(c, s):.2f} GiB ({' + '.join(f'{k} {v / GIB:.2f}' for k, v in items.items() if v)})"
+                for s, items in c.stages.items() if sum(items.values()))
+            free = "free unknown (not checked)" if c.free is None else f"free {c.free / GIB:.2f} GiB"
+            lines.append(f"  {c.device}: {stages or 'nothing'}; {free}")
+        return "\n".join(lines)
+
+    @staticmethod
+    def stage_total_gib(card: CardMemory, stage: str) -> float:
+        return card.stage_total(stage) / GIB
+
+    def problems(self) -> list[tuple[CardMemory, str, int]]:
+        """(card, stage, bytes needed) for every stage that does not fit its card's free memory."""
+        out = []
+        for c in self.cards:
+            if c.free is None:
+                continue
+            for stage in c.stages:
+                need = c.stage_total(stage)
+                if need > c.free:
+                    out.append((c, stage, need))
+        return out
+
+    def check(self) -> None:
+        """Raise MemoryPlanError naming the first card and stage that do not fit, and the fixes."""
+        problems = self.problems()
+        if not problems:
+            return
+        card, stage, need = problems[0]
+        fixes = {
+            "DiT": ("use the INT8 DiT file"
+                    + (", dit_weights=shard" if self.dit_weights == "replicate" and len(self.cards) > 1 else "")
+                    + ", more cards (npu_count), or fewer frames / a lower resolution (plan_tokens "
+                      f"{self.tokens})"),
+            "text encoder": "use the NVFP4 text encoder file or more cards (npu_count)",
+            "VAE decode": "use the INT8 video VAE file or free the card",
+        }
+        raise MemoryPlanError(
+            f"{card.device} cannot hold the {stage} stage: it needs {need / GIB:.2f} GiB "
+            f"({', '.join(f'{k} {v / GIB:.2f} GiB' for k, v in card.stages[stage].items() if v)}) "
+            f"and has {card.free / GIB:.2f} GiB free. Fix: {fixes.get(stage, 'free the card')}.\n"
+            f"{self.table()}")
+
+
+def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: str = "auto",
+                tokens: int = DEFAULT_PLAN_TOKENS, free: dict | None = None) -> MemoryPlan:
+    """The per-card memory plan for a role plan; `auto` resolved. `free` overrides the probed
+    free bytes per device name (tests)."""
+    if dit_weights not in DIT_WEIGHT_MODES:
+        raise ValueError(f"dit_weights={dit_weights!r} is unknown: use one of {', '.join(DIT_WEIGHT_MODES)}")
+    if int(tokens) < 1:
+        raise ValueError(f"plan_tokens={tokens} must be >= 1: the longest packed sequence you will sample "
+                         f"({DEFAULT_PLAN_TOKENS} = 768p 15 s)")
+    sequence_parallel = plan.dit.mode == SEQUENCE_PARALLEL
+    if dit_weights == "shard" and not sequence_parallel:
+        raise ValueError(f"dit_weights='shard' needs the DiT sequence parallel over several cards, but "
+                         f"npu_count {plan.n_cards} runs it on one card: use npu_count 4 or 8, or "
+                         "dit_weights replicate/auto")
+    if dit_weights == "shard" and not hasattr(dit_module(model), "blocks"):
+        raise ValueError("dit_weights='shard' needs a DiT with transformer blocks at .blocks: use replicate")
+    if dit_weights == "auto":
+        chosen = "replicate"
+        if sequence_parallel and plan.n_cards > 1:
+            trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free)
+            if any(stage == "DiT" for _, stage, _ in trial.problems()):
+                chosen = "shard"
+        dit_weights = chosen
+    return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free)
+
+
+def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free) -> MemoryPlan:
+    cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
+             for d in devices]
+    dit = dit_module(model)
+    dit_bytes = _bytes(dit)
+    shape = dit_shape_of(dit)
+    dit_cards = list(plan.dit.cards)
+    world = len(dit_cards) if plan.dit.mode == SEQUENCE_PARALLEL else 1
+    act = activation_bytes(shape, tokens, world) if shape is not None else 0
+    if dit_weights == "shard":
+        sizes = _block_sizes(dit)
+        shard_plan = BlockShardPlan.balanced(sizes, world)
+        block_total = sum(shard_plan.block_bytes(i) for i in range(len(sizes)))
+        gathered = IN_FLIGHT_BLOCKS * max(shard_plan.block_bytes(i) for i in range(len(sizes)))
+        for rank, c in enumerate(dit_cards):
+            cards[c].stages["DiT"] = {"non-block weights": dit_bytes - block_total,
+                                      "own blocks": shard_plan.owned_bytes(rank),
+                                      "gathered blocks": gathered, "activations": act}
+    else:
+        for c in dit_cards:
+            cards[c].stages["DiT"] = {"weights": dit_bytes, "activations": act}
+    from comfy.multidevice.roles.apply import _has_chunk_interface, text_encoder_split_problem
+
+    te_bytes = _clip_bytes(clip)
+    te_cards = list(plan.text_encoder.cards)
+    if plan.text_encoder.mode == TENSOR_PARALLEL and text_encoder_split_problem(clip, len(te_cards)) is None:
+        for c in te_cards:
+            cards[c].stages["text encoder"] = {"weights": te_bytes // len(te_cards)}
+    else:  # one card, or an encoder that stays on card 0 (apply.py says why in the log)
+        cards[te_cards[0]].stages["text encoder"] = {"weights": te_bytes}
+    video = _bytes(getattr(video_vae, "first_stage_model", None))
+    audio = _bytes(getattr(audio_vae, "first_stage_model", None))
+    video_cards = list(plan.video_vae.cards)
+    if plan.video_vae.mode == TEMPORAL_CHUNKS and not _has_chunk_interface(video_vae):
+        video_cards = [plan.video_vae.merge_card or 0]  # it decodes on the merge card only
+    for c in video_cards:
+        cards[c].stages.setdefault("VAE decode", {})["video VAE"] = video
+    for c in plan.audio_vae.cards:
+        cards[c].stages.setdefault("VAE decode", {})["audio VAE"] = audio
+    return MemoryPlan(dit_weights, int(tokens), cards)

@@ -1,0 +1,431 @@
+"""DiT block weights sharded across the ranks (`dit_weights="shard"`), exact.
+
+Each rank keeps only the block tensors it owns; just before block i runs, the ranks gather
+block i's tensors, and after the block the gathered copies are dropped again. Everything
+outside the blocks (embeddings, text refiner, final layer) stays on every rank.
+
+- Ownership is by whole tensor: a quantized weight keeps its data and scales together and a
+  LoRA-patched weight is sent exactly as its owner holds it, so the gathered block is
+  bit-identical to a full replica's. Tensors go to the least-loaded rank, largest first, over
+  all blocks at once, so the resident bytes are balanced across the ranks.
+- The gather is one all-gather-V of a flat byte buffer per block through a `Communicator`
+  (peer, HCCL, NCCL or torch.distributed all work): rank r contributes the bytes of the tensors
+  it owns in block i, in a fixed order every rank knows, and unpacks the others' from the
+  result. Tensor subclasses that follow torch's `__tensor_flatten__` protocol (upstream's
+  `QuantizedTensor`) are sent as their inner tensors and rebuilt on the receiver.
+- Prefetch: with a `lane` (a second coordinator over the same cards: its rank threads are the
+  helper threads) block i+1's gather runs there while block i computes on the rank threads.
+  Without one, each rank gathers through its own communicator just before the block.
+
+The owner reads its tensors from the module at gather time, so a weight that ComfyUI patched
+or moved after set-up is sent as it is now.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from comfy.multidevice.devices import accelerator_api
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # bytes: every tensor starts aligned in the flat buffer, so `.view(dtype)` is legal
+DIT_WEIGHT_MODES = ("replicate", "shard", "auto")
+
+
+class BlockShardError(RuntimeError):
+    """The sharded block weights cannot serve this forward (the message says why and what to do)."""
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ----------------------------------------------------------------------------- tensor layout
+
+def _flattenable(value: torch.Tensor) -> bool:
+    """A tensor subclass made of inner tensors (torch's __tensor_flatten__ protocol)."""
+    return hasattr(type(value), "__tensor_flatten__")
+
+
+def _leaves(value: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that make up `value` (its inner tensors for a flattenable subclass)."""
+    if _flattenable(value):
+        names, _ = value.__tensor_flatten__()
+        return [leaf for name in names for leaf in _leaves(getattr(value, name))]
+    return [value.detach()]
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    return sum(leaf.numel() * leaf.element_size() for leaf in _leaves(value))
+
+
+@dataclass(frozen=True)
+class _LeafSpec:
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class _TensorSpec:
+    """How to send one block tensor and rebuild it on a receiver (plain or flattenable)."""
+
+    def __init__(self, name: str, value: torch.Tensor, is_parameter: bool):
+        self.name = name
+        self.is_parameter = is_parameter
+        self.leaves = [_LeafSpec(tuple(t.shape), t.dtype) for t in _leaves(value)]
+        self.nbytes = sum(leaf.nbytes for leaf in self.leaves)
+        # other subclasses (e.g. our read-only base views) arrive as plain tensors, same values
+        self._rebuild = self._rebuild_fn(value) if _flattenable(value) else None
+
+    @staticmethod
+    def _rebuild_fn(value) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        names, ctx = value.__tensor_flatten__()
+        # per inner tensor: how many leaves it takes and how to rebuild it (None: one plain
+        # leaf); the structure only, so the set-up's tensors are not kept alive
+        parts = []
+        for name in names:
+            sub = getattr(value, name)
+            parts.append((name, len(_leaves(sub)), _TensorSpec._rebuild_fn(sub) if _flattenable(sub) else None))
+        size, stride, cls = value.size(), value.stride(), type(value)
+
+        def rebuild(leaves: list[torch.Tensor]) -> torch.Tensor:
+            inner, at = {}, 0
+            for name, n, sub_rebuild in parts:
+                inner[name] = leaves[at] if sub_rebuild is None else sub_rebuild(leaves[at:at + n])
+                at += n
+            return cls.__tensor_unflatten__(inner, ctx, size, stride)
+        return rebuild
+
+    def check(self, value: torch.Tensor, where: str) -> list[torch.Tensor]:
+        leaves = _leaves(value)
+        have = [_LeafSpec(tuple(t.shape), t.dtype) for t in leaves]
+        if have != self.leaves:
+            raise BlockShardError(
+                f"{where}: block weight {self.name!r} changed its layout since the shards were made "
+                f"({have} instead of {self.leaves}); run the node again after changing the model")
+        return leaves
+
+    def rebuild(self, leaves: list[torch.Tensor]) -> torch.Tensor:
+        if self._rebuild is None:
+            value = leaves[0]
+        else:  # a subclass may check its inner tensors' storage offsets: each gets its own storage
+            value = self._rebuild([leaf.clone() for leaf in leaves])
+        return torch.nn.Parameter(value, requires_grad=False) if self.is_parameter else value
+
+
+def _block_slots(block: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, bool]]:
+    """name -> (owning submodule, attribute, is_parameter) for every parameter and persistent
+    buffer of a block: the tensors it really holds (a quantized layer's state dict lists its
+    scales under names of their own, but holds them inside its weight)."""
+    slots = {}
+    for path, module in block.named_modules():
+        prefix = f"{path}." if path else ""
+        for leaf, value in module._parameters.items():
+            if value is not None:
+                slots[prefix + leaf] = (module, leaf, True)
+        for leaf, value in module._buffers.items():
+            if value is not None and leaf not in module._non_persistent_buffers_set:
+                slots[prefix + leaf] = (module, leaf, False)
+    return slots
+
+
+def block_tensors(block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a block holds, by the names the shards use (see _block_slots)."""
+    return {name: _get(slot) for name, slot in _block_slots(block).items()}
+
+
+def tensor_nbytes(value: torch.Tensor) -> int:
+    """Bytes of a tensor, or of a flattenable subclass's inner tensors."""
+    return _nbytes(value)
+
+
+def _get(slot) -> torch.Tensor:
+    owner, leaf, is_param = slot
+    return (owner._parameters if is_param else owner._buffers)[leaf]
+
+
+def _set(slot, value) -> None:
+    owner, leaf, is_param = slot
+    (owner._parameters if is_param else owner._buffers)[leaf] = value
+
+
+# ----------------------------------------------------------------------------- ownership
+
+@dataclass(frozen=True)
+class BlockShardPlan:
+    """owner[i][name] = the rank that keeps tensor `name` of block i (whole tensors)."""
+
+    world_size: int
+    owner: tuple  # per block: {name: rank}
+    nbytes: tuple  # per block: {name: bytes}
+
+    @staticmethod
+    def balanced(block_bytes: Sequence[dict], world_size: int) -> "BlockShardPlan":
+        """Largest tensor first to the least-loaded rank (ties: the lower rank), over all blocks."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        load = [0] * world_size
+        owner = [dict() for _ in block_bytes]
+        items = sorted(((n, i, name) for i, b in enumerate(block_bytes) for name, n in b.items()),
+                       key=lambda x: (-x[0], x[1], x[2]))
+        for n, i, name in items:
+            r = min(range(world_size), key=lambda k: (load[k], k))
+            owner[i][name] = r
+            load[r] += n
+        return BlockShardPlan(world_size, tuple(owner), tuple(dict(b) for b in block_bytes))
+
+    def owned_bytes(self, rank: int) -> int:
+        return sum(n for own, nb in zip(self.owner, self.nbytes) for name, n in nb.items() if own[name] == rank)
+
+    def block_bytes(self, index: int) -> int:
+        return sum(self.nbytes[index].values())
+
+    def names_of(self, index: int, rank: int) -> list[str]:
+        """Block `index`'s tensors owned by `rank`, in the order they are packed."""
+        return [name for name in self.nbytes[index] if self.owner[index][name] == rank]
+
+
+# ----------------------------------------------------------------------------- the family
+
+class ShardedBlockWeights:
+    """The block weights of W per-rank DiT modules, sharded: one object for all ranks.
+
+    models[r]   rank r's DiT module (on its card); the block tensors rank r does not own are
+                dropped from it here (an empty placeholder stays in their slot, so running a
+                block without its gather fails loudly). None for a rank of another process
+                (one process per rank, torchrun): this process serves its own ranks only.
+    devices[r]  rank r's device (None where models[r] is None).
+    plan        who owns what; None: balanced over the first local model's tensors (then the
+                local models must hold every tensor now). With a plan, a rank need only hold
+                the tensors it owns.
+    blocks_of   module -> its sequence of transformer blocks (H3 contract: `model.blocks`).
+    lane        None, or an object with `run(fn, per_rank_args)` over the same devices
+                (a second coordinator): block i+1's gather is then prefetched there; closed
+                by `close()` when `own_lane` (a shared one is left running).
+    timeout_s   how long a rank waits for a prefetched gather before it raises.
+    """
+
+    def __init__(self, models: Sequence[torch.nn.Module], blocks_of: Callable[[Any], Sequence],
+                 devices: Sequence[torch.device], lane=None, timeout_s: float = 600.0,
+                 plan: "BlockShardPlan | None" = None, own_lane: bool = True):
+        if len(models) != len(devices):
+            raise ValueError(f"ShardedBlockWeights got {len(models)} models for {len(devices)} devices")
+        self.models = list(models)
+        self.devices = list(devices)
+        self.world_size = len(self.models)
+        self.blocks_of = blocks_of
+        self.timeout_s = timeout_s
+        self.local_ranks = [r for r, m in enumerate(self.models) if m is not None]
+        if not self.local_ranks:
+            raise ValueError("ShardedBlockWeights needs the model of at least one rank of this process")
+        if lane is not None and len(self.local_ranks) != self.world_size:
+            raise ValueError("a prefetch lane needs every rank in this process; pass lane=None")
+        first = self.local_ranks[0]
+        self.num_blocks = len(list(blocks_of(self.models[first])))
+        self._slots = [None] * self.world_size  # per local rank, per block: {name: slot}
+        for r in self.local_ranks:
+            blocks = list(blocks_of(self.models[r]))
+            if len(blocks) != self.num_blocks:
+                raise ValueError(f"rank {r}'s model has {len(blocks)} blocks, rank {first}'s {self.num_blocks}")
+            self._slots[r] = [_block_slots(b) for b in blocks]
+            for i, slots in enumerate(self._slots[r]):
+                if list(slots) != list(self._slots[first][i]):
+                    raise ValueError(f"rank {r}'s block {i} has other tensors than rank {first}'s")
+        if plan is None:  # the local models hold every tensor now: their sizes
+            plan = BlockShardPlan.balanced(
+                [{n: _nbytes(_get(slot)) for n, slot in slots.items()} for slots in self._slots[first]],
+                self.world_size)
+        elif plan.world_size != self.world_size or len(plan.owner) != self.num_blocks:
+            raise ValueError(f"the shard plan is for {plan.world_size} ranks and {len(plan.owner)} "
+                             f"blocks, the models are {self.world_size} ranks of {self.num_blocks} blocks")
+        self.plan = plan
+        # What each tensor looks like, read from its owner (the only rank that must hold it now),
+        # or, for an owner in another process, from a local model that still holds it all.
+        def source(i, name):
+            owner = plan.owner[i][name]
+            return self._slots[owner if self._slots[owner] is not None else first][i][name]
+        self.specs = [{name: _TensorSpec(name, _get(source(i, name)), slot[2]) for name, slot in slots.items()}
+                      for i, slots in enumerate(self._slots[first])]
+        self._drop_unowned()
+        self.lane = lane
+        self._own_lane = own_lane  # close() closes the lane only when it was made for this family
+        self._lock = threading.Lock()
+        self._pending: dict = {}  # (generation, block) -> [Future, ranks that took their part]
+        self._generation = [0] * self.world_size
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="block-gather") if lane is not None else None
+        self.gathered_bytes = [0] * self.world_size  # bytes each rank received in gathers, cumulative
+        self._streams: dict = {}  # rank -> the side stream of its prefetches (cards only)
+
+    # -- set-up
+    def _drop_unowned(self) -> None:
+        for r in self.local_ranks:
+            for i, slots in enumerate(self._slots[r]):
+                for name, slot in slots.items():
+                    if self.plan.owner[i][name] != r:
+                        _set(slot, self._placeholder(i, name, r))
+
+    def _placeholder(self, index: int, name: str, rank: int):
+        spec = self.specs[index][name]
+        empty = torch.empty(0, dtype=spec.leaves[0].dtype, device=self.devices[rank])
+        return torch.nn.Parameter(empty, requires_grad=False) if spec.is_parameter else empty
+
+    def resident_bytes(self, rank: int) -> int:
+        """Bytes of block tensors rank `rank` keeps between blocks (what it owns)."""
+        return self.plan.owned_bytes(rank)
+
+    def rank_view(self, rank: int) -> "RankBlockWeights":
+        return RankBlockWeights(self, rank)
+
+    # -- one gather (runs on a rank thread of the lane, or on the rank's own thread)
+    def _pack(self, rank: int, index: int) -> torch.Tensor:
+        names = self.plan.names_of(index, rank)
+        where = f"rank {rank}, block {index}"
+        parts = []
+        for name in names:
+            for leaf in self.specs[index][name].check(_get(self._slots[rank][index][name]), where):
+                raw = leaf.contiguous().view(-1).view(torch.uint8)
+                parts.append(raw.to(self.devices[rank]))
+                pad = _aligned(raw.numel()) - raw.numel()
+                if pad:
+                    parts.append(torch.zeros(pad, dtype=torch.uint8, device=self.devices[rank]))
+        if not parts:
+            return torch.empty(0, dtype=torch.uint8, device=self.devices[rank])
+        return torch.cat(parts)
+
+    def gather(self, rank: int, comm, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Block `index`'s tensors this rank does not own, received from their owners (exact),
+        and the flat buffer they are views of."""
+        flat = comm.exchange([self._pack(rank, index)], 0)[0]
+        out, at = {}, 0
+        for owner in range(self.world_size):
+            for name in self.plan.names_of(index, owner):
+                spec = self.specs[index][name]
+                leaves = []
+                for leaf in spec.leaves:
+                    if owner != rank:
+                        raw = flat.narrow(0, at, leaf.nbytes)
+                        leaves.append(raw.view(leaf.dtype).view(leaf.shape))
+                    at += _aligned(leaf.nbytes)
+                if owner != rank:
+                    out[name] = spec.rebuild(leaves)
+        if at != flat.numel():
+            raise BlockShardError(f"rank {rank}, block {index}: gathered {flat.numel()} bytes, "
+                                  f"the shard plan expects {at}")
+        self.gathered_bytes[rank] += sum(self.specs[index][n].nbytes for n in out)
+        return out, flat
+
+    def _gather_on_side_stream(self, rank: int, comm, index: int):
+        # On a card the prefetch runs on its own stream so it overlaps the block's kernels; the
+        # collective synchronizes that stream before it returns (comm/ backends), and the stream
+        # is synchronized here once more so the rank thread can use the result at once.
+        device = self.devices[rank]
+        api = accelerator_api(device.type)
+        if api is None:
+            return self.gather(rank, comm, index)
+        stream = self._streams.get(rank)
+        if stream is None:
+            stream = self._streams[rank] = api.Stream(device)
+        with api.stream(stream):
+            result = self.gather(rank, comm, index)
+        stream.synchronize()
+        return result
+
+    # -- prefetch on the lane
+    def _submit(self, key) -> Future:
+        index = key[1]
+
+        def on_lane():
+            return self.lane.run(lambda rank, comm: self._gather_on_side_stream(rank, comm, index))
+        return self._executor.submit(on_lane)
+
+    def request(self, rank: int, index: int) -> None:
+        """Make sure block `index`'s gather (of this rank's current forward) is under way."""
+        if self.lane is None or not 0 <= index < self.num_blocks:
+            return
+        key = (self._generation[rank], index)
+        with self._lock:
+            if key not in self._pending:
+                self._pending[key] = [self._submit(key), set()]
+
+    def take(self, rank: int, comm, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Block `index`'s tensors this rank does not own (from the prefetch when there is one)."""
+        if self.lane is None:
+            return self.gather(rank, comm, index)
+        self.request(rank, index)
+        key = (self._generation[rank], index)
+        with self._lock:
+            entry = self._pending[key]
+        try:
+            results = entry[0].result(timeout=self.timeout_s)
+        except TimeoutError as exc:
+            raise BlockShardError(f"rank {rank}: block {index}'s weights did not arrive within "
+                                  f"{self.timeout_s:.0f} s") from exc
+        with self._lock:
+            entry[1].add(rank)
+            if len(entry[1]) == self.world_size:
+                self._pending.pop(key, None)  # every rank has its part: the family keeps nothing
+        return results[rank]
+
+    def begin_forward(self, rank: int) -> None:
+        """A new forward on `rank`: its requests count from block 0 again; stale gathers go."""
+        self._generation[rank] += 1
+        oldest = min(self._generation[r] for r in self.local_ranks)
+        with self._lock:
+            for key in [k for k in self._pending if k[0] < oldest]:
+                self._pending.pop(key)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._own_lane and self.lane is not None and callable(getattr(self.lane, "close", None)):
+            self.lane.close()
+
+
+class RankBlockWeights:
+    """One rank's handle: `with weights.block(i, comm):` binds block i's gathered tensors."""
+
+    def __init__(self, family: ShardedBlockWeights, rank: int):
+        self.family = family
+        self.rank = rank
+
+    @property
+    def model(self):
+        return self.family.models[self.rank]
+
+    def begin_forward(self) -> None:
+        self.family.begin_forward(self.rank)
+
+    def bind(self, index: int, comm) -> None:
+        family = self.family
+        gathered, flat = family.take(self.rank, comm, index)
+        family.request(self.rank, index + 1)  # block i+1 travels while block i computes
+        device = family.devices[self.rank]
+        api = accelerator_api(device.type)
+        if api is not None and flat.numel():
+            # made on the prefetch stream, used on this one: the allocator must not hand the
+            # memory to the next prefetch before this stream is done with it
+            flat.record_stream(api.current_stream(device))
+        slots = family._slots[self.rank][index]
+        for name, value in gathered.items():
+            _set(slots[name], value)
+
+    def release(self, index: int) -> None:
+        family = self.family
+        slots = family._slots[self.rank][index]
+        for name in slots:
+            if family.plan.owner[index][name] != self.rank:
+                _set(slots[name], family._placeholder(index, name, self.rank))

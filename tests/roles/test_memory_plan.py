@@ -1,0 +1,163 @@
+"""The memory plan (roles/memory_plan.py) and dit_weights through the node's configure_parallel.
+
+Sizes are the objects' own tensor bytes; free memory is given per device name (CPU ranks have
+no free-memory figure, so these tests pass it in). `shard` against `replicate` through the
+node: bit-identical (torch.equal).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from comfy.multidevice.roles import apply as roles_apply
+from comfy.multidevice.roles.memory_plan import (IN_FLIGHT_BLOCKS, MemoryPlanError, dit_shape_of,
+                                                 plan_memory)
+from comfy.multidevice.roles.plan import plan_roles
+from comfy.multidevice.sp.cost_model import activation_bytes
+from comfy_extras.nodes_multinpu import configure_parallel
+from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture)
+from tests.sp_cases import make_inputs, tiny_model
+from tests.test_nodes_multinpu import FakeModelPatcher, inputs, run_dit
+from tests.tp.test_tensor_parallel import WrappedWeight
+
+CPU4 = [torch.device("cpu")] * 4
+TOKENS = 1000
+
+
+@pytest.fixture(autouse=True)
+def close_coordinators():
+    yield
+    roles_apply.close_shared_coordinators()
+
+
+def nbytes(module) -> int:
+    return sum(t.nbytes for t in module.state_dict().values())
+
+
+def test_dit_stage_counts_the_weights_and_the_activation_estimate():
+    model, clip, video, audio = inputs()
+    dit = model.model.diffusion_model
+    memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="replicate", tokens=TOKENS)
+    act = activation_bytes(dit_shape_of(dit), TOKENS, 4)
+    assert act > 0
+    for card in memory.cards:
+        assert card.stages["DiT"] == {"weights": nbytes(dit), "activations": act}
+        assert card.free is None  # CPU: not checked
+    assert memory.problems() == [] and memory.dit_weights == "replicate"
+
+    shard = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="shard", tokens=TOKENS)
+    blocks = sum(nbytes(b) for b in dit.blocks)
+    largest = max(nbytes(b) for b in dit.blocks)
+    owned = [c.stages["DiT"]["own blocks"] for c in shard.cards]
+    assert sum(owned) == blocks
+    for card in shard.cards:
+        items = card.stages["DiT"]
+        assert items["non-block weights"] == nbytes(dit) - blocks
+        assert items["gathered blocks"] == IN_FLIGHT_BLOCKS * largest
+        assert card.stage_total("DiT") < nbytes(dit) + act
+
+
+def test_text_encoder_share_and_vae_copies_follow_what_apply_will_do():
+    model, clip, video, audio = inputs()
+    te = sum(t.nbytes for t in clip.cond_stage_model.state_dict().values())
+    memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=TOKENS)
+    assert [c.stages["text encoder"]["weights"] for c in memory.cards] == [te // 4] * 4
+    assert all("video VAE" in c.stages["VAE decode"] for c in memory.cards)  # a copy per chunk card
+    assert "audio VAE" in memory.cards[3].stages["VAE decode"]
+    # a quantized encoder cannot be sliced: apply keeps it whole on card 0, and so does the plan
+    proj = clip.cond_stage_model.qwen3vl_32b.transformer.model.layers[0].mlp.up_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().as_subclass(WrappedWeight), requires_grad=False)
+    memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=TOKENS)
+    assert memory.cards[0].stages["text encoder"]["weights"] == te
+    assert all("text encoder" not in c.stages for c in memory.cards[1:])
+
+
+def test_auto_shards_only_when_a_replica_does_not_fit():
+    model, clip, video, audio = inputs()
+    dit = model.model.diffusion_model
+    act = activation_bytes(dit_shape_of(dit), TOKENS, 4)
+    replica_stage = nbytes(dit) + act
+    roomy = {"cpu": replica_stage + 1}
+    tight = {"cpu": replica_stage - 1}
+    plan = plan_roles(4)
+    assert plan_memory(plan, CPU4, model, clip, video, audio, tokens=TOKENS, free=roomy).dit_weights == "replicate"
+    assert plan_memory(plan, CPU4, model, clip, video, audio, tokens=TOKENS, free=tight).dit_weights == "shard"
+    assert plan_memory(plan, CPU4, model, clip, video, audio, tokens=TOKENS).dit_weights == "replicate"  # unknown
+    # one card: nothing to shard across
+    assert plan_memory(plan_roles(1), CPU4[:1], model, clip, video, audio, tokens=TOKENS,
+                       free=tight).dit_weights == "replicate"
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_anything_is_touched(fake_patcher_extension, caplog):  # noqa: F811
+    model, clip, video, audio = inputs()
+    dit = model.model.diffusion_model
+    before = {n: t.clone() for n, t in dit.state_dict().items()}
+    caplog.set_level(logging.INFO)
+    with pytest.raises(MemoryPlanError) as err:
+        configure_parallel(model, clip, video, audio, npu_count=4, device_kind="cpu",
+                           dit_weights="replicate", plan_tokens=TOKENS, free_memory={"cpu": nbytes(dit) // 2})
+    text = str(err.value)
+    assert "cpu cannot hold the DiT stage" in text and "GiB free" in text
+    assert "INT8 DiT file" in text and "dit_weights=shard" in text and f"plan_tokens {TOKENS}" in text
+    assert "memory plan (dit_weights=replicate" in text  # the table comes with the error
+    assert model.wrappers == {} and all(torch.equal(before[n], t) for n, t in dit.state_dict().items())
+    assert roles_apply._COORDINATORS == {}  # no rank thread was started
+
+
+def test_bad_values_are_clear_errors():
+    model, clip, video, audio = inputs()
+    with pytest.raises(ValueError, match="dit_weights='halves' is unknown"):
+        plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="halves")
+    with pytest.raises(ValueError, match="needs the DiT sequence parallel.*npu_count 2"):
+        plan_memory(plan_roles(2), CPU4[:2], model, clip, video, audio, dit_weights="shard")
+    with pytest.raises(ValueError, match="plan_tokens=0"):
+        plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=0)
+
+
+def test_the_table_is_logged(fake_patcher_extension, caplog):  # noqa: F811
+    model, clip, video, audio = inputs()
+    caplog.set_level(logging.INFO)
+    configure_parallel(model, clip, video, audio, npu_count=4, device_kind="cpu", plan_tokens=TOKENS)
+    text = caplog.text
+    assert "memory plan (dit_weights=replicate, 1000 tokens)" in text
+    assert text.count("cpu: ") >= 4 and "DiT" in text and "text encoder" in text and "VAE decode" in text
+
+
+@pytest.mark.parametrize("as_patcher", [True, False], ids=["model_patcher", "dit_module"])
+def test_shard_through_the_node_is_bit_identical_to_replicate(as_patcher, fake_patcher_extension):  # noqa: F811
+    dit = tiny_model(seed=6)
+    outs = {}
+    for mode in ("replicate", "shard"):
+        model = FakeModelPatcher(dit) if as_patcher else dit
+        _, clip, video, audio = inputs()
+        p_model, *_ = configure_parallel(model, clip, video, audio, npu_count=4, device_kind="cpu",
+                                         dit_weights=mode, plan_tokens=TOKENS)
+        with torch.inference_mode():
+            outs[mode] = [run_dit(p_model, *make_inputs(case, seed=1)[:3], make_inputs(case, seed=1)[3])
+                          for case in ("plain", "masked")]
+        if mode == "shard" and as_patcher:
+            shards = p_model.multinpu_dit_shards
+            assert p_model.model.diffusion_model is shards.module(0) is not dit
+            assert all(shards.resident_bytes(r) < nbytes(dit) for r in range(4))
+            shards.family.close()
+        elif mode == "shard":
+            p_model.close()
+    assert all(torch.equal(a, b) for ra, rb in zip(outs["replicate"], outs["shard"]) for a, b in zip(ra, rb))
+    assert all(t.numel() > 0 for t in dit.state_dict().values())  # the input DiT keeps its weights
+
+
+def test_the_prefetch_lane_is_one_shared_coordinator_across_node_runs(fake_patcher_extension):  # noqa: F811
+    model, clip, video, audio = inputs()
+    lanes = []
+    for _ in range(2):
+        p_model, *_ = configure_parallel(model, clip, video, audio, npu_count=4, device_kind="cpu",
+                                         dit_weights="shard", plan_tokens=TOKENS)
+        family = p_model.multinpu_dit_shards.family
+        lanes.append(family.lane)
+        family.close()  # the family's own executor; the shared lane keeps running
+        assert not family.lane.closed
+    assert lanes[0] is lanes[1]
+    assert sorted(key[2] for key in roles_apply._COORDINATORS) == ["block weights", "roles"]

@@ -1,0 +1,290 @@
+"""Sharded DiT block weights (`dit_weights="shard"`) against full replicas of the same model.
+
+Tolerance: none. `shard` runs the same sequence-parallel computation as `replicate` with the
+same tensors (gathered byte for byte from their owners), so the outputs must be bit-identical
+(`torch.equal`), at W 2/3/4, fp32 and bf16, with and without prefetch, and with a LoRA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
+from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.weights.block_shards import BlockShardError, BlockShardPlan, ShardedBlockWeights
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+from comfy.multidevice.weights.replicas import RankReplicas
+from tests.sp_cases import make_inputs, replicas, tiny_model
+
+
+def run(models, world, dit_weights, cases=("plain", "masked", "tiny"), prefetch=True, backend="peer",
+        forwards=2):
+    outs = []
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30) as coord:
+        sp = enable_sequence_parallel(models, coord, dit_weights=dit_weights, prefetch=prefetch)
+        try:
+            with torch.inference_mode():
+                for case in cases:
+                    x, t, ctx, kw = make_inputs(case)
+                    outs.extend(sp(x, t, ctx, **kw) for _ in range(forwards))
+        finally:
+            sp.close()
+    return outs, sp
+
+
+def identical(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shard_is_bit_identical_to_replicate(world, dtype):
+    model = tiny_model(dtype, seed=2)
+    ref, _ = run(replicas(model, world), world, "replicate")
+    for prefetch in (True, False):
+        out, sp = run(replicas(model, world), world, "shard", prefetch=prefetch)
+        assert identical(out, ref), f"W={world} {dtype} prefetch={prefetch}"
+        family = sp.block_weights
+        total = sum(family.plan.block_bytes(i) for i in range(family.num_blocks))
+        # every rank received exactly the block bytes it does not own, in every forward
+        forwards = 3 * 2
+        assert family.gathered_bytes == [forwards * (total - family.resident_bytes(r)) for r in range(world)]
+
+
+def test_shard_over_the_fake_hccl_backend(use_fake_hccl):
+    model = tiny_model(seed=4)
+    ref, _ = run(replicas(model, 4), 4, "replicate", cases=("plain",), backend="hccl")
+    out, _ = run(replicas(model, 4), 4, "shard", cases=("plain",), backend="hccl")
+    assert identical(out, ref)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_with_a_lora_on_replicas_from_the_base(world):
+    """LoRA deltas applied by the replica family on every rank, then sharded: owners send the
+    patched weights, so `shard` equals `replicate` with the same LoRA (and differs from no LoRA)."""
+    model = tiny_model(seed=5)
+    base = SharedCheckpoint.from_state_dict(model.state_dict(), copy=True, label="tiny DiT")
+    g = torch.Generator().manual_seed(9)
+    targets = [n for n in model.state_dict() if n.startswith("blocks.") and n.endswith(("qkv_proj.weight", "fc2.weight"))]
+    deltas = {}
+    for name in targets:
+        out_f, in_f = model.state_dict()[name].shape
+        deltas[name] = torch.randn(out_f, 2, generator=g) @ torch.randn(2, in_f, generator=g) * 0.05
+
+    def family(lora: bool):
+        reps = RankReplicas(base, ["cpu"] * world, template=model, load=False)
+        if lora:
+            reps.add_patches(deltas, strength=0.8)
+        reps.load()
+        return [r.module for r in reps]
+
+    plain, _ = run(family(False), world, "replicate", cases=("plain",))
+    ref, _ = run(family(True), world, "replicate", cases=("plain",))
+    out, _ = run(family(True), world, "shard", cases=("plain",))
+    assert not identical(plain, ref)  # the LoRA changes the result
+    assert identical(out, ref)
+
+
+def test_resident_block_bytes_are_balanced_and_every_tensor_has_one_owner():
+    model = tiny_model(seed=0)
+    world = 4
+    models = replicas(model, world)
+    family = ShardedBlockWeights(models, lambda m: m.blocks, [torch.device("cpu")] * world)
+    total = sum(family.plan.block_bytes(i) for i in range(family.num_blocks))
+    largest = max(n for nb in family.plan.nbytes for n in nb.values())
+    assert sum(family.resident_bytes(r) for r in range(world)) == total
+    assert max(family.resident_bytes(r) for r in range(world)) <= total / world + largest
+    for r, m in enumerate(models):
+        for i, block in enumerate(m.blocks):
+            for name, t in block.state_dict().items():
+                owned = family.plan.owner[i][name] == r
+                assert (t.numel() > 0) == owned or model.blocks[i].state_dict()[name].numel() == 0
+                if owned:
+                    assert torch.equal(t, model.blocks[i].state_dict()[name])
+    # the non-block weights stay on every rank
+    for m in models:
+        assert torch.equal(m.final_layer.video_out.weight, model.final_layer.video_out.weight)
+
+
+def test_gathered_weights_are_dropped_after_each_block():
+    model = tiny_model(seed=1)
+    models = replicas(model, 3)
+    seen = []
+    _, sp = run(models, 3, "shard", cases=("plain",), forwards=1)
+    family = sp.block_weights
+    for r, m in enumerate(models):
+        for i, block in enumerate(m.blocks):
+            for name, t in block.state_dict().items():
+                if family.plan.owner[i][name] != r:
+                    seen.append(t.numel())
+    assert seen and all(n == 0 for n in seen)
+    assert family._pending == {}
+
+
+def test_balanced_plan_is_deterministic_and_spreads_whole_tensors():
+    blocks = [{"a": 100, "b": 60, "c": 40}, {"a": 100, "b": 60, "c": 40}]
+    plan = BlockShardPlan.balanced(blocks, 3)
+    assert plan == BlockShardPlan.balanced(blocks, 3)
+    # largest first to the least loaded: a, a -> ranks 0, 1; b, b -> rank 2; c, c -> ranks 0, 1
+    assert [plan.owned_bytes(r) for r in range(3)] == [140, 140, 120]
+    assert plan.names_of(0, plan.owner[0]["a"]) == [n for n in ("a", "b", "c") if plan.owner[0][n] == plan.owner[0]["a"]]
+    with pytest.raises(ValueError, match="world_size"):
+        BlockShardPlan.balanced(blocks, 0)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.arange(4.0), requires_grad=False)
+
+
+class _Tower(torch.nn.Module):
+    def __init__(self, weights):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(w) for w in weights)
+
+
+class _Lane:
+    """A coordinator over the ranks used as the prefetch lane."""
+
+    def __init__(self, world):
+        self.coordinator = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30)
+
+    def run(self, fn):
+        return self.coordinator.run(fn)
+
+    def close(self):
+        self.coordinator.close()
+
+
+def test_flattenable_tensor_subclasses_travel_as_their_inner_tensors():
+    """Upstream's QuantizedTensor follows torch's __tensor_flatten__ protocol; so does TwoTensor."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    world = 2
+    g = torch.Generator().manual_seed(0)
+    originals = [two_tensor.TwoTensor(torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g))
+                 for _ in range(3)]
+    towers = [_Tower([t.clone() for t in originals]) for _ in range(world)]
+    family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * world, lane=_Lane(world))
+    views = [family.rank_view(r) for r in range(world)]
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        def forward(rank, comm):
+            views[rank].begin_forward()
+            got = []
+            for i in range(3):
+                views[rank].bind(i, comm)
+                w = towers[rank].blocks[i].weight
+                got.append((type(w.data), w.a.clone(), w.b.clone(), towers[rank].blocks[i].norm.clone()))
+                views[rank].release(i)
+            return got
+        results = coord.run(forward)
+    family.close()
+    for got in results:
+        for i, (cls, a, b, norm) in enumerate(got):
+            assert cls is two_tensor.TwoTensor
+            assert torch.equal(a, originals[i].a) and torch.equal(b, originals[i].b)
+            assert torch.equal(norm, torch.arange(4.0))
+
+
+def test_a_weight_whose_layout_changed_is_an_error_naming_it():
+    towers = [_Tower([torch.randn(3, 5) for _ in range(2)]) for _ in range(2)]
+    family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * 2)
+    owner = family.plan.owner[0]["weight"]
+    towers[owner].blocks[0].weight = torch.nn.Parameter(torch.randn(3, 6), requires_grad=False)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        with pytest.raises(BlockShardError, match="'weight' changed its layout"):
+            coord.run(lambda rank, comm: family.rank_view(rank).bind(0, comm))
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_gather_on_one_rank_does_not_hang_the_others(monkeypatch):
+    model = tiny_model(seed=3)
+    models = replicas(model, 4)
+    x, t, ctx, kw = make_inputs("plain")
+    with SequenceParallelCoordinator(["cpu"] * 4, backend="peer", timeout_s=20) as coord:
+        sp = enable_sequence_parallel(models, coord, dit_weights="shard")
+        real_pack = sp.block_weights._pack
+
+        def pack(rank, index):
+            if rank == 2 and index == 1:
+                raise RuntimeError("rank 2 lost its card")
+            return real_pack(rank, index)
+
+        monkeypatch.setattr(sp.block_weights, "_pack", pack)
+        with pytest.raises(RuntimeError, match="rank 2 lost its card"):
+            with torch.inference_mode():
+                sp(x, t, ctx, **kw)
+        monkeypatch.setattr(sp.block_weights, "_pack", real_pack)
+        with torch.inference_mode():  # the next forward works again
+            again = sp(x, t, ctx, **kw)
+        sp.close()
+    ref, _ = run(replicas(model, 4), 4, "replicate", cases=("plain",), forwards=1)
+    assert identical([again], ref)
+
+
+def test_dit_weights_and_model_mismatch_are_clear_errors():
+    model = tiny_model(seed=0)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        with pytest.raises(ValueError, match="dit_weights='halves'.*'replicate'.*'shard'"):
+            enable_sequence_parallel(replicas(model, 2), coord, dit_weights="halves")
+        sp = enable_sequence_parallel(replicas(model, 2), coord, dit_weights="shard")
+        sp.fan_out.models[1] = tiny_model(seed=0)  # not the module the shards were made from
+        x, t, ctx, kw = make_inputs("plain")
+        with pytest.raises(SequenceParallelError, match="another DiT than the one its block weights"):
+            with torch.inference_mode():
+                sp(x, t, ctx, **kw)
+        sp.close()
+
+
+def test_the_next_blocks_gather_runs_on_the_lane_while_a_block_computes(monkeypatch):
+    """One lane gather per block (not per rank), issued when block i's weights are taken and
+    before any rank needs block i+1, on the lane's threads rather than the rank threads."""
+    import threading
+
+    model = tiny_model(seed=7)
+    world = 3
+    x, t, ctx, kw = make_inputs("plain")
+    events, lock = [], threading.Lock()
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model, world), coord, dit_weights="shard")
+        family = sp.block_weights
+        real_submit, real_take, real_gather = family._submit, family.take, family.gather
+
+        def log(*event):
+            with lock:
+                events.append(event)
+
+        def submit(key):
+            log("submit", key[1], threading.get_ident())
+            return real_submit(key)
+
+        def take(rank, comm, index):
+            log("take", index, threading.get_ident())
+            return real_take(rank, comm, index)
+
+        def gather(rank, comm, index):
+            log("gather", index, threading.get_ident())
+            return real_gather(rank, comm, index)
+
+        monkeypatch.setattr(family, "_submit", submit)
+        monkeypatch.setattr(family, "take", take)
+        monkeypatch.setattr(family, "gather", gather)
+        with torch.inference_mode():
+            sp(x, t, ctx, **kw)
+        sp.close()
+    n = family.num_blocks
+    submits = [e[1] for e in events if e[0] == "submit"]
+    assert submits == list(range(n))  # each block gathered once for all ranks, in order
+    kinds = [e[:2] for e in events]
+    for i in range(1, n):
+        submitted = kinds.index(("submit", i))
+        # issued while block i-1 was running (after its weights were taken) and before any
+        # rank asked for block i's (a take without a prefetch would submit after its entry)
+        assert kinds.index(("take", i - 1)) < submitted < kinds.index(("take", i))
+    rank_threads = {e[2] for e in events if e[0] == "take"}
+    lane_threads = {e[2] for e in events if e[0] == "gather"}
+    assert len(rank_threads) == world and len(lane_threads) == world and not rank_threads & lane_threads
