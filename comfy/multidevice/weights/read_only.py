@@ -1,32 +1,42 @@
 """Zero-copy tensor views of memory that must not be written.
 
-torch has no read-only tensors, and a PROT_READ mapping would turn a stray in-place op
-into a segfault. So the views handed out by the shared checkpoint are a small tensor
-subclass, ReadOnlyTensor, over ordinary memory:
+torch has no read-only tensors. The views handed out by the shared checkpoint are a small
+tensor subclass, ReadOnlyTensor, and the storages they point into are registered as guarded
+(process-wide, for as long as their ReadOnlyMemory record lives). Writes are refused with
+ReadOnlyWeightError before they happen, on two levels:
 
-- Every torch call that involves such a view goes through `__torch_function__`, which
-  runs the call under a dispatch mode that inspects each ATen op's schema and raises
-  ReadOnlyWeightError *before* any op that would write into the guarded memory
-  (add_, copy_, index assignment, out=..., F.relu(inplace=True), set_, resize_ ...).
-- Views derived from a guarded view (slicing, .t(), .detach(), .data, .view ...) are
-  guarded too; copies (.clone(), .to(other device or dtype)) are plain, writable tensors.
-- numpy() / __array__ give numpy arrays flagged read-only; as_subclass to another class
-  raises; deepcopy and pickling give plain copies.
-- Each view holds its ReadOnlyMemory, which holds the storage: the memory stays valid as
-  long as any view is alive.
+- `__torch_function__`: every torch call that involves a view runs under a dispatch mode that
+  inspects each ATen op's schema and refuses any op that would write into a guarded storage
+  (add_, copy_, index assignment, out=..., F.relu(inplace=True), set_, resize_ ...), also
+  through a plain tensor aliasing it that takes part in the same call.
+- `__torch_dispatch__`: the same check again at the dispatcher, so that calls which skip
+  `__torch_function__` (under DisableTorchFunctionSubclass, `torch._C` methods, a plain
+  alias made by `Tensor._make_subclass`, which keeps the view's dispatch keys) are refused too.
 
-Raw access (data_ptr, untyped_storage(), DLPack, torch.from_numpy of the read-only numpy
-view, which torch only warns about) bypasses the guard; model code does not write through
-those by accident.
+Views derived from a view (slicing, .t(), .detach(), .data, .view, copy.copy ...) are guarded
+too; copies (.clone(), .to(other device or dtype), deepcopy) are plain, writable tensors; a
+same-device, same-dtype .to() returns the view itself, as torch does. .storage() gives a
+TypedStorage that refuses writes; numpy() / __array__ give arrays flagged read-only (numpy
+refuses writes into those with its own ValueError); as_subclass to another class raises.
+Whether a tensor is guarded is decided by its storage, not by an attribute that could be
+deleted. Each view holds its ReadOnlyMemory, which holds the storage: the memory stays valid
+as long as any view is alive.
+
+Raw access (data_ptr, untyped_storage(), DLPack, torch.from_numpy / frombuffer over the
+memory, ctypes) bypasses the guard; model code does not write through those by accident. A
+file-backed base maps the file read-only, so a raw write there is a segmentation fault rather
+than a silent change of every rank's weights.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
+from torch._C import DisableTorchFunctionSubclass, DispatchKey, DispatchKeySet
 from torch.utils._python_dispatch import _pop_mode, _push_mode, TorchDispatchMode
 
 
@@ -35,7 +45,8 @@ class ReadOnlyWeightError(RuntimeError):
 
 
 class ReadOnlyMemory:
-    """A block of read-only memory: its storage and a label for messages."""
+    """A block of read-only memory: its storage and a label for messages. While the record
+    lives its storage is guarded: every tensor over it refuses writes (see the module doc)."""
 
     __slots__ = ("storage", "cdata", "label", "__weakref__")
 
@@ -43,10 +54,39 @@ class ReadOnlyMemory:
         self.storage = storage      # keeps the memory alive as long as this record lives
         self.cdata = storage._cdata  # identity of the storage (stable while it lives)
         self.label = label
+        _register(self)
 
     def contains_address(self, address: int) -> bool:
         start = self.storage.data_ptr()
         return start <= address < start + self.storage.nbytes()
+
+
+# storage id -> live records over that storage. A record keeps its storage alive, so an id
+# cannot be reused while any record of it lives; dead records are pruned on the way.
+_guarded_lock = threading.Lock()
+_guarded: dict[int, list[weakref.ref]] = {}
+
+
+def _register(memory: ReadOnlyMemory) -> None:
+    def forget(ref, cdata=memory.cdata):
+        with _guarded_lock:
+            refs = [r for r in _guarded.get(cdata, ()) if r is not ref and r() is not None]
+            if refs:
+                _guarded[cdata] = refs
+            else:
+                _guarded.pop(cdata, None)
+
+    with _guarded_lock:
+        _guarded.setdefault(memory.cdata, []).append(weakref.ref(memory, forget))
+
+
+def guarded_memory(storage_id: int | None) -> ReadOnlyMemory | None:
+    """The live ReadOnlyMemory over the storage with this id, if any."""
+    for ref in _guarded.get(storage_id, ()) if storage_id is not None else ():
+        memory = ref()
+        if memory is not None:
+            return memory
+    return None
 
 
 def _storage_id(t: torch.Tensor) -> int | None:
@@ -76,8 +116,25 @@ def _tagged_view(tensor: torch.Tensor, tag: _Tag) -> "ReadOnlyTensor":
         if _storage_id(tensor) != tag.memory.cdata:
             raise ValueError(f"read_only_view({tag.name!r}): the tensor does not alias {tag.memory.label}")
         view = torch.Tensor.as_subclass(tensor, ReadOnlyTensor)
-    view._ro_tag = tag
+    view.__dict__["_ro_tag"] = tag
     return view
+
+
+def _below_python_dispatch():
+    """Run ops under the Python dispatch key (inside our __torch_dispatch__: the real kernels)."""
+    return torch._C._ExcludeDispatchKeyGuard(
+        DispatchKeySet(DispatchKey.Python).add(DispatchKey.PythonTLSSnapshot))
+
+
+def _tag_of(t: torch.Tensor) -> _Tag | None:
+    """The guard of a tensor over guarded memory (its own tag when it has one), else None."""
+    with DisableTorchFunctionSubclass():
+        storage_id = _storage_id(t)
+    tag = t.__dict__.get("_ro_tag") if isinstance(t, ReadOnlyTensor) else None
+    if tag is not None and tag.memory.cdata == storage_id:
+        return tag
+    memory = guarded_memory(storage_id)
+    return None if memory is None else _Tag(memory, "(an alias of a read-only view)", None)
 
 
 def is_read_only(t: Any) -> bool:
@@ -104,6 +161,17 @@ def _written_arguments(op) -> tuple[tuple[int, str, bool], ...]:
         return ()
     return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
                  if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _check_writes(func, args, kwargs) -> None:
+    """Refuse the ATen op `func` if it would write into a guarded storage."""
+    for position, name, kwarg_only in _written_arguments(func):
+        value = kwargs.get(name) if kwarg_only or position >= len(args) else args[position]
+        for t in _leaves(value):
+            if isinstance(t, torch.Tensor):
+                tag = _tag_of(t)
+                if tag is not None:
+                    _refuse(f"in-place op {func}", tag)
 
 
 def _refuse(what: str, tag: _Tag):
@@ -138,13 +206,7 @@ class _WriteGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for position, name, kwarg_only in _written_arguments(func):
-            value = kwargs.get(name) if kwarg_only or position >= len(args) else args[position]
-            for t in _leaves(value):
-                if isinstance(t, torch.Tensor):
-                    hit = self.guarded.get(_storage_id(t))
-                    if hit is not None:
-                        _refuse(f"in-place op {func}", hit)
+        _check_writes(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -159,14 +221,9 @@ class ReadOnlyTensor(torch.Tensor):
     _ro_tag: _Tag
 
     def _guard(self) -> _Tag | None:
-        tag = self.__dict__.get("_ro_tag")
-        if tag is None:
-            return None
-        with DisableTorchFunctionSubclass():
-            # `t.data = other` or set_() re-point the object elsewhere: then it is not guarded.
-            if _storage_id(self) != tag.memory.cdata:
-                return None
-        return tag
+        # Decided by the storage: `t.data = other` or set_() re-point the object elsewhere
+        # (then it is not guarded); deleting the tag does not unguard it.
+        return _tag_of(self)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -193,6 +250,43 @@ class ReadOnlyTensor(torch.Tensor):
                 out = func(*args, **kwargs)
             return _guard_outputs(out, guarded)
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Reached for every ATen op on a view, also when __torch_function__ was skipped.
+        kwargs = kwargs or {}
+        _check_writes(func, args, kwargs)
+        guarded: dict[int, _Tag] = {}
+        for t in _leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                tag = _tag_of(t)
+                if tag is not None:
+                    guarded.setdefault(tag.memory.cdata, tag)
+        with _below_python_dispatch():
+            out = func(*args, **kwargs)
+        return _guard_outputs(out, guarded)
+
+    def __copy__(self):
+        # copy.copy of a tensor shares its memory: the shallow copy is a guarded view too.
+        with DisableTorchFunctionSubclass():
+            alias = torch.Tensor.detach(self)
+        alias.requires_grad_(self.requires_grad)
+        if self.__dict__.get("_is_param", False):
+            alias._is_param = True
+        return alias
+
+    def numpy(self, *, force: bool = False):
+        # torch refuses .numpy() on a dispatch subclass: an array over a plain alias, read-only.
+        tag = self._guard()
+        with DisableTorchFunctionSubclass():
+            array = torch.Tensor.numpy(_plain_alias(self), force=force)
+        if tag is not None:
+            array.flags.writeable = False
+        return array
+
+    def tolist(self):
+        with DisableTorchFunctionSubclass():  # refused on a dispatch subclass, like numpy()
+            return _plain_alias(self).tolist()
+
     def as_subclass(self, cls):
         if isinstance(cls, type) and issubclass(cls, ReadOnlyTensor):
             return self
@@ -216,8 +310,36 @@ class ReadOnlyTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # Pickle as a plain tensor: the memory record (locks, the checkpoint) is not picklable.
         with DisableTorchFunctionSubclass():
-            plain = torch.Tensor.detach(self)
+            plain = _plain_alias(self)
         return plain.__reduce_ex__(protocol)
+
+
+def _plain_alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over t's memory, without its dispatch keys (for numpy and pickling only)."""
+    return torch.empty(0, dtype=t.dtype).set_(torch.Tensor.untyped_storage(t), t.storage_offset(),
+                                              t.size(), t.stride())
+
+
+class ReadOnlyTypedStorage(torch.TypedStorage):
+    """`.storage()` of a guarded view: reads as usual, every write method refused.
+    (Its `_untyped_storage`, like `untyped_storage()`, is raw access.)"""
+
+    def __new__(cls, typed: torch.TypedStorage, tag: _Tag):
+        self = super().__new__(cls, wrap_storage=typed._untyped_storage, dtype=typed.dtype, _internal=True)
+        self._ro_tag = tag
+        return self
+
+    def __init__(self, typed: torch.TypedStorage, tag: _Tag):
+        pass
+
+    def __setitem__(self, index, value):
+        _refuse("storage item assignment", self._ro_tag)
+
+    def __getattribute__(self, name: str):
+        # fill_, copy_, resize_, share_memory_, ... : every public in-place method
+        if name.endswith("_") and not name.startswith("_"):
+            _refuse(f"storage().{name}()", object.__getattribute__(self, "_ro_tag"))
+        return object.__getattribute__(self, name)
 
 
 def _guard_outputs(out: Any, guarded: dict[int, _Tag]) -> Any:
@@ -227,6 +349,10 @@ def _guard_outputs(out: Any, guarded: dict[int, _Tag]) -> Any:
     if isinstance(out, torch.Tensor):
         tag = guarded.get(_storage_id(out))
         return out if tag is None else _tagged_view(out, tag)
+    if isinstance(out, torch.TypedStorage) and not isinstance(out, ReadOnlyTypedStorage):
+        memory = guarded_memory(out._untyped_storage._cdata)  # t.storage(), Tensor.storage(t)
+        return out if memory is None else ReadOnlyTypedStorage(
+            out, guarded.get(memory.cdata) or _Tag(memory, "(a storage of a read-only view)", None))
     if isinstance(out, (tuple, list)):
         items = [_guard_outputs(o, guarded) for o in out]
         if all(a is b for a, b in zip(items, out)):
