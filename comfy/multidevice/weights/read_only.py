@@ -30,6 +30,7 @@ than a silent change of every rank's weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -37,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._C import DisableTorchFunctionSubclass, DispatchKey, DispatchKeySet
-from torch.utils._python_dispatch import _pop_mode, _push_mode, TorchDispatchMode
+from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode, TorchDispatchMode
 
 
 class ReadOnlyWeightError(RuntimeError):
@@ -164,7 +165,17 @@ def _written_arguments(op) -> tuple[tuple[int, str, bool], ...]:
 
 
 def _check_writes(func, args, kwargs) -> None:
-    """Refuse the ATen op `func` if it would write into a guarded storage."""
+    """Refuse the ATen op `func` if it would write into a guarded storage, or (set_) make a
+    tensor outside the guard alias one."""
+    if getattr(getattr(func, "_schema", None), "name", None) == "aten::set_":
+        for source in _leaves((args[1:], kwargs)):
+            if isinstance(source, torch.Tensor):
+                tag = _tag_of(source)
+            else:
+                memory = guarded_memory(getattr(source, "_cdata", None))
+                tag = None if memory is None else _Tag(memory, "(a storage of a read-only view)", None)
+            if tag is not None:
+                _refuse(f"{func} onto it (it would make a writable alias)", tag)
     for position, name, kwarg_only in _written_arguments(func):
         value = kwargs.get(name) if kwarg_only or position >= len(args) else args[position]
         for t in _leaves(value):
@@ -314,32 +325,58 @@ class ReadOnlyTensor(torch.Tensor):
         return plain.__reduce_ex__(protocol)
 
 
+@contextlib.contextmanager
+def _no_dispatch_modes():
+    """This thread's dispatch modes off for a moment (torch's own helper imports torch.fx)."""
+    modes = [_pop_mode() for _ in range(_len_torch_dispatch_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _push_mode(mode)
+
+
 def _plain_alias(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor over t's memory, without its dispatch keys (for numpy and pickling only)."""
-    return torch.empty(0, dtype=t.dtype).set_(torch.Tensor.untyped_storage(t), t.storage_offset(),
-                                              t.size(), t.stride())
+    """A plain tensor over t's memory, without its dispatch keys (for numpy and pickling only;
+    made outside the write guard, which refuses such aliases to everyone else)."""
+    with _no_dispatch_modes():
+        return torch.empty(0, dtype=t.dtype).set_(torch.Tensor.untyped_storage(t), t.storage_offset(),
+                                                  t.size(), t.stride())
 
 
-class ReadOnlyTypedStorage(torch.TypedStorage):
-    """`.storage()` of a guarded view: reads as usual, every write method refused.
-    (Its `_untyped_storage`, like `untyped_storage()`, is raw access.)"""
+class ReadOnlyTypedStorage:
+    """`.storage()` of a guarded view: a TypedStorage whose reads pass through and whose write
+    methods are refused. (The storage it wraps, like `untyped_storage()`, is raw access.)"""
 
-    def __new__(cls, typed: torch.TypedStorage, tag: _Tag):
-        self = super().__new__(cls, wrap_storage=typed._untyped_storage, dtype=typed.dtype, _internal=True)
-        self._ro_tag = tag
-        return self
+    __slots__ = ("_typed", "_ro_tag")
 
     def __init__(self, typed: torch.TypedStorage, tag: _Tag):
-        pass
+        object.__setattr__(self, "_typed", typed)
+        object.__setattr__(self, "_ro_tag", tag)
+
+    def __getattr__(self, name: str):
+        # fill_, copy_, resize_, share_memory_, ... : every public in-place method
+        if name.endswith("_") and not name.startswith("_"):
+            _refuse(f"storage().{name}()", self._ro_tag)
+        return getattr(self._typed, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        _refuse(f"setting storage().{name}", self._ro_tag)
 
     def __setitem__(self, index, value):
         _refuse("storage item assignment", self._ro_tag)
 
-    def __getattribute__(self, name: str):
-        # fill_, copy_, resize_, share_memory_, ... : every public in-place method
-        if name.endswith("_") and not name.startswith("_"):
-            _refuse(f"storage().{name}()", object.__getattribute__(self, "_ro_tag"))
-        return object.__getattribute__(self, name)
+    def __getitem__(self, index):
+        return self._typed[index]
+
+    def __len__(self) -> int:
+        return len(self._typed)
+
+    def __iter__(self):
+        return iter(self._typed)
+
+    def __repr__(self) -> str:
+        return f"read-only {self._typed!r}"
 
 
 def _guard_outputs(out: Any, guarded: dict[int, _Tag]) -> Any:
