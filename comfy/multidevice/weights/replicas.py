@@ -289,6 +289,15 @@ class RankReplica:
         """Bytes held by this replica beyond the shared base (device copies, patched weights)."""
         return sum(self._bound[self._groups[s][0]].nbytes for s in self._owned)
 
+    @property
+    def device_bytes(self) -> int:
+        """Bytes the replica's weights take on its device once loaded (what a card must hold)."""
+        total = 0
+        for source in self._groups:
+            base = self._base_tensor(source)
+            total += base.numel() * self._target_dtype(source, base).itemsize
+        return total
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors the replica is bound to now: device copies when resident, base views otherwise."""
         with self._lock:

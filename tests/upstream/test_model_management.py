@@ -1,0 +1,93 @@
+"""Our per-card DiT replicas under upstream's model management (roles/model_management.py):
+two prompts in a row through `comfy.sample.sample` with an eviction between them.
+
+ComfyUI loads the replicas with the MODEL (they are among its additional models, as upstream's
+multi-GPU clones are), so they appear in `current_loaded_models` on their cards;
+`unload_all_models` and `free_memory` (what `load_models_gpu` calls when another model needs a
+card) evict them, dropping only the device copy while the base stays in RAM; the next prompt
+loads them again reading 0 bytes from disk and gives the same result bit for bit. Ranks are CPU
+devices here, so a replica's "device copy" is the base view itself: what is measured is the
+bookkeeping (registered, evicted, restored, bytes read), not freed card memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.sp_cases import rel_diff
+from tests.upstream.test_h3_dit import FP32_TOL, tiny_state_dict
+from tests.upstream.test_sampling import node_dit, sample
+
+
+@pytest.fixture(scope="module")
+def h3_file(upstream, tmp_path_factory):
+    import safetensors.torch
+    path = tmp_path_factory.mktemp("models") / "tiny_minimax_h3.safetensors"
+    safetensors.torch.save_file(tiny_state_dict(upstream), str(path))
+    return path
+
+
+@pytest.fixture
+def hook(upstream):
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+
+
+def _registered(patchers):
+    import comfy.model_management as mm
+    loaded = [lm.model for lm in mm.current_loaded_models]
+    return [any(p is m for m in loaded) for p in patchers]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_prompts_with_an_eviction_between_read_nothing_from_disk(upstream, hook, h3_file, world):
+    import comfy.model_management as mm
+    import comfy.sd
+    from comfy.multidevice.roles.model_management import ADDITIONAL_MODELS_KEY
+    from comfy.multidevice.weights.checkpoint import shared_checkpoint_sources, total_bytes_read
+
+    model = comfy.sd.load_diffusion_model(str(h3_file))
+    reference = sample(model)
+    coord, parallel = node_dit(model, world)
+    replicas = parallel.multinpu_dit_replicas
+    ours = parallel.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)
+    assert len(ours) == world - 1 and replicas.uses_base()
+    assert [p.load_device for p in ours] == coord.devices[1:]
+    with coord:
+        first = sample(parallel)
+        assert _registered(ours) == [True] * (world - 1)       # loaded by ComfyUI with the MODEL
+        assert all(replicas.resident(i) for i in range(world - 1))
+        assert all(p.loaded_size() == p.model_size() > 0 for p in ours)
+
+        mm.unload_all_models()                                 # e.g. the UI's "unload models"
+        assert _registered(ours) == [False] * (world - 1)
+        assert not any(replicas.resident(i) for i in range(world - 1))
+        assert any(key[0] == str(h3_file.resolve()) for key in shared_checkpoint_sources())  # base stays
+
+        before = total_bytes_read()
+        second = sample(parallel)
+        assert total_bytes_read() == before                    # restored from RAM
+        assert _registered(ours) == [True] * (world - 1)
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+        # another model needing the card: load_models_gpu frees memory on it like this
+        mm.free_memory(1e30, coord.devices[1])
+        assert not replicas.resident(0) and _registered(ours)[0] is False
+        third = sample(parallel)
+        assert total_bytes_read() == before
+        assert all(torch.equal(a, b) for a, b in zip(first, third))
+    assert rel_diff(first, reference) <= FP32_TOL
+
+
+def test_a_clone_of_the_model_shares_the_registered_replicas(upstream, hook, h3_file):
+    """A later node cloning the MODEL (LoRA loader, sampler set-up) gets the same patchers, so
+    ComfyUI sees one loaded copy per card, not clones it would unload and reload in turn."""
+    import comfy.sd
+    from comfy.multidevice.roles.model_management import ADDITIONAL_MODELS_KEY
+    model = comfy.sd.load_diffusion_model(str(h3_file))
+    coord, parallel = node_dit(model, 2)
+    with coord:
+        clone = parallel.clone()
+        assert clone.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)[0] is \
+            parallel.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)[0]
