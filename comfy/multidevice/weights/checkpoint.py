@@ -1,7 +1,7 @@
 """Shared read-only checkpoint base and per-rank hot caches.
 
-A checkpoint is read from disk and deserialized once per process; every rank's replica
-and every later reload is built from that one base in RAM.
+A checkpoint is mapped (or, in pin mode, read) once per process; every rank's replica and
+every later reload is built from that one base in RAM.
 
 Base
     SharedCheckpoint.open(path)      one per (real path, size, mtime_ns) per process, from a
@@ -210,7 +210,7 @@ def _read_into_ram(handle, real: str, nbytes: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the base
 
 class SharedCheckpoint(Mapping):
-    """A checkpoint's tensors, read once into read-only memory; a Mapping name -> zero-copy view.
+    """A checkpoint's tensors, mapped (or pinned) once, read-only; a Mapping name -> zero-copy view.
 
     Build with SharedCheckpoint.open(path) or SharedCheckpoint.from_state_dict(tensors).
     Attributes: label (real path, or a description for in-memory sources), key (registry key or
