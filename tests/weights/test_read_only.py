@@ -19,6 +19,7 @@ from comfy.multidevice.weights.checkpoint import SharedCheckpoint, clear_shared_
 from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # .storage() ways
 
 
 def _disable_subclass(t):

@@ -64,7 +64,7 @@ class ReadOnlyMemory:
 
 # storage id -> live records over that storage. A record keeps its storage alive, so an id
 # cannot be reused while any record of it lives; dead records are pruned on the way.
-_guarded_lock = threading.Lock()
+_guarded_lock = threading.RLock()  # re-entrant: a weakref callback may run inside (GC)
 _guarded: dict[int, list[weakref.ref]] = {}
 
 
