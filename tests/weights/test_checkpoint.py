@@ -694,6 +694,7 @@ def test_release_cached_device_memory_uses_the_allocators_present(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(empty_cache=lambda: calls.append("npu")),
                         raising=False)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))  # what registers torch.npu
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cuda"))
