@@ -91,3 +91,47 @@ def test_a_clone_of_the_model_shares_the_registered_replicas(upstream, hook, h3_
         clone = parallel.clone()
         assert clone.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)[0] is \
             parallel.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)[0]
+
+
+def test_a_cached_decoder_copy_is_loaded_and_evicted_whole_by_its_patcher(upstream):
+    """The patcher of a per-card decoder copy (what the node registers for the video VAE's
+    chunked decode): ComfyUI's load/evict calls build and drop the copy, and its sizes follow.
+    The card is the meta device here (the copy allocates nothing), so this checks our patcher's
+    answers to ComfyUI, not a real card's memory."""
+    from comfy.multidevice.roles.model_management import CachedCopy, card_patcher
+    from comfy.multidevice.weights.replicas import ReplicaCache
+    decoder = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    cache = ReplicaCache(decoder, "decoder")
+    patcher = card_patcher(CachedCopy(cache, "meta", "video VAE decoder copy"))
+    size = sum(p.nbytes for p in decoder.parameters())
+    assert patcher.model_size() == size and patcher.loaded_size() == 0
+    assert patcher.current_loaded_device() == torch.device("cpu")
+    assert patcher.partially_load(torch.device("meta"), 1e32) == size
+    assert cache.holds("meta") and patcher.loaded_size() == size
+    assert patcher.current_loaded_device() == torch.device("meta")
+    assert patcher.clone() is patcher
+    patcher.detach()
+    assert not cache.holds("meta") and patcher.loaded_size() == 0
+    patcher.partially_load(torch.device("meta"), 1e32)
+    assert patcher.partially_unload(torch.device("cpu"), size) == size and not cache.holds("meta")
+
+
+def test_the_chunked_video_vae_loads_its_copies_through_comfyui_before_decoding(upstream, monkeypatch):
+    """The node's chunked video VAE calls load_models_gpu with its copies' patchers before the
+    ranks decode; on CPU ranks every card is the merge device, so there are none to load."""
+    import comfy.model_management as mm
+    from comfy.multidevice.roles.model_management import manage_decoder_copies
+    from comfy.multidevice.vae.chunked import ChunkedDecode
+
+    class Decoder(torch.nn.Module):  # only what ChunkedDecode's constructor looks at
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+    monkeypatch.setattr("comfy.multidevice.vae.chunked.H3ChunkInterface", lambda module: None)
+    chunked = ChunkedDecode(Decoder(), ["cpu", "meta"], merge_device="cpu")
+    patchers = manage_decoder_copies(chunked)
+    assert [p.load_device for p in patchers] == [torch.device("meta")]
+    loaded = []
+    monkeypatch.setattr(mm, "load_models_gpu", lambda models, *a, **k: loaded.append(list(models)))
+    chunked.before_decode()
+    assert loaded == [patchers]

@@ -198,6 +198,11 @@ def _chunked_video_vae(vae, devices, merge_device, coordinator):
     runner = coordinator if list(coordinator.devices) == list(devices) else None
     out.first_stage_model = with_parallel_decode(vae.first_stage_model, devices, runner=runner,
                                                  merge_device=merge_device)
+    try:
+        from comfy.multidevice.roles.model_management import manage_decoder_copies
+        manage_decoder_copies(out.first_stage_model.parallel_decode)
+    except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
+        pass
     log.info("video VAE: temporal chunks decoded on %s, merged on %s",
              ", ".join(map(str, devices)), merge_device)
     return out

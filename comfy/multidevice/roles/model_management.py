@@ -144,6 +144,38 @@ def register_with_model(model_patcher, copies: Sequence[CardCopy]) -> list:
     return patchers
 
 
+class CachedCopy:
+    """The copy a ReplicaCache keeps on one device (e.g. a VAE decoder on card r), as a CardCopy."""
+
+    def __init__(self, cache, device, what: str):
+        self.cache, self.device, self.what = cache, torch.device(device), what
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.copy_bytes(self.device)
+
+    @property
+    def resident(self) -> bool:
+        return self.cache.holds(self.device)
+
+    def load(self) -> None:
+        self.cache.get(self.device)
+
+    def unload(self) -> int:
+        return self.cache.drop(self.device)
+
+
+def manage_decoder_copies(decoder, what: str = "video VAE decoder copy") -> list:
+    """Make a ChunkedDecode's per-card decoder copies known to ComfyUI: before each decode they
+    are loaded through `load_models_gpu` (registered on their cards, room made by evicting
+    others), and ComfyUI may evict them between decodes. The merge card is left out: the
+    VAE's own patcher holds the decoder there. Returns the patchers."""
+    patchers = [card_patcher(CachedCopy(decoder.replicas, d, what))
+                for d in dict.fromkeys(decoder.devices) if d != decoder.merge_device]
+    decoder.before_decode = lambda: load_card_copies(patchers)
+    return patchers
+
+
 def load_card_copies(patchers: Sequence) -> None:
     """Load `patchers` through ComfyUI (for copies used outside a sampling run, e.g. VAE
     decoder copies): each is registered on its card, and room is made by evicting others."""

@@ -57,6 +57,27 @@ class ReplicaCache:
             self._copies[key] = replica_on(self.module, device)
         return self._copies[key]
 
+    def holds(self, device) -> bool:
+        """Whether get(device) returns without building anything."""
+        device = torch.device(device)
+        home = module_device(self.module)
+        return home is None or home == device or str(device) in self._copies
+
+    def copy_bytes(self, device) -> int:
+        """Bytes a copy on `device` takes (0 where the module itself serves)."""
+        device = torch.device(device)
+        home = module_device(self.module)
+        if home is None or home == device:
+            return 0
+        return sum(t.nbytes for t in (*self.module.parameters(), *self.module.buffers()))
+
+    def drop(self, device) -> int:
+        """Forget the copy on `device` (rebuilt by the next get); return its bytes."""
+        copy_ = self._copies.pop(str(torch.device(device)), None)
+        if copy_ is None:
+            return 0
+        return sum(t.nbytes for t in (*copy_.parameters(), *copy_.buffers()))
+
     def clear(self) -> None:
         self._copies.clear()
 
