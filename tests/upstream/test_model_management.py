@@ -18,6 +18,10 @@ import torch
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL, tiny_state_dict
 from tests.upstream.test_sampling import node_dit, sample
+from tests.upstream import test_text_encoder
+from tests.upstream.test_text_encoder import encode
+
+tiny_clip = test_text_encoder.tiny_clip  # the text encoder cases' fixture, used here too
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +139,29 @@ def test_the_chunked_video_vae_loads_its_copies_through_comfyui_before_decoding(
     monkeypatch.setattr(mm, "load_models_gpu", lambda models, *a, **k: loaded.append(list(models)))
     chunked.before_decode()
     assert loaded == [patchers]
+
+
+def test_text_encoder_shards_are_loaded_evicted_and_rebuilt_from_ram(upstream, tiny_clip):
+    """The tensor-parallel text encoder's shards on ranks 1..W-1 are loaded through ComfyUI
+    before each encode (counted in current_loaded_models), evicted by unload_all_models (their
+    memory freed: the shard object is gone) and rebuilt from the kept decoder at the next
+    encode, reading nothing from disk; the encodes agree bit for bit."""
+    import comfy.model_management as mm
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.tp.clip import language_model_of
+    from comfy.multidevice.weights.checkpoint import total_bytes_read
+    with SequenceParallelCoordinator(["cpu"] * 4, backend="peer", timeout_s=60) as coord:
+        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        decoder = language_model_of(parallel)
+        first = encode(parallel)
+        loaded = [lm.model for lm in mm.current_loaded_models]
+        ours = [m for m in loaded if getattr(getattr(m, "card_copy", None), "decoder", None) is decoder]
+        assert sorted(p.card_copy.rank for p in ours) == [1, 2, 3]
+        assert all(p.loaded_size() == p.model_size() > 0 for p in ours)
+        mm.unload_all_models()
+        assert decoder.shards[0] is not None and all(decoder.shards[r] is None for r in (1, 2, 3))
+        before = total_bytes_read()
+        second = encode(parallel)
+        assert all(s is not None for s in decoder.shards) and total_bytes_read() == before
+        assert torch.equal(first, second)

@@ -169,6 +169,12 @@ def _tensor_parallel_text_encoder(clip, devices, coordinator):
         # the clone's patcher still loads the embeddings and the vision tower: on rank 0's card
         log.info("text encoder: load device %s -> %s", patcher.load_device, devices[0])
         patcher.load_device = devices[0]
+    try:
+        from comfy.multidevice.roles.model_management import manage_tensor_parallel_shards
+        from comfy.multidevice.tp.clip import language_model_of
+        manage_tensor_parallel_shards(language_model_of(out))
+    except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
+        pass
     log.info("text encoder: tensor parallel over %s", ", ".join(map(str, devices)))
     return out
 

@@ -176,6 +176,39 @@ def manage_decoder_copies(decoder, what: str = "video VAE decoder copy") -> list
     return patchers
 
 
+class ShardCopy:
+    """Rank `rank`'s tensor-parallel text-encoder shard, as a CardCopy."""
+    what = "text encoder shard"
+
+    def __init__(self, decoder, rank: int):
+        self.decoder, self.rank, self.device = decoder, rank, decoder.coordinator.devices[rank]
+
+    @property
+    def nbytes(self) -> int:
+        return self.decoder.shard_bytes[self.rank]
+
+    @property
+    def resident(self) -> bool:
+        return self.decoder.shards[self.rank] is not None
+
+    def load(self) -> None:
+        self.decoder.ensure_shards()  # one coordinator run rebuilds every dropped shard
+
+    def unload(self) -> int:
+        return self.decoder.drop_shard(self.rank)
+
+
+def manage_tensor_parallel_shards(decoder) -> list:
+    """Make a TensorParallelDecoder's shards known to ComfyUI: before each encode they are
+    loaded through `load_models_gpu`, and ComfyUI may evict them between encodes. Rank 0's
+    shard is left out: its card is the CLIP's load device, where the CLIP's own patcher is
+    loaded for this encode, and making room there could evict it mid-encode. Returns the
+    patchers (ranks 1..W-1)."""
+    patchers = [card_patcher(ShardCopy(decoder, r)) for r in range(1, decoder.world_size)]
+    decoder.before_forward = lambda: load_card_copies(patchers)
+    return patchers
+
+
 def load_card_copies(patchers: Sequence) -> None:
     """Load `patchers` through ComfyUI (for copies used outside a sampling run, e.g. VAE
     decoder copies): each is registered on its card, and room is made by evicting others."""
