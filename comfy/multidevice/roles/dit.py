@@ -156,7 +156,10 @@ class _DitCardCopy:
         return self.replicas.resident(self.index)
 
     def load(self) -> None:
-        self.replicas.module(self.index)
+        # From the base only: a copy of the loaded weights is made at the first forward, once
+        # ComfyUI has loaded (and patched) the primary it copies from.
+        if self.replicas.uses_base():
+            self.replicas.module(self.index)
 
     def unload(self) -> int:
         return self.replicas.unload(self.index)
