@@ -187,3 +187,54 @@ def _saved(t, tmp_path):
     out = tmp_path / "t.pt"
     torch.save(t, out)
     return out
+
+
+def _dlpack(t):
+    torch.from_dlpack(t.__dlpack__()).fill_(0)
+
+
+def _from_numpy(t):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the array is not writable
+        torch.from_numpy(t.numpy()).fill_(0)
+
+
+def _frombuffer(t):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(t.numpy(), dtype=t.dtype).fill_(0)
+
+
+def _assign_data(t):
+    plain = torch.zeros(t.shape, dtype=t.dtype)
+    plain.data = t   # the setter checks only `plain`
+    plain.fill_(0)
+
+
+def _ctypes(t):
+    import ctypes
+    ctypes.memset(t.data_ptr(), 0, t.nbytes)
+
+
+# The README's list of unguarded ways, each shown to write: if a torch release starts refusing
+# one, this test fails and the README's list must shrink.
+UNGUARDED = {
+    "untyped_storage().fill_": lambda t: t.untyped_storage().fill_(0),
+    "storage()._untyped_storage": lambda t: t.storage()._typed._untyped_storage.fill_(0),
+    "DLPack": _dlpack,
+    "torch.from_numpy": _from_numpy,
+    "torch.frombuffer": _frombuffer,
+    "plain.data = view": _assign_data,
+    "data_ptr + ctypes": _ctypes,
+}
+
+
+@pytest.mark.parametrize("way", sorted(UNGUARDED))
+def test_the_documented_unguarded_ways_do_write_an_in_memory_base(way):
+    """On an in-memory (or pin) base these raw ways go through, as the README says; on the
+    mapped base they fault instead (test_a_raw_write_into_the_mapped_base_faults_...)."""
+    base = SharedCheckpoint.from_state_dict({"w": torch.ones(4)})
+    UNGUARDED[way](base["w"])
+    assert not torch.equal(base["w"], torch.ones(4))
