@@ -116,7 +116,10 @@ def _card_patcher_class():
             self._evict()
 
         def detach(self, unpatch_all=True, *args, **kwargs):
-            self._evict()
+            # ComfyUI detaches with unpatch_all=False when it re-loads a loaded model (and when
+            # a patcher is collected): the weights stay; only a full detach is an eviction.
+            if unpatch_all:
+                self._evict()
             return self.model
 
         def _evict(self) -> int:
