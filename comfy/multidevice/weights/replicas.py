@@ -352,6 +352,10 @@ class RankReplica:
         loader, assigning them as they are (no copy: on a CPU rank the base views themselves)."""
         layer, names = self._loaders[prefix]
         state = {n: self._bound[n] for n in names}
+        if isinstance(getattr(layer, "factory_kwargs", None), dict):
+            # ComfyUI contract: the loader moves what it reads to factory_kwargs["device"];
+            # this replica's tensors are already where they belong.
+            layer.factory_kwargs = dict(layer.factory_kwargs, device=None)
         errors: list[str] = []
         layer._load_from_state_dict(state, prefix, {"assign_to_params_buffers": True}, True, [], [], errors)
         if errors:
