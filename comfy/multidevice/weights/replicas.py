@@ -8,6 +8,7 @@ device: the module itself on the device its weights live on, a cached copy on th
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import threading
@@ -310,9 +311,10 @@ class RankReplica:
         """Bytes held by this replica beyond the shared base (device copies, patched weights)."""
         return sum(self._bound[self._groups[s][0]].nbytes for s in self._owned)
 
-    @property
+    @functools.cached_property
     def device_bytes(self) -> int:
-        """Bytes the replica's weights take on its device once loaded (what a card must hold)."""
+        """Bytes the replica's weights take on its device once loaded (what a card must hold;
+        fixed by the base and the dtypes, so computed once: ComfyUI asks for it often)."""
         total = 0
         for source in self._groups:
             base = self._base_tensor(source)
