@@ -122,7 +122,7 @@ def _tagged_view(tensor: torch.Tensor, tag: _Tag) -> "ReadOnlyTensor":
 
 
 def _below_python_dispatch():
-    """Run ops under the Python dispatch key (inside our __torch_dispatch__: the real kernels)."""
+    """Run ops below the Python dispatch key (inside our __torch_dispatch__: the real kernels)."""
     return torch._C._ExcludeDispatchKeyGuard(
         DispatchKeySet(DispatchKey.Python).add(DispatchKey.PythonTLSSnapshot))
 
