@@ -5,25 +5,26 @@ tensor subclass, ReadOnlyTensor, and the storages they point into are registered
 (process-wide, for as long as their ReadOnlyMemory record lives). Writes are refused with
 ReadOnlyWeightError before they happen, on two levels:
 
-- `__torch_function__`: every torch call that involves a view runs under a dispatch mode that
-  inspects each ATen op's schema and refuses any op that would write into a guarded storage
-  (add_, copy_, index assignment, out=..., F.relu(inplace=True), set_, resize_ ...), also
-  through a plain tensor aliasing it that takes part in the same call.
-- `__torch_dispatch__`: the same check again at the dispatcher, so that calls which skip
-  `__torch_function__` (under DisableTorchFunctionSubclass, `torch._C` methods, a plain
-  alias made by `Tensor._make_subclass`, which keeps the view's dispatch keys) are refused too.
+- `__torch_dispatch__`: every ATen op on a view reaches it, also when `__torch_function__`
+  is skipped (under DisableTorchFunctionSubclass, `torch._C` methods, a plain alias made by
+  `Tensor._make_subclass`, which keeps the view's dispatch keys). It reads the op's schema
+  and refuses any op that would write into a guarded storage (add_, copy_, index assignment,
+  out=..., F.relu(inplace=True), set_, resize_ ...), also through a plain tensor aliasing it
+  that takes part in the same op, and `set_` that would make a plain tensor alias one.
+- `__torch_function__`: methods that change a tensor without a writing ATen op (names ending
+  in `_` such as share_memory_), and the wrapping of results (views of a view are views).
 
 Views derived from a view (slicing, .t(), .detach(), .data, .view, copy.copy ...) are guarded
 too; copies (.clone(), .to(other device or dtype), deepcopy) are plain, writable tensors; a
 same-device, same-dtype .to() returns the view itself, as torch does. .storage() gives a
-TypedStorage that refuses writes; numpy() / __array__ give arrays flagged read-only (numpy
+read-only wrapper of the TypedStorage (reads pass, writes are refused); numpy() / __array__ give arrays flagged read-only (numpy
 refuses writes into those with its own ValueError); as_subclass to another class raises.
 Whether a tensor is guarded is decided by its storage, not by an attribute that could be
 deleted. Each view holds its ReadOnlyMemory, which holds the storage: the memory stays valid
 as long as any view is alive.
 
 Raw access (data_ptr, untyped_storage(), DLPack, torch.from_numpy / frombuffer over the
-memory, ctypes) bypasses the guard; model code does not write through those by accident. A
+memory, ctypes, `plain.data = view`, whose setter checks only `plain`) bypasses the guard; model code does not write through those by accident. A
 file-backed base maps the file read-only, so a raw write there is a segmentation fault rather
 than a silent change of every rank's weights.
 """
@@ -38,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._C import DisableTorchFunctionSubclass, DispatchKey, DispatchKeySet
-from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode, TorchDispatchMode
+from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode
 
 
 class ReadOnlyWeightError(RuntimeError):
@@ -193,34 +194,6 @@ def _refuse(what: str, tag: _Tag):
         "t.to(device)) or patch out of place (w = w + delta)")
 
 
-class _WriteGuard(TorchDispatchMode):
-    """Raises before any ATen op writes into one of the guarded storages."""
-
-    def __init__(self, guarded: dict[int, _Tag]):
-        super().__init__()
-        self.guarded = guarded
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Nothing here is ever compiled; the default wrapping would import torch._dynamo on
-        # first use (seconds and ~100 MB of resident memory).
-        return False
-
-    # The base class's __enter__/__exit__ also flip process-wide "inside a dispatch mode" flags,
-    # which concurrent rank threads would leave wrong; the mode stack itself is per thread.
-    def __enter__(self):
-        _push_mode(self)
-        return self
-
-    def __exit__(self, *exc_info):
-        _pop_mode()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        _check_writes(func, args, kwargs)
-        return func(*args, **kwargs)
-
-
 # Methods that mutate a tensor object without a guarded ATen op (storage swaps and the like),
 # refused by name when their first argument is guarded. requires_grad_ only flips a flag.
 _ALLOWED_TRAILING_UNDERSCORE = frozenset({"requires_grad_"})
@@ -257,8 +230,7 @@ class ReadOnlyTensor(torch.Tensor):
                     _refuse(f"in-place {name}()", t._guard())
 
         with DisableTorchFunctionSubclass():
-            with _WriteGuard(guarded):
-                out = func(*args, **kwargs)
+            out = func(*args, **kwargs)  # every ATen op it runs is checked by __torch_dispatch__
             return _guard_outputs(out, guarded)
 
     @classmethod
@@ -338,7 +310,7 @@ def _no_dispatch_modes():
 
 def _plain_alias(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor over t's memory, without its dispatch keys (for numpy and pickling only;
-    made outside the write guard, which refuses such aliases to everyone else)."""
+    made outside any dispatch mode, so that no mode sees the alias being made)."""
     with _no_dispatch_modes():
         return torch.empty(0, dtype=t.dtype).set_(torch.Tensor.untyped_storage(t), t.storage_offset(),
                                                   t.size(), t.stride())
