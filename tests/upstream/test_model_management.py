@@ -165,3 +165,26 @@ def test_text_encoder_shards_are_loaded_evicted_and_rebuilt_from_ram(upstream, t
         second = encode(parallel)
         assert all(s is not None for s in decoder.shards) and total_bytes_read() == before
         assert torch.equal(first, second)
+
+
+def test_an_eviction_frees_the_replicas_own_copies(upstream, hook, h3_file):
+    """The fp32 file loaded as bf16: each replica holds its own bf16 copy of the weights (not
+    the base views), so what an eviction drops is measurable: every byte of those copies, while
+    the base stays; the next prompt rebuilds them from RAM (0 bytes from disk), bit-identical."""
+    import comfy.model_management as mm
+    import comfy.sd
+    from comfy.multidevice.weights.checkpoint import total_bytes_read
+    model = comfy.sd.load_diffusion_model(str(h3_file), model_options={"dtype": torch.bfloat16})
+    coord, parallel = node_dit(model, 2)
+    replicas = parallel.multinpu_dit_replicas
+    with coord:
+        first = sample(parallel)
+        held = replicas.base_replicas[0].resident_bytes
+        # private bf16 copies; weights kept fp32 stay base views on a CPU rank (a card holds all)
+        assert 0 < held <= replicas.device_bytes(0)
+        mm.unload_all_models()
+        assert replicas.base_replicas[0].resident_bytes == 0 and not replicas.resident(0)
+        before = total_bytes_read()
+        second = sample(parallel)
+        assert total_bytes_read() == before and replicas.base_replicas[0].resident_bytes == held
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
