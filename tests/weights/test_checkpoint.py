@@ -694,6 +694,7 @@ def test_release_cached_device_memory_uses_the_allocators_present(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(empty_cache=lambda: calls.append("npu")),
                         raising=False)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))  # what registers torch.npu
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cuda"))
@@ -770,3 +771,59 @@ def test_comfy_replicas_from_loaded_weights_read_nothing(monkeypatch):
         assert replica.module.embed.weight.data_ptr() == ref.embed.weight.data_ptr()   # zero-copy
     with pytest.raises(ValueError, match="ModelPatcher"):
         comfy_diffusion_model_replicas(object(), ["cpu"])
+
+
+def _mapping_of(address: int) -> str:
+    """The /proc/self/maps line whose range holds `address` ('' when none does)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms, *rest = line.split()
+            start, end = (int(x, 16) for x in span.split("-"))
+            if start <= address < end:
+                return f"{perms} {rest[-1] if len(rest) >= 4 else ''}"
+    return ""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
+def test_default_base_is_a_read_only_shared_mapping_of_the_file(tmp_path, monkeypatch):
+    monkeypatch.delenv(sc.BASE_MODE_ENV, raising=False)
+    written = sample_tensors()
+    path = write(tmp_path / "m.safetensors", written)
+    before = total_bytes_read()
+    ckpt = SharedCheckpoint.open(path)
+    assert ckpt.mode == "map" and ckpt.bytes_read == os.path.getsize(path)
+    assert total_bytes_read() - before == os.path.getsize(path)
+    for name in written:
+        perms, _, where = _mapping_of(ckpt[name].data_ptr()).partition(" ")
+        if ckpt[name].nbytes:
+            # no anonymous copy: the bytes are the file's page cache, mapped read-only and shared
+            assert where == os.path.realpath(path) and perms.startswith("r-") and perms[3] == "s", (name, perms)
+    for name, t in written.items():
+        assert bit_equal(ckpt[name], t)
+    again = SharedCheckpoint.open(path, mode="pin")  # one base per file: the live one, nothing read
+    assert again is ckpt and total_bytes_read() - before == os.path.getsize(path)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
+def test_pin_mode_reads_into_anonymous_ram(tmp_path, monkeypatch):
+    written = sample_tensors()
+    path = write(tmp_path / "m.safetensors", written)
+    monkeypatch.setenv(sc.BASE_MODE_ENV, "PIN")
+    ckpt = SharedCheckpoint.open(path)
+    assert ckpt.mode == "pin" and ckpt.bytes_read == os.path.getsize(path)
+    big = max(written, key=lambda n: written[n].nbytes)
+    assert os.path.realpath(path) not in _mapping_of(ckpt[big].data_ptr())
+    for name, t in written.items():
+        assert bit_equal(ckpt[name], t)
+    with pytest.raises(ReadOnlyWeightError):
+        ckpt[big].add_(1)
+
+
+def test_bad_base_mode_is_refused_naming_the_value_and_the_choices(tmp_path, monkeypatch):
+    path = write(tmp_path / "m.safetensors", {"w": torch.ones(2)})
+    monkeypatch.setenv(sc.BASE_MODE_ENV, "locked")
+    with pytest.raises(ValueError, match=r"COMFYUI_MULTI_DEVICE_WEIGHT_BASE='locked' .* map, pin"):
+        SharedCheckpoint.open(path)
+    with pytest.raises(ValueError, match=r"mode='copy' .* map, pin"):
+        SharedCheckpoint.open(path, mode="copy")
+    assert shared_checkpoint_sources() == []

@@ -171,6 +171,12 @@ def _tensor_parallel_text_encoder(clip, devices, coordinator):
         # the clone's patcher still loads the embeddings and the vision tower: on rank 0's card
         log.info("text encoder: load device %s -> %s", patcher.load_device, devices[0])
         patcher.load_device = devices[0]
+    try:
+        from comfy.multidevice.roles.model_management import manage_tensor_parallel_shards
+        from comfy.multidevice.tp.clip import language_model_of
+        manage_tensor_parallel_shards(language_model_of(out))
+    except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
+        pass
     log.info("text encoder: tensor parallel over %s", ", ".join(map(str, devices)))
     return out
 
@@ -200,6 +206,11 @@ def _chunked_video_vae(vae, devices, merge_device, coordinator):
     runner = coordinator if list(coordinator.devices) == list(devices) else None
     out.first_stage_model = with_parallel_decode(vae.first_stage_model, devices, runner=runner,
                                                  merge_device=merge_device)
+    try:
+        from comfy.multidevice.roles.model_management import manage_decoder_copies
+        manage_decoder_copies(out.first_stage_model.parallel_decode)
+    except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
+        pass
     log.info("video VAE: temporal chunks decoded on %s, merged on %s",
              ", ".join(map(str, devices)), merge_device)
     return out

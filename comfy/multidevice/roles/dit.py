@@ -99,13 +99,61 @@ class DitReplicas:
             self._progress = CardProgress("DiT replica", len(self.devices), log)
         self._progress.done(self.devices[index], nbytes, how, start)
 
-    def unload(self) -> int:
-        """Drop the replicas' device residency (the base stays in RAM); return the bytes dropped."""
+    def unload(self, index: int | None = None) -> int:
+        """Drop the device residency of one rank's replica, or of all (the base stays in RAM);
+        return the bytes dropped."""
         self._progress = None  # the next build is a new run of the bar
-        dropped = self.base_replicas.unload() if self.base_replicas is not None else 0
-        self._copies.clear()
-        self._copy_version = None
+        indices = range(len(self.devices)) if index is None else [index]
+        dropped = 0
+        for i in indices:
+            if self.base_replicas is not None:
+                dropped += self.base_replicas[i].unload()
+            copy = self._copies.pop(i, None)
+            if copy is not None:
+                dropped += sum(t.nbytes for t in copy.state_dict().values())
+        if index is None:
+            self._copy_version = None
         return dropped
+
+    def resident(self, index: int) -> bool:
+        if self.uses_base():
+            return self.base_replicas[index].resident
+        return index in self._copies
+
+    def device_bytes(self, index: int) -> int:
+        """Bytes rank `index`'s replica takes on its card."""
+        if self.uses_base():
+            return self.base_replicas[index].device_bytes
+        return sum(t.nbytes for t in dit_module(self.primary).state_dict().values())
+
+    def card_copies(self) -> list:
+        """One CardCopy per card, for ComfyUI's model management (roles/model_management.py)."""
+        return [_DitCardCopy(self, i) for i in range(len(self.devices))]
+
+
+class _DitCardCopy:
+    """Rank `index`'s DiT replica as ComfyUI's memory manager sees it."""
+    what = "DiT replica"
+
+    def __init__(self, replicas: DitReplicas, index: int):
+        self.replicas, self.index, self.device = replicas, index, replicas.devices[index]
+
+    @property
+    def nbytes(self) -> int:
+        return self.replicas.device_bytes(self.index)
+
+    @property
+    def resident(self) -> bool:
+        return self.replicas.resident(self.index)
+
+    def load(self) -> None:
+        # From the base only: a copy of the loaded weights is made at the first forward, once
+        # ComfyUI has loaded (and patched) the primary it copies from.
+        if self.replicas.uses_base():
+            self.replicas.module(self.index)
+
+    def unload(self) -> int:
+        return self.replicas.unload(self.index)
 
 
 class _RankDit:
@@ -183,4 +231,13 @@ def _sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate",
     enable_sequence_parallel_on_patcher(primary, coordinator, [None] + replicas.entries())
     replicas.armed = True
     primary.multinpu_dit_replicas = replicas  # for unload / inspection
+    _register_with_model_management(primary, replicas.card_copies())
     return primary
+
+
+def _register_with_model_management(model_patcher, copies) -> None:
+    try:
+        from comfy.multidevice.roles.model_management import register_with_model
+        register_with_model(model_patcher, copies)
+    except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
+        pass

@@ -385,13 +385,19 @@ class TensorParallelDecoder(nn.Module):
     graph_dynamic_vbar_blocks = False
     prefetch_dynamic_vbars = False
 
-    def __init__(self, coordinator, shards: list[nn.Module], source: nn.Module | None = None):
+    def __init__(self, coordinator, shards: list[nn.Module], source: nn.Module | None = None,
+                 weights: Mapping[str, torch.Tensor] | None = None):
         super().__init__()
         if len(shards) != coordinator.world_size:
             raise TensorParallelError(f"{len(shards)} shards for {coordinator.world_size} ranks")
         self.coordinator = coordinator
         self.shards = list(shards)  # a plain list: not registered as submodules
         self._source = [source]     # ditto: the single-device decoder, for remove/re-shard
+        self._weights = weights     # what the shards were sliced from, to rebuild a dropped one
+        self.shard_bytes = [weight_bytes(s) for s in shards]
+        # called on the caller's thread before each forward (roles/ loads the shards through
+        # ComfyUI's model management there)
+        self.before_forward = None
         if source is not None:
             if getattr(source, "embed_tokens", None) is not None:
                 self.embed_tokens = source.embed_tokens
@@ -406,6 +412,30 @@ class TensorParallelDecoder(nn.Module):
     def world_size(self) -> int:
         return self.coordinator.world_size
 
+    def drop_shard(self, rank: int) -> int:
+        """Free rank `rank`'s shard (its card's memory); the next forward or ensure_shards()
+        slices it again from the kept decoder (or weights), never from disk. Returns its bytes."""
+        if self.shards[rank] is None:
+            return 0
+        self.shards[rank] = None
+        return self.shard_bytes[rank]
+
+    def ensure_shards(self) -> None:
+        """Rebuild every dropped shard, each on its own rank thread."""
+        missing = [r for r, s in enumerate(self.shards) if s is None]
+        if not missing:
+            return
+        if self.source_decoder is None:
+            raise TensorParallelError("a dropped tensor-parallel shard cannot be rebuilt: no source decoder")
+        source, weights, shards = self.source_decoder, self._weights, self.shards
+
+        def rebuild(rank, comm):
+            if shards[rank] is None:
+                shards[rank] = shard_decoder(source, comm, weights)
+
+        self.coordinator.run(rebuild)
+        log.info("tensor parallel: rebuilt the shards of ranks %s from RAM", missing)
+
     def get_dynamic_vram__units(self):
         # Upstream's CLIP wrapper asks the language model for offloadable units; the
         # shards stay resident on their ranks, so there are none.
@@ -416,6 +446,9 @@ class TensorParallelDecoder(nn.Module):
             raise TensorParallelError(
                 "text generation (past_key_values) is not supported by the tensor-parallel text "
                 "encoder; it only encodes prompts. Use the single-device CLIP for generation")
+        if self.before_forward is not None:
+            self.before_forward()
+        self.ensure_shards()
         out_device = _first_tensor_device((args, kwargs))
         per_rank = [(copy_for_rank(args, dev, True), copy_for_rank(kwargs, dev, True))
                     for dev in self.coordinator.devices]
@@ -451,4 +484,4 @@ def build_tensor_parallel_decoder(decoder: nn.Module, coordinator,
         return shard
 
     shards = coordinator.run(build)
-    return TensorParallelDecoder(coordinator, shards, source=decoder)
+    return TensorParallelDecoder(coordinator, shards, source=decoder, weights=weights)

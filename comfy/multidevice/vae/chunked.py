@@ -261,6 +261,9 @@ class ChunkedDecode:
         self.runner = runner
         self.merge_device = torch.device(merge_device) if merge_device is not None else self.devices[0]
         self.replicas = replicas if replicas is not None else ReplicaCache(module, "video VAE decoder")
+        # called on the caller's thread before the ranks decode (roles/ loads the copies
+        # through ComfyUI's model management there)
+        self.before_decode: Callable[[], None] | None = None
 
     def decode(self, z: torch.Tensor, output_buffer: torch.Tensor | None = None) -> torch.Tensor:
         if z.dim() != 5:
@@ -276,6 +279,8 @@ class ChunkedDecode:
 
     def decode_chunks(self, z: torch.Tensor, plan: TemporalChunkPlan) -> list[torch.Tensor]:
         """Every chunk's raw frames, in chunk order, each on the merge device."""
+        if self.before_decode is not None:
+            self.before_decode()
         z = self.interface.denormalize(z)
         if plan.pad_latents:
             z = torch.cat([z, z[:, :, -1:].expand(-1, -1, plan.pad_latents, -1, -1)], dim=TIME_DIM)

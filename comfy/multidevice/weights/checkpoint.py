@@ -1,7 +1,7 @@
 """Shared read-only checkpoint base and per-rank hot caches.
 
-A checkpoint is read from disk and deserialized once per process; every rank's replica
-and every later reload is built from that one base in RAM.
+A checkpoint is mapped (or, in pin mode, read) once per process; every rank's replica and
+every later reload is built from that one base in RAM.
 
 Base
     SharedCheckpoint.open(path)      one per (real path, size, mtime_ns) per process, from a
@@ -9,10 +9,19 @@ Base
                                      second open of an unchanged file logs "Reusing shared
                                      checkpoint source" and reads nothing; a file changed on
                                      disk is a new source. Failed opens leave the registry clean.
+                                     The data is one read-only shared mapping of the file (page
+                                     cache, no anonymous copy; PROT_READ, so even a raw write
+                                     faults instead of changing the weights); mode "pin" (or
+                                     COMFYUI_MULTI_DEVICE_WEIGHT_BASE=pin) reads it into anonymous
+                                     RAM instead, for network filesystems where evicted pages
+                                     would be fetched again.
     SharedCheckpoint.from_state_dict(tensors)   the same over tensors already in memory.
     A SharedCheckpoint is a read-only Mapping name -> zero-copy CPU view (ReadOnlyTensor):
     in-place writes raise ReadOnlyWeightError; the memory lives as long as any view does.
-    total_bytes_read() counts every byte read from disk by this module, process-wide.
+    total_bytes_read() counts every byte read from disk by this module, process-wide: headers
+                                     as read, a mapped file's data once when it is mapped (each
+                                     page comes from disk at most once while the page cache
+                                     keeps it; `pin` exists for when it would not).
 
 Hot caches
     RankReplicas(base, devices, template=None)  one RankReplica per device: the rank's
@@ -37,9 +46,11 @@ ComfyUI (imported lazily; nothing here needs ComfyUI installed)
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import stat
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -54,6 +65,20 @@ log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 64 << 20
 REUSE_MESSAGE = "Reusing shared checkpoint source"
+
+BASE_MODE_ENV = "COMFYUI_MULTI_DEVICE_WEIGHT_BASE"
+BASE_MODES = ("map", "pin")  # read-only shared mapping (default) | anonymous RAM
+
+
+def base_mode_from_env(value: str | None = None) -> str:
+    """The base mode: `value` if given, else COMFYUI_MULTI_DEVICE_WEIGHT_BASE, else "map"."""
+    raw = value if value is not None else os.environ.get(BASE_MODE_ENV, "")
+    mode = raw.strip().lower() or "map"
+    if mode not in BASE_MODES:
+        where = f"{BASE_MODE_ENV}={raw!r}" if value is None else f"mode={raw!r}"
+        raise ValueError(f"{where} is not a weight base mode; use one of {', '.join(BASE_MODES)} "
+                         "(map: the file's page cache, read-only; pin: a private copy in RAM, for NFS)")
+    return mode
 
 # ----------------------------------------------------------------------------- byte counter
 
@@ -138,22 +163,68 @@ def clear_shared_checkpoints() -> None:
         _registry.clear()
 
 
+# ----------------------------------------------------------------------------- file data
+
+def _map_read_only(handle, real: str, offset: int, nbytes: int) -> torch.Tensor:
+    """The file's data bytes as a uint8 tensor over one read-only shared mapping (PROT_READ)."""
+    try:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{real}: cannot map the checkpoint read-only ({exc}); set "
+                              f"{BASE_MODE_ENV}=pin to read it into RAM instead") from None
+    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+        try:  # a read-ahead hint; the pages come in as the replicas are built
+            mapping.madvise(mmap.MADV_WILLNEED)
+        except OSError:
+            pass
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable: that is the point; every view refuses writes.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def _read_into_ram(handle, real: str, nbytes: int) -> torch.Tensor:
+    """The file's data bytes (from the current position) read into a new anonymous buffer."""
+    if hasattr(os, "posix_fadvise"):
+        try:  # a hint for read-ahead; some filesystems refuse it
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            pass
+    try:
+        data = torch.empty(nbytes, dtype=torch.uint8)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{real}: cannot allocate {nbytes} bytes of CPU memory for the pinned "
+                           f"shared base ({exc}); free memory, use a smaller checkpoint, or unset "
+                           f"{BASE_MODE_ENV} to map the file instead") from exc
+    buffer = memoryview(data.numpy()).cast("B")
+    position = 0
+    while position < len(buffer):
+        got = handle.readinto(buffer[position:position + READ_CHUNK_BYTES])
+        if not got:
+            raise CheckpointError(f"{real}: file is truncated: data ends after {position} of "
+                                  f"{len(buffer)} bytes (it changed while being read?)")
+        position += got
+    return data
+
+
 # ----------------------------------------------------------------------------- the base
 
 class SharedCheckpoint(Mapping):
-    """A checkpoint's tensors, read once into read-only memory; a Mapping name -> zero-copy view.
+    """A checkpoint's tensors, mapped (or pinned) once, read-only; a Mapping name -> zero-copy view.
 
     Build with SharedCheckpoint.open(path) or SharedCheckpoint.from_state_dict(tensors).
     Attributes: label (real path, or a description for in-memory sources), key (registry key or
     None), file_bytes (file size; 0 in memory), bytes_read (bytes this source read from disk),
-    metadata (the header's __metadata__, {} when absent), header (SafetensorsHeader or None).
+    metadata (the header's __metadata__, {} when absent), header (SafetensorsHeader or None),
+    mode ("map": a read-only mapping of the file, "pin": anonymous RAM, "memory": in memory).
     """
 
     def __init__(self, label: str, views: dict[str, tuple[torch.Tensor, ReadOnlyMemory]], *,
                  key: tuple | None = None, header: SafetensorsHeader | None = None,
-                 file_bytes: int = 0, bytes_read: int = 0):
+                 file_bytes: int = 0, bytes_read: int = 0, mode: str = "memory"):
         self.label = label
         self.key = key
+        self.mode = mode
         self.header = header
         self.metadata: dict[str, str] = dict(header.metadata) if header is not None else {}
         self.file_bytes = file_bytes
@@ -202,8 +273,14 @@ class SharedCheckpoint(Mapping):
 
     # -- construction
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "SharedCheckpoint":
-        """The process's shared base for a safetensors file; reads it only if nobody has yet."""
+    def open(cls, path: str | os.PathLike, mode: str | None = None) -> "SharedCheckpoint":
+        """The process's shared base for a safetensors file; reads it only if nobody has yet.
+
+        mode "map" (default) maps the file read-only; "pin" reads it into anonymous RAM; None
+        takes COMFYUI_MULTI_DEVICE_WEIGHT_BASE. A live base of the file is reused whatever its
+        mode (one base per file per process).
+        """
+        mode = base_mode_from_env(mode)
         shown = os.fspath(path)
         real = os.path.realpath(shown)
         try:
@@ -225,7 +302,7 @@ class SharedCheckpoint(Mapping):
             if not reader:
                 return cls._wait_for(pending, real)
             try:
-                source = cls._read(handle, real, key, st)
+                source = cls._read(handle, real, key, st, mode)
             except BaseException as exc:
                 _abandon(key, pending, exc)
                 raise
@@ -245,7 +322,7 @@ class SharedCheckpoint(Mapping):
         return pending.result
 
     @classmethod
-    def _read(cls, handle, real: str, key: tuple, st: os.stat_result) -> "SharedCheckpoint":
+    def _read(cls, handle, real: str, key: tuple, st: os.stat_result, mode: str) -> "SharedCheckpoint":
         read = 0
 
         def read_exact(n: int, what: str) -> bytes:
@@ -258,30 +335,19 @@ class SharedCheckpoint(Mapping):
                                       "bytes (it changed while being read?)")
             return chunk
 
-        if hasattr(os, "posix_fadvise"):
-            try:  # a hint for read-ahead; some filesystems refuse it
-                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except OSError:
-                pass
         length = parse_header_length(read_exact(min(HEADER_LENGTH_BYTES, st.st_size), "length field"),
                                      st.st_size, real)
         header = parse_header_json(read_exact(length, "header"),
                                    st.st_size - HEADER_LENGTH_BYTES - length, real)
-        try:
-            data = torch.empty(header.data_bytes, dtype=torch.uint8)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{real}: cannot allocate {header.data_bytes} bytes of CPU memory for "
-                               f"the shared base ({exc}); free memory or use a smaller checkpoint") from exc
-        buffer = memoryview(data.numpy()).cast("B")
-        position = 0
-        while position < len(buffer):
-            got = handle.readinto(buffer[position:position + READ_CHUNK_BYTES])
-            if not got:
-                raise CheckpointError(f"{real}: file is truncated: data ends after {position} of "
-                                      f"{len(buffer)} bytes (it changed while being read?)")
-            position += got
-            read += got
-            _count(got)
+        data_start = HEADER_LENGTH_BYTES + length
+        mapped = mode == "map" and header.data_bytes > 0
+        if mapped:
+            data = _map_read_only(handle, real, data_start, header.data_bytes)
+        else:
+            data = _read_into_ram(handle, real, header.data_bytes)
+        address_offset = data_start if mapped else 0  # the mapping starts at the file's first byte
+        read += header.data_bytes
+        _count(header.data_bytes)
         after = os.fstat(handle.fileno())
         if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
             raise CheckpointError(f"{real}: the file changed while being read; open it again")
@@ -291,14 +357,16 @@ class SharedCheckpoint(Mapping):
         for info in header.tensors.values():
             raw = data[info.begin:info.end]
             block = memory
-            if info.begin % info.dtype.itemsize:
+            if info.begin % info.dtype.itemsize or (address_offset + info.begin) % info.dtype.itemsize:
                 # A misaligned tensor cannot be viewed in place: give it its own aligned block.
                 raw = raw.clone()
                 block = ReadOnlyMemory(raw.untyped_storage(), real)
             views[info.name] = (raw.view(info.dtype).view(info.shape), block)
-        log.info("Read shared checkpoint source %s: %d tensors, %d bytes from disk [%s]",
-                 real, len(views), read, threading.current_thread().name)
-        return cls(real, views, key=key, header=header, file_bytes=st.st_size, bytes_read=read)
+        how = "mapped read-only from" if mapped else "read into RAM from"
+        log.info("Read shared checkpoint source %s: %d tensors, %d bytes %s disk [%s]",
+                 real, len(views), read, how, threading.current_thread().name)
+        return cls(real, views, key=key, header=header, file_bytes=st.st_size, bytes_read=read,
+                   mode=mode)
 
     @classmethod
     def from_state_dict(cls, tensors: Mapping[str, torch.Tensor], *, label: str = "in-memory state dict",

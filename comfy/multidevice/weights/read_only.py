@@ -1,33 +1,45 @@
 """Zero-copy tensor views of memory that must not be written.
 
-torch has no read-only tensors, and a PROT_READ mapping would turn a stray in-place op
-into a segfault. So the views handed out by the shared checkpoint are a small tensor
-subclass, ReadOnlyTensor, over ordinary memory:
+torch has no read-only tensors. The views handed out by the shared checkpoint are a small
+tensor subclass, ReadOnlyTensor, and the storages they point into are registered as guarded
+(process-wide, for as long as their ReadOnlyMemory record lives). Writes are refused with
+ReadOnlyWeightError before they happen, on two levels:
 
-- Every torch call that involves such a view goes through `__torch_function__`, which
-  runs the call under a dispatch mode that inspects each ATen op's schema and raises
-  ReadOnlyWeightError *before* any op that would write into the guarded memory
-  (add_, copy_, index assignment, out=..., F.relu(inplace=True), set_, resize_ ...).
-- Views derived from a guarded view (slicing, .t(), .detach(), .data, .view ...) are
-  guarded too; copies (.clone(), .to(other device or dtype)) are plain, writable tensors.
-- numpy() / __array__ give numpy arrays flagged read-only; as_subclass to another class
-  raises; deepcopy and pickling give plain copies.
-- Each view holds its ReadOnlyMemory, which holds the storage: the memory stays valid as
-  long as any view is alive.
+- `__torch_dispatch__`: every ATen op on a view reaches it, also when `__torch_function__`
+  is skipped (under DisableTorchFunctionSubclass, `torch._C` methods, a plain alias made by
+  `Tensor._make_subclass`, which keeps the view's dispatch keys). It reads the op's schema
+  and refuses any op that would write into a guarded storage (add_, copy_, index assignment,
+  out=..., F.relu(inplace=True), set_, resize_ ...), also through a plain tensor aliasing it
+  that takes part in the same op, and `set_` that would make a plain tensor alias one.
+- `__torch_function__`: methods that change a tensor without a writing ATen op (names ending
+  in `_` such as share_memory_), and the wrapping of results (views of a view are views).
 
-Raw access (data_ptr, untyped_storage(), DLPack, torch.from_numpy of the read-only numpy
-view, which torch only warns about) bypasses the guard; model code does not write through
-those by accident.
+Views derived from a view (slicing, .t(), .detach(), .data, .view, copy.copy ...) are guarded
+too; copies (.clone(), .to(other device or dtype), deepcopy) are plain, writable tensors; a
+same-device, same-dtype .to() returns the view itself, as torch does. .storage() gives a
+read-only wrapper of the TypedStorage (reads pass, writes are refused); numpy() / __array__ give arrays flagged read-only (numpy
+refuses writes into those with its own ValueError); as_subclass to another class raises.
+Whether a tensor is guarded is decided by its storage, not by an attribute that could be
+deleted. Each view holds its ReadOnlyMemory, which holds the storage: the memory stays valid
+as long as any view is alive.
+
+Raw access (data_ptr, untyped_storage(), DLPack, torch.from_numpy / frombuffer over the
+memory, ctypes, `plain.data = view`, whose setter checks only `plain`) bypasses the guard; model code does not write through those by accident. A
+file-backed base maps the file read-only, so a raw write there is a segmentation fault rather
+than a silent change of every rank's weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
-from torch.utils._python_dispatch import _pop_mode, _push_mode, TorchDispatchMode
+from torch._C import DisableTorchFunctionSubclass, DispatchKey, DispatchKeySet
+from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode
 
 
 class ReadOnlyWeightError(RuntimeError):
@@ -35,7 +47,8 @@ class ReadOnlyWeightError(RuntimeError):
 
 
 class ReadOnlyMemory:
-    """A block of read-only memory: its storage and a label for messages."""
+    """A block of read-only memory: its storage and a label for messages. While the record
+    lives its storage is guarded: every tensor over it refuses writes (see the module doc)."""
 
     __slots__ = ("storage", "cdata", "label", "__weakref__")
 
@@ -43,10 +56,39 @@ class ReadOnlyMemory:
         self.storage = storage      # keeps the memory alive as long as this record lives
         self.cdata = storage._cdata  # identity of the storage (stable while it lives)
         self.label = label
+        _register(self)
 
     def contains_address(self, address: int) -> bool:
         start = self.storage.data_ptr()
         return start <= address < start + self.storage.nbytes()
+
+
+# storage id -> live records over that storage. A record keeps its storage alive, so an id
+# cannot be reused while any record of it lives; dead records are pruned on the way.
+_guarded_lock = threading.RLock()  # re-entrant: a weakref callback may run inside (GC)
+_guarded: dict[int, list[weakref.ref]] = {}
+
+
+def _register(memory: ReadOnlyMemory) -> None:
+    def forget(ref, cdata=memory.cdata):
+        with _guarded_lock:
+            refs = [r for r in _guarded.get(cdata, ()) if r is not ref and r() is not None]
+            if refs:
+                _guarded[cdata] = refs
+            else:
+                _guarded.pop(cdata, None)
+
+    with _guarded_lock:
+        _guarded.setdefault(memory.cdata, []).append(weakref.ref(memory, forget))
+
+
+def guarded_memory(storage_id: int | None) -> ReadOnlyMemory | None:
+    """The live ReadOnlyMemory over the storage with this id, if any."""
+    for ref in _guarded.get(storage_id, ()) if storage_id is not None else ():
+        memory = ref()
+        if memory is not None:
+            return memory
+    return None
 
 
 def _storage_id(t: torch.Tensor) -> int | None:
@@ -76,8 +118,25 @@ def _tagged_view(tensor: torch.Tensor, tag: _Tag) -> "ReadOnlyTensor":
         if _storage_id(tensor) != tag.memory.cdata:
             raise ValueError(f"read_only_view({tag.name!r}): the tensor does not alias {tag.memory.label}")
         view = torch.Tensor.as_subclass(tensor, ReadOnlyTensor)
-    view._ro_tag = tag
+    view.__dict__["_ro_tag"] = tag
     return view
+
+
+def _below_python_dispatch():
+    """Run ops below the Python dispatch key (inside our __torch_dispatch__: the real kernels)."""
+    return torch._C._ExcludeDispatchKeyGuard(
+        DispatchKeySet(DispatchKey.Python).add(DispatchKey.PythonTLSSnapshot))
+
+
+def _tag_of(t: torch.Tensor) -> _Tag | None:
+    """The guard of a tensor over guarded memory (its own tag when it has one), else None."""
+    with DisableTorchFunctionSubclass():
+        storage_id = _storage_id(t)
+    tag = t.__dict__.get("_ro_tag") if isinstance(t, ReadOnlyTensor) else None
+    if tag is not None and tag.memory.cdata == storage_id:
+        return tag
+    memory = guarded_memory(storage_id)
+    return None if memory is None else _Tag(memory, "(an alias of a read-only view)", None)
 
 
 def is_read_only(t: Any) -> bool:
@@ -106,46 +165,33 @@ def _written_arguments(op) -> tuple[tuple[int, str, bool], ...]:
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
+def _check_writes(func, args, kwargs) -> None:
+    """Refuse the ATen op `func` if it would write into a guarded storage, or (set_) make a
+    tensor outside the guard alias one."""
+    if getattr(getattr(func, "_schema", None), "name", None) == "aten::set_":
+        for source in _leaves((args[1:], kwargs)):
+            if isinstance(source, torch.Tensor):
+                tag = _tag_of(source)
+            else:
+                memory = guarded_memory(getattr(source, "_cdata", None))
+                tag = None if memory is None else _Tag(memory, "(a storage of a read-only view)", None)
+            if tag is not None:
+                _refuse(f"{func} onto it (it would make a writable alias)", tag)
+    for position, name, kwarg_only in _written_arguments(func):
+        value = kwargs.get(name) if kwarg_only or position >= len(args) else args[position]
+        for t in _leaves(value):
+            if isinstance(t, torch.Tensor):
+                tag = _tag_of(t)
+                if tag is not None:
+                    _refuse(f"in-place op {func}", tag)
+
+
 def _refuse(what: str, tag: _Tag):
     memory, name = tag.memory, tag.name
     raise ReadOnlyWeightError(
         f"{what} would write into tensor {name!r} of {memory.label}, which is shared read-only "
         "memory (every replica is built from it); make a private copy first (t.clone() or "
         "t.to(device)) or patch out of place (w = w + delta)")
-
-
-class _WriteGuard(TorchDispatchMode):
-    """Raises before any ATen op writes into one of the guarded storages."""
-
-    def __init__(self, guarded: dict[int, _Tag]):
-        super().__init__()
-        self.guarded = guarded
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Nothing here is ever compiled; the default wrapping would import torch._dynamo on
-        # first use (seconds and ~100 MB of resident memory).
-        return False
-
-    # The base class's __enter__/__exit__ also flip process-wide "inside a dispatch mode" flags,
-    # which concurrent rank threads would leave wrong; the mode stack itself is per thread.
-    def __enter__(self):
-        _push_mode(self)
-        return self
-
-    def __exit__(self, *exc_info):
-        _pop_mode()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for position, name, kwarg_only in _written_arguments(func):
-            value = kwargs.get(name) if kwarg_only or position >= len(args) else args[position]
-            for t in _leaves(value):
-                if isinstance(t, torch.Tensor):
-                    hit = self.guarded.get(_storage_id(t))
-                    if hit is not None:
-                        _refuse(f"in-place op {func}", hit)
-        return func(*args, **kwargs)
 
 
 # Methods that mutate a tensor object without a guarded ATen op (storage swaps and the like),
@@ -159,14 +205,9 @@ class ReadOnlyTensor(torch.Tensor):
     _ro_tag: _Tag
 
     def _guard(self) -> _Tag | None:
-        tag = self.__dict__.get("_ro_tag")
-        if tag is None:
-            return None
-        with DisableTorchFunctionSubclass():
-            # `t.data = other` or set_() re-point the object elsewhere: then it is not guarded.
-            if _storage_id(self) != tag.memory.cdata:
-                return None
-        return tag
+        # Decided by the storage: `t.data = other` or set_() re-point the object elsewhere
+        # (then it is not guarded); deleting the tag does not unguard it.
+        return _tag_of(self)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -189,9 +230,45 @@ class ReadOnlyTensor(torch.Tensor):
                     _refuse(f"in-place {name}()", t._guard())
 
         with DisableTorchFunctionSubclass():
-            with _WriteGuard(guarded):
-                out = func(*args, **kwargs)
+            out = func(*args, **kwargs)  # every ATen op it runs is checked by __torch_dispatch__
             return _guard_outputs(out, guarded)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Reached for every ATen op on a view, also when __torch_function__ was skipped.
+        kwargs = kwargs or {}
+        _check_writes(func, args, kwargs)
+        guarded: dict[int, _Tag] = {}
+        for t in _leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                tag = _tag_of(t)
+                if tag is not None:
+                    guarded.setdefault(tag.memory.cdata, tag)
+        with _below_python_dispatch():
+            out = func(*args, **kwargs)
+        return _guard_outputs(out, guarded)
+
+    def __copy__(self):
+        # copy.copy of a tensor shares its memory: the shallow copy is a guarded view too.
+        with DisableTorchFunctionSubclass():
+            alias = torch.Tensor.detach(self)
+        alias.requires_grad_(self.requires_grad)
+        if self.__dict__.get("_is_param", False):
+            alias._is_param = True
+        return alias
+
+    def numpy(self, *, force: bool = False):
+        # torch refuses .numpy() on a dispatch subclass: an array over a plain alias, read-only.
+        tag = self._guard()
+        with DisableTorchFunctionSubclass():
+            array = torch.Tensor.numpy(_plain_alias(self), force=force)
+        if tag is not None:
+            array.flags.writeable = False
+        return array
+
+    def tolist(self):
+        with DisableTorchFunctionSubclass():  # refused on a dispatch subclass, like numpy()
+            return _plain_alias(self).tolist()
 
     def as_subclass(self, cls):
         if isinstance(cls, type) and issubclass(cls, ReadOnlyTensor):
@@ -216,8 +293,62 @@ class ReadOnlyTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # Pickle as a plain tensor: the memory record (locks, the checkpoint) is not picklable.
         with DisableTorchFunctionSubclass():
-            plain = torch.Tensor.detach(self)
+            plain = _plain_alias(self)
         return plain.__reduce_ex__(protocol)
+
+
+@contextlib.contextmanager
+def _no_dispatch_modes():
+    """This thread's dispatch modes off for a moment (torch's own helper imports torch.fx)."""
+    modes = [_pop_mode() for _ in range(_len_torch_dispatch_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _push_mode(mode)
+
+
+def _plain_alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over t's memory, without its dispatch keys (for numpy and pickling only;
+    made outside any dispatch mode, so that no mode sees the alias being made)."""
+    with _no_dispatch_modes():
+        return torch.empty(0, dtype=t.dtype).set_(torch.Tensor.untyped_storage(t), t.storage_offset(),
+                                                  t.size(), t.stride())
+
+
+class ReadOnlyTypedStorage:
+    """`.storage()` of a guarded view: a TypedStorage whose reads pass through and whose write
+    methods are refused. (The storage it wraps, like `untyped_storage()`, is raw access.)"""
+
+    __slots__ = ("_typed", "_ro_tag")
+
+    def __init__(self, typed: torch.TypedStorage, tag: _Tag):
+        object.__setattr__(self, "_typed", typed)
+        object.__setattr__(self, "_ro_tag", tag)
+
+    def __getattr__(self, name: str):
+        # fill_, copy_, resize_, share_memory_, ... : every public in-place method
+        if name.endswith("_") and not name.startswith("_"):
+            _refuse(f"storage().{name}()", self._ro_tag)
+        return getattr(self._typed, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        _refuse(f"setting storage().{name}", self._ro_tag)
+
+    def __setitem__(self, index, value):
+        _refuse("storage item assignment", self._ro_tag)
+
+    def __getitem__(self, index):
+        return self._typed[index]
+
+    def __len__(self) -> int:
+        return len(self._typed)
+
+    def __iter__(self):
+        return iter(self._typed)
+
+    def __repr__(self) -> str:
+        return f"read-only {self._typed!r}"
 
 
 def _guard_outputs(out: Any, guarded: dict[int, _Tag]) -> Any:
@@ -227,6 +358,10 @@ def _guard_outputs(out: Any, guarded: dict[int, _Tag]) -> Any:
     if isinstance(out, torch.Tensor):
         tag = guarded.get(_storage_id(out))
         return out if tag is None else _tagged_view(out, tag)
+    if isinstance(out, torch.TypedStorage) and not isinstance(out, ReadOnlyTypedStorage):
+        memory = guarded_memory(out._untyped_storage._cdata)  # t.storage(), Tensor.storage(t)
+        return out if memory is None else ReadOnlyTypedStorage(
+            out, guarded.get(memory.cdata) or _Tag(memory, "(a storage of a read-only view)", None))
     if isinstance(out, (tuple, list)):
         items = [_guard_outputs(o, guarded) for o in out]
         if all(a is b for a, b in zip(items, out)):

@@ -8,6 +8,7 @@ device: the module itself on the device its weights live on, a cached copy on th
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import threading
@@ -18,6 +19,7 @@ import torch
 
 from comfy.multidevice.devices import accelerator_api, module_device, resolve_device
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+from comfy.multidevice.weights.read_only import ReadOnlyTensor
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,27 @@ class ReplicaCache:
             log.info("%s: building a replica on %s", self.what, device)
             self._copies[key] = replica_on(self.module, device)
         return self._copies[key]
+
+    def holds(self, device) -> bool:
+        """Whether get(device) returns without building anything."""
+        device = torch.device(device)
+        home = module_device(self.module)
+        return home is None or home == device or str(device) in self._copies
+
+    def copy_bytes(self, device) -> int:
+        """Bytes a copy on `device` takes (0 where the module itself serves)."""
+        device = torch.device(device)
+        home = module_device(self.module)
+        if home is None or home == device:
+            return 0
+        return sum(t.nbytes for t in (*self.module.parameters(), *self.module.buffers()))
+
+    def drop(self, device) -> int:
+        """Forget the copy on `device` (rebuilt by the next get); return its bytes."""
+        copy_ = self._copies.pop(str(torch.device(device)), None)
+        if copy_ is None:
+            return 0
+        return sum(t.nbytes for t in (*copy_.parameters(), *copy_.buffers()))
 
     def clear(self) -> None:
         self._copies.clear()
@@ -112,14 +135,40 @@ class WeightPatches:
 DtypeSpec = torch.dtype | Mapping[str, torch.dtype] | None
 
 
-def _module_slots(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, bool]]:
-    """state-dict name -> (owning submodule, attribute name, is_parameter)."""
-    slots = {}
+def _module_slots(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[str, tuple[torch.nn.Module, str, bool]]:
+    """state-dict name -> (owning submodule, attribute name, is_parameter); names in `skip` left out."""
+    slots, skip = {}, set(skip)
     for name in module.state_dict(keep_vars=True):
+        if name in skip:
+            continue
         owner_path, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_path) if owner_path else module
         slots[name] = (owner, leaf, leaf in owner._parameters)
     return slots
+
+
+def _holds_wrapped_tensor(module: torch.nn.Module) -> bool:
+    """True for a layer holding a tensor subclass that is stored as several plain tensors, e.g.
+    ComfyUI's quantized layers: a QuantizedTensor weight whose state dict is its int8/fp8 data
+    plus scales and a `comfy_quant` record, rebuilt by the layer's own _load_from_state_dict."""
+    return any(t is not None and not isinstance(t, ReadOnlyTensor)
+               and type(t) not in (torch.Tensor, torch.nn.Parameter)
+               for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+def _loader_layers(template: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, list[str]]]:
+    """prefix -> (layer, its state-dict names) for every layer whose weights only its own
+    loader can rebuild (see _holds_wrapped_tensor)."""
+    layers = {}
+    for path, sub in template.named_modules():
+        if _holds_wrapped_tensor(sub):
+            prefix = f"{path}." if path else ""
+            layers[prefix] = (sub, [prefix + n for n in sub.state_dict(keep_vars=True)])
+    return layers
+
+
+# ComfyUI contract: a quantized layer's format record; its loader reads it with .numpy().
+_HOST_SIDE_SUFFIX = "comfy_quant"
 
 
 class RankReplica:
@@ -157,6 +206,8 @@ class RankReplica:
         self._patch_version = -1
         self._bound: dict[str, torch.Tensor] = {}
         self._owned: set[str] = set()  # sources bound to a private copy rather than the base itself
+        self._loaders: dict[str, tuple[torch.nn.Module, list[str]]] = {}  # prefix -> layer, names
+        self._loader_of: dict[str, str] = {}                                # name -> prefix
         if template is None:
             wanted = list(names) if names is not None else [n[len(prefix):] for n in base if n.startswith(prefix)]
             self._groups = {n: [n] for n in wanted}
@@ -180,18 +231,28 @@ class RankReplica:
         for names in by_identity.values():
             source = next((n for n in names if self.prefix + n in self.base), names[0])
             self._groups[source] = names
-        self._check_names(declared)
+        template_loaders = _loader_layers(template)
+        records = {n for _, names in template_loaders.values() for n in names if n.endswith(_HOST_SIDE_SUFFIX)}
+        self._check_names({n: t for n, t in declared.items() if n not in records})
         # Copy the module's structure but not its weights: the deepcopy memo maps every
-        # weight to the base view it will start out bound to.
+        # weight to the base view it will start out bound to; a quantized layer's tensors
+        # are left out of the copy (its loader rebuilds them from the base just below).
         memo = {}
         for source, names in self._groups.items():
             original = declared[names[0]]
             view = self._base_tensor(source)
             memo[id(original)] = (torch.nn.Parameter(view, requires_grad=False)
                                   if isinstance(original, torch.nn.Parameter) else view)
+        for layer, _ in template_loaders.values():
+            for t in (*layer._parameters.values(), *layer._buffers.values()):
+                if t is not None:
+                    memo.setdefault(id(t), None)
         self.module = copy.deepcopy(template, memo)
         self.module.requires_grad_(False)
-        self._slots = _module_slots(self.module)
+        for prefix, (_, names) in template_loaders.items():
+            self._loaders[prefix] = (self.module.get_submodule(prefix[:-1]) if prefix else self.module, names)
+            self._loader_of.update((n, prefix) for n in names)
+        self._slots = _module_slots(self.module, skip=self._loader_of)
         self._extra_buffers = {}
         persistent = set(self._slots)
         for name, buf in self.module.named_buffers():
@@ -206,6 +267,8 @@ class RankReplica:
             self._extra_buffers[name] = (owner, leaf, buf.to("cpu"))
             owner._buffers[leaf] = self._extra_buffers[name][2]
         self._bound = {n: self._base_tensor(s) for s, names in self._groups.items() for n in names}
+        for prefix in self._loaders:
+            self._load_layer(prefix)
 
     def _check_names(self, declared: Mapping[str, torch.Tensor] | None) -> None:
         missing = [self.prefix + s for s in self._groups if self.prefix + s not in self.base]
@@ -216,6 +279,8 @@ class RankReplica:
         if declared is None:
             return
         for source, names in self._groups.items():
+            if names[0] not in declared:
+                continue  # a quantized layer's format record: its loader reads the file's own
             want, have = tuple(declared[names[0]].shape), tuple(self.base[self.prefix + source].shape)
             if want != have:
                 raise ValueError(f"{_label(self.base)}: tensor {self.prefix + source!r} has shape {have} "
@@ -246,6 +311,16 @@ class RankReplica:
         """Bytes held by this replica beyond the shared base (device copies, patched weights)."""
         return sum(self._bound[self._groups[s][0]].nbytes for s in self._owned)
 
+    @functools.cached_property
+    def device_bytes(self) -> int:
+        """Bytes the replica's weights take on its device once loaded (what a card must hold;
+        fixed by the base and the dtypes, so computed once: ComfyUI asks for it often)."""
+        total = 0
+        for source in self._groups:
+            base = self._base_tensor(source)
+            total += base.numel() * self._target_dtype(source, base).itemsize
+        return total
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors the replica is bound to now: device copies when resident, base views otherwise."""
         with self._lock:
@@ -257,9 +332,13 @@ class RankReplica:
         self._owned.clear()
 
     def _bind(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        reload = set()
         for source, t in tensors.items():
             names = self._groups[source]
-            if self.module is not None:
+            prefix = self._loader_of.get(names[0])
+            if prefix is not None:
+                reload.add(prefix)
+            elif self.module is not None:
                 first_owner, first_leaf, is_param = self._slots[names[0]]
                 value = torch.nn.Parameter(t, requires_grad=False) if is_param else t
                 for name in names:
@@ -267,9 +346,29 @@ class RankReplica:
                     (owner._parameters if param else owner._buffers)[leaf] = value
             for name in names:
                 self._bound[name] = t
+        for prefix in sorted(reload):
+            self._load_layer(prefix)
+
+    def _load_layer(self, prefix: str) -> None:
+        """Rebuild a quantized layer's weights from its bound tensors with the layer's own
+        loader, assigning them as they are (no copy: on a CPU rank the base views themselves)."""
+        layer, names = self._loaders[prefix]
+        state = {n: self._bound[n] for n in names}
+        if isinstance(getattr(layer, "factory_kwargs", None), dict):
+            # ComfyUI contract: the loader moves what it reads to factory_kwargs["device"];
+            # this replica's tensors are already where they belong.
+            layer.factory_kwargs = dict(layer.factory_kwargs, device=None)
+        errors: list[str] = []
+        layer._load_from_state_dict(state, prefix, {"assign_to_params_buffers": True}, True, [], [], errors)
+        if errors:
+            raise ValueError(f"{_label(self.base)}: the layer {prefix[:-1]!r} could not be rebuilt on "
+                             f"{self._where()}: {errors[0]}")
+        layer.requires_grad_(False)
 
     def _materialize(self, source: str) -> torch.Tensor:
         base = self._base_tensor(source)
+        if source.endswith(_HOST_SIDE_SUFFIX) and self._loader_of.get(self._groups[source][0]) is not None:
+            return base  # read on the host by the layer's loader; stays the base view
         t = base.to(self.device, self._target_dtype(source, base))  # the base view itself if nothing changes
         patched = next((n for n in self._groups[source] if n in self.patches), None)
         if patched is not None:
@@ -362,6 +461,11 @@ class RankReplicas(Sequence):
         if unknown:
             raise ValueError(f"patch for unknown weight(s) {unknown[:5]}: the replicas have no such tensor "
                              f"(names are the model's state-dict names, e.g. {sorted(known)[:3]})")
+        quantized = [n for n in names if n in self.replicas[0]._loader_of]
+        if quantized:
+            raise ValueError(f"patch for {quantized[0]!r} of a quantized layer ({len(quantized)} such): "
+                             "replicas from the base cannot patch quantized weights; load the LoRA "
+                             "after this node, or use an unquantized DiT file")
         return names
 
     def add_patches(self, deltas: Mapping[str, torch.Tensor], strength: float = 1.0) -> list[str]:

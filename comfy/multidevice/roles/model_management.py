@@ -1,0 +1,220 @@
+"""Our per-card copies under ComfyUI's model management.
+
+ComfyUI counts, loads and evicts what its memory manager knows: ModelPatchers, each with a
+load device, in `comfy.model_management.current_loaded_models`. Upstream's own multi-GPU
+clones become known by being ModelPatchers with their card as load device, listed among the
+primary's additional models: `prepare_sampling` loads a MODEL's additional models with it
+(`load_models_gpu`), so each clone is registered on its card, `free_memory` (called when
+another model needs that card) and `unload_all_models` can evict it, and the next prompt
+loads it again.
+
+Ours go the same way, with one difference in what loading means: a `CardCopy` (a DiT replica
+on card r, a VAE decoder copy ...) is made resident from the shared base in RAM and evicted by
+dropping only its device copy, so a reload reads nothing from disk. `CardPatcher` is the
+ModelPatcher that stands for one CardCopy; it is always loaded or evicted whole (the rank needs
+every weight on its card), never partially.
+
+ComfyUI is imported lazily: nothing here runs without it, and nothing else needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Protocol, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ADDITIONAL_MODELS_KEY = "multidevice_card_copies"  # not upstream's "multigpu": its scheduler reads that
+
+
+class CardCopy(Protocol):
+    """One per-card copy that ComfyUI may load and evict."""
+    device: torch.device
+    what: str                   # for ComfyUI's log lines, e.g. "DiT replica"
+
+    @property
+    def nbytes(self) -> int: ...      # bytes it holds on its card when resident
+
+    @property
+    def resident(self) -> bool: ...
+
+    def load(self) -> None: ...       # make it resident (from RAM)
+
+    def unload(self) -> int: ...      # drop the device copy, keep the base; bytes dropped
+
+
+class _Holder(torch.nn.Module):
+    """What ComfyUI sees as the patcher's `.model` (it keeps weak references to it and logs its
+    class name); the weights themselves belong to the CardCopy."""
+
+    def __init__(self, copy: CardCopy):
+        super().__init__()
+        self.card_copy = copy
+
+    def extra_repr(self) -> str:
+        return f"{self.card_copy.what} on {self.card_copy.device}"
+
+
+@functools.lru_cache(maxsize=None)
+def _card_patcher_class():
+    import comfy.model_patcher
+
+    class CardPatcher(comfy.model_patcher.ModelPatcher):
+        """A ModelPatcher standing for one CardCopy: loaded and evicted whole, from RAM."""
+
+        def __init__(self, copy: CardCopy):
+            super().__init__(_Holder(copy), load_device=torch.device(copy.device),
+                             offload_device=torch.device("cpu"), size=copy.nbytes)
+            self.card_copy = copy
+
+        def clone(self, *args, **kwargs):
+            # A clone of the primary clones its additional models. The copy has one residency,
+            # so every clone is this patcher: ComfyUI then sees one loaded model, not several
+            # clones of the same weights that it would unload and reload in turn.
+            return self
+
+        def is_dynamic(self):
+            return False
+
+        def model_size(self):
+            return self.card_copy.nbytes
+
+        def loaded_size(self):
+            return self.card_copy.nbytes if self.card_copy.resident else 0
+
+        def current_loaded_device(self):
+            return self.load_device if self.card_copy.resident else self.offload_device
+
+        def model_dtype(self):
+            return None
+
+        def model_patches_to(self, device):
+            return None
+
+        def model_patches_models(self):
+            return []
+
+        def lowvram_patch_counter(self):
+            return 0
+
+        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+            before = self.loaded_size()
+            self.card_copy.load()
+            return self.loaded_size() - before
+
+        def patch_model(self, device_to=None, *args, **kwargs):
+            self.card_copy.load()
+            return self.model
+
+        def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+            return self._evict()
+
+        def unpatch_model(self, device_to=None, unpatch_weights=True, *args, **kwargs):
+            self._evict()
+
+        def detach(self, unpatch_all=True, *args, **kwargs):
+            # ComfyUI detaches with unpatch_all=False when it re-loads a loaded model (and when
+            # a patcher is collected): the weights stay; only a full detach is an eviction.
+            if unpatch_all:
+                self._evict()
+            return self.model
+
+        def _evict(self) -> int:
+            size = self.loaded_size()
+            if size or self.card_copy.resident:
+                dropped = self.card_copy.unload()
+                log.info("%s on %s evicted by ComfyUI's model management (%d bytes dropped; the "
+                         "base stays in RAM)", self.card_copy.what, self.card_copy.device, dropped)
+            return size
+
+    return CardPatcher
+
+
+def card_patcher(copy: CardCopy):
+    """The ModelPatcher that makes `copy` known to ComfyUI's memory manager."""
+    return _card_patcher_class()(copy)
+
+
+def register_with_model(model_patcher, copies: Sequence[CardCopy]) -> list:
+    """List `copies` among the MODEL's additional models, as upstream lists its multi-GPU
+    clones: ComfyUI loads them with the MODEL at every prompt and may evict them between
+    prompts. Returns their patchers."""
+    patchers = [card_patcher(c) for c in copies]
+    model_patcher.set_additional_models(ADDITIONAL_MODELS_KEY, patchers)
+    return patchers
+
+
+class CachedCopy:
+    """The copy a ReplicaCache keeps on one device (e.g. a VAE decoder on card r), as a CardCopy."""
+
+    def __init__(self, cache, device, what: str):
+        self.cache, self.device, self.what = cache, torch.device(device), what
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.copy_bytes(self.device)
+
+    @property
+    def resident(self) -> bool:
+        return self.cache.holds(self.device)
+
+    def load(self) -> None:
+        self.cache.get(self.device)
+
+    def unload(self) -> int:
+        return self.cache.drop(self.device)
+
+
+def manage_decoder_copies(decoder, what: str = "video VAE decoder copy") -> list:
+    """Make a ChunkedDecode's per-card decoder copies known to ComfyUI: before each decode they
+    are loaded through `load_models_gpu` (registered on their cards, room made by evicting
+    others), and ComfyUI may evict them between decodes. The merge card is left out: the
+    VAE's own patcher holds the decoder there. Returns the patchers."""
+    patchers = [card_patcher(CachedCopy(decoder.replicas, d, what))
+                for d in dict.fromkeys(decoder.devices) if d != decoder.merge_device]
+    decoder.before_decode = lambda: load_card_copies(patchers)
+    return patchers
+
+
+class ShardCopy:
+    """Rank `rank`'s tensor-parallel text-encoder shard, as a CardCopy."""
+    what = "text encoder shard"
+
+    def __init__(self, decoder, rank: int):
+        self.decoder, self.rank, self.device = decoder, rank, decoder.coordinator.devices[rank]
+
+    @property
+    def nbytes(self) -> int:
+        return self.decoder.shard_bytes[self.rank]
+
+    @property
+    def resident(self) -> bool:
+        return self.decoder.shards[self.rank] is not None
+
+    def load(self) -> None:
+        self.decoder.ensure_shards()  # one coordinator run rebuilds every dropped shard
+
+    def unload(self) -> int:
+        return self.decoder.drop_shard(self.rank)
+
+
+def manage_tensor_parallel_shards(decoder) -> list:
+    """Make a TensorParallelDecoder's shards known to ComfyUI: before each encode they are
+    loaded through `load_models_gpu`, and ComfyUI may evict them between encodes. Rank 0's
+    shard is left out: its card is the CLIP's load device, where the CLIP's own patcher is
+    loaded for this encode, and making room there could evict it mid-encode. Returns the
+    patchers (ranks 1..W-1)."""
+    patchers = [card_patcher(ShardCopy(decoder, r)) for r in range(1, decoder.world_size)]
+    decoder.before_forward = lambda: load_card_copies(patchers)
+    return patchers
+
+
+def load_card_copies(patchers: Sequence) -> None:
+    """Load `patchers` through ComfyUI (for copies used outside a sampling run, e.g. VAE
+    decoder copies): each is registered on its card, and room is made by evicting others."""
+    if patchers:
+        import comfy.model_management
+        comfy.model_management.load_models_gpu(list(patchers))

@@ -1,0 +1,240 @@
+"""Every way we know to write into the read-only base, on each kind of base: each one raises
+ReadOnlyWeightError (the project's error) and the base stays bit-identical. On a file mapped
+read-only (the default base) the ways run in a child process, so that a way the guard missed
+shows up as a failed test (a segmentation fault there), not as a crashed test run."""
+
+from __future__ import annotations
+
+import copy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint, clear_shared_checkpoints
+from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # .storage() ways
+
+
+def _disable_subclass(t):
+    with torch._C.DisableTorchFunctionSubclass():
+        t.add_(1)
+
+
+def _disable_all(t):
+    with torch._C.DisableTorchFunction():
+        t.mul_(2)
+
+
+def _del_tag(t):
+    del t._ro_tag
+    t.add_(1)
+
+
+def _clear_dict(t):
+    t.__dict__.clear()
+    t.sub_(1)
+
+
+def _set_source(t):
+    alias = torch.empty(0, dtype=t.dtype)
+    alias.set_(t)
+    alias.fill_(0)
+
+
+def _optimizer_step(p):
+    p.requires_grad_(True)
+    (p * p).sum().backward()
+    torch.optim.SGD([p], lr=0.1).step()
+
+
+# name -> (write attempt, whether it takes the replica parameter rather than the view)
+WAYS = {
+    "copy.copy(view)": (lambda t: copy.copy(t).add_(1), False),
+    "copy.copy(param)": (lambda p: copy.copy(p).add_(1), True),
+    "copy.copy(slice)": (lambda t: copy.copy(t[1:]).zero_(), False),
+    "storage().fill_": (lambda t: t.storage().fill_(0), False),
+    "storage()[i] =": (lambda t: t.storage().__setitem__(0, 1.0), False),
+    "storage().copy_": (lambda t: t.storage().copy_(torch.zeros(t.numel()).storage()), False),
+    "Tensor.storage(t).fill_": (lambda t: torch.Tensor.storage(t).fill_(0), False),
+    "param.storage()[i] =": (lambda p: p.storage().__setitem__(1, 2.0), True),
+    "_make_subclass(Tensor)": (lambda t: torch.Tensor._make_subclass(torch.Tensor, t).add_(1), False),
+    "del view._ro_tag": (_del_tag, False),
+    "view.__dict__.clear()": (_clear_dict, False),
+    "DisableTorchFunctionSubclass": (_disable_subclass, False),
+    "DisableTorchFunction": (_disable_all, False),
+    "TensorBase.add_": (lambda t: torch._C.TensorBase.add_(t, 1), False),
+    "torch.ops.aten.add_": (lambda t: torch.ops.aten.add_.Tensor(t, 1), False),
+    "alias.set_(view)": (_set_source, False),
+    "dtype view write": (lambda t: t.view(torch.uint8).__setitem__(0, 7), False),
+    "as_strided write": (lambda t: torch.as_strided(t, (2,), (1,)).fill_(3), False),
+    "param.data.add_": (lambda p: p.data.add_(1), True),
+    "optimizer step": (_optimizer_step, True),
+    "apply_": (lambda t: t.apply_(lambda x: 0.0), False),
+}
+
+
+def _bases(tmp: Path, tensors: dict) -> dict:
+    path = tmp / "w.safetensors"
+    save_file(tensors, str(path))
+    return {"pin": lambda: SharedCheckpoint.open(path, mode="pin"),
+            "memory": lambda: SharedCheckpoint.from_state_dict(tensors)}
+
+
+def _attempt(base, way: str) -> str:
+    """Run one way on a fresh view (or replica parameter) of base['w']; 'refused' or what happened."""
+    fn, wants_param = WAYS[way]
+    view = base["w"]
+    target = torch.nn.Parameter(view, requires_grad=False) if wants_param else view
+    try:
+        fn(target)
+    except ReadOnlyWeightError:
+        return "refused"
+    except Exception as exc:  # noqa: BLE001 - reported, the test names it
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return "no error"
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(4, generator=g), "other": torch.randn(3, 2, generator=g)}
+
+
+@pytest.mark.parametrize("kind", ["pin", "memory"])
+@pytest.mark.parametrize("way", sorted(WAYS))
+def test_every_write_way_is_refused_and_the_base_unchanged(tmp_path, kind, way):
+    clear_shared_checkpoints()
+    tensors = _tensors()
+    base = _bases(tmp_path, tensors)[kind]()
+    assert _attempt(base, way) == "refused"
+    for name, value in tensors.items():
+        assert torch.equal(base[name], value), f"{way} changed {name!r} of the {kind} base"
+
+
+CHILD = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.weights.test_read_only import WAYS, _attempt, _tensors
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+base = SharedCheckpoint.open(sys.argv[2])
+assert base.mode == "map", base.mode
+written = _tensors()
+for way in sorted(WAYS):
+    print(way, "=>", _attempt(base, way), flush=True)
+    assert all(torch.equal(base[n], v) for n, v in written.items()), way
+print("base unchanged")
+"""
+
+
+def test_every_write_way_on_the_mapped_file_is_refused_before_it_faults(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file(_tensors(), str(path))
+    done = subprocess.run([sys.executable, "-c", CHILD, str(REPO), str(path)],
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, f"rc {done.returncode}; last lines: {lines[-3:]} {done.stderr[-600:]}"
+    assert lines[-1] == "base unchanged"
+    results = dict(line.split(" => ", 1) for line in lines[:-1])
+    assert results == {way: "refused" for way in WAYS}
+
+
+def test_torch_itself_refuses_a_parameter_alias_of_a_view(tmp_path):
+    base = _bases(tmp_path, _tensors())["pin"]()
+    with pytest.raises(RuntimeError, match="already associated"):  # no alias is made, nothing written
+        torch.Tensor._make_subclass(torch.nn.Parameter, base["w"])
+    assert torch.equal(base["w"], _tensors()["w"])
+
+
+def test_a_raw_write_into_the_mapped_base_faults_instead_of_changing_it(tmp_path):
+    """What the guard cannot see (a raw pointer) hits PROT_READ pages: the process gets
+    SIGSEGV, and no other rank or later open ever sees a changed weight."""
+    path = tmp_path / "w.safetensors"
+    save_file(_tensors(), str(path))
+    child = ("import sys, ctypes; sys.path.insert(0, sys.argv[1]);"
+             "from comfy.multidevice.weights.checkpoint import SharedCheckpoint;"
+             "w = SharedCheckpoint.open(sys.argv[2])['w'];"
+             "ctypes.memset(w.data_ptr(), 0, 4); print('wrote')")
+    done = subprocess.run([sys.executable, "-c", child, str(REPO), str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGSEGV and "wrote" not in done.stdout
+    assert torch.equal(SharedCheckpoint.open(path)["w"], _tensors()["w"])
+
+
+def test_reads_copies_and_documented_behaviour(tmp_path):
+    """What the README promises beside the refused writes."""
+    tensors = _tensors()
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    w = SharedCheckpoint.open(path)["w"]
+    shallow = copy.copy(w)
+    assert is_read_only(shallow) and shallow.data_ptr() == w.data_ptr()
+    assert w.to(torch.float32) is w                       # same device and dtype: the view itself
+    assert w.to(torch.float32, copy=True).add_(1) is not None  # an explicit copy is writable
+    array = w.numpy()
+    with pytest.raises(ValueError, match="read-only"):    # numpy's own error, not ours
+        array[0] = 1.0
+    assert w.tolist() == tensors["w"].tolist() and "ReadOnlyTensor" in repr(w)
+    assert torch.equal(torch.load(_saved(w, tmp_path)), tensors["w"])  # pickles as a plain tensor
+
+
+def _saved(t, tmp_path):
+    out = tmp_path / "t.pt"
+    torch.save(t, out)
+    return out
+
+
+def _dlpack(t):
+    torch.from_dlpack(t.__dlpack__()).fill_(0)
+
+
+def _from_numpy(t):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the array is not writable
+        torch.from_numpy(t.numpy()).fill_(0)
+
+
+def _frombuffer(t):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(t.numpy(), dtype=t.dtype).fill_(0)
+
+
+def _assign_data(t):
+    plain = torch.zeros(t.shape, dtype=t.dtype)
+    plain.data = t   # the setter checks only `plain`
+    plain.fill_(0)
+
+
+def _ctypes(t):
+    import ctypes
+    ctypes.memset(t.data_ptr(), 0, t.nbytes)
+
+
+# The README's list of unguarded ways, each shown to write: if a torch release starts refusing
+# one, this test fails and the README's list must shrink.
+UNGUARDED = {
+    "untyped_storage().fill_": lambda t: t.untyped_storage().fill_(0),
+    "storage()._untyped_storage": lambda t: t.storage()._typed._untyped_storage.fill_(0),
+    "DLPack": _dlpack,
+    "torch.from_numpy": _from_numpy,
+    "torch.frombuffer": _frombuffer,
+    "plain.data = view": _assign_data,
+    "data_ptr + ctypes": _ctypes,
+}
+
+
+@pytest.mark.parametrize("way", sorted(UNGUARDED))
+def test_the_documented_unguarded_ways_do_write_an_in_memory_base(way):
+    """On an in-memory (or pin) base these raw ways go through, as the README says; on the
+    mapped base they fault instead (test_a_raw_write_into_the_mapped_base_faults_...)."""
+    base = SharedCheckpoint.from_state_dict({"w": torch.ones(4)})
+    UNGUARDED[way](base["w"])
+    assert not torch.equal(base["w"], torch.ones(4))
