@@ -33,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from comfy.multidevice.sp.cost_model import (DiTShape, choose_sp_mode, forward_flops, forward_traffic, ulysses_degree)
+from comfy.multidevice.sp.cost_model import (DiTShape, choose_sp_mode, forward_flops, forward_traffic,
+                                             h3_targets, ulysses_degree)
 
 H3 = DiTShape()  # hidden 5376, 50 blocks, 56 heads x 128, SwiGLU 14336 (docs/ARCHITECTURE.md)
 WORLDS = list(range(1, 9))
@@ -142,13 +143,20 @@ def usable_gbps(profile: dict, world: int, link_fraction: float) -> float:
     return profile["link_gbps"] * links * link_fraction
 
 
-def step_seconds(profile: dict, seq_len: int, world: int, mode: str, compute_fraction: float,
+def received_per_rank(mode: str, tokens: dict, world: int) -> int:
+    """The most bytes any rank receives in one forward (cost model, rank-local final layer)."""
+    targets = h3_targets(H3, tokens["total"], tokens["video"], tokens["audio"])
+    return max(forward_traffic(mode, H3, tokens["total"], world, r, targets)["total"].received
+               for r in range(world))
+
+
+def step_seconds(profile: dict, tokens: dict, world: int, mode: str, compute_fraction: float,
                  link_fraction: float) -> dict:
-    flops = forward_flops(H3, seq_len)
+    flops = forward_flops(H3, tokens["total"])
     rate = profile["peak_bf16_tflops"] * 1e12 * compute_fraction
     compute = flops["total"] / world / rate
     attention = flops["attention"] / world / rate
-    received = max(forward_traffic(mode, H3, seq_len, world, r)["total"].received for r in range(world))
+    received = received_per_rank(mode, tokens, world)
     comm = received / (usable_gbps(profile, world, link_fraction) * 1e9) if world > 1 else 0.0
     return {"compute_s": compute, "comm_s": comm, "serial_s": compute + comm,
             "overlap_bound_s": compute + max(0.0, comm - attention)}
@@ -161,7 +169,7 @@ def project(text_tokens: int) -> dict:
         for name, tokens in workloads(text_tokens).items():
             per_mode = {}
             for mode in MODES:
-                steps = {w: step_seconds(profile, tokens["total"], w, mode,
+                steps = {w: step_seconds(profile, tokens, w, mode,
                                          profile["achieved_compute_fraction"], ACHIEVED_LINK)
                          for w in WORLDS}
                 base = steps[1]["serial_s"]
@@ -179,7 +187,7 @@ def project(text_tokens: int) -> dict:
 
 def seed_check(text_tokens: int) -> dict:
     """The model against the seed's measured 4-NPU run, and what the measurement implies."""
-    seq = workloads(text_tokens)[SEED_MEASURED["workload"]]["total"]
+    seq = workloads(text_tokens)[SEED_MEASURED["workload"]]
     profile = PROFILES[0]
     measured_step = {steps: minutes * 60 / int(steps) for steps, minutes in SEED_MEASURED["sampling_min"].items()}
     step_8 = measured_step["8"]
@@ -216,8 +224,7 @@ def model_table(text_tokens: int) -> dict:
         flops = forward_flops(H3, tokens["total"])
         bytes_per_rank = {}
         for mode in MODES:
-            bytes_per_rank[mode] = {w: max(forward_traffic(mode, H3, tokens["total"], w, r)["total"].received
-                                           for r in range(w)) for w in WORLDS}
+            bytes_per_rank[mode] = {w: received_per_rank(mode, tokens, w) for w in WORLDS}
         out[name] = {"tokens": tokens,
                      "flops_per_step": {k: v for k, v in flops.items()},
                      "attention_flops_share": round(flops["attention"] / flops["total"], 3),

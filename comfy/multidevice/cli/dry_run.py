@@ -434,15 +434,18 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
 
 def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str, int]:
     """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
-    from comfy.multidevice.sp.cost_model import DiTShape, choose_sp_mode, forward_traffic
+    from comfy.multidevice.sp.cost_model import DiTShape, choose_sp_mode, forward_traffic, h3_targets
     cfg = settings.config
     mode = settings.args.sp_mode
     if mode == "auto":
         mode = choose_sp_mode(world, cfg.num_attention_heads, cfg.attention_head_dim)
     shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=cfg.num_attention_heads,
-                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size)
+                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size,
+                     video_out=cfg.video_patch_dim, audio_out=cfg.audio_latents_dim)
+    rows = latent_rows(settings)
+    targets = h3_targets(shape, seq_len, rows["video"], rows["audio"])
     itemsize = settings.dtype.itemsize
-    total = sum(forward_traffic(mode, shape, seq_len, world, r, itemsize)["total"].received
+    total = sum(forward_traffic(mode, shape, seq_len, world, r, targets, itemsize)["total"].received
                 for r in range(world))
     return mode, total
 
