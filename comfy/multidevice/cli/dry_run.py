@@ -51,7 +51,7 @@ REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_
                "reference_seconds_per_step", "speedup", "exchanged_bytes_per_step", "dtype",
                "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
                "weights_source", "checkpoint_bytes_read", "out", "sp_overlap", "sp_mode_used",
-               "byte_counts", "model_bytes_per_step")
+               "byte_counts", "model_bytes_per_step", "speedup_baseline")
 
 
 class DryRunError(ValueError):
@@ -298,19 +298,28 @@ class Progress:
 def euler_sample(forward: Callable, x: list[torch.Tensor], context, kwargs: dict, sigmas: torch.Tensor,
                  progress: Progress, after_step: Callable[[], None] | None = None) -> tuple[list, list[float]]:
     """x_{i+1} = x_i + (sigma_{i+1} - sigma_i) * v(x_i, sigma_i); returns (latents, step seconds)."""
-    x = [z.clone() for z in x]
-    seconds = []
+    return sample_side_by_side([(forward, x, context, kwargs, after_step)], sigmas, progress)[0]
+
+
+def sample_side_by_side(runs, sigmas: torch.Tensor, progress: Progress) -> list[tuple[list, list[float]]]:
+    """Euler-sample several (forward, x, context, kwargs, after_step) runs, step i of each right
+    after step i of the one before, so their step times share the machine's load of the moment
+    (a ratio of them is fair on a busy machine); returns (latents, step seconds) per run."""
+    states = [[z.clone() for z in run[1]] for run in runs]
+    seconds: list[list[float]] = [[] for _ in runs]
     progress.update(0)
     for i in range(len(sigmas) - 1):
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            v = forward(x, (sigmas[i] * 1000.0).reshape(1).to(x[0].device), context, **kwargs)
-        x = [z + (sigmas[i + 1] - sigmas[i]) * d.to(z.device, z.dtype) for z, d in zip(x, v)]
-        seconds.append(time.perf_counter() - t0)
-        if after_step is not None:
-            after_step()
+        for r, (forward, _, context, kwargs, after_step) in enumerate(runs):
+            x = states[r]
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                v = forward(x, (sigmas[i] * 1000.0).reshape(1).to(x[0].device), context, **kwargs)
+            states[r] = [z + (sigmas[i + 1] - sigmas[i]) * d.to(z.device, z.dtype) for z, d in zip(x, v)]
+            seconds[r].append(time.perf_counter() - t0)
+            if after_step is not None:
+                after_step()
         progress.update(i + 1)
-    return x, seconds
+    return list(zip(states, seconds))
 
 
 def _cpu_threads_per_rank(devices: list[str]) -> int | None:
@@ -318,6 +327,21 @@ def _cpu_threads_per_rank(devices: list[str]) -> int | None:
     if any(not d.startswith("cpu") for d in devices):
         return None
     return max(1, (os.cpu_count() or 1) // len(devices))
+
+
+def _set_rank_threads(coord, threads: int) -> None:
+    """Intra-op threads of every rank thread. The setting is per thread (OpenMP): set on the
+    main thread it never reaches the rank threads, which then each run all the cores' worth."""
+    coord.run(lambda rank, comm: torch.set_num_threads(threads))
+
+
+def speedup_baseline(devices: list[str], reference_threads: int | None) -> str:
+    """What `speedup` compares, in words for the report."""
+    if reference_threads is None:
+        return f"{len(devices)} ranks vs the same forward on one device ({devices[0]})"
+    return (f"{len(devices)} CPU ranks sharing {reference_threads} cores vs one device using all "
+            f"{reference_threads} cores: on CPU the ranks split the same cores, so ~1.0 means no "
+            "parallel overhead, not a scaling figure (that needs one accelerator per rank)")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -371,14 +395,17 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap))
         exchanged = []
         if per_rank_threads is not None:
-            torch.set_num_threads(per_rank_threads)
-        try:
-            latents, seconds = euler_sample(
-                sp, x, context, kwargs, sigmas, Progress(f"sampling on {world} rank(s)", args.steps,
-                                                          not args.no_progress),
-                after_step=lambda: exchanged.append(sp.bytes_exchanged_last_forward()))
-        finally:
-            torch.set_num_threads(threads_before)
+            _set_rank_threads(coord, per_rank_threads)
+        runs = [(sp, x, context, kwargs, lambda: exchanged.append(sp.bytes_exchanged_last_forward()))]
+        ref_dev = settings.devices[0]
+        if not args.no_reference:
+            # One device with all the cores (this thread's setting), stepped right after each SP
+            # step; the rank threads wait on their queues meanwhile, using no core.
+            runs.append((replicas[0], [z.to(ref_dev) for z in x], context.to(ref_dev),
+                         copy_for_rank(kwargs, torch.device(ref_dev)), None))
+        what = f"sampling on {world} rank(s)" + ("" if args.no_reference else " and on 1 device, step by step")
+        sampled = sample_side_by_side(runs, sigmas, Progress(what, args.steps, not args.no_progress))
+        latents, seconds = sampled[0]
         if sp.tokens_per_rank() != tokens_per_rank:
             raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
         byte_counts = coord.byte_counts()  # per rank, the whole sampling
@@ -392,14 +419,12 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         f"(byte model: {model_bytes / 2 ** 20:.2f} MiB in all ranks per step)")
 
     ref_latents, ref_seconds = None, None
+    reference_threads = threads_before if ref_dev.startswith("cpu") else None
     if not args.no_reference:
-        reference = replicas[0]
-        ref_dev = settings.devices[0]
-        ref_latents, rs = euler_sample(
-            reference, [z.to(ref_dev) for z in x], context.to(ref_dev), copy_for_rank(kwargs, torch.device(ref_dev)), sigmas,
-            Progress("reference on 1 device", args.steps, not args.no_progress))
+        ref_latents, rs = sampled[1]
         ref_seconds = _steady(rs)
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
+        say(f"[speedup] {ref_seconds / sp_seconds:.2f}x = " + speedup_baseline(settings.devices, reference_threads))
 
     report = {
         "world_size": world, "backend": backend, "sp_mode": args.sp_mode, "devices": settings.devices,
@@ -410,12 +435,13 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         "speedup": None if ref_seconds is None else round(ref_seconds / sp_seconds, 4),
         "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
         "cpu_threads_per_rank": per_rank_threads,
-        "reference_cpu_threads": threads_before if settings.devices[0].startswith("cpu") else None,
+        "reference_cpu_threads": reference_threads,
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": built.source,
         "checkpoint_bytes_read": built.bytes_read,
         "out": str(args.out),
         "sp_overlap": args.sp_overlap, "sp_mode_used": mode_used, "byte_counts": byte_counts,
         "model_bytes_per_step": model_bytes,
+        "speedup_baseline": speedup_baseline(settings.devices, reference_threads),
     }
     if ref_latents is not None:
         diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
