@@ -35,7 +35,7 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           check_all_reduce_metadata, check_all_to_all_metadata,
                                           check_exchange_metadata, chunk_shape, CollectiveAborted,
                                           CollectiveError, concat_received, exchange_traffic,
-                                          normalize_dims, numel, pack_chunks, ShardMeta,
+                                          normalize_dims, numel, pack_chunks, planned_metas, ShardMeta,
                                           TrafficCounter, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
@@ -78,8 +78,8 @@ class RankComm:
         self.world_size = coordinator.world_size
         self.device = coordinator.devices[rank]
 
-    def exchange(self, tensors, cat_dims):
-        return self.coordinator.exchange(self.rank, tensors, cat_dims)
+    def exchange(self, tensors, cat_dims, shard_sizes=None):
+        return self.coordinator.exchange(self.rank, tensors, cat_dims, shard_sizes)
 
     def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None):
         return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim)
@@ -278,17 +278,32 @@ class SequenceParallelCoordinator:
         return meta_slot, data_slot
 
     def exchange(self, rank: int, tensors: Sequence[torch.Tensor],
-                 cat_dims: int | Sequence[int]) -> list[torch.Tensor]:
-        """All-gather-V: return, per tensor, the concat of every rank's shard along its cat dim."""
+                 cat_dims: int | Sequence[int], shard_sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """All-gather-V: return, per tensor, the concat of every rank's shard along its cat dim
+        (a view in the layout the backend gathered into; not contiguous when the cat dim is not
+        the outermost). `shard_sizes`: every rank's length along the cat dims, from the shard
+        plan; then a library backend makes its buffers before the ranks meet and they meet once.
+        """
         tensors = list(tensors)
         dims = normalize_dims(tensors, cat_dims)
         if self.world_size == 1:
             return tensors
-        meta_slot, data_slot = self._enter(
-            rank, "exchange", [ShardMeta(tuple(t.shape), t.dtype) for t in tensors], tensors)
-        metas = list(meta_slot)
+        mine = [ShardMeta(tuple(t.shape), t.dtype) for t in tensors]
+        planned = prepared = None
+        if shard_sizes is not None:
+            planned = planned_metas(tensors, dims, shard_sizes, rank)  # ValueError before anything
+            prepared = self.backend.prepare_all_gather_v(rank, tensors, dims, planned)
+        # The plan travels with the shapes, so every rank checks every rank's against them.
+        meta_slot, data_slot = self._enter(rank, "exchange", (mine, planned), tensors)
+        metas = [m[0] for m in meta_slot]
         check_exchange_metadata(metas, dims)
-        out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot)
+        if any(m[1] != metas for m in meta_slot if m[1] is not None) or \
+                len({m[1] is None for m in meta_slot}) != 1:
+            raise CollectiveError(
+                "exchange: the ranks' shard_sizes disagree with each other or with the shapes they "
+                f"passed ({[tuple(m[0][0].shape) for m in meta_slot]}); every rank must pass the "
+                "same shard plan, or none")
+        out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot, prepared)
         sent, received = exchange_traffic(metas, rank)
         self._count(rank, "exchange", sent=sent, received=received)
         return out

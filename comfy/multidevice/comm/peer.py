@@ -1,4 +1,4 @@
-"""The peer-copy backend: shared slots, a barrier, a copy to the local device, a concat.
+"""The peer-copy backend: shared slots, a barrier, each shard copied once into the output.
 
 Works on every device kind (CPU included) and is the fallback of `auto`.
 """
@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from comfy.multidevice.comm.types import concat_received
+from comfy.multidevice.comm.types import concat_received, gathered_shape
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,26 @@ class PeerCopyBackend:
     def __init__(self, coordinator):
         self.coordinator = coordinator
 
-    def all_gather_v(self, rank, tensors, dims, metas, slot):
+    def prepare_all_gather_v(self, rank, tensors, dims, metas):
+        return None  # nothing to allocate before the ranks meet: each rank reads the others'
+
+    def all_gather_v(self, rank, tensors, dims, metas, slot, prepared=None):
         device = self.coordinator.devices[rank]
         out = []
         for i, dim in enumerate(dims):
-            parts = [_on_device(shards[i], device) for shards in slot]
-            out.append(torch.cat(parts, dim=dim))
+            shards = [s[i] for s in slot]
+            if all(t.device == device for t in shards):
+                out.append(torch.cat(shards, dim=dim))  # one copy of each shard
+                continue
+            # Another device's shard is copied once, straight into its place in the output
+            # (not .to(device) and then a cat: two copies).
+            full = torch.empty(gathered_shape([m[i] for m in metas], dim), dtype=shards[0].dtype,
+                               device=device)
+            offset = 0
+            for t in shards:
+                full.narrow(dim, offset, t.shape[dim]).copy_(t, non_blocking=True)
+                offset += t.shape[dim]
+            out.append(full)
         return out
 
     def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):

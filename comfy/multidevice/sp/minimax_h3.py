@@ -46,7 +46,7 @@ from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
 from comfy.multidevice.sp.fun_controlnet import (fun_control_patches, RankFunControl,
                                                  unsupported_control_patches)
 from comfy.multidevice.sp.plan import (gather_rows, gather_rows_to_root, SequenceParallelError,
-                                       ShardPlan, slice_mod_segments, take_rows)
+                                       shard_sizes, ShardPlan, slice_mod_segments, take_rows)
 from comfy.multidevice.sp.strategies import make_kv_strategy
 
 log = logging.getLogger(__name__)
@@ -198,6 +198,8 @@ class H3RankShard:
         if index == 0:
             # H3 contract: block 0 receives the full hidden state [S, hidden] in packed order.
             self.plan = ShardPlan(h.shape[0], self.comm.world_size, self.comm.rank)
+            # every rank's rows, known from the plan: the K/V exchanges need no shape round
+            self.exchanging.shard_sizes = shard_sizes(h.shape[0], self.comm.world_size)
             self._sliced = {}
             self._control.start_forward(h, self._fun)
             # a copy, so the full [S, hidden] tensor is freed instead of pinned by a view

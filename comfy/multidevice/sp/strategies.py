@@ -33,14 +33,21 @@ class AllGatherKV:
 
     name = "allgather"
 
-    def attend(self, comm, attention_fn: Callable, q, k, v, heads, *args, **kwargs):
+    def attend(self, comm, attention_fn: Callable, q, k, v, heads, *args, shard_sizes=None, **kwargs):
+        """`shard_sizes`: every rank's rows under the shard plan, when the caller knows it (the
+        exchange then needs no shape round per call)."""
         if kwargs.get("mask") is not None:
             raise SequenceParallelError(
                 "sequence-parallel attention got an attention mask; the all-gather exchange only "
                 "supports full self-attention (mask=None)")
         # [B, heads, S, head_dim] with skip_reshape (H3's layout), else [B, S, heads*head_dim]
         seq_dim = 2 if kwargs.get("skip_reshape", False) else 1
-        k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim])
+        # K and V in one exchange: gathered sequence-major, returned as [B, heads, S, head_dim]
+        # views of that buffer (no transposing copy, no cat)
+        if shard_sizes is None:
+            k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim])
+        else:
+            k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim], shard_sizes=shard_sizes)
         return attention_fn(q, k_full, v_full, heads, *args, **kwargs)
 
 
@@ -74,7 +81,7 @@ class AutoKV:
         self.chosen: str | None = None
         self._strategy = None
 
-    def attend(self, comm, attention_fn, q, k, v, heads, *args, **kwargs):
+    def attend(self, comm, attention_fn, q, k, v, heads, *args, shard_sizes=None, **kwargs):
         if self._strategy is None:
             head_dim = q.shape[-1] if kwargs.get("skip_reshape", False) else q.shape[-1] // heads
             self.chosen = choose_sp_mode(comm.world_size, heads, head_dim)
@@ -83,7 +90,8 @@ class AutoKV:
             if comm.rank == 0:
                 log.info("rank 0: sp_mode auto: %s for %d ranks and %d heads (ulysses degree %d)",
                          self.chosen, comm.world_size, heads, ulysses_degree(comm.world_size, heads))
-        return self._strategy.attend(comm, attention_fn, q, k, v, heads, *args, **kwargs)
+        return self._strategy.attend(comm, attention_fn, q, k, v, heads, *args,
+                                     shard_sizes=shard_sizes, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ class UlyssesKV:
         self.overlap_chunks = int(overlap_chunks)
 
     # -- the strategy interface of comfy/multidevice/sp/
-    def attend(self, comm, attention_fn, q, k, v, heads, *args, **kwargs):
+    def attend(self, comm, attention_fn, q, k, v, heads, *args, shard_sizes=None, **kwargs):
+        # shard_sizes: unused; every rank's rows come from the shard plan check in _member_rows
         if kwargs.get("mask") is not None:
             raise SequenceParallelError(
                 "sequence-parallel attention got an attention mask; the ulysses exchange only "
