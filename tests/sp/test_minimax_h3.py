@@ -244,8 +244,8 @@ class MinimalComm:
         self._comm = comm
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
 
-    def exchange(self, tensors, cat_dims, shard_sizes=None):
-        return self._comm.exchange(tensors, cat_dims, shard_sizes)
+    def exchange(self, tensors, cat_dims, shard_sizes=None, workspace=None):
+        return self._comm.exchange(tensors, cat_dims, shard_sizes, workspace)
 
     def all_reduce(self, tensor, op="sum"):
         return self._comm.all_reduce(tensor, op)

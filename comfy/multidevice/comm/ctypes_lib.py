@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from comfy.multidevice.comm.types import (BackendUnavailable, chunk_shape, CollectiveError,
-                                          displacements, numel, pack_chunks, sequence_major,
+                                          displacements, numel, pack_chunks, scratch, sequence_major,
                                           unflatten_gathered, unpack_received)
 from comfy.multidevice.devices import current_stream_handle, synchronize
 
@@ -183,19 +183,19 @@ class FlatCollectiveBackend:
         """
         self.coordinator.barrier(rank, f"{what} (buffers ready)")
 
-    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None):
         device = self.coordinator.devices[rank]
         world = len(splits)
         plans = []
         for t, tensor in enumerate(tensors):
-            send = pack_chunks(tensor, splits[rank], split_dim)  # one copy at most
+            send = pack_chunks(tensor, splits[rank], split_dim, workspace, ("send", t))  # one copy at most
             send_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
             send_displs = displacements(send_counts)
             recv_shapes = [chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
                            for src in range(world)]
             recv_counts = [numel(shape) for shape in recv_shapes]
             recv_displs = displacements(recv_counts)
-            recv = self._empty(sum(recv_counts), send.dtype, device)
+            recv = self._empty(sum(recv_counts), send.dtype, device, workspace, ("recv", t))
             plans.append((send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv))
         self._buffers_ready(rank, "all_to_all_v")
         keepalive = []
@@ -209,7 +209,7 @@ class FlatCollectiveBackend:
         return [unpack_received(recv, recv_shapes, sizes, cat_dim)
                 for _, _, _, recv_shapes, _, _, recv in plans]
 
-    def prepare_all_gather_v(self, rank, tensors, dims, metas):
+    def prepare_all_gather_v(self, rank, tensors, dims, metas, workspace=None):
         """The send and receive buffers of an all-gather-V, made before any library call (a
         rank that cannot allocate fails while the others can still be cancelled)."""
         device = self.coordinator.devices[rank]
@@ -218,18 +218,18 @@ class FlatCollectiveBackend:
             shard_metas = [m[i] for m in metas]
             counts = [numel(m.shape) for m in shard_metas]
             displs = displacements(counts)
-            send = sequence_major(tensors[i], dim)  # the library reads one dense buffer
-            recv = self._empty(sum(counts), send.dtype, device)
+            send = sequence_major(tensors[i], dim, workspace, ("send", i))  # the library reads one dense buffer
+            recv = self._empty(sum(counts), send.dtype, device, workspace, ("recv", i))
             plans.append((dim, shard_metas, counts, displs, send, recv))
         return plans
 
-    def all_gather_v(self, rank, tensors, dims, metas, slot, prepared=None):
+    def all_gather_v(self, rank, tensors, dims, metas, slot, prepared=None, workspace=None):
         """`prepared`: the buffers from `prepare_all_gather_v`, made before the ranks met (the
         coordinator knew the shapes from the shard plan): then no second barrier is needed."""
         device = self.coordinator.devices[rank]
         plans = prepared
         if plans is None:
-            plans = self.prepare_all_gather_v(rank, tensors, dims, metas)
+            plans = self.prepare_all_gather_v(rank, tensors, dims, metas, workspace)
             self._buffers_ready(rank, "exchange")
         keepalive = []
         for dim, shard_metas, counts, displs, send, recv in plans:
@@ -251,9 +251,10 @@ class FlatCollectiveBackend:
         return recv
 
     @staticmethod
-    def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _empty(numel: int, dtype: torch.dtype, device: torch.device, workspace: dict | None = None,
+               key=None) -> torch.Tensor:
         """A receive buffer (a method so tests can make one rank's allocation fail)."""
-        return torch.empty(numel, dtype=dtype, device=device)
+        return scratch(workspace, key, numel, dtype, device)
 
     def close(self):
         pass

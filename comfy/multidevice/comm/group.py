@@ -78,11 +78,11 @@ class RankComm:
         self.world_size = coordinator.world_size
         self.device = coordinator.devices[rank]
 
-    def exchange(self, tensors, cat_dims, shard_sizes=None):
-        return self.coordinator.exchange(self.rank, tensors, cat_dims, shard_sizes)
+    def exchange(self, tensors, cat_dims, shard_sizes=None, workspace=None):
+        return self.coordinator.exchange(self.rank, tensors, cat_dims, shard_sizes, workspace)
 
-    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None):
-        return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim)
+    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None, workspace=None):
+        return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim, workspace)
 
     def all_reduce(self, tensor, op="sum"):
         return self.coordinator.all_reduce(self.rank, tensor, op)
@@ -278,11 +278,13 @@ class SequenceParallelCoordinator:
         return meta_slot, data_slot
 
     def exchange(self, rank: int, tensors: Sequence[torch.Tensor],
-                 cat_dims: int | Sequence[int], shard_sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+                 cat_dims: int | Sequence[int], shard_sizes: Sequence[int] | None = None,
+                 workspace: dict | None = None) -> list[torch.Tensor]:
         """All-gather-V: return, per tensor, the concat of every rank's shard along its cat dim
         (a view in the layout the backend gathered into; not contiguous when the cat dim is not
         the outermost). `shard_sizes`: every rank's length along the cat dims, from the shard
         plan; then a library backend makes its buffers before the ranks meet and they meet once.
+        `workspace`: buffers the backend may keep for this call site (see `Communicator`).
         """
         tensors = list(tensors)
         dims = normalize_dims(tensors, cat_dims)
@@ -292,7 +294,7 @@ class SequenceParallelCoordinator:
         planned = prepared = None
         if shard_sizes is not None:
             planned = planned_metas(tensors, dims, shard_sizes, rank)  # ValueError before anything
-            prepared = self.backend.prepare_all_gather_v(rank, tensors, dims, planned)
+            prepared = self.backend.prepare_all_gather_v(rank, tensors, dims, planned, workspace)
         # The plan travels with the shapes, so every rank checks every rank's against them.
         meta_slot, data_slot = self._enter(rank, "exchange", (mine, planned), tensors)
         metas = [m[0] for m in meta_slot]
@@ -303,14 +305,14 @@ class SequenceParallelCoordinator:
                 "exchange: the ranks' shard_sizes disagree with each other or with the shapes they "
                 f"passed ({[tuple(m[0][0].shape) for m in meta_slot]}); every rank must pass the "
                 "same shard plan, or none")
-        out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot, prepared)
+        out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot, prepared, workspace)
         sent, received = exchange_traffic(metas, rank)
         self._count(rank, "exchange", sent=sent, received=received)
         return out
 
     def all_to_all_v(self, rank: int, tensors: torch.Tensor | Sequence[torch.Tensor],
-                     send_splits: Sequence[int], split_dim: int,
-                     cat_dim: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+                     send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
+                     workspace: dict | None = None) -> torch.Tensor | list[torch.Tensor]:
         """All-to-all with per-rank sizes: split each tensor along `split_dim` into
         `send_splits[j]`-long chunks, send chunk j to rank j, and return the chunks this rank
         received, in source-rank order, concatenated along `cat_dim` (default `split_dim`).
@@ -331,7 +333,7 @@ class SequenceParallelCoordinator:
         check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
         if getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v")):
             out = self.backend.all_to_all_v(rank, tensors, metas, all_splits, split_dim, cat_dim,
-                                            data_slot)
+                                            data_slot, workspace)
         else:
             out = self._all_to_all_v_by_gather(rank, tensors, metas, all_splits, split_dim, cat_dim,
                                                data_slot)

@@ -34,10 +34,10 @@ class PeerCopyBackend:
     def __init__(self, coordinator):
         self.coordinator = coordinator
 
-    def prepare_all_gather_v(self, rank, tensors, dims, metas):
+    def prepare_all_gather_v(self, rank, tensors, dims, metas, workspace=None):
         return None  # nothing to allocate before the ranks meet: each rank reads the others'
 
-    def all_gather_v(self, rank, tensors, dims, metas, slot, prepared=None):
+    def all_gather_v(self, rank, tensors, dims, metas, slot, prepared=None, workspace=None):
         device = self.coordinator.devices[rank]
         out = []
         for i, dim in enumerate(dims):
@@ -56,7 +56,7 @@ class PeerCopyBackend:
             out.append(full)
         return out
 
-    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None):
         device = self.coordinator.devices[rank]
         out = []
         for t in range(len(tensors)):

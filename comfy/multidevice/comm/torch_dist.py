@@ -35,7 +35,7 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           check_all_to_all_metadata, check_exchange_metadata,
                                           chunk_shape, CollectiveError, displacements,
                                           exchange_traffic, normalize_dims, numel, pack_chunks,
-                                          planned_metas, sequence_major, ShardMeta, TrafficCounter,
+                                          planned_metas, scratch, sequence_major, ShardMeta, TrafficCounter,
                                           unflatten_gathered, unpack_received, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, resolve_device,
                                        set_thread_device)
@@ -152,14 +152,14 @@ class DistributedComm:
 
     # -- the RankComm interface
     def exchange(self, tensors: Sequence[torch.Tensor], cat_dims,
-                 shard_sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+                 shard_sizes: Sequence[int] | None = None, workspace: dict | None = None) -> list[torch.Tensor]:
         """All-gather-V: per tensor, the concat of every rank's shard along its cat dim (a view
         of the sequence-major buffer it was gathered into).
 
         `shard_sizes`: every rank's length along the cat dims, from a shard plan every rank
         shares. The first call with a plan exchanges the shapes and checks them against it;
         later calls with the same plan and shapes exchange none (no tiny collectives and no
-        device-to-host read per call)."""
+        device-to-host read per call). `workspace`: see `Communicator.exchange`."""
         tensors = list(tensors)
         dims = normalize_dims(tensors, cat_dims)
         if self.world_size == 1:
@@ -171,8 +171,10 @@ class DistributedComm:
             shard_metas = [m[i] for m in metas]
             counts = [numel(m.shape) for m in shard_metas]
             displs = displacements(counts)
-            send = sequence_major(tensors[i].detach(), dim).to(self._wire_device)
-            flat, works = self._issue_all_gather(send, counts, displs)
+            tensor = tensors[i].detach().to(self._wire_device)
+            send = sequence_major(tensor, dim, workspace, ("send", i))
+            flat = scratch(workspace, ("recv", i), sum(counts), tensor.dtype, self._wire_device)
+            works = self._issue_all_gather(send, flat, counts, displs)
             pending.append((flat, works, shard_metas, counts, displs, dim))
         out = []
         for flat, works, shard_metas, counts, displs, dim in pending:
@@ -205,13 +207,14 @@ class DistributedComm:
         self._verified_plans.add(key)
         return planned
 
-    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None):
+    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
+                     workspace: dict | None = None):
         """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
         the chunks received are concatenated in source-rank order along cat_dim.
 
         One copy to pack each tensor (none when its chunks lie back to back), one to unpack
         (none when cat_dim is 0: the received chunks then are the concat); every tensor's
-        collective is issued before any is awaited."""
+        collective is issued before any is awaited. `workspace`: see `Communicator.exchange`."""
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
@@ -221,21 +224,24 @@ class DistributedComm:
         check_all_to_all_metadata([m for m, _ in metas], all_splits, split_dim, cat_dim)
         pending = []
         for t, tensor in enumerate(tensors):
-            send = pack_chunks(tensor.detach(), splits, split_dim).to(self._wire_device)
+            wire = tensor.detach().to(self._wire_device)
+            send = pack_chunks(wire, splits, split_dim, workspace, ("send", t))
             out_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits]
             in_shapes = [chunk_shape(metas[src][0][t].shape, split_dim, all_splits[src][self.rank])
                          for src in range(self.world_size)]
             in_counts = [numel(s) for s in in_shapes]
-            recv = torch.empty(sum(in_counts), dtype=tensor.dtype, device=self._wire_device)
+            recv = scratch(workspace, ("recv", t), sum(in_counts), tensor.dtype, self._wire_device)
             work = self._call("all_to_all_v", self._dist.all_to_all_single, recv, send,
                               output_split_sizes=in_counts, input_split_sizes=out_counts,
                               group=self.group, async_op=True)
             pending.append((work, recv, in_shapes))
         out = []
-        for work, recv, in_shapes in pending:
+        for t, (work, recv, in_shapes) in enumerate(pending):
             self._call("all_to_all_v", work.wait)
+            unpacked = None if workspace is None or cat_dim == 0 else \
+                scratch(workspace, ("out", t), recv.numel(), recv.dtype, self._wire_device)
             out.append(unpack_received(recv, in_shapes, [s[self.rank] for s in all_splits],
-                                       cat_dim).to(self.device))
+                                       cat_dim, unpacked).to(self.device))
         sent, received = all_to_all_traffic([m for m, _ in metas], all_splits, split_dim, self.rank)
         self._count("all_to_all_v", sent=sent, received=received)
         return out[0] if single else out
@@ -322,19 +328,18 @@ class DistributedComm:
         rows = everyone.view(self.world_size, length).tolist()
         return [_decode_metas(row, len(tensors), len(splits)) for row in rows]
 
-    def _issue_all_gather(self, send: torch.Tensor, counts, displs):
-        """Start gathering every rank's dense `send` into one flat buffer: (buffer, works)."""
-        flat = torch.empty(sum(counts), dtype=send.dtype, device=self._wire_device)
+    def _issue_all_gather(self, send: torch.Tensor, flat: torch.Tensor, counts, displs) -> list:
+        """Start gathering every rank's dense `send` into the flat buffer `flat`; the works."""
         if len(set(counts)) == 1:
-            return flat, [self._call("exchange", self._all_gather_equal, flat, send.view(-1),
-                                     group=self.group, async_op=True)]
+            return [self._call("exchange", self._all_gather_equal, flat, send.view(-1),
+                               group=self.group, async_op=True)]
         flat.narrow(0, displs[self.rank], counts[self.rank]).copy_(send.view(-1))
         works = []
         for root, (count, displ) in enumerate(zip(counts, displs)):
             if count:  # every rank skips the same empty shards
                 works.append(self._call("exchange", self._dist.broadcast, flat.narrow(0, displ, count),
                                         src=self._global_rank(root), group=self.group, async_op=True))
-        return flat, works
+        return works
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:

@@ -120,15 +120,15 @@ def displacements(counts: Sequence[int]) -> list[int]:
 
 
 def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                workspace: dict | None = None, key=None) -> torch.Tensor:
     """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer.
 
-    One copy at most: each chunk is copied straight into its slot of the buffer (`out`, or a
-    new one); none when the chunks already lie back to back in memory.
+    One copy at most: each chunk is copied straight into its slot of the buffer (new, or
+    `workspace[key]`, see `scratch`); none when the chunks already lie back to back in memory.
     """
-    if out is None and tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
         return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
-    flat = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device) if out is None else out
+    flat = scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device)
     offset = 0
     for chunk in tensor.split(list(sizes), dim):
         flat.narrow(0, offset, chunk.numel()).view(chunk.shape).copy_(chunk)
@@ -136,13 +136,29 @@ def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
     return flat
 
 
-def sequence_major(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+def sequence_major(tensor: torch.Tensor, dim: int, workspace: dict | None = None, key=None) -> torch.Tensor:
     """`tensor` with its concat dim moved to the front, dense: what an all-gather-V sends so
     that the gathered flat buffer, rank after rank, is the concat itself (no cat on unpack).
-    A view when that is how the tensor lies in memory already (H3's q/k/v: [1, H, S, D] views
-    of [S, H, D] rows), else one row copy."""
+    A view when that is how the tensor lies in memory already, else one row copy (into a new
+    buffer or `workspace[key]`; H3's K/V are [1, H, S_r, D] views of fused qkv rows)."""
     moved = tensor.movedim(dim, 0)
-    return moved if moved.is_contiguous() else moved.contiguous()
+    if moved.is_contiguous():
+        return moved
+    return scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device).view(moved.shape).copy_(moved)
+
+
+def scratch(workspace: dict | None, key, numel: int, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """A flat buffer for one collective: new, or kept in the caller's `workspace` (a dict the
+    caller passes again for the same call site once it no longer uses the last results from
+    it). Reuse spares the fresh pages a new CPU buffer faults in on every call, which cost
+    about as much as the copy into them."""
+    if workspace is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buf = workspace.get(key)
+    if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+        buf = workspace[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
 
 
 def exchange_traffic(metas: Sequence[Sequence[ShardMeta]], rank: int) -> tuple[int, int]:
@@ -285,9 +301,10 @@ def concat_received(parts: Sequence[torch.Tensor], sizes: Sequence[int], cat_dim
 
 
 def unpack_received(recv: torch.Tensor, shapes: Sequence[Sequence[int]], sizes: Sequence[int],
-                    cat_dim: int) -> torch.Tensor:
+                    cat_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """`concat_received` of the chunks lying back to back in the flat buffer `recv` (shapes in
-    source order): along dim 0 that concat is the buffer itself, a view; else one cat copy."""
+    source order): along dim 0 that concat is the buffer itself, a view; else one cat copy
+    (into the flat buffer `out` when given)."""
     kept = [tuple(s) for s, n in zip(shapes, sizes) if n]
     if cat_dim == 0 and kept and all(s[1:] == kept[0][1:] for s in kept):
         return recv.view(sum(s[0] for s in kept), *kept[0][1:])  # empty chunks hold no elements
@@ -296,7 +313,12 @@ def unpack_received(recv: torch.Tensor, shapes: Sequence[Sequence[int]], sizes: 
         n = numel(shape)
         parts.append(recv.narrow(0, offset, n).view(shape))
         offset += n
-    return concat_received(parts, sizes, cat_dim)
+    kept_parts = [p for p, n in zip(parts, sizes) if n]
+    if out is None or not kept_parts:
+        return concat_received(parts, sizes, cat_dim)
+    shape = list(kept_parts[0].shape)
+    shape[cat_dim] = sum(p.shape[cat_dim] for p in kept_parts)
+    return torch.cat(kept_parts, dim=cat_dim, out=out.view(shape))
 
 
 def normalize_dims(tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int]) -> list[int]:
@@ -329,12 +351,15 @@ class Communicator(Protocol):
     device: torch.device
 
     def exchange(self, tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int],
-                 shard_sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+                 shard_sizes: Sequence[int] | None = None, workspace: dict | None = None) -> list[torch.Tensor]:
         """All-gather-V: per tensor, every rank's shard concatenated along its cat dim (may be
         a non-contiguous view). `shard_sizes`: every rank's length along the cat dims when a
-        shard plan fixes them; then the shapes need not be exchanged again on every call."""
+        shard plan fixes them; then the shapes need not be exchanged again on every call.
+        `workspace`: a dict of buffers the communicator may keep and reuse between calls of one
+        call site (the results of the last call from it must be dead by then)."""
 
-    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None):
+    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
+                     workspace: dict | None = None):
         """Chunk j of each tensor along split_dim goes to rank j; the received chunks, in source order."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -200,6 +200,7 @@ class H3RankShard:
             self.plan = ShardPlan(h.shape[0], self.comm.world_size, self.comm.rank)
             # every rank's rows, known from the plan: the K/V exchanges need no shape round
             self.exchanging.shard_sizes = shard_sizes(h.shape[0], self.comm.world_size)
+            self.strategy.begin_forward()  # exchange buffers shared by this forward's blocks
             self._sliced = {}
             self._control.start_forward(h, self._fun)
             # a copy, so the full [S, hidden] tensor is freed instead of pinned by a view
@@ -232,6 +233,7 @@ class H3RankShard:
         if index in self._fun:
             h = self._control.add_control(index, self._fun[index], args, h, self.plan)
         if index == self.num_blocks - 1:
+            self.strategy.end_forward()
             # H3 contract: the forward hands the last block's h straight to
             # final_layer(h, t_emb, video_seg, audio_seg, ...), which reads the two spans of h.
             self._arm_final_layer(h)
