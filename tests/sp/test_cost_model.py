@@ -123,3 +123,19 @@ def test_projection_prints_json_last_and_writes_the_plot(tmp_path):
     from PIL import Image
     with Image.open(plot) as image:
         assert image.format == "PNG" and image.size[0] > 400
+
+
+def test_projection_is_calibrated_on_published_points_and_carries_its_error(tmp_path):
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "project_h3.py"), "--plot", str(tmp_path / "p.png")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    calibration = result["calibration"]
+    sources = {p["source"] for p in calibration["points"]}
+    assert sources == {"seed-910b-4npu", "vllm-omni-h20", "sglang-mi300x"}
+    assert calibration["max_abs_error"] == max(abs(p["error"]) for p in calibration["points"])
+    assert all("error" in line for line in run.stderr.splitlines() if line.startswith("  seed-910b"))
+    for modes in result["calibrated_projection_768p_15s"].values():
+        for mode in modes.values():
+            low, high = mode["speedup_band"]["8"]
+            assert low < mode["speedup"]["8"] < high <= 8

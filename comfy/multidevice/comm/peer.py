@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from comfy.multidevice.comm.types import concat_received, gathered_shape
+from comfy.multidevice.comm.types import concat_received, gathered_shape, numel, scratch
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +42,17 @@ class PeerCopyBackend:
         out = []
         for i, dim in enumerate(dims):
             shards = [s[i] for s in slot]
-            if all(t.device == device for t in shards):
-                out.append(torch.cat(shards, dim=dim))  # one copy of each shard
-                continue
-            # Another device's shard is copied once, straight into its place in the output
-            # (not .to(device) and then a cat: two copies).
-            full = torch.empty(gathered_shape([m[i] for m in metas], dim), dtype=shards[0].dtype,
-                               device=device)
+            shape = gathered_shape([m[i] for m in metas], dim)
+            # Sequence-major, like the library backends: each shard's rows are copied once,
+            # straight into their place (a row copy where a cat along an inner dim, e.g. H3's
+            # [1, H, S, D], would transpose; and no .to(device) before it on another device).
+            full = scratch(workspace, ("recv", i), numel(shape), shards[0].dtype, device).view(
+                shape[dim], *(n for d, n in enumerate(shape) if d != dim))
             offset = 0
             for t in shards:
-                full.narrow(dim, offset, t.shape[dim]).copy_(t, non_blocking=True)
+                full.narrow(0, offset, t.shape[dim]).copy_(t.movedim(dim, 0), non_blocking=True)
                 offset += t.shape[dim]
-            out.append(full)
+            out.append(full.movedim(0, dim))
         return out
 
     def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None):
