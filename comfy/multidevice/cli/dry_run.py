@@ -307,6 +307,10 @@ def sample_side_by_side(runs, sigmas: torch.Tensor, progress: Progress) -> list[
     (a ratio of them is fair on a busy machine); returns (latents, step seconds) per run."""
     states = [[z.clone() for z in run[1]] for run in runs]
     seconds: list[list[float]] = [[] for _ in runs]
+    if len(runs) > 1:  # one untimed forward each first: allocator and thread pools warm alike
+        for forward, x, context, kwargs, _ in runs:
+            with torch.inference_mode():
+                forward(x, (sigmas[0] * 1000.0).reshape(1).to(x[0].device), context, **kwargs)
     progress.update(0)
     for i in range(len(sigmas) - 1):
         for r, (forward, _, context, kwargs, after_step) in enumerate(runs):
