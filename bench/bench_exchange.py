@@ -16,8 +16,9 @@ fused qkv rows [S_r, 3 x 7168], as H3's attention makes them):
   ulysses_vs_yunchang          the same against yunchang's all_to_all_4D, when yunchang is
                                installed (else reported skipped, not faked)
 In-process rank threads (W = 2 and 4, the peer backend and the fake HCCL library):
-  peer_vs_copy_bound           the K/V exchange / one dense copy of the same output bytes per
-                               rank (what any exchange has to write at least)
+  peer_vs_copy_bound           the K/V exchange (shard plan and buffers as the SP adapter
+                               passes them) / one dense copy of the same output bytes per rank
+                               (what any exchange has to write at least)
   barrier_us                   the fixed cost of one exchange of a tiny tensor at W = 4
 The final layer (cost model at H3's width, 768p 15 s, checked against the byte counters of the
 miniature run rank-local in the same run):
@@ -199,9 +200,11 @@ def measure_threads(world: int, seq: int, iters: int, rounds: int, hccl_path: st
     sources = [torch.randn(seq, WIDTH).to(torch.bfloat16) for _ in range(world)]
     targets = [torch.empty_like(s) for s in sources]
 
+    workspaces = [{} for _ in range(world)]  # as the SP adapter keeps them for a forward
+
     def exchange_body(rank, comm):
         _, k, v = qkv[rank]
-        return comm.exchange([k, v], [2, 2], shard_sizes=sizes)
+        return comm.exchange([k, v], [2, 2], shard_sizes=sizes, workspace=workspaces[rank])
 
     def copy_bound_body(rank, comm):  # one dense copy of the K and V output bytes
         targets[rank].copy_(sources[rank])
