@@ -144,9 +144,12 @@ def test_intra_op_threads_are_set_inside_every_rank_thread():
 
     main_threads = torch.get_num_threads()
     with SequenceParallelCoordinator(["cpu"] * 3, backend="peer") as coord:
-        minimax_h3_dry_run._set_rank_threads(coord, 1)
-        assert coord.run(lambda rank, comm: torch.get_num_threads()) == [1, 1, 1]
-    assert torch.get_num_threads() == main_threads  # the reference keeps every core
+        try:
+            minimax_h3_dry_run._set_rank_threads(coord, 1)
+            assert coord.run(lambda rank, comm: torch.get_num_threads()) == [1, 1, 1]
+            assert torch.get_num_threads() == main_threads  # the reference keeps every core
+        finally:
+            torch.set_num_threads(main_threads)  # MKL's setting is global: the caller's again
 
 
 def test_report_says_what_the_speedup_compares():

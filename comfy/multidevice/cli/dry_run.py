@@ -307,10 +307,6 @@ def sample_side_by_side(runs, sigmas: torch.Tensor, progress: Progress) -> list[
     (a ratio of them is fair on a busy machine); returns (latents, step seconds) per run."""
     states = [[z.clone() for z in run[1]] for run in runs]
     seconds: list[list[float]] = [[] for _ in runs]
-    if len(runs) > 1:  # one untimed forward each first: allocator and thread pools warm alike
-        for forward, x, context, kwargs, _ in runs:
-            with torch.inference_mode():
-                forward(x, (sigmas[0] * 1000.0).reshape(1).to(x[0].device), context, **kwargs)
     progress.update(0)
     for i in range(len(sigmas) - 1):
         for r, (forward, _, context, kwargs, after_step) in enumerate(runs):
@@ -398,21 +394,37 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         from comfy.multidevice.sp.strategies import SPMode
         sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap))
         exchanged = []
-        if per_rank_threads is not None:
-            _set_rank_threads(coord, per_rank_threads)
-        runs = [(sp, x, context, kwargs, lambda: exchanged.append(sp.bytes_exchanged_last_forward()))]
+
+        # torch.set_num_threads is per thread for OpenMP but global for MKL: each run sets its
+        # threads right before its forward (the ranks cores / W each, the reference all cores)
+        def sp_forward(*a, **kw):
+            if per_rank_threads is not None:
+                _set_rank_threads(coord, per_rank_threads)
+            return sp(*a, **kw)
+
+        def reference_forward(*a, **kw):
+            torch.set_num_threads(threads_before)
+            return replicas[0](*a, **kw)
+
+        runs = [(sp_forward, x, context, kwargs, lambda: exchanged.append(sp.bytes_exchanged_last_forward()))]
         ref_dev = settings.devices[0]
         if not args.no_reference:
-            # One device with all the cores (this thread's setting), stepped right after each SP
-            # step; the rank threads wait on their queues meanwhile, using no core.
-            runs.append((replicas[0], [z.to(ref_dev) for z in x], context.to(ref_dev),
+            # One device with all the cores, stepped right after each SP step; the rank threads
+            # wait on their queues meanwhile, using no core.
+            runs.append((reference_forward, [z.to(ref_dev) for z in x], context.to(ref_dev),
                          copy_for_rank(kwargs, torch.device(ref_dev)), None))
         what = f"sampling on {world} rank(s)" + ("" if args.no_reference else " and on 1 device, step by step")
+        if not args.no_reference:  # one untimed forward each: allocator and pools warm alike
+            for forward, z, c, kw, _ in runs:
+                with torch.inference_mode():
+                    forward(z, (sigmas[0] * 1000.0).reshape(1).to(z[0].device), c, **kw)
+            coord.reset_byte_counts()
         sampled = sample_side_by_side(runs, sigmas, Progress(what, args.steps, not args.no_progress))
         latents, seconds = sampled[0]
         if sp.tokens_per_rank() != tokens_per_rank:
             raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
         byte_counts = coord.byte_counts()  # per rank, the whole sampling
+    torch.set_num_threads(threads_before)  # the caller's setting again (MKL's is global)
     sp_seconds = _steady(seconds)
     bytes_per_step = max(exchanged) if exchanged else 0
     say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
