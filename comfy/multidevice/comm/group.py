@@ -2,7 +2,7 @@
 
 One process drives W devices ("ranks"), one persistent worker thread per rank.
 Collectives (`exchange` = all-gather-V, `all_to_all_v`, `all_reduce`) go through a backend:
-  peer  - shared slots + barrier + tensor.to(device) + torch.cat (always works)
+  peer  - shared slots + barrier + each shard copied once into the output (always works)
   hccl  - libhccl.so through ctypes (hccl.py)
   nccl  - libnccl.so.2 through ctypes (nccl.py)
   auto  - hccl on NPUs, nccl on CUDA, peer on CPU; falls back to peer with one warning.
