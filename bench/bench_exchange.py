@@ -1,21 +1,44 @@
 #!/usr/bin/env python3
-"""Exchange throughput of the coordinator's backends against the memory-copy bound.
+"""The exchanges of sequence-parallel attention against raw collectives of the same bytes.
 
-W rank threads each hold a K and a V shard shaped like H3's ([S/W, 56, 128], bf16) and
-all-gather them. The bound is the same output bytes produced by torch.cat of local
-tensors in the same threads. Also measures the fixed cost of one exchange of tiny
-tensors at W=4 (`barrier_us`). Prints one JSON object on the last line.
+Every figure is a ratio of times measured side by side in one run (rounds interleaved, medians).
 
-  .venv/bin/python bench/bench_exchange.py [--seq 16384] [--iters 5] [--rounds 3]
+Two gloo processes (one rank each, `DistributedComm`, cores/2 intra-op threads each), H3's shapes
+(56 heads x 128, bf16, S = --seq packed rows; q/k/v are [1, 56, S_r, 128] views of each rank's
+fused qkv rows [S_r, 3 x 7168], as H3's attention makes them):
+  h3_layout_allgather_vs_raw   the K/V all-gather the allgather mode runs per block (one
+                               exchange of K and V with the shard plan and the forward's
+                               buffers, as the SP adapter drives it) / two raw
+                               `all_gather_into_tensor` of the same bytes, sequence-major and dense
+  ulysses_vs_raw_all_to_all    the Ulysses exchange (q, k, v in, the attention output back; the
+                               attention itself replaced by a ready output) / four raw
+                               `all_to_all_single` of the same tensors, packed in advance
+  ulysses_vs_yunchang          the same against yunchang's all_to_all_4D, when yunchang is
+                               installed (else reported skipped, not faked)
+In-process rank threads (W = 2 and 4, the peer backend and the fake HCCL library):
+  peer_vs_copy_bound           the K/V exchange (shard plan and buffers as the SP adapter
+                               passes them) / one dense copy of the same output bytes per rank
+                               (what any exchange has to write at least)
+  barrier_us                   the fixed cost of one exchange of a tiny tensor at W = 4
+The final layer (cost model at H3's width, 768p 15 s, checked against the byte counters of the
+miniature run rank-local in the same run):
+  final_gather_bytes_ratio     final-layer bytes per step now / the hidden-state all-gather it
+                               replaced (all ranks together, W = 2)
+
+Prints one JSON object on the last line.
+
+  .venv/bin/python bench/bench_exchange.py [--seq 16384] [--iters 2] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,70 +48,187 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
+from comfy.multidevice.sp.cost_model import (DiTShape, final_layer_traffic, h3_targets,  # noqa: E402
+                                             hidden_gather_traffic)
+from comfy.multidevice.sp.plan import shard_sizes  # noqa: E402
 from tests.fakes.build import build_fake  # noqa: E402
 
 HEADS, HEAD_DIM = 56, 128
+WIDTH = HEADS * HEAD_DIM
+TARGETS = {"h3_layout_allgather_vs_raw": 1.10, "ulysses_vs_raw_all_to_all": 1.20,
+           "final_gather_bytes_ratio": 1 / 40}
 
 
-def shard_rows(seq: int, world: int, rank: int) -> int:
-    return seq * (rank + 1) // world - seq * rank // world
+# ----------------------------------------------------------------------------- two processes
 
+def _h3_qkv(rows: int, seed: int):
+    """q, k, v as H3's attention hands them over: [1, H, S_r, D] views of fused qkv rows."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, 3 * WIDTH, generator=gen).to(torch.bfloat16)
+    return [qkv[:, i * WIDTH:(i + 1) * WIDTH].view(rows, HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0)
+            for i in range(3)]
+
+
+def _timed(dist, fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds: int, out_file: str):
+    import torch.distributed as dist
+
+    from comfy.multidevice.comm.torch_dist import init_process_group
+    from comfy.multidevice.sp.strategies import AllGatherKV
+    from comfy.multidevice.sp.ulysses import UlyssesKV
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    comm = init_process_group(rank, world, "cpu", init_method=f"file://{init_file}", backend="gloo")
+    sizes = shard_sizes(seq, world)
+    rows = sizes[rank]
+    q, k, v = _h3_qkv(rows, seed=rank)
+
+    # the allgather mode's exchange as the SP adapter drives it: the shard plan known, the
+    # buffers kept for the forward's blocks; the attention replaced by nothing
+    allgather = AllGatherKV()
+    allgather.begin_forward()
+
+    def ours_allgather():
+        allgather.attend(comm, lambda *a, **kw: None, q, k, v, HEADS, skip_reshape=True,
+                         shard_sizes=sizes)
+
+    raw_k = k[0].transpose(0, 1).contiguous()  # [S_r, H, D], the same bytes, dense
+    raw_v = v[0].transpose(0, 1).contiguous()
+    gathered = [torch.empty(seq, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+
+    def raw_allgather():
+        for out, send in zip(gathered, (raw_k, raw_v)):
+            dist.all_gather_into_tensor(out, send)
+
+    # Ulysses in + out; the attention is replaced by a ready output of its shape
+    heads_mine = HEADS // world
+    ready = torch.empty(1, seq, heads_mine * HEAD_DIM, dtype=torch.bfloat16)
+    ulysses = UlyssesKV()
+    ulysses.begin_forward()
+
+    def ours_ulysses():
+        ulysses.attend(comm, lambda *a, **kw: ready, q, k, v, HEADS, skip_reshape=True)
+
+    packed_in = [torch.empty(world, rows, heads_mine, HEAD_DIM, dtype=torch.bfloat16) for _ in range(3)]
+    for packed, t in zip(packed_in, (q, k, v)):  # packed in advance: what the raw call is given
+        packed.copy_(t[0].transpose(0, 1).reshape(rows, world, heads_mine, HEAD_DIM).transpose(0, 1))
+    recv_in = [torch.empty(seq * heads_mine * HEAD_DIM, dtype=torch.bfloat16) for _ in range(3)]
+    in_splits = [n * heads_mine * HEAD_DIM for n in sizes]
+    out_send = ready.view(-1)
+    recv_out = torch.empty(rows * HEADS * HEAD_DIM, dtype=torch.bfloat16)
+
+    def raw_ulysses():
+        for packed, recv in zip(packed_in, recv_in):
+            dist.all_to_all_single(recv, packed.view(-1), output_split_sizes=in_splits,
+                                   input_split_sizes=[rows * heads_mine * HEAD_DIM] * world)
+        dist.all_to_all_single(recv_out, out_send, output_split_sizes=[rows * heads_mine * HEAD_DIM] * world,
+                               input_split_sizes=in_splits)
+
+    runs = {"ours_allgather": ours_allgather, "raw_allgather": raw_allgather,
+            "ours_ulysses": ours_ulysses, "raw_ulysses": raw_ulysses}
+    yunchang = importlib.util.find_spec("yunchang") is not None
+    if yunchang:
+        from yunchang.comm.all_to_all import all_to_all_4D  # optional comparison
+
+        def yunchang_ulysses():
+            qs = [t.transpose(1, 2) for t in (q, k, v)]  # its layout: [B, S_r, H, D]
+            outs = [all_to_all_4D(t, scatter_idx=2, gather_idx=1) for t in qs]
+            all_to_all_4D(ready.view(1, seq, heads_mine, HEAD_DIM), scatter_idx=1, gather_idx=2)
+            return outs
+        runs["yunchang_ulysses"] = yunchang_ulysses
+
+    for fn in runs.values():  # warm-up (allocator, gloo pairs, the shape round of the plan)
+        fn()
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name].append(_timed(dist, lambda: [fn() for _ in range(iters)]) / iters)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps({name: statistics.median(t) for name, t in times.items()}
+                                             | {"yunchang": yunchang}))
+    comm.close()
+
+
+def measure_processes(seq: int, iters: int, rounds: int, world: int = 2) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
+        mp.start_processes(_process, args=(world, init_file, seq, iters, rounds, out_file),
+                           nprocs=world, join=True, start_method="spawn")
+        t = json.loads(Path(out_file).read_text())
+    kv_bytes = 2 * seq * WIDTH * 2  # K and V gathered, bf16, per rank
+    result = {
+        "processes": world, "seq": seq, "seconds": {k: round(v, 4) for k, v in t.items() if k != "yunchang"},
+        "h3_layout_allgather_vs_raw": round(t["ours_allgather"] / t["raw_allgather"], 3),
+        "raw_allgather_gbps": round(kv_bytes / t["raw_allgather"] / 1e9, 3),
+        "ulysses_vs_raw_all_to_all": round(t["ours_ulysses"] / t["raw_ulysses"], 3),
+    }
+    result["ulysses_vs_yunchang"] = (round(t["ours_ulysses"] / t["yunchang_ulysses"], 3) if t["yunchang"]
+                                     else "skipped: yunchang is not installed")
+    return result
+
+
+# ----------------------------------------------------------------------------- rank threads
 
 def timed_loop(coord, iters: int, body) -> float:
-    """Seconds per iteration of body(rank, comm, state), timed between two barriers."""
+    """Seconds per iteration of body(rank, comm), timed between two barriers (slowest rank)."""
 
     def job(rank, comm):
-        state = body(rank, comm, None)  # warm-up, also allocates
+        body(rank, comm)  # warm-up, also allocates
         comm.barrier()
         start = time.perf_counter()
         for _ in range(iters):
-            body(rank, comm, state)
+            body(rank, comm)
         comm.barrier()
         return (time.perf_counter() - start) / iters
 
     return max(coord.run(job))
 
 
-def kv_shards(seq: int, world: int):
-    shards = []
-    for r in range(world):
-        rows = shard_rows(seq, world, r)
-        shards.append((torch.randn(rows, HEADS, HEAD_DIM).to(torch.bfloat16),
-                       torch.randn(rows, HEADS, HEAD_DIM).to(torch.bfloat16)))
-    return shards
+def measure_threads(world: int, seq: int, iters: int, rounds: int, hccl_path: str) -> dict:
+    sizes = shard_sizes(seq, world)
+    qkv = [_h3_qkv(n, seed=r) for r, n in enumerate(sizes)]
+    out_bytes = 2 * seq * WIDTH * 2  # gathered K and V, bf16, per rank
+    sources = [torch.randn(seq, WIDTH).to(torch.bfloat16) for _ in range(world)]
+    targets = [torch.empty_like(s) for s in sources]
 
+    workspaces = [{} for _ in range(world)]  # as the SP adapter keeps them for a forward
 
-def measure(world: int, seq: int, iters: int, rounds: int, hccl_path: str) -> dict:
-    shards = kv_shards(seq, world)
-    out_bytes = 2 * seq * HEADS * HEAD_DIM * 2  # gathered K and V, bf16, per rank
+    def exchange_body(rank, comm):
+        _, k, v = qkv[rank]
+        return comm.exchange([k, v], [2, 2], shard_sizes=sizes, workspace=workspaces[rank])
 
-    def exchange_body(rank, comm, state):
-        k, v = shards[rank]
-        return comm.exchange([k, v], [0, 0])
-
-    # Copy bound: each rank builds the same full-size K and V from W local pieces.
-    local_pieces = [[(k.clone(), v.clone()) for k, v in shards] for _ in range(world)]
-
-    def memcpy_body(rank, comm, state):
-        pieces = local_pieces[rank]
-        return (torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]))
+    def copy_bound_body(rank, comm):  # one dense copy of the K and V output bytes
+        targets[rank].copy_(sources[rank])
+        targets[rank].copy_(sources[rank])
 
     os.environ["HCCL_SO_PATH"] = hccl_path
-    memcpy_t, peer_t, hccl_t = [], [], []
+    bound_t, peer_t, hccl_t = [], [], []
     with SequenceParallelCoordinator(["cpu"] * world, backend="peer") as peer, \
             SequenceParallelCoordinator(["cpu"] * world, backend="hccl") as hccl:
+        threads = max(1, (os.cpu_count() or 1) // world)
+        for coord in (peer, hccl):  # per thread (OpenMP): set inside the rank threads
+            coord.run(lambda rank, comm: torch.set_num_threads(threads))
         for _ in range(rounds):  # interleaved, so drift in machine load hits all three alike
-            memcpy_t.append(timed_loop(peer, iters, memcpy_body))
+            bound_t.append(timed_loop(peer, iters, copy_bound_body))
             peer_t.append(timed_loop(peer, iters, exchange_body))
             hccl_t.append(timed_loop(hccl, iters, exchange_body))
-    memcpy_s, peer_s, hccl_s = (statistics.median(t) for t in (memcpy_t, peer_t, hccl_t))
+    bound_s, peer_s, hccl_s = (statistics.median(t) for t in (bound_t, peer_t, hccl_t))
 
     def gbps(seconds):  # aggregate: every rank produces out_bytes
         return world * out_bytes / seconds / 1e9
 
     return {"world_size": world, "bytes_per_rank": out_bytes,
-            "memcpy_gbps": round(gbps(memcpy_s), 3), "peer_gbps": round(gbps(peer_s), 3),
-            "peer_vs_memcpy": round(memcpy_s / peer_s, 3),
+            "copy_bound_gbps": round(gbps(bound_s), 3), "peer_gbps": round(gbps(peer_s), 3),
+            "peer_vs_copy_bound": round(peer_s / bound_s, 3),
             "hccl_fake_gbps": round(gbps(hccl_s), 3)}
 
 
@@ -107,31 +247,87 @@ def barrier_cost_us(world: int, iters: int) -> float:
     return statistics.median(per_iter[iters // 10:]) * 1e6  # skip warm-up
 
 
+# ----------------------------------------------------------------------------- final layer
+
+def final_layer_bytes(world: int = 2) -> dict:
+    """Final-layer bytes per step at H3's width from the cost model, after checking the model
+    against the byte counters of the miniature's rank-local final layer."""
+    from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature
+    from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
+    import copy
+
+    cfg = MiniatureConfig(hidden_size=48, num_layers=2, num_attention_heads=2, attention_head_dim=24)
+    model = build_miniature(cfg, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    x = [torch.randn(1, cfg.latents_dim, 3, 8, 12, generator=gen),
+         torch.randn(1, cfg.audio_latents_dim, 2, 7, generator=gen)]
+    ctx = torch.randn(1, 9, cfg.text_dim, generator=gen)
+    seen = {}
+
+    def spy(args, extra):
+        seen["layout"] = args["layout"]
+        return extra["original_block"](args)
+
+    with torch.inference_mode():
+        model(x, torch.tensor([500.0]), ctx, transformer_options={"patches_replace": {"dit": {("double_block", 0): spy}}})
+    layout = seen["layout"]
+    seq = layout.seq_len
+    mini = DiTShape(hidden=cfg.hidden_size, video_out=cfg.video_patch_dim, audio_out=cfg.audio_latents_dim)
+    targets = [(*layout.span("video"), mini.video_out), (*layout.span("audio"), mini.audio_out)]
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer") as coord:
+        sp = enable_sequence_parallel([model] + [copy.deepcopy(model) for _ in range(world - 1)], coord)
+        with torch.inference_mode():
+            sp(x, torch.tensor([500.0]), ctx)
+        counted = [c["by_op"].get("all_to_all_v", {"received": 0})["received"] for c in coord.byte_counts()]
+    modelled = [final_layer_traffic(targets, seq, world, r).received for r in range(world)]
+
+    h3 = DiTShape()
+    video, audio, text = 107_856, 1_206, 256  # 768p, 15 s (bench/project_h3.py's token counts)
+    h3_seq = video + audio + text
+    h3_targets_ = h3_targets(h3, h3_seq, video, audio)
+    ratios = {}
+    for w in (2, 4, 8):
+        new = sum(final_layer_traffic(h3_targets_, h3_seq, w, r).received for r in range(w))
+        old = sum(hidden_gather_traffic(h3, h3_seq, w, r).received for r in range(w))
+        ratios[w] = (new, old)
+    new, old = ratios[world]
+    return {"final_gather_bytes_ratio": round(new / old, 5),
+            "final_gather_bytes_per_step": {"now": new, "hidden_all_gather": old},
+            "final_gather_bytes_ratio_by_world": {w: round(n / o, 5) for w, (n, o) in ratios.items()},
+            "final_gather_counters_match_cost_model": counted == modelled,
+            "final_gather_counted_miniature": counted}
+
+
+# ----------------------------------------------------------------------------- main
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=16384, help="packed sequence length S (default 16384)")
-    parser.add_argument("--iters", type=int, default=5, help="timed exchanges per measurement")
+    parser.add_argument("--iters", type=int, default=2, help="timed exchanges per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--tiny-iters", type=int, default=2000, help="exchanges for barrier_us")
+    parser.add_argument("--skip-threads", action="store_true", help="only the two-process and final-layer figures")
     args = parser.parse_args()
     if args.seq < 4 or args.iters < 1 or args.rounds < 1 or args.tiny_iters < 10:
         parser.error("need --seq >= 4, --iters >= 1, --rounds >= 1, --tiny-iters >= 10")
 
-    hccl_path = build_fake("fake_hccl")
-    results = {}
-    for world in (2, 4):
-        results[world] = measure(world, args.seq, args.iters, args.rounds, hccl_path)
-        print(f"W={world}: {results[world]}", file=sys.stderr)
-    barrier_us = barrier_cost_us(4, args.tiny_iters)
-    summary = dict(results[4])
-    summary.update({
-        "seq": args.seq,
-        "threads": torch.get_num_threads(),
-        "w2": results[2],
-        "barrier_us": round(barrier_us, 1),
-        "targets": {"peer_vs_memcpy": ">= 0.7", "barrier_us": "<= 200"},
-        "targets_met": summary["peer_vs_memcpy"] >= 0.7 and barrier_us <= 200,
-    })
+    summary = {"seq": args.seq, "cores": os.cpu_count()}
+    processes = measure_processes(args.seq, args.iters, args.rounds)
+    print(f"2 gloo processes: {processes}", file=sys.stderr)
+    summary.update(processes)
+    final = final_layer_bytes()
+    print(f"final layer: {final}", file=sys.stderr)
+    summary.update(final)
+    if not args.skip_threads:
+        hccl_path = build_fake("fake_hccl")
+        threads = {w: measure_threads(w, args.seq, args.iters, args.rounds, hccl_path) for w in (2, 4)}
+        for w, r in threads.items():
+            print(f"W={w} rank threads: {r}", file=sys.stderr)
+        summary.update({"threads_w2": threads[2], "threads_w4": threads[4],
+                        "barrier_us": round(barrier_cost_us(4, args.tiny_iters), 1)})
+    summary["targets"] = {k: f"<= {v:.3g}" for k, v in TARGETS.items()}
+    summary["targets_met"] = all(summary[k] <= v for k, v in TARGETS.items()) and \
+        summary["final_gather_counters_match_cost_model"]
     print(json.dumps(summary))
     return 0
 

@@ -8,12 +8,14 @@ all-reduce sums with the rank-order sum, exact in fp32 and within a stated round
 16-bit types.
 """
 
+import threading
 import time
 
 import pytest
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.comm.types import CollectiveError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -173,3 +175,86 @@ def test_failing_rank_ends_the_run_fast(backend):
         # The coordinator is still usable after a failed run.
         out = coord.run(lambda rank, comm: comm.exchange([torch.full((1,), float(rank))], 0)[0])
         assert all(torch.equal(o, torch.arange(float(world))) for o in out)
+
+
+def h3_layout_shards(world, seq, heads=4, dim=8, seed=4):
+    """K/V shards as H3's attention makes them: [1, heads, S_r, dim] views of the K part of each
+    rank's fused qkv rows [S_r, 3 * heads * dim] (neither contiguous nor sequence-major dense)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for rows in uneven_lengths(world, seq):
+        qkv = torch.randn(rows, 3 * heads * dim, generator=gen)
+        k = qkv[:, heads * dim:2 * heads * dim].view(rows, heads, dim).transpose(0, 1).unsqueeze(0)
+        out.append(k)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exchange_with_the_shard_plan_matches_cat(backend, world):
+    """H3's K/V layout with every rank's rows given by the shard plan: the result equals
+    torch.cat along the sequence dim bit for bit, forward after forward."""
+    ks = h3_layout_shards(world, 13)
+    vs = [k * 2 for k in ks]
+    sizes = [k.shape[2] for k in ks]
+    with coordinator(backend, world) as coord:
+        def job(rank, comm):
+            return [comm.exchange([ks[rank], vs[rank]], [2, 2], shard_sizes=sizes) for _ in range(3)]
+        results = coord.run(job)
+    for per_call in results:
+        for k_full, v_full in per_call:
+            assert torch.equal(k_full, torch.cat(ks, 2)) and torch.equal(v_full, torch.cat(vs, 2))
+
+
+def test_a_shard_plan_that_does_not_fit_fails_on_every_rank(backend):
+    ks = h3_layout_shards(2, 9)
+    with coordinator(backend, 2) as coord:
+        with pytest.raises(ValueError, match=r"but shard_sizes \[5, 4\] gives it [45]; pass the shard plan"):
+            coord.run(lambda rank, comm: comm.exchange([ks[rank]], 2, shard_sizes=[5, 4]))
+        wrong = [[4, 5], [5, 4]]  # each rank's own rows fit, but the ranks disagree
+
+        def job(rank, comm):
+            return comm.exchange([torch.zeros(1, 2, wrong[rank][rank], 3)], 2, shard_sizes=wrong[rank])
+        with pytest.raises(CollectiveError, match="shard_sizes disagree"):
+            coord.run(job)
+
+
+def count_host_syncs_and_barriers(coord, monkeypatch):
+    """Counters of device synchronizations and coordinator barriers, per rank."""
+    from comfy.multidevice.comm import ctypes_lib, group
+
+    syncs = [0] * coord.world_size
+    barriers = [0] * coord.world_size
+    by_thread = {}  # rank thread -> rank
+    coord.run(lambda rank, comm: by_thread.__setitem__(threading.get_ident(), rank))
+
+    def counted_sync(real):
+        def sync(device):
+            syncs[by_thread[threading.get_ident()]] += 1
+            return real(device)
+        return sync
+
+    for module in (ctypes_lib, group):
+        monkeypatch.setattr(module, "synchronize", counted_sync(module.synchronize))
+    real_wait = coord._barrier.wait
+
+    def wait(rank, what="collective"):
+        barriers[rank] += 1
+        return real_wait(rank, what)
+    monkeypatch.setattr(coord._barrier, "wait", wait)
+    return syncs, barriers
+
+
+def test_one_host_sync_and_one_barrier_per_exchange_with_the_plan(backend, monkeypatch):
+    """K and V go back to back and are waited on once; with the shard plan the ranks meet once."""
+    world, blocks = 3, 4
+    ks = h3_layout_shards(world, 11)
+    sizes = [k.shape[2] for k in ks]
+    with coordinator(backend, world) as coord:
+        syncs, barriers = count_host_syncs_and_barriers(coord, monkeypatch)
+
+        def job(rank, comm):
+            for _ in range(blocks):
+                comm.exchange([ks[rank], ks[rank]], [2, 2], shard_sizes=sizes)
+        coord.run(job)
+    assert barriers == [blocks] * world  # one meeting per exchange
+    assert syncs == [blocks] * world  # one wait per exchange, for K and V together

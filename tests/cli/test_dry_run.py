@@ -276,3 +276,24 @@ def test_a_forced_backend_from_the_variable_that_cannot_start_names_the_variable
 def argparse_namespace(**values):
     import argparse
     return argparse.Namespace(**values)
+
+
+def test_intra_op_threads_are_set_inside_every_rank_thread():
+    """torch.set_num_threads is per thread: set on the main thread it never reaches rank threads
+    that already exist, which would then each run all the cores' threads (oversubscribed)."""
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+
+    main_threads = torch.get_num_threads()
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="peer") as coord:
+        try:
+            minimax_h3_dry_run._set_rank_threads(coord, 1)
+            assert coord.run(lambda rank, comm: torch.get_num_threads()) == [1, 1, 1]
+            assert torch.get_num_threads() == main_threads  # the reference keeps every core
+        finally:
+            torch.set_num_threads(main_threads)  # MKL's setting is global: the caller's again
+
+
+def test_report_says_what_the_speedup_compares():
+    text = minimax_h3_dry_run.speedup_baseline(["cpu"] * 4, 16)
+    assert "4 CPU ranks sharing 16 cores" in text and "all 16 cores" in text and "not a scaling" in text
+    assert minimax_h3_dry_run.speedup_baseline(["cuda:0", "cuda:1"], None).startswith("2 ranks vs")

@@ -157,7 +157,7 @@ def test_ranks_in_different_collectives_fail_clearly(backend, calls):
 
 
 @pytest.mark.parametrize("library", ["hccl", "nccl"])
-@pytest.mark.parametrize("collective", ["exchange", "all_reduce", "all_to_all_v"])
+@pytest.mark.parametrize("collective", ["exchange", "exchange with the shard plan", "all_reduce", "all_to_all_v"])
 def test_rank_failing_to_allocate_never_strands_the_others_in_the_library(
         library, collective, monkeypatch, fake_hccl_path, fake_nccl_path):
     # Out of memory on one card after the shapes are known: the other ranks must not enter
@@ -167,16 +167,18 @@ def test_rank_failing_to_allocate_never_strands_the_others_in_the_library(
     with SequenceParallelCoordinator(["cpu"] * 3, backend=library, timeout_s=60) as coord:
         real_empty = coord.backend._empty
 
-        def empty(numel, dtype, device):
+        def empty(numel, dtype, device, *workspace):
             if threading.current_thread().name == "sp-rank-1":
                 raise RuntimeError("rank 1 is out of device memory")
-            return real_empty(numel, dtype, device)
+            return real_empty(numel, dtype, device, *workspace)
         monkeypatch.setattr(coord.backend, "_empty", empty)
 
         def job(rank, comm):
             x = torch.ones(3, 2)
             if collective == "exchange":
                 return comm.exchange([x], 0)
+            if collective == "exchange with the shard plan":  # buffers made before the ranks meet
+                return comm.exchange([x], 0, shard_sizes=[3, 3, 3])
             if collective == "all_reduce":
                 return comm.all_reduce(x)
             return comm.all_to_all_v(x, [1, 1, 1], 0)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from comfy.multidevice.comm.torch_dist import (TorchrunEnvError, dist_backend_for, launched_by_torchrun, read_torchrun_env)
-from tests.collective_cases import make_shards
+from tests.collective_cases import h3_layout_shards, make_shards
 from tests.rank_processes import payloads, run_rank_processes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -55,6 +55,19 @@ def exactness_worker(comm):
             want = [torch.cat(a, dim), torch.cat(b, 0), torch.cat(c, 2)]
             verdicts[f"exchange {dtype} dim {dim}"] = all(
                 g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+    # H3's K/V layout with the shard plan: the shapes travel once, later calls move only data
+    ks = h3_layout_shards(W, 11)
+    sizes = [k.shape[2] for k in ks]
+    rounds = []
+    real_gather_metas = comm._gather_metas
+    comm._gather_metas = lambda *a: (rounds.append(a[1]), real_gather_metas(*a))[1]
+    try:
+        got = [comm.exchange([ks[r], 2 * ks[r]], [2, 2], shard_sizes=sizes) for _ in range(3)]
+    finally:
+        comm._gather_metas = real_gather_metas
+    verdicts["exchange with the shard plan equals cat"] = all(
+        torch.equal(k, torch.cat(ks, 2)) and torch.equal(v, 2 * torch.cat(ks, 2)) for k, v in got)
+    verdicts["exchange with the shard plan: one shape round in three calls"] = rounds == ["exchange"]
     empty = [torch.zeros(0, 4) if k == 0 else torch.full((k, 4), float(k)) for k in range(W)]
     verdicts["exchange with an empty shard"] = torch.equal(comm.exchange([empty[r]], 0)[0], torch.cat(empty))
     # all_to_all_v: rank i sends (i + j) % 3 rows to rank j.
@@ -172,7 +185,7 @@ def check_exactness(results, world):
         assert res["backend"] == "gloo" and res["world"] == world
         failed = [name for name, ok in res["verdicts"].items() if not ok]
         assert not failed, f"rank {res['rank']}: {failed}"
-        assert len(res["verdicts"]) == 3 * 3 + 8
+        assert len(res["verdicts"]) == 3 * 3 + 10
         # Every rank holds the same all-reduce bits.
         assert res["sum_digest"] == first["sum_digest"] and res["bf16_digest"] == first["bf16_digest"]
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from comfy.multidevice.sp.cost_model import (DiTShape, attention_traffic, choose_sp_mode, forward_flops, forward_traffic, ulysses_degree)
-from comfy.multidevice.sp.plan import shard_sizes
+from comfy.multidevice.sp.cost_model import (DiTShape, attention_traffic, choose_sp_mode, final_layer_traffic,
+                                             forward_flops, forward_traffic, h3_targets,
+                                             hidden_gather_traffic, Traffic, ulysses_degree)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,13 +75,32 @@ def test_flops_of_h3_are_mostly_attention_at_15_seconds():
     assert 0.79 < flops["attention"] / flops["total"] < 0.81  # docs/ARCHITECTURE.md: ~80%
 
 
-def test_forward_traffic_adds_the_final_gather():
-    shape = DiTShape(hidden=10, blocks=3, heads=2, head_dim=4, ffn=8)
-    t = forward_traffic("allgather", shape, 7, 2, 1, itemsize=4)
-    own = shard_sizes(7, 2)[1]
-    assert t["final_gather"].received == (7 - own) * 10 * 4
+def test_forward_traffic_adds_the_rank_local_final_rows():
+    shape = DiTShape(hidden=10, blocks=3, heads=2, head_dim=4, ffn=8, video_out=6, audio_out=2)
+    targets = h3_targets(shape, 7, video_rows=3, audio_rows=2)  # rows 2..4 audio, 4..7 video
+    assert targets == ((4, 7, 6), (2, 4, 2))
+    t = forward_traffic("allgather", shape, 7, 2, 1, targets, itemsize=4)  # rank 1 owns rows 3..7
+    assert t["final_gather"] == Traffic(sent=(3 * 6 + 1 * 2) * 4, received=0)  # all to rank 0
+    assert forward_traffic("allgather", shape, 7, 2, 0, targets, itemsize=4)["final_gather"] == \
+        Traffic(sent=0, received=(3 * 6 + 1 * 2) * 4)
+    everyone = forward_traffic("allgather", shape, 7, 2, 1, targets, itemsize=4, final_rows_to="all")
+    assert everyone["final_gather"] == Traffic(sent=(3 * 6 + 1 * 2) * 4, received=1 * 2 * 4)
     assert t["total"].received == t["attention"].received + t["final_gather"].received
     assert t["attention"].received == 3 * attention_traffic("allgather", 7, 2, 1, 2, 4, 4).received
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_final_rows_are_at_least_forty_times_fewer_bytes_than_the_hidden_gather_at_h3_width(world):
+    """15 s at 768p: 107,856 video and 1,206 audio rows behind ~890 text rows (bf16 hidden)."""
+    shape, video, audio = DiTShape(), 107_856, 1_206
+    seq = video + audio + 890
+    targets = h3_targets(shape, seq, video, audio)
+    new = sum(final_layer_traffic(targets, seq, world, r).received for r in range(world))
+    old = sum(hidden_gather_traffic(shape, seq, world, r).received for r in range(world))
+    assert new * 40 <= old
+    assert new == (world - 1) * 0 + sum(  # rank 0 receives every other rank's projected rows
+        max(0, min(b, seq * (r + 1) // world) - max(a, seq * r // world)) * c * 4
+        for a, b, c in targets for r in range(1, world))
 
 
 def test_projection_prints_json_last_and_writes_the_plot(tmp_path):
@@ -103,3 +123,19 @@ def test_projection_prints_json_last_and_writes_the_plot(tmp_path):
     from PIL import Image
     with Image.open(plot) as image:
         assert image.format == "PNG" and image.size[0] > 400
+
+
+def test_projection_is_calibrated_on_published_points_and_carries_its_error(tmp_path):
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "project_h3.py"), "--plot", str(tmp_path / "p.png")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    calibration = result["calibration"]
+    sources = {p["source"] for p in calibration["points"]}
+    assert sources == {"seed-910b-4npu", "vllm-omni-h20", "sglang-mi300x"}
+    assert calibration["max_abs_error"] == max(abs(p["error"]) for p in calibration["points"])
+    assert all("error" in line for line in run.stderr.splitlines() if line.startswith("  seed-910b"))
+    for modes in result["calibrated_projection_768p_15s"].values():
+        for mode in modes.values():
+            low, high = mode["speedup_band"]["8"]
+            assert low < mode["speedup"]["8"] < high <= 8

@@ -162,7 +162,7 @@ def test_text_refiner_attention_is_not_exchanged(model32):
     """Per rank and forward: one K/V exchange per DiT block plus the final gather, nothing else."""
     _, sp = run_sp(model32, 2, "peer", "plain")
     for traffic in sp.fan_out.last_traffic:
-        assert traffic["calls"] == TINY.num_layers + 1
+        assert traffic["calls"] == TINY.num_layers + 2  # + the video and audio output rows
     assert TINY.token_refiner_num_layers > 0  # the refiner ran its attention, unexchanged
 
 
@@ -244,8 +244,8 @@ class MinimalComm:
         self._comm = comm
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
 
-    def exchange(self, tensors, cat_dims):
-        return self._comm.exchange(tensors, cat_dims)
+    def exchange(self, tensors, cat_dims, shard_sizes=None, workspace=None):
+        return self._comm.exchange(tensors, cat_dims, shard_sizes, workspace)
 
     def all_reduce(self, tensor, op="sum"):
         return self._comm.all_reduce(tensor, op)
@@ -413,7 +413,9 @@ def test_rank_set_up_is_made_once_and_reused_by_every_forward(model32, reference
             seen.append([(id(s), id(s.strategy), id(s.exchanging), id(s._table)) for s in sp.fan_out.last_rank_states])
     assert seen[0] == seen[1] == seen[2]  # the same objects on every forward
     assert len(checks) == world  # once per rank's model, at its first forward
-    assert sorted(slices) == sorted(list(range(world)) * forwards)  # once per rank and forward
+    # once per rank and forward for the blocks (not once per block), plus the final layer's
+    # video and audio spans
+    assert sorted(slices) == sorted(list(range(world)) * forwards * (1 + 2))
 
 
 def test_auto_decides_and_logs_once_over_many_forwards(model32, caplog):
@@ -636,3 +638,16 @@ def test_fun_controlnet_runs_exactly_under_sp(model32, references, world):
             out = sp(x, t, ctx, transformer_options=options, **kw)
     assert rel_diff(out, reference) <= FP32_TOL
     assert not hasattr(control, "stream")  # the shared patch object was never used for rank state
+
+
+def test_final_layer_runs_rank_local_and_only_projected_rows_reach_rank_0(model32, references):
+    """The last block keeps each rank's rows; the final layer's output rows go to rank 0 alone,
+    and every replica's final layer is its plain class forward again afterwards."""
+    out, sp = run_sp(model32, 3, "peer", "masked")  # per-token modulation rows cut by shard edges
+    assert rel_diff(out, references["masked"]) <= FP32_TOL
+    received = [t["received"] for t in sp.fan_out.last_traffic]
+    exchanges = sp.coordinator.byte_counts()
+    assert all("all_to_all_v" in c["by_op"] for c in exchanges)
+    assert all(exchanges[r]["by_op"]["all_to_all_v"]["received"] == 0 for r in (1, 2))
+    assert exchanges[0]["by_op"]["all_to_all_v"]["received"] > 0 and received[0] > received[1]
+    assert all("forward" not in vars(m.final_layer) for m in sp.models)

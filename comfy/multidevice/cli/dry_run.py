@@ -67,7 +67,7 @@ REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_
                "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
                "weights_source", "checkpoint_bytes_read", "out", "sp_overlap", "sp_mode_used",
                "byte_counts", "model_bytes_per_step", "dit_weights", "dit_weight_bytes_per_rank",
-               "dit_gathered_bytes_per_step")
+               "dit_gathered_bytes_per_step", "speedup_baseline")
 
 
 class DryRunError(ValueError):
@@ -385,19 +385,28 @@ class Progress:
 def euler_sample(forward: Callable, x: list[torch.Tensor], context, kwargs: dict, sigmas: torch.Tensor,
                  progress: Progress, after_step: Callable[[], None] | None = None) -> tuple[list, list[float]]:
     """x_{i+1} = x_i + (sigma_{i+1} - sigma_i) * v(x_i, sigma_i); returns (latents, step seconds)."""
-    x = [z.clone() for z in x]
-    seconds = []
+    return sample_side_by_side([(forward, x, context, kwargs, after_step)], sigmas, progress)[0]
+
+
+def sample_side_by_side(runs, sigmas: torch.Tensor, progress: Progress) -> list[tuple[list, list[float]]]:
+    """Euler-sample several (forward, x, context, kwargs, after_step) runs, step i of each right
+    after step i of the one before, so their step times share the machine's load of the moment
+    (a ratio of them is fair on a busy machine); returns (latents, step seconds) per run."""
+    states = [[z.clone() for z in run[1]] for run in runs]
+    seconds: list[list[float]] = [[] for _ in runs]
     progress.update(0)
     for i in range(len(sigmas) - 1):
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            v = forward(x, (sigmas[i] * 1000.0).reshape(1).to(x[0].device), context, **kwargs)
-        x = [z + (sigmas[i + 1] - sigmas[i]) * d.to(z.device, z.dtype) for z, d in zip(x, v)]
-        seconds.append(time.perf_counter() - t0)
-        if after_step is not None:
-            after_step()
+        for r, (forward, _, context, kwargs, after_step) in enumerate(runs):
+            x = states[r]
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                v = forward(x, (sigmas[i] * 1000.0).reshape(1).to(x[0].device), context, **kwargs)
+            states[r] = [z + (sigmas[i + 1] - sigmas[i]) * d.to(z.device, z.dtype) for z, d in zip(x, v)]
+            seconds[r].append(time.perf_counter() - t0)
+            if after_step is not None:
+                after_step()
         progress.update(i + 1)
-    return x, seconds
+    return list(zip(states, seconds))
 
 
 def _cpu_threads_per_rank(devices: list[str]) -> int | None:
@@ -405,6 +414,21 @@ def _cpu_threads_per_rank(devices: list[str]) -> int | None:
     if any(not d.startswith("cpu") for d in devices):
         return None
     return max(1, (os.cpu_count() or 1) // len(devices))
+
+
+def _set_rank_threads(coord, threads: int) -> None:
+    """Intra-op threads of every rank thread. The setting is per thread (OpenMP): set on the
+    main thread it never reaches the rank threads, which then each run all the cores' worth."""
+    coord.run(lambda rank, comm: torch.set_num_threads(threads))
+
+
+def speedup_baseline(devices: list[str], reference_threads: int | None) -> str:
+    """What `speedup` compares, in words for the report."""
+    if reference_threads is None:
+        return f"{len(devices)} ranks vs the same forward on one device ({devices[0]})"
+    return (f"{len(devices)} CPU ranks sharing {reference_threads} cores vs one device using all "
+            f"{reference_threads} cores: on CPU the ranks split the same cores, so ~1.0 means no "
+            "parallel overhead, not a scaling figure (that needs one accelerator per rank)")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -463,20 +487,43 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap),
                                       dit_weights=args.dit_weights)
         exchanged = []
-        if per_rank_threads is not None:
-            torch.set_num_threads(per_rank_threads)
-        try:
-            latents, seconds = euler_sample(
-                sp, x, context, kwargs, sigmas, Progress(f"sampling on {world} rank(s)", args.steps,
-                                                          not args.no_progress),
-                after_step=lambda: exchanged.append(sp.bytes_exchanged_last_forward()))
-        finally:
+
+        # torch.set_num_threads is per thread for OpenMP but global for MKL: each run sets its
+        # threads right before its forward (the ranks cores / W each, the reference all cores)
+        def sp_forward(*a, **kw):
+            if per_rank_threads is not None:
+                _set_rank_threads(coord, per_rank_threads)
+            return sp(*a, **kw)
+
+        def reference_forward(*a, **kw):
             torch.set_num_threads(threads_before)
+            return reference(*a, **kw)
+
+        runs = [(sp_forward, x, context, kwargs, lambda: exchanged.append(sp.bytes_exchanged_last_forward()))]
+        ref_dev = settings.devices[0]
+        if not args.no_reference:
+            # One device with all the cores, stepped right after each SP step; the rank threads
+            # wait on their queues meanwhile, using no core.
+            runs.append((reference_forward, [z.to(ref_dev) for z in x], context.to(ref_dev),
+                         copy_for_rank(kwargs, torch.device(ref_dev)), None))
+        what = f"sampling on {world} rank(s)" + ("" if args.no_reference else " and on 1 device, step by step")
+        try:
+            if not args.no_reference:  # one untimed forward each: allocator and pools warm alike
+                for forward, z, c, kw, _ in runs:
+                    with torch.inference_mode():
+                        forward(z, (sigmas[0] * 1000.0).reshape(1).to(z[0].device), c, **kw)
+                coord.reset_byte_counts()
+            # block weights gathered before the timed steps (the warm-up forward) are not counted
+            gathered_before = list(sp.block_weights.gathered_bytes) if args.dit_weights == "shard" else None
+            sampled = sample_side_by_side(runs, sigmas, Progress(what, args.steps, not args.no_progress))
+        finally:
             if args.dit_weights == "shard":
                 sp.close()  # the prefetch lane's rank threads
+        latents, seconds = sampled[0]
         if sp.tokens_per_rank() != tokens_per_rank:
             raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
         byte_counts = coord.byte_counts()  # per rank, the whole sampling
+    torch.set_num_threads(threads_before)  # the caller's setting again (MKL's is global)
     sp_seconds = _steady(seconds)
     bytes_per_step = max(exchanged) if exchanged else 0
     say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
@@ -484,7 +531,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     dit_bytes = [sum(t.nbytes for t in m.state_dict().values()) for m in replicas]
     gathered = [0] * world
     if args.dit_weights == "shard":
-        gathered = [b // args.steps for b in sp.block_weights.gathered_bytes]
+        gathered = [(b - b0) // args.steps for b, b0 in zip(sp.block_weights.gathered_bytes, gathered_before)]
         say(f"[weights] shard: DiT MiB per rank between blocks {[round(b / 2 ** 20, 2) for b in dit_bytes]}, "
             f"block weights gathered per rank and step {[round(b / 2 ** 20, 2) for b in gathered]} MiB")
     mode_used, model_bytes = _traffic_model(settings, seq_len, world)
@@ -493,13 +540,12 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         f"(byte model: {model_bytes / 2 ** 20:.2f} MiB in all ranks per step)")
 
     ref_latents, ref_seconds = None, None
+    reference_threads = threads_before if ref_dev.startswith("cpu") else None
     if not args.no_reference:
-        ref_dev = settings.devices[0]
-        ref_latents, rs = euler_sample(
-            reference, [z.to(ref_dev) for z in x], context.to(ref_dev), copy_for_rank(kwargs, torch.device(ref_dev)), sigmas,
-            Progress("reference on 1 device", args.steps, not args.no_progress))
+        ref_latents, rs = sampled[1]
         ref_seconds = _steady(rs)
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
+        say(f"[speedup] {ref_seconds / sp_seconds:.2f}x = " + speedup_baseline(settings.devices, reference_threads))
 
     report = {
         "world_size": world, "backend": backend, "sp_mode": args.sp_mode, "devices": settings.devices,
@@ -510,7 +556,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         "speedup": None if ref_seconds is None else round(ref_seconds / sp_seconds, 4),
         "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
         "cpu_threads_per_rank": per_rank_threads,
-        "reference_cpu_threads": threads_before if settings.devices[0].startswith("cpu") else None,
+        "reference_cpu_threads": reference_threads,
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": built.source,
         "checkpoint_bytes_read": built.bytes_read,
         "out": str(args.out),
@@ -518,6 +564,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         "model_bytes_per_step": model_bytes, "dit_weights": args.dit_weights,
         # DiT bytes each rank's module holds between blocks (on a card: resident there)
         "dit_weight_bytes_per_rank": dit_bytes, "dit_gathered_bytes_per_step": gathered,
+        "speedup_baseline": speedup_baseline(settings.devices, reference_threads),
     }
     if ref_latents is not None:
         diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
@@ -536,15 +583,18 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
 
 def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str, int]:
     """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
-    from comfy.multidevice.sp.cost_model import DiTShape, choose_sp_mode, forward_traffic
+    from comfy.multidevice.sp.cost_model import DiTShape, choose_sp_mode, forward_traffic, h3_targets
     cfg = settings.config
     mode = settings.args.sp_mode
     if mode == "auto":
         mode = choose_sp_mode(world, cfg.num_attention_heads, cfg.attention_head_dim)
     shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=cfg.num_attention_heads,
-                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size)
+                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size,
+                     video_out=cfg.video_patch_dim, audio_out=cfg.audio_latents_dim)
+    rows = latent_rows(settings)
+    targets = h3_targets(shape, seq_len, rows["video"], rows["audio"])
     itemsize = settings.dtype.itemsize
-    total = sum(forward_traffic(mode, shape, seq_len, world, r, itemsize)["total"].received
+    total = sum(forward_traffic(mode, shape, seq_len, world, r, targets, itemsize)["total"].received
                 for r in range(world))
     return mode, total
 

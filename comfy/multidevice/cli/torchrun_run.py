@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -139,6 +140,13 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
                                                      block_weights=block_weights))
         return replica(latents, timestep, text, transformer_options=options, **kw)
 
+    # The processes of one machine share its cores: each takes its share while they sample
+    # together; the lead's reference then runs alone with all of them.
+    all_threads = torch.get_num_threads()
+    if device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    rank_threads = torch.get_num_threads()
     received = []
     before = [comm.byte_counts()["received"]]
 
@@ -166,8 +174,9 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
         "max_abs_diff": None, "rel_diff": None, "tolerance": settings.tolerance, "parity": "skipped",
         "seconds_per_step": round(sp_seconds, 6), "reference_seconds_per_step": None, "speedup": None,
         "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
-        "cpu_threads_per_rank": torch.get_num_threads() if device.type == "cpu" else None,
-        "reference_cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "cpu_threads_per_rank": rank_threads if device.type == "cpu" else None,
+        "reference_cpu_threads": all_threads if device.type == "cpu" else None,
+        "speedup_baseline": dry.speedup_baseline(devices, all_threads if device.type == "cpu" else None),
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": weights_source,
         "out": str(args.out), "launcher": "torchrun", "dit_weights": args.dit_weights,
         "dit_weight_bytes_per_rank": _per_rank(comm, sum(t.nbytes for t in replica.state_dict().values())),
@@ -179,6 +188,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     failed = 0.0
     ref_latents = None
     if lead and not args.no_reference:  # the others wait in the all_reduce below
+        torch.set_num_threads(all_threads)
         ref_latents, rs = dry.euler_sample(
             reference, x, context, kwargs, sigmas, dry.Progress("reference on 1 device", args.steps,
                                                               not args.no_progress))

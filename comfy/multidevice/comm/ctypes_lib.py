@@ -6,7 +6,7 @@
   found, how a non-zero result becomes a `CollectiveLibraryError` with its text.
 - `FlatCollectiveBackend`: turns the coordinator's all-gather-V and all-reduce into
   calls on flat device buffers, issued by each rank thread on its device's current
-  stream, synchronized before the results are used. Subclasses supply the library
+  stream, back to back, synchronized once before the results are used. Subclasses supply the library
   calls (`_all_gather_v_flat`, `_all_reduce_flat`, and optionally `_all_to_all_v_flat`
   with `has_all_to_all_v` true; without it the coordinator emulates all-to-all).
 - `CommunicatorBackend`: a `FlatCollectiveBackend` with one library communicator per
@@ -24,8 +24,8 @@ from typing import Any, Sequence
 import torch
 
 from comfy.multidevice.comm.types import (BackendUnavailable, chunk_shape, CollectiveError,
-                                          concat_received, displacements, numel, pack_chunks,
-                                          unflatten_gathered)
+                                          displacements, numel, pack_chunks, scratch, sequence_major,
+                                          unflatten_gathered, unpack_received)
 from comfy.multidevice.devices import current_stream_handle, synchronize
 
 log = logging.getLogger(__name__)
@@ -183,52 +183,62 @@ class FlatCollectiveBackend:
         """
         self.coordinator.barrier(rank, f"{what} (buffers ready)")
 
-    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None):
         device = self.coordinator.devices[rank]
         world = len(splits)
         plans = []
         for t, tensor in enumerate(tensors):
-            send = pack_chunks(tensor, splits[rank], split_dim)
+            send = pack_chunks(tensor, splits[rank], split_dim, workspace, ("send", t))  # one copy at most
             send_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
             send_displs = displacements(send_counts)
             recv_shapes = [chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
                            for src in range(world)]
             recv_counts = [numel(shape) for shape in recv_shapes]
             recv_displs = displacements(recv_counts)
-            recv = self._empty(sum(recv_counts), send.dtype, device)
+            recv = self._empty(sum(recv_counts), send.dtype, device, workspace, ("recv", t))
             plans.append((send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv))
         self._buffers_ready(rank, "all_to_all_v")
-        out = []
-        for send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv in plans:
+        keepalive = []
+        for send, send_counts, send_displs, _, recv_counts, recv_displs, recv in plans:
             stream = current_stream_handle(device)  # read right before the call
-            keepalive = self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs,
-                                                recv_counts, recv_displs, stream)
-            synchronize(device)
-            del keepalive
-            parts = [recv.narrow(0, d, c).view(shape)
-                     for shape, c, d in zip(recv_shapes, recv_counts, recv_displs)]
-            out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
-        return out
+            keepalive.append(self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs,
+                                                     recv_counts, recv_displs, stream))
+        synchronize(device)  # once: the calls are ordered on the stream, back to back
+        del keepalive
+        sizes = [s[rank] for s in splits]
+        return [unpack_received(recv, recv_shapes, sizes, cat_dim)
+                for _, _, _, recv_shapes, _, _, recv in plans]
 
-    def all_gather_v(self, rank, tensors, dims, metas, slot):
+    def prepare_all_gather_v(self, rank, tensors, dims, metas, workspace=None):
+        """The send and receive buffers of an all-gather-V, made before any library call (a
+        rank that cannot allocate fails while the others can still be cancelled)."""
         device = self.coordinator.devices[rank]
         plans = []
         for i, dim in enumerate(dims):
             shard_metas = [m[i] for m in metas]
             counts = [numel(m.shape) for m in shard_metas]
             displs = displacements(counts)
-            send = tensors[i].contiguous()  # the library reads one dense buffer
-            recv = self._empty(sum(counts), send.dtype, device)
+            send = sequence_major(tensors[i], dim, workspace, ("send", i))  # the library reads one dense buffer
+            recv = self._empty(sum(counts), send.dtype, device, workspace, ("recv", i))
             plans.append((dim, shard_metas, counts, displs, send, recv))
-        self._buffers_ready(rank, "exchange")
-        out = []
+        return plans
+
+    def all_gather_v(self, rank, tensors, dims, metas, slot, prepared=None, workspace=None):
+        """`prepared`: the buffers from `prepare_all_gather_v`, made before the ranks met (the
+        coordinator knew the shapes from the shard plan): then no second barrier is needed."""
+        device = self.coordinator.devices[rank]
+        plans = prepared
+        if plans is None:
+            plans = self.prepare_all_gather_v(rank, tensors, dims, metas, workspace)
+            self._buffers_ready(rank, "exchange")
+        keepalive = []
         for dim, shard_metas, counts, displs, send, recv in plans:
             stream = current_stream_handle(device)  # read right before the call
-            keepalive = self._all_gather_v_flat(rank, send, recv, counts, displs, stream)
-            synchronize(device)
-            del keepalive
-            out.append(unflatten_gathered(recv, shard_metas, counts, displs, dim))
-        return out
+            keepalive.append(self._all_gather_v_flat(rank, send, recv, counts, displs, stream))
+        synchronize(device)  # once for all tensors: K and V go back to back on the stream
+        del keepalive
+        return [unflatten_gathered(recv, shard_metas, counts, displs, dim)
+                for dim, shard_metas, counts, displs, send, recv in plans]
 
     def all_reduce(self, rank, tensor, op, slot):
         device = self.coordinator.devices[rank]
@@ -241,9 +251,10 @@ class FlatCollectiveBackend:
         return recv
 
     @staticmethod
-    def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _empty(numel: int, dtype: torch.dtype, device: torch.device, workspace: dict | None = None,
+               key=None) -> torch.Tensor:
         """A receive buffer (a method so tests can make one rank's allocation fail)."""
-        return torch.empty(numel, dtype=dtype, device=device)
+        return scratch(workspace, key, numel, dtype, device)
 
     def close(self):
         pass

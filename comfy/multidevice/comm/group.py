@@ -2,7 +2,7 @@
 
 One process drives W devices ("ranks"), one persistent worker thread per rank.
 Collectives (`exchange` = all-gather-V, `all_to_all_v`, `all_reduce`) go through a backend:
-  peer  - shared slots + barrier + tensor.to(device) + torch.cat (always works)
+  peer  - shared slots + barrier + each shard copied once into the output (always works)
   hccl  - libhccl.so through ctypes (hccl.py)
   nccl  - libnccl.so.2 through ctypes (nccl.py)
   auto  - hccl on NPUs, nccl on CUDA, peer on CPU; falls back to peer with one warning.
@@ -36,7 +36,8 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           check_all_reduce_metadata, check_all_to_all_metadata,
                                           check_exchange_metadata, chunk_shape, CollectiveAborted,
                                           CollectiveError, CollectiveTimeout, concat_received,
-                                          exchange_traffic, normalize_dims, numel, pack_chunks, ShardMeta,
+                                          exchange_traffic, normalize_dims, numel, pack_chunks,
+                                          planned_metas, ShardMeta,
                                           TrafficCounter, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
@@ -109,11 +110,11 @@ class RankComm:
         self.world_size = coordinator.world_size
         self.device = coordinator.devices[rank]
 
-    def exchange(self, tensors, cat_dims):
-        return self.coordinator.exchange(self.rank, tensors, cat_dims)
+    def exchange(self, tensors, cat_dims, shard_sizes=None, workspace=None):
+        return self.coordinator.exchange(self.rank, tensors, cat_dims, shard_sizes, workspace)
 
-    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None):
-        return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim)
+    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None, workspace=None):
+        return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim, workspace)
 
     def all_reduce(self, tensor, op="sum"):
         return self.coordinator.all_reduce(self.rank, tensor, op)
@@ -378,24 +379,41 @@ class SequenceParallelCoordinator:
         return meta_slot, data_slot
 
     def exchange(self, rank: int, tensors: Sequence[torch.Tensor],
-                 cat_dims: int | Sequence[int]) -> list[torch.Tensor]:
-        """All-gather-V: return, per tensor, the concat of every rank's shard along its cat dim."""
+                 cat_dims: int | Sequence[int], shard_sizes: Sequence[int] | None = None,
+                 workspace: dict | None = None) -> list[torch.Tensor]:
+        """All-gather-V: return, per tensor, the concat of every rank's shard along its cat dim
+        (a view in the layout the backend gathered into; not contiguous when the cat dim is not
+        the outermost). `shard_sizes`: every rank's length along the cat dims, from the shard
+        plan; then a library backend makes its buffers before the ranks meet and they meet once.
+        `workspace`: buffers the backend may keep for this call site (see `Communicator`).
+        """
         tensors = list(tensors)
         dims = normalize_dims(tensors, cat_dims)
         if self.world_size == 1:
             return tensors
-        meta_slot, data_slot = self._enter(
-            rank, "exchange", [ShardMeta(tuple(t.shape), t.dtype) for t in tensors], tensors)
-        metas = list(meta_slot)
+        mine = [ShardMeta(tuple(t.shape), t.dtype) for t in tensors]
+        planned = prepared = None
+        if shard_sizes is not None:
+            planned = planned_metas(tensors, dims, shard_sizes, rank)  # ValueError before anything
+            prepared = self.backend.prepare_all_gather_v(rank, tensors, dims, planned, workspace)
+        # The plan travels with the shapes, so every rank checks every rank's against them.
+        meta_slot, data_slot = self._enter(rank, "exchange", (mine, planned), tensors)
+        metas = [m[0] for m in meta_slot]
         check_exchange_metadata(metas, dims)
-        out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot)
+        if any(m[1] != metas for m in meta_slot if m[1] is not None) or \
+                len({m[1] is None for m in meta_slot}) != 1:
+            raise CollectiveError(
+                "exchange: the ranks' shard_sizes disagree with each other or with the shapes they "
+                f"passed ({[tuple(m[0][0].shape) for m in meta_slot]}); every rank must pass the "
+                "same shard plan, or none")
+        out = self.backend.all_gather_v(rank, tensors, dims, metas, data_slot, prepared, workspace)
         sent, received = exchange_traffic(metas, rank)
         self._count(rank, "exchange", sent=sent, received=received)
         return out
 
     def all_to_all_v(self, rank: int, tensors: torch.Tensor | Sequence[torch.Tensor],
-                     send_splits: Sequence[int], split_dim: int,
-                     cat_dim: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+                     send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
+                     workspace: dict | None = None) -> torch.Tensor | list[torch.Tensor]:
         """All-to-all with per-rank sizes: split each tensor along `split_dim` into
         `send_splits[j]`-long chunks, send chunk j to rank j, and return the chunks this rank
         received, in source-rank order, concatenated along `cat_dim` (default `split_dim`).
@@ -416,7 +434,7 @@ class SequenceParallelCoordinator:
         check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
         if getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v")):
             out = self.backend.all_to_all_v(rank, tensors, metas, all_splits, split_dim, cat_dim,
-                                            data_slot)
+                                            data_slot, workspace)
         else:
             out = self._all_to_all_v_by_gather(rank, tensors, metas, all_splits, split_dim, cat_dim,
                                                data_slot)

@@ -197,6 +197,13 @@ class NcclBackend(CommunicatorBackend):
         itemsize = send.element_size()
         self.nccl.group_start()
         try:
+            if not any(c for p, c in enumerate(send_counts) if p != rank) and \
+                    not any(c for p, c in enumerate(recv_counts) if p != rank):
+                # Nothing to move (e.g. a rank with no rows in a gather to rank 0): a zero-size
+                # pair to itself keeps the group non-empty, a no-op for NCCL, and lets the
+                # test library (which meets every rank at each group end) see this rank.
+                self.nccl.send(send.data_ptr(), 0, dtype, rank, comm, stream)
+                self.nccl.recv(recv.data_ptr(), 0, dtype, rank, comm, stream)
             for peer in range(len(send_counts)):
                 # Zero counts are skipped on both sides alike (the peer knows our count).
                 if peer == rank:

@@ -1,4 +1,4 @@
-"""The peer-copy backend: shared slots, a barrier, a copy to the local device, a concat.
+"""The peer-copy backend: shared slots, a barrier, each shard copied once into the output.
 
 Works on every device kind (CPU included) and is the fallback of `auto`.
 """
@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from comfy.multidevice.comm.types import concat_received
+from comfy.multidevice.comm.types import concat_received, gathered_shape, numel, scratch
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,28 @@ class PeerCopyBackend:
     def __init__(self, coordinator):
         self.coordinator = coordinator
 
-    def all_gather_v(self, rank, tensors, dims, metas, slot):
+    def prepare_all_gather_v(self, rank, tensors, dims, metas, workspace=None):
+        return None  # nothing to allocate before the ranks meet: each rank reads the others'
+
+    def all_gather_v(self, rank, tensors, dims, metas, slot, prepared=None, workspace=None):
         device = self.coordinator.devices[rank]
         out = []
         for i, dim in enumerate(dims):
-            parts = [_on_device(shards[i], device) for shards in slot]
-            out.append(torch.cat(parts, dim=dim))
+            shards = [s[i] for s in slot]
+            shape = gathered_shape([m[i] for m in metas], dim)
+            # Sequence-major, like the library backends: each shard's rows are copied once,
+            # straight into their place (a row copy where a cat along an inner dim, e.g. H3's
+            # [1, H, S, D], would transpose; and no .to(device) before it on another device).
+            full = scratch(workspace, ("recv", i), numel(shape), shards[0].dtype, device).view(
+                shape[dim], *(n for d, n in enumerate(shape) if d != dim))
+            offset = 0
+            for t in shards:
+                full.narrow(0, offset, t.shape[dim]).copy_(t.movedim(dim, 0), non_blocking=True)
+                offset += t.shape[dim]
+            out.append(full.movedim(0, dim))
         return out
 
-    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None):
         device = self.coordinator.devices[rank]
         out = []
         for t in range(len(tensors)):

@@ -33,10 +33,10 @@ from comfy.multidevice.comm.settings import check_timeout, SettingError, timeout
 from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
                                           all_to_all_traffic, check_all_reduce_metadata,
                                           check_all_to_all_metadata, check_exchange_metadata,
-                                          chunk_shape, CollectiveError, concat_received,
-                                          displacements, exchange_traffic, normalize_dims, numel,
-                                          ShardMeta, TrafficCounter, unflatten_gathered,
-                                          VALID_REDUCE_OPS)
+                                          chunk_shape, CollectiveError, displacements,
+                                          exchange_traffic, normalize_dims, numel, pack_chunks,
+                                          planned_metas, scratch, sequence_major, ShardMeta, TrafficCounter,
+                                          unflatten_gathered, unpack_received, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, resolve_device,
                                        set_thread_device)
 
@@ -141,6 +141,7 @@ class DistributedComm:
         self.backend_name = str(dist.get_backend(group))
         self._owns_group = owns_group
         self._traffic = TrafficCounter()
+        self._verified_plans: set = set()  # exchange plans whose shapes every rank confirmed
         # gloo moves CPU tensors only; nccl/hccl move tensors of this rank's device.
         self._wire_device = torch.device("cpu") if self.backend_name == "gloo" else self.device
         # Equal-size all-gather into one tensor; renamed all_gather_single in torch 2.13.
@@ -151,28 +152,70 @@ class DistributedComm:
                 f"backend={self.backend_name})")
 
     # -- the RankComm interface
-    def exchange(self, tensors: Sequence[torch.Tensor], cat_dims) -> list[torch.Tensor]:
-        """All-gather-V: per tensor, the concat of every rank's shard along its cat dim."""
+    def exchange(self, tensors: Sequence[torch.Tensor], cat_dims,
+                 shard_sizes: Sequence[int] | None = None, workspace: dict | None = None) -> list[torch.Tensor]:
+        """All-gather-V: per tensor, the concat of every rank's shard along its cat dim (a view
+        of the sequence-major buffer it was gathered into).
+
+        `shard_sizes`: every rank's length along the cat dims, from a shard plan every rank
+        shares. The first call with a plan exchanges the shapes and checks them against it;
+        later calls with the same plan and shapes exchange none (no tiny collectives and no
+        device-to-host read per call). `workspace`: see `Communicator.exchange`."""
         tensors = list(tensors)
         dims = normalize_dims(tensors, cat_dims)
         if self.world_size == 1:
             return tensors
-        metas = self._gather_metas(tensors, "exchange")
-        check_exchange_metadata([m for m, _ in metas], dims)
-        out = []
+        metas = self._exchange_metas(tensors, dims, shard_sizes)
+        # Every tensor's collective is issued before any is awaited (K and V back to back).
+        pending = []
         for i, dim in enumerate(dims):
-            shard_metas = [m[i] for m, _ in metas]
+            shard_metas = [m[i] for m in metas]
             counts = [numel(m.shape) for m in shard_metas]
             displs = displacements(counts)
-            flat = self._all_gather_flat(tensors[i], counts, displs)
+            tensor = tensors[i].detach().to(self._wire_device)
+            send = sequence_major(tensor, dim, workspace, ("send", i))
+            flat = scratch(workspace, ("recv", i), sum(counts), tensor.dtype, self._wire_device)
+            works = self._issue_all_gather(send, flat, counts, displs)
+            pending.append((flat, works, shard_metas, counts, displs, dim))
+        out = []
+        for flat, works, shard_metas, counts, displs, dim in pending:
+            for work in works:
+                self._call("exchange", work.wait)
             out.append(unflatten_gathered(flat, shard_metas, counts, displs, dim).to(self.device))
-        sent, received = exchange_traffic([m for m, _ in metas], self.rank)
+        sent, received = exchange_traffic(metas, self.rank)
         self._count("exchange", sent=sent, received=received)
         return out
 
-    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None):
+    def _exchange_metas(self, tensors, dims, shard_sizes):
+        """Every rank's shard metadata of an exchange: gathered, or known from a verified plan."""
+        if shard_sizes is None:
+            metas = [m for m, _ in self._gather_metas(tensors, "exchange")]
+            check_exchange_metadata(metas, dims)
+            return metas
+        planned = planned_metas(tensors, dims, shard_sizes, self.rank)  # ValueError before anything
+        key = (tuple(planned[self.rank]), tuple(dims), tuple(int(n) for n in shard_sizes))
+        if key in self._verified_plans:
+            return planned
+        # The plan travels with the shapes, so every rank sees every rank's plan.
+        gathered = self._gather_metas(tensors, "exchange", [int(n) for n in shard_sizes])
+        metas = [m for m, _ in gathered]
+        check_exchange_metadata(metas, dims)
+        if any(tuple(p) != key[2] for _, p in gathered) or metas != planned:
+            raise CollectiveError(
+                f"rank {self.rank}/{self.world_size}: exchange shard_sizes disagree between the ranks "
+                f"({[list(p) for _, p in gathered]}) or with the shapes they passed "
+                f"({[tuple(m[0].shape) for m in metas]}); every rank must pass the same shard plan")
+        self._verified_plans.add(key)
+        return planned
+
+    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
+                     workspace: dict | None = None):
         """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
-        the chunks received are concatenated in source-rank order along cat_dim."""
+        the chunks received are concatenated in source-rank order along cat_dim.
+
+        One copy to pack each tensor (none when its chunks lie back to back), one to unpack
+        (none when cat_dim is 0: the received chunks then are the concat); every tensor's
+        collective is issued before any is awaited. `workspace`: see `Communicator.exchange`."""
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
@@ -180,19 +223,26 @@ class DistributedComm:
         metas = self._gather_metas(tensors, "all_to_all_v", splits)
         all_splits = [s for _, s in metas]
         check_all_to_all_metadata([m for m, _ in metas], all_splits, split_dim, cat_dim)
-        out = []
+        pending = []
         for t, tensor in enumerate(tensors):
-            chunks = list(torch.split(tensor, list(splits), dim=split_dim))
-            send = torch.cat([c.reshape(-1) for c in chunks]).to(self._wire_device)
+            wire = tensor.detach().to(self._wire_device)
+            send = pack_chunks(wire, splits, split_dim, workspace, ("send", t))
+            out_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits]
             in_shapes = [chunk_shape(metas[src][0][t].shape, split_dim, all_splits[src][self.rank])
                          for src in range(self.world_size)]
             in_counts = [numel(s) for s in in_shapes]
-            recv = torch.empty(sum(in_counts), dtype=tensor.dtype, device=self._wire_device)
-            self._call("all_to_all_v", self._dist.all_to_all_single, recv, send,
-                       output_split_sizes=in_counts, input_split_sizes=[c.numel() for c in chunks],
-                       group=self.group)
-            parts = [p.view(s) for p, s in zip(torch.split(recv, in_counts), in_shapes)]
-            out.append(concat_received(parts, [s[self.rank] for s in all_splits], cat_dim).to(self.device))
+            recv = scratch(workspace, ("recv", t), sum(in_counts), tensor.dtype, self._wire_device)
+            work = self._call("all_to_all_v", self._dist.all_to_all_single, recv, send,
+                              output_split_sizes=in_counts, input_split_sizes=out_counts,
+                              group=self.group, async_op=True)
+            pending.append((work, recv, in_shapes))
+        out = []
+        for t, (work, recv, in_shapes) in enumerate(pending):
+            self._call("all_to_all_v", work.wait)
+            unpacked = None if workspace is None or cat_dim == 0 else \
+                scratch(workspace, ("out", t), recv.numel(), recv.dtype, self._wire_device)
+            out.append(unpack_received(recv, in_shapes, [s[self.rank] for s in all_splits],
+                                       cat_dim, unpacked).to(self.device))
         sent, received = all_to_all_traffic([m for m, _ in metas], all_splits, split_dim, self.rank)
         self._count("all_to_all_v", sent=sent, received=received)
         return out[0] if single else out
@@ -279,22 +329,18 @@ class DistributedComm:
         rows = everyone.view(self.world_size, length).tolist()
         return [_decode_metas(row, len(tensors), len(splits)) for row in rows]
 
-    def _all_gather_flat(self, tensor: torch.Tensor, counts, displs) -> torch.Tensor:
-        send = tensor.detach().reshape(-1).to(self._wire_device)
-        flat = torch.empty(sum(counts), dtype=tensor.dtype, device=self._wire_device)
+    def _issue_all_gather(self, send: torch.Tensor, flat: torch.Tensor, counts, displs) -> list:
+        """Start gathering every rank's dense `send` into the flat buffer `flat`; the works."""
         if len(set(counts)) == 1:
-            self._call("exchange", self._all_gather_equal, flat, send.contiguous(),
-                       group=self.group)
-            return flat
-        flat.narrow(0, displs[self.rank], counts[self.rank]).copy_(send)
+            return [self._call("exchange", self._all_gather_equal, flat, send.view(-1),
+                               group=self.group, async_op=True)]
+        flat.narrow(0, displs[self.rank], counts[self.rank]).copy_(send.view(-1))
         works = []
         for root, (count, displ) in enumerate(zip(counts, displs)):
             if count:  # every rank skips the same empty shards
                 works.append(self._call("exchange", self._dist.broadcast, flat.narrow(0, displ, count),
                                         src=self._global_rank(root), group=self.group, async_op=True))
-        for work in works:
-            self._call("exchange", work.wait)
-        return flat
+        return works
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:

@@ -50,6 +50,31 @@ def gathered_shape(metas: Sequence[ShardMeta], dim: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def planned_metas(tensors: Sequence[torch.Tensor], dims: Sequence[int], shard_sizes: Sequence[int],
+                  rank: int) -> list[list[ShardMeta]]:
+    """Every rank's shard metadata of an all-gather-V whose lengths along the cat dims a shard
+    plan fixes (`shard_sizes[r]` rows on rank r; the other dims are this rank's): known
+    without asking the others. Raises ValueError when this rank's own tensors disagree."""
+    sizes = [int(n) for n in shard_sizes]
+    if not 0 <= rank < len(sizes) or any(n < 0 for n in sizes):
+        raise ValueError(f"exchange shard_sizes {sizes} must give every rank's length (rank {rank})")
+    for t, dim in zip(tensors, dims):
+        if t.shape[dim] != sizes[rank]:
+            raise ValueError(
+                f"exchange: rank {rank}'s tensor of shape {tuple(t.shape)} has {t.shape[dim]} rows "
+                f"along dim {dim}, but shard_sizes {sizes} gives it {sizes[rank]}; pass the shard "
+                "plan the tensors were cut by")
+    out = []
+    for n in sizes:
+        metas = []
+        for t, dim in zip(tensors, dims):
+            shape = list(t.shape)
+            shape[dim] = n
+            metas.append(ShardMeta(tuple(shape), t.dtype))
+        out.append(metas)
+    return out
+
+
 def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Sequence[int]) -> None:
     """Raise the same clear error on every rank when the ranks' shards cannot be concatenated."""
     counts = [len(m) for m in per_rank]
@@ -94,11 +119,46 @@ def displacements(counts: Sequence[int]) -> list[int]:
     return out
 
 
-def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int) -> torch.Tensor:
-    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer."""
+def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
+                workspace: dict | None = None, key=None) -> torch.Tensor:
+    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer.
+
+    One copy at most: each chunk is copied straight into its slot of the buffer (new, or
+    `workspace[key]`, see `scratch`); none when the chunks already lie back to back in memory.
+    """
     if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
         return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
-    return torch.cat([c.reshape(-1) for c in tensor.split(list(sizes), dim)])
+    flat = scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device)
+    offset = 0
+    for chunk in tensor.split(list(sizes), dim):
+        flat.narrow(0, offset, chunk.numel()).view(chunk.shape).copy_(chunk)
+        offset += chunk.numel()
+    return flat
+
+
+def sequence_major(tensor: torch.Tensor, dim: int, workspace: dict | None = None, key=None) -> torch.Tensor:
+    """`tensor` with its concat dim moved to the front, dense: what an all-gather-V sends so
+    that the gathered flat buffer, rank after rank, is the concat itself (no cat on unpack).
+    A view when that is how the tensor lies in memory already, else one row copy (into a new
+    buffer or `workspace[key]`; H3's K/V are [1, H, S_r, D] views of fused qkv rows)."""
+    moved = tensor.movedim(dim, 0)
+    if moved.is_contiguous():
+        return moved
+    return scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device).view(moved.shape).copy_(moved)
+
+
+def scratch(workspace: dict | None, key, numel: int, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """A flat buffer for one collective: new, or kept in the caller's `workspace` (a dict the
+    caller passes again for the same call site once it no longer uses the last results from
+    it). Reuse spares the fresh pages a new CPU buffer faults in on every call, which cost
+    about as much as the copy into them."""
+    if workspace is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buf = workspace.get(key)
+    if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+        buf = workspace[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
 
 
 def exchange_traffic(metas: Sequence[Sequence[ShardMeta]], rank: int) -> tuple[int, int]:
@@ -240,6 +300,27 @@ def concat_received(parts: Sequence[torch.Tensor], sizes: Sequence[int], cat_dim
     return torch.cat(kept, dim=cat_dim)
 
 
+def unpack_received(recv: torch.Tensor, shapes: Sequence[Sequence[int]], sizes: Sequence[int],
+                    cat_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`concat_received` of the chunks lying back to back in the flat buffer `recv` (shapes in
+    source order): along dim 0 that concat is the buffer itself, a view; else one cat copy
+    (into the flat buffer `out` when given)."""
+    kept = [tuple(s) for s, n in zip(shapes, sizes) if n]
+    if cat_dim == 0 and kept and all(s[1:] == kept[0][1:] for s in kept):
+        return recv.view(sum(s[0] for s in kept), *kept[0][1:])  # empty chunks hold no elements
+    parts, offset = [], 0
+    for shape in shapes:
+        n = numel(shape)
+        parts.append(recv.narrow(0, offset, n).view(shape))
+        offset += n
+    kept_parts = [p for p, n in zip(parts, sizes) if n]
+    if out is None or not kept_parts:
+        return concat_received(parts, sizes, cat_dim)
+    shape = list(kept_parts[0].shape)
+    shape[cat_dim] = sum(p.shape[cat_dim] for p in kept_parts)
+    return torch.cat(kept_parts, dim=cat_dim, out=out.view(shape))
+
+
 def normalize_dims(tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int]) -> list[int]:
     if isinstance(cat_dims, int):
         cat_dims = [cat_dims] * len(tensors)
@@ -254,11 +335,10 @@ def normalize_dims(tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int
 
 
 def unflatten_gathered(flat: torch.Tensor, metas, counts, displs, dim: int) -> torch.Tensor:
-    """The flat rank-major all-gather buffer -> the concat of the shards along `dim`."""
-    if dim == 0:  # rank-major flat layout already is the concat along dim 0
-        return flat.view(gathered_shape(metas, 0))
-    parts = [flat.narrow(0, d, c).view(m.shape) for m, c, d in zip(metas, counts, displs)]
-    return torch.cat(parts, dim=dim)
+    """The flat rank-major all-gather buffer of `sequence_major` shards -> their concat along
+    `dim`, as a view (the concat's values; not contiguous when dim is not the outermost)."""
+    shape = gathered_shape(metas, dim)
+    return flat.view(shape[dim], *(s for d, s in enumerate(shape) if d != dim)).movedim(0, dim)
 
 
 @runtime_checkable
@@ -270,10 +350,16 @@ class Communicator(Protocol):
     world_size: int
     device: torch.device
 
-    def exchange(self, tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int]) -> list[torch.Tensor]:
-        """All-gather-V: per tensor, every rank's shard concatenated along its cat dim."""
+    def exchange(self, tensors: Sequence[torch.Tensor], cat_dims: int | Sequence[int],
+                 shard_sizes: Sequence[int] | None = None, workspace: dict | None = None) -> list[torch.Tensor]:
+        """All-gather-V: per tensor, every rank's shard concatenated along its cat dim (may be
+        a non-contiguous view). `shard_sizes`: every rank's length along the cat dims when a
+        shard plan fixes them; then the shapes need not be exchanged again on every call.
+        `workspace`: a dict of buffers the communicator may keep and reuse between calls of one
+        call site (the results of the last call from it must be dead by then)."""
 
-    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None):
+    def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
+                     workspace: dict | None = None):
         """Chunk j of each tensor along split_dim goes to rank j; the received chunks, in source order."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -35,6 +35,7 @@ class ExchangingAttention:
         self.comm = comm
         self.strategy = strategy
         self.previous_override = previous_override
+        self.shard_sizes: list[int] | None = None  # every rank's rows in this forward, if known
         self._region_calls: int | None = None  # None: outside any region
         self._preferred: Callable | None = None  # the region's module's preferred attention
 
@@ -48,7 +49,7 @@ class ExchangingAttention:
         if self._region_calls is None:
             return inner(*args, **kwargs)
         self._region_calls += 1
-        return self.strategy.attend(self.comm, inner, *args, **kwargs)
+        return self.strategy.attend(self.comm, inner, *args, shard_sizes=self.shard_sizes, **kwargs)
 
     def install(self, transformer_options: dict) -> "ExchangingAttention":
         """Become the override of one forward's transformer_options, chaining the one found there."""

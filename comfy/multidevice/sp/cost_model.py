@@ -90,22 +90,67 @@ class DiTShape:
     heads: int = 56
     head_dim: int = 128
     ffn: int = 14336  # SwiGLU: fc1 hidden -> 2*ffn, fc2 ffn -> hidden
+    video_out: int = 96  # the final layer's fp32 output channels per video row (24 x patch 2x2)
+    audio_out: int = 32  # ... per audio row
 
     @property
     def attention_width(self) -> int:
         return self.heads * self.head_dim
 
 
+def h3_targets(shape: DiTShape, seq_len: int, video_rows: int, audio_rows: int) -> tuple:
+    """The final layer's output spans [(start, stop, channels)]: target audio then target video
+    are the last two segments of H3's packed sequence."""
+    audio_start = seq_len - video_rows - audio_rows
+    return ((seq_len - video_rows, seq_len, shape.video_out),
+            (audio_start, audio_start + audio_rows, shape.audio_out))
+
+
+def final_layer_traffic(targets, seq_len: int, world: int, rank: int, to: str = "root",
+                        out_itemsize: int = 4) -> Traffic:
+    """Bytes of the rank-local final layer: every rank's projected rows of each target span
+    (fp32) go to rank 0 (`to="root"`, the in-process fan-out) or to every rank (`"all"`)."""
+    if to not in ("root", "all"):
+        raise ValueError(f"final rows go to 'root' or 'all', not {to!r}")
+    edges = [(seq_len * r // world, seq_len * (r + 1) // world) for r in range(world)]
+
+    def rows_of(r, a, b):
+        lo, hi = max(a, edges[r][0]), min(b, edges[r][1])
+        return max(0, hi - lo)
+
+    sent = received = 0
+    for a, b, channels in targets:
+        row = channels * out_itemsize
+        own = rows_of(rank, a, b) * row
+        others = (b - a) * row - own
+        if to == "all":
+            sent, received = sent + own * (world - 1), received + others
+        elif rank == 0:
+            received += others
+        else:
+            sent += own
+    return Traffic(sent, received)
+
+
+def hidden_gather_traffic(shape: DiTShape, seq_len: int, world: int, rank: int,
+                          itemsize: int = 2) -> Traffic:
+    """Bytes of the final all-gather of the whole hidden state to every rank (what the last
+    block did before the final layer ran rank-local; the baseline of `final_gather_bytes_ratio`)."""
+    own = shard_sizes(seq_len, world)[rank]
+    row = shape.hidden * itemsize
+    return Traffic(own * row * (world - 1), (seq_len - own) * row)
+
+
 def forward_traffic(mode: str, shape: DiTShape, seq_len: int, world: int, rank: int,
-                    itemsize: int = 2, hidden_itemsize: int | None = None,
-                    degree: int | None = None) -> dict:
+                    targets, itemsize: int = 2, degree: int | None = None,
+                    final_rows_to: str = "root") -> dict:
     """Bytes of one DiT forward for one rank: attention exchanges of every block, plus the
-    final all-gather of the hidden rows before the final layer (the SP core's last block)."""
+    rank-local final layer's output rows (`targets`: [(start, stop, channels)], e.g. from
+    `h3_targets`)."""
     attention = attention_traffic(mode, seq_len, world, rank, shape.heads, shape.head_dim,
                                   itemsize, degree).scaled(shape.blocks)
-    own = shard_sizes(seq_len, world)[rank]
-    row = shape.hidden * (itemsize if hidden_itemsize is None else hidden_itemsize)
-    final = Traffic(own * row * (world - 1), (seq_len - own) * row)
+    final = final_layer_traffic(targets, seq_len, world, rank, final_rows_to) if world > 1 \
+        else Traffic(0, 0)
     total = attention + final
     return {"attention": attention, "final_gather": final, "total": total}
 

@@ -7,7 +7,11 @@ final layer) but computes the transformer blocks on 1/W of the packed token sequ
 - every block runs the model's own block on the local rows with the RoPE table and the
   modulation spans sliced to those rows, and with `args["attention"]` = the block's attention
   inside an SP region, where the attention override exchanges K/V between the ranks;
-- the last block's replacement gathers the rows back, so the final layer sees the full sequence.
+- the final layer runs rank-local: the last block keeps the rank's rows, the final layer is
+  applied to them with the video/audio spans clipped and re-based to those rows, and only the
+  projected rows (96 video / 32 audio channels instead of the hidden width) travel: to rank 0
+  alone in the in-process fan-out (only rank 0's result is used), to every rank when each
+  process is a rank that samples on with its own output (`final_rows_to="all"`).
 
 The adapter does not know which model it drives; it relies only on the contract below, and each
 assumption is written next to the code that makes it ("H3 contract").
@@ -41,8 +45,8 @@ from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
 from comfy.multidevice.sp.fun_controlnet import (fun_control_patches, RankFunControl,
                                                  unsupported_control_patches)
-from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, ShardPlan,
-                                       slice_mod_segments, take_rows)
+from comfy.multidevice.sp.plan import (gather_rows, gather_rows_to_root, SequenceParallelError,
+                                       shard_sizes, ShardPlan, slice_mod_segments, take_rows)
 from comfy.multidevice.sp.strategies import make_kv_strategy
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,7 @@ log = logging.getLogger(__name__)
 WRAPPER_KEY = "minimax_h3_sequence_parallel"
 DIFFUSION_MODEL_WRAPPERS = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL
 ROPE_SEQ_DIM = 1  # H3 contract: rope_freqs is [1, S, 1, rot/2, 2, 2], the sequence on dim 1
+FINAL_ROWS_TO = ("root", "all")  # who receives the final layer's projected rows
 CHECKED_UPSTREAM = "01a56b76bba3f32021fa846104baf2e500adc0da"  # docs/ARCHITECTURE.md, "The upstream contract"
 UPDATE_COMFYUI = (f"update ComfyUI (git pull in the ComfyUI folder; checked with upstream commit "
                   f"{CHECKED_UPSTREAM[:8]}) or run the DiT on one card (npu_count 1)")
@@ -127,9 +132,12 @@ class H3RankShard:
     the shard plan with the RoPE rows and modulation spans sliced once for all blocks.
     """
 
-    def __init__(self, comm, sp_mode=None, block_weights=None):
+    def __init__(self, comm, sp_mode=None, block_weights=None, final_rows_to: str = "all"):
+        if final_rows_to not in FINAL_ROWS_TO:
+            raise ValueError(f"final_rows_to {final_rows_to!r} must be one of {FINAL_ROWS_TO}")
         self.comm = comm
         self.block_weights = block_weights  # RankBlockWeights when dit_weights="shard", else None
+        self.final_rows_to = final_rows_to
         self.strategy = make_kv_strategy(sp_mode)
         self.exchanging = ExchangingAttention(comm, self.strategy)
         self.model = None
@@ -197,6 +205,9 @@ class H3RankShard:
         if index == 0:
             # H3 contract: block 0 receives the full hidden state [S, hidden] in packed order.
             self.plan = ShardPlan(h.shape[0], self.comm.world_size, self.comm.rank)
+            # every rank's rows, known from the plan: the K/V exchanges need no shape round
+            self.exchanging.shard_sizes = shard_sizes(h.shape[0], self.comm.world_size)
+            self.strategy.begin_forward()  # exchange buffers shared by this forward's blocks
             self._sliced = {}
             self._control.start_forward(h, self._fun)
             # a copy, so the full [S, hidden] tensor is freed instead of pinned by a view
@@ -236,9 +247,33 @@ class H3RankShard:
         if index in self._fun:
             h = self._control.add_control(index, self._fun[index], args, h, self.plan)
         if index == self.num_blocks - 1:
-            # H3 contract: the final layer reads the video/audio spans of the *full* h.
-            h = gather_rows(self.comm, h, 0)
+            self.strategy.end_forward()
+            # H3 contract: the forward hands the last block's h straight to
+            # final_layer(h, t_emb, video_seg, audio_seg, ...), which reads the two spans of h.
+            self._arm_final_layer(h)
         return {**out, "img": h}
+
+    def _arm_final_layer(self, h_local):
+        """Make the model's next final-layer call rank-local (a one-shot instance override).
+
+        H3 contract: the final layer is per token (norm, modulation row per token or span,
+        projection), segs are (start, stop, row) with row an int or one index per token, and it
+        returns (video rows, audio rows) of the two spans; a PDD head bank only changes the
+        projection weights, not which rows are used. So the rank's rows with its spans clipped
+        and re-based give exactly its part of the output rows.
+        """
+        final = self.model.final_layer
+        plan, comm, to_root = self.plan, self.comm, self.final_rows_to == "root"
+
+        def rank_local_final_layer(x, t_emb, video_seg, audio_seg, *rest, **kwargs):
+            del final.forward  # one shot: the class's own forward from here on
+            if x is not h_local:  # not this forward's last block output: run as the model does
+                return final(x, t_emb, video_seg, audio_seg, *rest, **kwargs)
+            segs = (video_seg, audio_seg)
+            local = final(x, t_emb, *(_local_span(seg, plan) for seg in segs), *rest, **kwargs)
+            return tuple(_output_rows(comm, rows, seg, to_root) for rows, seg in zip(local, segs))
+
+        final.forward = rank_local_final_layer
 
     def _attention(self, index):
         # H3 contract: the block's attention module is model.blocks[i].attn; it projects,
@@ -264,6 +299,29 @@ class H3RankShard:
         return exchanging_attention
 
 
+def _local_span(seg, plan: ShardPlan):
+    """A final-layer span (start, stop, row) clipped to the rank's rows and re-based to 0; an
+    empty (0, 0, row) span when the rank holds none of it."""
+    clipped = slice_mod_segments([seg], plan)
+    if clipped:
+        return clipped[0]
+    row = seg[2]
+    return (0, 0, row[:0] if torch.is_tensor(row) and row.dim() > 0 else row)
+
+
+def _output_rows(comm, rows: torch.Tensor, seg, to_root: bool) -> torch.Tensor:
+    """The full output rows of one span from every rank's part (rank order is sequence order).
+
+    to_root: only rank 0 receives them; the other ranks return zeros of the full shape, which
+    the forward reshapes as usual and the fan-out discards (it returns rank 0's result)."""
+    if not to_root:
+        return gather_rows(comm, rows, 0)
+    full = gather_rows_to_root(comm, rows)
+    if comm.rank == 0:
+        return full
+    return rows.new_zeros((seg[1] - seg[0], *rows.shape[1:]))
+
+
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
                                    sp_mode=None, shard: H3RankShard | None = None,
                                    block_weights=None) -> H3RankShard:
@@ -271,12 +329,13 @@ def install_rank_sequence_parallel(model, comm, transformer_options: dict,
 
     Edits `transformer_options` (the rank's own copy) and returns the rank's shard state. Pass
     the shard of the previous forward as `shard` to reuse its set-up (one process per rank
-    calling its own forward every step). `comm` is any per-rank `Communicator`.
+    calling its own forward every step). `comm` is any per-rank `Communicator`. Every rank gets
+    the full output (each process samples on with its own).
     `block_weights`: this rank's `RankBlockWeights` for dit_weights="shard" (a
     weights/block_shards.py family holding this process's rank), used by a new shard.
     """
     if shard is None:
-        shard = H3RankShard(comm, sp_mode, block_weights)
+        shard = H3RankShard(comm, sp_mode, block_weights, final_rows_to="all")
     return shard.install(model, transformer_options)
 
 
@@ -299,7 +358,8 @@ class _RankShards:
         view = shard.block_weights if shard is not None else None
         if shard is None or shard.comm is not comm or (view.family if view else None) is not family:
             view = None if family is None else family.rank_view(rank)
-            shard = self.shards[rank] = H3RankShard(comm, self.sp_mode, view)
+            # only rank 0's result is used: the final rows go to rank 0 alone
+            shard = self.shards[rank] = H3RankShard(comm, self.sp_mode, view, final_rows_to="root")
         return shard.install(model, transformer_options)
 
 

@@ -33,14 +33,33 @@ class AllGatherKV:
 
     name = "allgather"
 
-    def attend(self, comm, attention_fn: Callable, q, k, v, heads, *args, **kwargs):
+    def __init__(self):
+        self.workspace: dict | None = None  # the K/V buffers every block of a forward reuses
+
+    def begin_forward(self) -> None:
+        self.workspace = {}
+
+    def end_forward(self) -> None:
+        self.workspace = None  # nothing held between forwards
+
+    def attend(self, comm, attention_fn: Callable, q, k, v, heads, *args, shard_sizes=None, **kwargs):
+        """`shard_sizes`: every rank's rows under the shard plan, when the caller knows it (the
+        exchange then needs no shape round per call)."""
         if kwargs.get("mask") is not None:
             raise SequenceParallelError(
                 "sequence-parallel attention got an attention mask; the all-gather exchange only "
                 "supports full self-attention (mask=None)")
         # [B, heads, S, head_dim] with skip_reshape (H3's layout), else [B, S, heads*head_dim]
         seq_dim = 2 if kwargs.get("skip_reshape", False) else 1
-        k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim])
+        # K and V in one exchange: gathered sequence-major, returned as [B, heads, S, head_dim]
+        # views of that buffer (no transposing copy, no cat)
+        if shard_sizes is None:
+            k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim])
+        else:
+            # the SP adapter's path: a forward's blocks run one after another and each block's
+            # K/V are dead when the next one gathers, so they share one pair of buffers
+            k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim], shard_sizes=shard_sizes,
+                                           workspace=self.workspace)
         return attention_fn(q, k_full, v_full, heads, *args, **kwargs)
 
 
@@ -73,17 +92,31 @@ class AutoKV:
         self.overlap_chunks = overlap_chunks
         self.chosen: str | None = None
         self._strategy = None
+        self._in_forward = False
 
-    def attend(self, comm, attention_fn, q, k, v, heads, *args, **kwargs):
+    def begin_forward(self) -> None:
+        self._in_forward = True
+        if self._strategy is not None:
+            self._strategy.begin_forward()
+
+    def end_forward(self) -> None:
+        self._in_forward = False
+        if self._strategy is not None:
+            self._strategy.end_forward()
+
+    def attend(self, comm, attention_fn, q, k, v, heads, *args, shard_sizes=None, **kwargs):
         if self._strategy is None:
             head_dim = q.shape[-1] if kwargs.get("skip_reshape", False) else q.shape[-1] // heads
             self.chosen = choose_sp_mode(comm.world_size, heads, head_dim)
             self._strategy = (UlyssesKV(overlap_chunks=self.overlap_chunks) if self.chosen == "ulysses"
                               else AllGatherKV())
+            if self._in_forward:
+                self._strategy.begin_forward()
             if comm.rank == 0:
                 log.info("rank 0: sp_mode auto: %s for %d ranks and %d heads (ulysses degree %d)",
                          self.chosen, comm.world_size, heads, ulysses_degree(comm.world_size, heads))
-        return self._strategy.attend(comm, attention_fn, q, k, v, heads, *args, **kwargs)
+        return self._strategy.attend(comm, attention_fn, q, k, v, heads, *args,
+                                     shard_sizes=shard_sizes, **kwargs)
 
 
 @dataclass(frozen=True)

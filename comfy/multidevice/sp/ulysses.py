@@ -73,11 +73,11 @@ class _Layout:
         return range(start, start + sizes[chunk])
 
 
-def _select_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
-    """t[:, heads] along dim 1, without a copy when `heads` is every head in order."""
-    if heads == list(range(t.shape[1])):
+def _select_heads(t: torch.Tensor, heads: list[int], dim: int) -> torch.Tensor:
+    """t's `heads` along `dim`, without a copy when `heads` is every head in order."""
+    if heads == list(range(t.shape[dim])):
         return t
-    return t.index_select(1, torch.tensor(heads, device=t.device))
+    return t.index_select(dim, torch.tensor(heads, device=t.device))
 
 
 class UlyssesKV:
@@ -92,9 +92,21 @@ class UlyssesKV:
             raise ValueError(f"overlap_chunks must be >= 1 (1 = no overlap), got {overlap_chunks}")
         self.degree = None if degree is None else int(degree)
         self.overlap_chunks = int(overlap_chunks)
+        # per (exchange, head chunk): the buffers every block of a forward reuses
+        self.workspaces: dict | None = None
+
+    def begin_forward(self) -> None:
+        self.workspaces = {}
+
+    def end_forward(self) -> None:
+        self.workspaces = None  # nothing held between forwards
+
+    def _workspace(self, key):
+        return None if self.workspaces is None else self.workspaces.setdefault(key, {})
 
     # -- the strategy interface of comfy/multidevice/sp/
-    def attend(self, comm, attention_fn, q, k, v, heads, *args, **kwargs):
+    def attend(self, comm, attention_fn, q, k, v, heads, *args, shard_sizes=None, **kwargs):
+        # shard_sizes: unused; every rank's rows come from the shard plan check in _member_rows
         if kwargs.get("mask") is not None:
             raise SequenceParallelError(
                 "sequence-parallel attention got an attention mask; the ulysses exchange only "
@@ -140,7 +152,7 @@ class UlyssesKV:
                 my_heads = q_c.shape[1]
                 o = attention_fn(q_c, k_c, v_c, my_heads, *args, **kwargs)  # [B, group rows, h*D]
                 o = o.view(o.shape[0], o.shape[1], my_heads, -1)
-                outs.append(lane.submit(self._exchange_out, comm, layout, rows, o))
+                outs.append(lane.submit(self._exchange_out, comm, layout, rows, o, c))
                 if c + 2 < layout.chunks:  # keep one chunk in flight ahead of the attention
                     pending.append(lane.submit(self._exchange_in, comm, layout, c + 2, q, k, v))
             chunk_outs = [lane.result(f) for f in outs]
@@ -148,22 +160,29 @@ class UlyssesKV:
             lane.close()
         return self._assemble(layout, chunk_outs)
 
-    @staticmethod
-    def _exchange_in(comm, layout, chunk, q, k, v):
-        """Sequence shards -> (q rows of my group, k/v rows of everyone) for my head chunk."""
+    def _exchange_in(self, comm, layout, chunk, q, k, v):
+        """Sequence shards -> (q rows of my group, k/v rows of everyone) for my head chunk.
+
+        Sent sequence-major, [S_r, B, H, D] (how H3's q/k/v lie in memory): packing a head
+        block of every row is one copy, and the received rows, rank after rank, already are
+        the sequence in order (no copy). Returned as [B, heads, S, D] views for the attention.
+        """
         world, members = layout.world, layout.members
         to_group = [len(layout.chunk_heads(layout.block_of(j), chunk)) if j in members else 0
                     for j in range(world)]
         to_all = [len(layout.chunk_heads(layout.block_of(j), chunk)) for j in range(world)]
         q_heads = [h for j in members for h in layout.chunk_heads(layout.block_of(j), chunk)]
         kv_heads = [h for j in range(world) for h in layout.chunk_heads(layout.block_of(j), chunk)]
-        q_send = _select_heads(q, q_heads)
-        k_send, v_send = _select_heads(k, kv_heads), _select_heads(v, kv_heads)
+        # [B, H, S_r, D] -> [S_r, B, H, D] views
+        q_send = _select_heads(q.permute(2, 0, 1, 3), q_heads, 2)
+        k_send = _select_heads(k.permute(2, 0, 1, 3), kv_heads, 2)
+        v_send = _select_heads(v.permute(2, 0, 1, 3), kv_heads, 2)
         if to_group == to_all:  # plain Ulysses: one call for all three
-            return tuple(comm.all_to_all_v([q_send, k_send, v_send], to_all, 1, cat_dim=2))
-        (q_c,) = comm.all_to_all_v([q_send], to_group, 1, cat_dim=2)
-        k_c, v_c = comm.all_to_all_v([k_send, v_send], to_all, 1, cat_dim=2)
-        return q_c, k_c, v_c
+            received = _all_to_all(comm, [q_send, k_send, v_send], to_all, 2, 0, self._workspace(("qkv", chunk)))
+        else:
+            received = (*_all_to_all(comm, [q_send], to_group, 2, 0, self._workspace(("q", chunk))),
+                        *_all_to_all(comm, [k_send, v_send], to_all, 2, 0, self._workspace(("kv", chunk))))
+        return tuple(t.permute(1, 2, 0, 3) for t in received)  # [S, B, h, D] -> [B, h, S, D]
 
     @staticmethod
     def _member_rows(comm, layout, local_rows, q_c, k_c) -> list[int]:
@@ -178,11 +197,16 @@ class UlyssesKV:
                 "the SP core's shard plan")
         return rows
 
-    @staticmethod
-    def _exchange_out(comm, layout, rows, o):
-        """Attention output (group rows x my head chunk) -> my rows x the group's head chunks."""
+    def _exchange_out(self, comm, layout, rows, o, chunk):
+        """Attention output (group rows x my head chunk) -> my rows x the group's head chunks.
+
+        Sent row-major, [rows, B, h, D] (the attention's own output for B = 1): every member's
+        rows lie back to back, so nothing is packed; unpacking puts the heads side by side,
+        one copy."""
         to_member = [rows[j] if j in layout.members else 0 for j in range(layout.world)]
-        return comm.all_to_all_v([o], to_member, 1, cat_dim=2)[0]  # [B, S_r, group chunk heads, D]
+        mine = _all_to_all(comm, [o.transpose(0, 1)], to_member, 0, 2,
+                           self._workspace(("out", chunk)))[0]  # [S_r, B, heads, D]
+        return mine.transpose(0, 1)  # [B, S_r, group chunk heads, D]
 
     @staticmethod
     def _assemble(layout, chunk_outs) -> torch.Tensor:
@@ -195,6 +219,12 @@ class UlyssesKV:
                 sizes = [len(layout.chunk_heads(b, c)) for b in range(layout.degree)]
                 pieces.append(out.narrow(2, sum(sizes[:member]), sizes[member]))
         return torch.cat(pieces, dim=2)
+
+
+def _all_to_all(comm, tensors, splits, split_dim, cat_dim, workspace):
+    if workspace is None:  # any Communicator; a workspace only where the adapter keeps one
+        return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim)
+    return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim, workspace=workspace)
 
 
 class _CommLane:
