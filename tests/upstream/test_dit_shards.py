@@ -110,3 +110,30 @@ def test_the_memory_plan_reads_upstreams_dit(patcher):  # noqa: F811
 
 class SimpleVAE:
     first_stage_model = torch.nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world):
+    """The node's MODEL path (comfy.sd's loader, comfy.sample.sample) with a DiT file made by
+    upstream's own quantizers: every card's shard is built from the shared base with the
+    quantized layers as QuantizedTensors, and the latents equal `replicate`'s bit for bit."""
+    from tests.upstream.test_quantized_files import convrot_state_dict, load, quantized_state_dict
+    state = convrot_state_dict("int8") if fmt == "convrot_int8" else quantized_state_dict(upstream, fmt)
+    model = load(upstream, state, tmp_path, fmt)
+    coord, replicated = node_dit(model, world, "replicate")
+    with coord:
+        reference = sample(replicated)
+    assert replicated.multinpu_dit_replicas.uses_base()
+    with torch.inference_mode():  # as ComfyUI runs a prompt's nodes
+        coord, sharded = node_dit(model, world, "shard")
+    with coord:
+        out = sample(sharded)
+        shards = sharded.multinpu_dit_shards
+        kept = [type(shards.module(r).blocks[0].attn.qkv_proj.weight).__name__ for r in range(world)]
+        gathered = shards.family.gathered_bytes
+        shards.family.close()
+    assert identical(out, reference)
+    assert all(g > 0 for g in gathered)
+    # the layer that owns blocks.0's qkv weight holds it quantized; on the others it is released
+    assert "QuantizedTensor" in kept
