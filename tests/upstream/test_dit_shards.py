@@ -114,10 +114,15 @@ class SimpleVAE:
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world):
+@pytest.mark.parametrize("node_in_inference_mode", [True, False])
+def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world,
+                                                                   node_in_inference_mode):
     """The node's MODEL path (comfy.sd's loader, comfy.sample.sample) with a DiT file made by
     upstream's own quantizers: every card's shard is built from the shared base with the
-    quantized layers as QuantizedTensors, and the latents equal `replicate`'s bit for bit."""
+    quantized layers as QuantizedTensors, and the latents equal `replicate`'s bit for bit.
+    The file is loaded in inference mode, as ComfyUI runs its loaders; the node is set up in it
+    too (a prompt) or outside it (a script): the shards follow the loaded weights' mode, which
+    ComfyUI's move of card 0's shard needs for quantized layers."""
     from tests.upstream.test_quantized_files import convrot_state_dict, load, quantized_state_dict
     state = convrot_state_dict("int8") if fmt == "convrot_int8" else quantized_state_dict(upstream, fmt)
     model = load(upstream, state, tmp_path, fmt)
@@ -125,7 +130,7 @@ def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tm
     with coord:
         reference = sample(replicated)
     assert replicated.multinpu_dit_replicas.uses_base()
-    with torch.inference_mode():  # as ComfyUI runs a prompt's nodes
+    with torch.inference_mode(node_in_inference_mode):
         coord, sharded = node_dit(model, world, "shard")
     with coord:
         out = sample(sharded)

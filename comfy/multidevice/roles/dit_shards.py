@@ -16,6 +16,7 @@ would reach card 0's shard only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -50,8 +51,15 @@ class DitShards:
         self.coordinator = coordinator
         self.prefetch = prefetch
         self.lane = lane  # a shared coordinator for the prefetches (roles/apply.py), or None
+        # ComfyUI's loaders run inside the prompt's inference mode, so the loaded weights are
+        # inference tensors; card 0's shard is loaded by ComfyUI in their place, and upstream's
+        # quantized layers can only be moved there (ops._quantized_apply re-wraps each weight)
+        # when they are inference tensors too. So every shard is built in the input's mode.
+        first = next(iter(dit_module(primary).state_dict().values()), None)
+        self.inference = bool(first is not None and first.is_inference())
         try:
-            self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
+            with self._as_loaded():
+                self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
         except Exception as exc:  # the base is what makes a card-by-card shard possible
             raise RolePlanError(f"{SHARD_NEEDS_BASE} ({type(exc).__name__}: {exc})") from exc
         replica = self.replicas[0]
@@ -68,6 +76,9 @@ class DitShards:
         self._lock = threading.RLock()  # rank threads resolve their DiT at once; ComfyUI evicts between prompts
         self.output_model = None  # the BaseModel ComfyUI loads for rank 0 (sharded_primary)
         self.patches_uuid = None  # the weight-patch set that BaseModel may carry: ours (none)
+
+    def _as_loaded(self):
+        return torch.inference_mode() if self.inference else contextlib.nullcontext()
 
     @staticmethod
     def _block_sizes(replica, index: int) -> dict:
@@ -88,7 +99,7 @@ class DitShards:
 
     def load(self) -> ShardedBlockWeights:
         """Make every card's shard resident (from RAM) and the block gathers ready."""
-        with self._lock:
+        with self._lock, self._as_loaded():
             if self.family is not None:  # a card ComfyUI evicted comes back (0 bytes from disk)
                 for rank in range(len(self.devices)):
                     self.load_rank(rank)
@@ -110,7 +121,7 @@ class DitShards:
     def load_rank(self, rank: int) -> None:
         """Bring back card `rank`'s shard after an eviction (a no-op while it is resident): its
         kept tensors from the base in RAM, and empty slots again for the tensors other ranks own."""
-        with self._lock:
+        with self._lock, self._as_loaded():
             replica = self.replicas[rank]
             if replica.resident:
                 return
