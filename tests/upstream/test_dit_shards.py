@@ -142,3 +142,24 @@ def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tm
     assert all(g > 0 for g in gathered)
     # the layer that owns blocks.0's qkv weight holds it quantized; on the others it is released
     assert "QuantizedTensor" in kept
+
+
+def test_a_lora_on_a_quantized_file_is_refused_with_the_reason_and_the_fix(upstream, tmp_path):
+    """A LoRA loaded before the node onto a quantized DiT: the shards are built from the base,
+    which cannot patch quantized weights, so shard is refused (naming the patched layer and the
+    fixes), before the input MODEL is changed; replicate serves the same MODEL."""
+    from tests.upstream.test_quantized_files import load, quantized_state_dict
+    model = load(upstream, quantized_state_dict(upstream, "int8_tensorwise"), tmp_path, "int8")
+    patched = model.clone()
+    key = "diffusion_model.blocks.0.attn.qkv_proj.weight"
+    patched.add_patches({key: (torch.zeros(patched.model.diffusion_model.blocks[0].attn.qkv_proj.weight.shape),)}, 1.0)
+    before = dict(patched.patches)
+    with pytest.raises(RolePlanError, match=r"quantized layers \(first 'blocks\.0\.attn\.qkv_proj\.weight'\).*"
+                                            r"dit_weights=replicate.*BF16 DiT file"), \
+            SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
+        from comfy.multidevice.roles.dit import _sequence_parallel_dit
+        _sequence_parallel_dit(patched, coord.devices, coord, dit_weights="shard")
+    assert patched.patches == before and patched.model.diffusion_model is model.model.diffusion_model
+    coord, replicated = node_dit(patched, 2, "replicate")
+    with coord:
+        sample(replicated)
