@@ -55,7 +55,7 @@ class DitShards:
         # inference tensors; card 0's shard is loaded by ComfyUI in their place, and upstream's
         # quantized layers can only be moved there (ops._quantized_apply re-wraps each weight)
         # when they are inference tensors too. So every shard is built in the input's mode.
-        first = next(iter(dit_module(primary).state_dict().values()), None)
+        first = next(dit_module(primary).parameters(), None)
         self.inference = bool(first is not None and first.is_inference())
         try:
             with self._as_loaded():
@@ -78,8 +78,9 @@ class DitShards:
         self._block_names = {f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.nbytes[i]}
         self._shared_names = [n for n in names if n not in self._block_names]
         # bytes every card holds outside the blocks (embeddings, refiner, final layer)
-        self.shared_bytes = sum(replica._base_tensor(n).numel() * replica._target_dtype(n, replica._base_tensor(n)).itemsize
-                                for n in replica._groups if not n.startswith("blocks."))
+        self.shared_bytes = sum(t.numel() * replica._target_dtype(n, t).itemsize
+                                for n, t in ((n, replica._base_tensor(n)) for n in replica._groups)
+                                if not n.startswith("blocks."))
         self.family: ShardedBlockWeights | None = None
         self._lock = threading.RLock()  # rank threads resolve their DiT at once; ComfyUI evicts between prompts
         self.output_model = None  # the BaseModel ComfyUI loads for rank 0 (sharded_primary)
