@@ -110,3 +110,56 @@ def test_the_memory_plan_reads_upstreams_dit(patcher):  # noqa: F811
 
 class SimpleVAE:
     first_stage_model = torch.nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("node_in_inference_mode", [True, False])
+def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world,
+                                                                   node_in_inference_mode):
+    """The node's MODEL path (comfy.sd's loader, comfy.sample.sample) with a DiT file made by
+    upstream's own quantizers: every card's shard is built from the shared base with the
+    quantized layers as QuantizedTensors, and the latents equal `replicate`'s bit for bit.
+    The file is loaded in inference mode, as ComfyUI runs its loaders; the node is set up in it
+    too (a prompt) or outside it (a script): the shards follow the loaded weights' mode, which
+    ComfyUI's move of card 0's shard needs for quantized layers."""
+    from tests.upstream.test_quantized_files import convrot_state_dict, load, quantized_state_dict
+    state = convrot_state_dict("int8") if fmt == "convrot_int8" else quantized_state_dict(upstream, fmt)
+    model = load(upstream, state, tmp_path, fmt)
+    coord, replicated = node_dit(model, world, "replicate")
+    with coord:
+        reference = sample(replicated)
+    assert replicated.multinpu_dit_replicas.uses_base()
+    with torch.inference_mode(node_in_inference_mode):
+        coord, sharded = node_dit(model, world, "shard")
+    with coord:
+        out = sample(sharded)
+        shards = sharded.multinpu_dit_shards
+        kept = [type(shards.module(r).blocks[0].attn.qkv_proj.weight).__name__ for r in range(world)]
+        gathered = shards.family.gathered_bytes
+        shards.family.close()
+    assert identical(out, reference)
+    assert all(g > 0 for g in gathered)
+    # the layer that owns blocks.0's qkv weight holds it quantized; on the others it is released
+    assert "QuantizedTensor" in kept
+
+
+def test_a_lora_on_a_quantized_file_is_refused_with_the_reason_and_the_fix(upstream, tmp_path):
+    """A LoRA loaded before the node onto a quantized DiT: the shards are built from the base,
+    which cannot patch quantized weights, so shard is refused (naming the patched layer and the
+    fixes), before the input MODEL is changed; replicate serves the same MODEL."""
+    from tests.upstream.test_quantized_files import load, quantized_state_dict
+    model = load(upstream, quantized_state_dict(upstream, "int8_tensorwise"), tmp_path, "int8")
+    patched = model.clone()
+    key = "diffusion_model.blocks.0.attn.qkv_proj.weight"
+    patched.add_patches({key: (torch.zeros(patched.model.diffusion_model.blocks[0].attn.qkv_proj.weight.shape),)}, 1.0)
+    before = dict(patched.patches)
+    with pytest.raises(RolePlanError, match=r"quantized layers \(first 'blocks\.0\.attn\.qkv_proj\.weight'\).*"
+                                            r"dit_weights=replicate.*BF16 DiT file"), \
+            SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
+        from comfy.multidevice.roles.dit import _sequence_parallel_dit
+        _sequence_parallel_dit(patched, coord.devices, coord, dit_weights="shard")
+    assert patched.patches == before and patched.model.diffusion_model is model.model.diffusion_model
+    coord, replicated = node_dit(patched, 2, "replicate")
+    with coord:
+        sample(replicated)

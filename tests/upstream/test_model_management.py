@@ -188,3 +188,59 @@ def test_an_eviction_frees_the_replicas_own_copies(upstream, hook, h3_file):
         second = sample(parallel)
         assert total_bytes_read() == before and replicas.base_replicas[0].resident_bytes == held
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_sharded_dit_two_prompts_with_an_eviction_between_read_nothing_from_disk(upstream, hook, h3_file,
+                                                                                 world, dtype):
+    """dit_weights=shard: the shards of cards 1..W-1 are the MODEL's additional models (card 0's
+    shard is the MODEL itself), loaded by ComfyUI with it, evicted by unload_all_models and by
+    free_memory on their card, and brought back from RAM by the next prompt: 0 bytes from disk,
+    latents bit-identical to the first prompt's and to replicate's. Loaded as bf16 the shard
+    holds its own copies of its tensors, so the eviction frees a measurable amount."""
+    import comfy.model_management as mm
+    import comfy.sd
+    from comfy.multidevice.roles.model_management import ADDITIONAL_MODELS_KEY
+    from comfy.multidevice.weights.checkpoint import shared_checkpoint_sources, total_bytes_read
+    from tests.upstream.test_dit_shards import node_dit as node_dit_with
+
+    model = comfy.sd.load_diffusion_model(str(h3_file), model_options={} if dtype is None else {"dtype": dtype})
+    coord, replicated = node_dit_with(model, world, "replicate")
+    with coord:
+        reference = sample(replicated)
+    mm.unload_all_models()
+    coord, parallel = node_dit_with(model, world, "shard")
+    shards = parallel.multinpu_dit_shards
+    ours = parallel.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)
+    others = range(1, world)
+    assert len(ours) == world - 1 and [p.load_device for p in ours] == coord.devices[1:]
+    assert [p.model_size() for p in ours] == [shards.card_bytes(r) for r in others]
+    with coord:
+        first = sample(parallel)
+        assert _registered(ours) == [True] * (world - 1)        # loaded by ComfyUI with the MODEL
+        assert all(p.loaded_size() == p.model_size() > 0 for p in ours)
+        held = [shards.resident_bytes(r) for r in others]
+        if dtype is not None:  # private bf16 copies of the card's own tensors
+            assert all(0 < h <= shards.card_bytes(r) for h, r in zip(held, others))
+
+        mm.unload_all_models()                                  # e.g. the UI's "unload models"
+        assert _registered(ours) == [False] * (world - 1)
+        assert not any(shards.replicas[r].resident for r in others)
+        assert all(shards.resident_bytes(r) == 0 for r in others)
+        assert any(key[0] == str(h3_file.resolve()) for key in shared_checkpoint_sources())  # base stays
+
+        before = total_bytes_read()
+        second = sample(parallel)
+        assert total_bytes_read() == before                     # restored from RAM
+        assert _registered(ours) == [True] * (world - 1)
+        assert [shards.resident_bytes(r) for r in others] == held
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+        mm.free_memory(1e30, coord.devices[1])                  # another model needing card 1
+        assert not shards.replicas[1].resident and _registered(ours)[0] is False
+        third = sample(parallel)
+        assert total_bytes_read() == before
+        assert all(torch.equal(a, b) for a, b in zip(first, third))
+        shards.family.close()
+    assert all(torch.equal(a, b) for a, b in zip(first, reference))

@@ -222,6 +222,7 @@ def _sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate",
         enable_sequence_parallel_on_patcher(primary, coordinator, shards.entries(),
                                             block_weights=lambda: shards.family)
         primary.multinpu_dit_shards = shards  # for unload / inspection
+        _register_with_model_management(primary, shards.card_copies())
         return primary
     primary = model.clone()
     if getattr(primary, "load_device", devices[0]) != devices[0]:

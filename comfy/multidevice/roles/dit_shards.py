@@ -16,8 +16,10 @@ would reach card 0's shard only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import threading
 import uuid
 from typing import Sequence
 
@@ -43,14 +45,29 @@ class DitShards:
 
     def __init__(self, primary, devices: Sequence[torch.device], coordinator, prefetch: bool = True,
                  lane=None):
-        from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
+        from comfy.multidevice.weights.replicas import QuantizedPatchError, comfy_diffusion_model_replicas
 
         self.devices = list(devices)
         self.coordinator = coordinator
         self.prefetch = prefetch
         self.lane = lane  # a shared coordinator for the prefetches (roles/apply.py), or None
+        # ComfyUI's loaders run inside the prompt's inference mode, so the loaded weights are
+        # inference tensors; card 0's shard is loaded by ComfyUI in their place, and upstream's
+        # quantized layers can only be moved there (ops._quantized_apply re-wraps each weight)
+        # when they are inference tensors too. So every shard is built in the input's mode.
+        first = next(dit_module(primary).parameters(), None)
+        self.inference = bool(first is not None and first.is_inference())
         try:
-            self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
+            with self._as_loaded():
+                self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
+        except QuantizedPatchError as exc:
+            raise RolePlanError(
+                f"dit_weights=shard cannot apply this MODEL's weight patches (e.g. a LoRA) to a quantized "
+                f"DiT: {len(exc.names)} of them patch quantized layers (first {exc.names[0]!r}); the shards are "
+                f"built from the file's base, where quantized weights cannot be patched, and a LoRA loaded "
+                f"after the node would reach card 0's shard only. Use dit_weights=replicate (the loaded, "
+                f"patched weights are copied to the other cards), or the BF16 DiT file with "
+                f"dit_weights=shard") from exc
         except Exception as exc:  # the base is what makes a card-by-card shard possible
             raise RolePlanError(f"{SHARD_NEEDS_BASE} ({type(exc).__name__}: {exc})") from exc
         replica = self.replicas[0]
@@ -60,9 +77,17 @@ class DitShards:
             [self._block_sizes(replica, i) for i in range(self.num_blocks)], len(self.devices))
         self._block_names = {f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.nbytes[i]}
         self._shared_names = [n for n in names if n not in self._block_names]
+        # bytes every card holds outside the blocks (embeddings, refiner, final layer)
+        self.shared_bytes = sum(t.numel() * replica._target_dtype(n, t).itemsize
+                                for n, t in ((n, replica._base_tensor(n)) for n in replica._groups)
+                                if not n.startswith("blocks."))
         self.family: ShardedBlockWeights | None = None
+        self._lock = threading.RLock()  # rank threads resolve their DiT at once; ComfyUI evicts between prompts
         self.output_model = None  # the BaseModel ComfyUI loads for rank 0 (sharded_primary)
         self.patches_uuid = None  # the weight-patch set that BaseModel may carry: ours (none)
+
+    def _as_loaded(self):
+        return torch.inference_mode() if self.inference else contextlib.nullcontext()
 
     @staticmethod
     def _block_sizes(replica, index: int) -> dict:
@@ -83,7 +108,11 @@ class DitShards:
 
     def load(self) -> ShardedBlockWeights:
         """Make every card's shard resident (from RAM) and the block gathers ready."""
-        if self.family is None:
+        with self._lock, self._as_loaded():
+            if self.family is not None:  # a card ComfyUI evicted comes back (0 bytes from disk)
+                for rank in range(len(self.devices)):
+                    self.load_rank(rank)
+                return self.family
             for rank, replica in enumerate(self.replicas):
                 replica.load(self.keep_names(rank), only=True)
             lane, own_lane = self.lane, False
@@ -96,7 +125,34 @@ class DitShards:
                                               timeout_s=self.coordinator.timeout_s, plan=self.plan)
             log.info("DiT shards: %s", ", ".join(
                 f"{d}: {self.resident_bytes(r) / 2 ** 30:.2f} GiB" for r, d in enumerate(self.devices)))
-        return self.family
+            return self.family
+
+    def load_rank(self, rank: int) -> None:
+        """Bring back card `rank`'s shard after an eviction (a no-op while it is resident): its
+        kept tensors from the base in RAM, and empty slots again for the tensors other ranks own."""
+        with self._lock, self._as_loaded():
+            replica = self.replicas[rank]
+            if replica.resident:
+                return
+            replica.load(self.keep_names(rank), only=True)
+            if self.family is not None:
+                self.family.drop_unowned(rank)
+
+    def unload_rank(self, rank: int) -> int:
+        """Drop card `rank`'s shard (its weights point at the base in RAM again); bytes dropped.
+        Between prompts only: a rank running a block needs its tensors."""
+        with self._lock:
+            return self.replicas[rank].unload()
+
+    def card_bytes(self, rank: int) -> int:
+        """Bytes card `rank`'s shard takes on its card: the non-block weights and its own block
+        tensors (the blocks gathered while one runs come and go with the forward)."""
+        return self.shared_bytes + self.plan.owned_bytes(rank)
+
+    def card_copies(self) -> list:
+        """Cards 1..W-1's shards as CardCopies for ComfyUI's model management
+        (roles/model_management.py); card 0's shard is the MODEL ComfyUI loads itself."""
+        return [_ShardCardCopy(self, r) for r in range(1, len(self.devices))]
 
     def refuse_patches_added_after(self) -> None:
         """ComfyUI records on the BaseModel which patch set it applied to its weights; another
@@ -128,6 +184,28 @@ class DitShards:
 
     def entries(self) -> list:
         return [_RankShard(self, r) for r in range(len(self.devices))]
+
+
+class _ShardCardCopy:
+    """Card `rank`'s DiT shard as ComfyUI's memory manager sees it."""
+    what = "DiT shard"
+
+    def __init__(self, shards: DitShards, rank: int):
+        self.shards, self.rank, self.device = shards, rank, shards.devices[rank]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shards.card_bytes(self.rank)
+
+    @property
+    def resident(self) -> bool:
+        return self.shards.replicas[self.rank].resident
+
+    def load(self) -> None:
+        self.shards.load_rank(self.rank)
+
+    def unload(self) -> int:
+        return self.shards.unload_rank(self.rank)
 
 
 class _RankShard:

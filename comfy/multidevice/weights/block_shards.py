@@ -272,10 +272,15 @@ class ShardedBlockWeights:
     # -- set-up
     def _drop_unowned(self) -> None:
         for r in self.local_ranks:
-            for i, slots in enumerate(self._slots[r]):
-                for name, slot in slots.items():
-                    if self.plan.owner[i][name] != r:
-                        _set(slot, self._placeholder(i, name, r))
+            self.drop_unowned(r)
+
+    def drop_unowned(self, r: int) -> None:
+        """Empty rank `r`'s slots of the tensors other ranks own (again, after its module was
+        bound to a full set of weights, e.g. reloaded from the base after an eviction)."""
+        for i, slots in enumerate(self._slots[r]):
+            for name, slot in slots.items():
+                if self.plan.owner[i][name] != r:
+                    _set(slot, self._placeholder(i, name, r))
 
     def _placeholder(self, index: int, name: str, rank: int):
         spec = self.specs[index][name]

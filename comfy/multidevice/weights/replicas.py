@@ -415,6 +415,14 @@ def _label(base: Mapping) -> str:
     return getattr(base, "label", "the base state dict")
 
 
+class QuantizedPatchError(ValueError):
+    """A weight patch (e.g. a LoRA) on quantized layers, which replicas from the base cannot apply."""
+
+    def __init__(self, names: Sequence[str], message: str):
+        super().__init__(message)
+        self.names = list(names)
+
+
 class RankReplicas(Sequence):
     """A family of per-rank replicas of one model over one shared base, with shared patches.
 
@@ -463,9 +471,10 @@ class RankReplicas(Sequence):
                              f"(names are the model's state-dict names, e.g. {sorted(known)[:3]})")
         quantized = [n for n in names if n in self.replicas[0]._loader_of]
         if quantized:
-            raise ValueError(f"patch for {quantized[0]!r} of a quantized layer ({len(quantized)} such): "
-                             "replicas from the base cannot patch quantized weights; load the LoRA "
-                             "after this node, or use an unquantized DiT file")
+            raise QuantizedPatchError(quantized, f"patch for {quantized[0]!r} of a quantized layer "
+                                      f"({len(quantized)} such): replicas from the base cannot patch "
+                                      "quantized weights; load the LoRA after this node, or use an "
+                                      "unquantized DiT file")
         return names
 
     def add_patches(self, deltas: Mapping[str, torch.Tensor], strength: float = 1.0) -> list[str]:
