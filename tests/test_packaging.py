@@ -867,3 +867,18 @@ def test_workflows_name_the_pack_for_comfyui_manager(name):
     node = _one(load_workflow(name), "MultiNPUParallelConfig")
     assert node["properties"]["cnr_id"] == project["name"]
     assert node["properties"]["ver"] == project["version"]
+
+
+def test_every_import_in_the_readmes_python_examples_exists():
+    # The README's examples name our modules; a module that moved must not leave them stale.
+    import importlib
+    import re
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    imports = [m for block in blocks for m in re.findall(r"^from (comfy[\w.]*|comfy_extras[\w.]*) import ([\w, ]+)$",
+                                                         block, re.M)]
+    assert imports, "the README's Python examples import nothing of ours"
+    for module, names in imports:
+        loaded = importlib.import_module(module)
+        for name in (n.strip() for n in names.split(",")):
+            assert hasattr(loaded, name), f"README: from {module} import {name}"
