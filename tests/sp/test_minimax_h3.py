@@ -651,3 +651,36 @@ def test_final_layer_runs_rank_local_and_only_projected_rows_reach_rank_0(model3
     assert all(exchanges[r]["by_op"]["all_to_all_v"]["received"] == 0 for r in (1, 2))
     assert exchanges[0]["by_op"]["all_to_all_v"]["received"] > 0 and received[0] > received[1]
     assert all("forward" not in vars(m.final_layer) for m in sp.models)
+
+
+def test_rank_threads_sharing_one_final_layer_each_get_their_own_override():
+    # CPU ranks (or the copy fallback) can share one DiT module: rank A arms, rank B arms, then
+    # they call in the other order; each must run its own rank-local call, never the other's.
+    import threading
+    from comfy.multidevice.sp.minimax_h3 import _arm_rank_local_final_layer
+
+    final = torch.nn.Linear(2, 2)
+    h = {name: torch.randn(3, 2) for name in "AB"}
+    armed = {name: threading.Event() for name in "AB"}
+    results = {}
+
+    def rank(name, other):
+        _arm_rank_local_final_layer(final, h[name], lambda layer, x: ("rank-local", name, x is h[name]))
+        armed[name].set()
+        armed[other].wait(5)
+        if name == "A":  # A calls only after B has armed and called
+            done_b.wait(5)
+        results[name] = final(h[name])
+        results[name + " other x"] = final(torch.zeros(1, 2))  # not its h: the layer's own forward
+        if name == "B":
+            done_b.set()
+
+    done_b = threading.Event()
+    threads = [threading.Thread(target=rank, args=p) for p in (("A", "B"), ("B", "A"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results["A"] == ("rank-local", "A", True) and results["B"] == ("rank-local", "B", True)
+    assert torch.is_tensor(results["A other x"]) and torch.is_tensor(results["B other x"])
+    assert "forward" not in final.__dict__  # nothing armed: no instance override is left

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -262,18 +263,14 @@ class H3RankShard:
         projection weights, not which rows are used. So the rank's rows with its spans clipped
         and re-based give exactly its part of the output rows.
         """
-        final = self.model.final_layer
         plan, comm, to_root = self.plan, self.comm, self.final_rows_to == "root"
 
-        def rank_local_final_layer(x, t_emb, video_seg, audio_seg, *rest, **kwargs):
-            del final.forward  # one shot: the class's own forward from here on
-            if x is not h_local:  # not this forward's last block output: run as the model does
-                return final(x, t_emb, video_seg, audio_seg, *rest, **kwargs)
+        def rank_local(final, x, t_emb, video_seg, audio_seg, *rest, **kwargs):
             segs = (video_seg, audio_seg)
             local = final(x, t_emb, *(_local_span(seg, plan) for seg in segs), *rest, **kwargs)
             return tuple(_output_rows(comm, rows, seg, to_root) for rows, seg in zip(local, segs))
 
-        final.forward = rank_local_final_layer
+        _arm_rank_local_final_layer(self.model.final_layer, h_local, rank_local)
 
     def _attention(self, index):
         # H3 contract: the block's attention module is model.blocks[i].attn; it projects,
@@ -297,6 +294,36 @@ class H3RankShard:
             with exchanging.region(f"block {index} attention", preferred=preferred):
                 return attn(h, rope_freqs=rope_freqs, transformer_options=options)
         return exchanging_attention
+
+
+# Rank threads may share one DiT module (CPU ranks on one device, or the copy fallback when
+# every rank's device is the loaded model's): the final-layer override is armed per thread.
+_FINAL_ARM_LOCK = threading.Lock()
+_PENDING = "_multidevice_rank_local_final"  # the final layer's {thread id: (h, call)} while armed
+
+
+def _arm_rank_local_final_layer(final, h_local, call) -> None:
+    """The next `final(h_local, ...)` from this thread runs `call(final, ...)` instead; any other
+    call (another thread's, another `x`) runs the layer's own forward. The instance override is
+    removed when no thread has one armed, so a copy of the model made later carries none."""
+    thread = threading.get_ident()
+    with _FINAL_ARM_LOCK:
+        pending = final.__dict__.get(_PENDING)
+        if pending is None:
+            pending = final.__dict__[_PENDING] = {}
+
+            def dispatch(x, *args, **kwargs):
+                with _FINAL_ARM_LOCK:
+                    entry = pending.pop(threading.get_ident(), None)
+                    if not pending:
+                        final.__dict__.pop("forward", None)
+                        final.__dict__.pop(_PENDING, None)
+                if entry is None or x is not entry[0]:
+                    return type(final).forward(final, x, *args, **kwargs)
+                return entry[1](final, x, *args, **kwargs)
+
+            final.forward = dispatch
+        pending[thread] = (h_local, call)
 
 
 def _local_span(seg, plan: ShardPlan):
