@@ -381,12 +381,14 @@ def plan_install(comfyui: Path, project: Project, report: bool = True, force: bo
             raise explain_conflict(comfyui, project.patch, uninstalling=False, paths=foreign)
         replaced, state = sorted(ours), "upgrade"  # the earlier version as a whole, then this one
     else:
-        # Same patch: an extra file of the earlier install that this version changed or dropped.
-        wanted = {str(e.target): _digest(e.source) for e in extras}
-        replaced = sorted(rel for rel in ours if rel not in patch_paths(project.patch)
-                          and wanted.get(rel) != record[rel]
-                          and not any(str(beside(e).target) == rel and _digest(e.source) == record[rel]
-                                      for e in extras))
+        # Same patch: an extra file of the earlier install that this version changed or dropped
+        # (a workflow kept beside the user's edit is wanted under its beside name).
+        wanted = {}
+        for extra in extras:
+            wanted[str(extra.target)] = wanted[str(beside(extra).target)] = _digest(extra.source)
+        patch_files = set(patch_paths(project.patch))
+        replaced = sorted(rel for rel in ours
+                          if rel not in patch_files and wanted.get(rel) != record[rel])
     to_copy = plan_extras(comfyui, extras, gone=frozenset(replaced))
     return InstallPlan(state, tuple(replaced), tuple(to_copy))
 
@@ -397,8 +399,9 @@ def check(comfyui: Path, project: Project, uninstalling: bool, report: bool = Tr
         plan_install(comfyui, project, report=report, force=force)
         return
     comfyui = validate_checkout(comfyui)
-    if read_record(comfyui):
-        edited_or_missing(comfyui, read_record(comfyui))
+    record = read_record(comfyui)
+    if record:
+        edited_files(comfyui, record)  # raises on an edited overlay file
         return
     if not project.patch.is_file():
         raise OverlayError(f"{project.patch} is missing; regenerate it with tools/make_patch.py")
@@ -466,14 +469,14 @@ def apply(comfyui: Path, project: Project, report: bool = True, force: bool = Fa
         say(f"applied {patch.name} ({len(patch_paths(patch))} new files) to {comfyui}")
     else:
         say(f"{patch.name} is already applied in {comfyui}")
-    for rel in plan.replaced:
-        if plan.patch_state != "upgrade":
+    if plan.patch_state != "upgrade":  # an upgrade replaces the whole earlier install: said above
+        for rel in plan.replaced:
             say(f"replaced {rel} (an earlier version of ours)")
     for rel in written:
         say(f"installed {rel}")
 
 
-def edited_or_missing(comfyui: Path, record: dict[str, str]) -> list[str]:
+def edited_files(comfyui: Path, record: dict[str, str]) -> list[str]:
     """Recorded files the user changed, workflows aside (those are kept); raises for overlay
     files: removing the overlay around an edited module would leave a broken package."""
     ours = unedited(comfyui, record)
@@ -494,7 +497,7 @@ def uninstall(comfyui: Path, project: Project, report: bool = True) -> None:
                            f"runtime/stop-v1.sh, then rerun --uninstall")
     record = read_record(comfyui)
     if record:
-        kept = edited_or_missing(comfyui, record)
+        kept = edited_files(comfyui, record)
         removed = sorted(unedited(comfyui, record))
     else:  # installed by a version of this tool that kept no record: this version's files
         kept, removed = _uninstall_unrecorded(comfyui, project)
