@@ -41,6 +41,8 @@ from comfy.multidevice.sp.cost_model import (DiTShape, activation_bytes, block_p
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel  # noqa: E402
 from comfy.multidevice.weights.replicas import replica_on  # noqa: E402
 
+from bench_sp_scaling import inputs  # noqa: E402  (this folder: the same seeded inputs)
+
 TEXT_TOKENS, AUDIO_FRAMES = 32, 32
 CARD_GB = 64.0  # Ascend 910B
 H3_FILE_GB = 66.3  # the BF16 DiT file (docs/ARCHITECTURE.md)
@@ -52,16 +54,6 @@ def bench_config(blocks: int) -> MiniatureConfig:
                            num_attention_heads=4, attention_head_dim=32, ffn_hidden_size=256,
                            text_dim=32, timestep_input_dim=32, time_embed_hidden_size=64,
                            time_embed_dim=32, rope_inv_freq_len=4)
-
-
-def inputs(video_rows: int, cfg: MiniatureConfig):
-    side = 16
-    frames = -(-video_rows // (side * side))
-    g = torch.Generator().manual_seed(0)
-    video = torch.randn(1, cfg.latents_dim, frames, 2 * side, 2 * side, generator=g)
-    audio = torch.randn(1, cfg.audio_latents_dim, 2, AUDIO_FRAMES, generator=g)
-    text = torch.randn(1, TEXT_TOKENS, cfg.text_dim, generator=g)
-    return [video, audio], torch.tensor([500.0]), text
 
 
 def bound_bytes(module: torch.nn.Module) -> int:
@@ -136,14 +128,14 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     cfg = bench_config(args.blocks)
     model = build_miniature(cfg, seed=0)
-    x, t, ctx = inputs(args.video_rows, cfg)
+    x, t, ctx, tokens = inputs(args.video_rows, cfg, TEXT_TOKENS, AUDIO_FRAMES)
     per_world = {}
     for world in (2, 4):
         per_world[world] = one_world(model, world, x, t, ctx, args.rounds)
         print(f"W={world}: {json.dumps(per_world[world])}", file=sys.stderr)
     result = {
         "model": f"miniature H3, {args.blocks} blocks, hidden {cfg.hidden_size}, fp32, CPU ranks, peer",
-        "tokens": TEXT_TOKENS + 2 * AUDIO_FRAMES + -(-args.video_rows // 256) * 256,
+        "tokens": tokens,
         "rounds": args.rounds,
         "shard_resident_ratio_w2": round(per_world[2]["shard_resident_ratio"], 4),
         "shard_resident_ratio_w4": round(per_world[4]["shard_resident_ratio"], 4),

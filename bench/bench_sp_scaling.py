@@ -48,14 +48,16 @@ def bench_config(blocks: int) -> MiniatureConfig:
                            time_embed_dim=32, rope_inv_freq_len=4)
 
 
-def inputs(video_rows: int, cfg: MiniatureConfig):
+def inputs(video_rows: int, cfg: MiniatureConfig, text_tokens: int = TEXT_TOKENS,
+           audio_frames: int = AUDIO_FRAMES):
+    """Seeded video/audio latents and text for about `video_rows` video tokens, and the tokens."""
     side = 16  # 16 x 16 patch rows per latent frame (a 32 x 32 latent)
     frames = -(-video_rows // (side * side))
     g = torch.Generator().manual_seed(0)
     video = torch.randn(1, cfg.latents_dim, frames, 2 * side, 2 * side, generator=g)
-    audio = torch.randn(1, cfg.audio_latents_dim, 2, AUDIO_FRAMES, generator=g)
-    text = torch.randn(1, TEXT_TOKENS, cfg.text_dim, generator=g)
-    tokens = TEXT_TOKENS + 2 * AUDIO_FRAMES + frames * side * side
+    audio = torch.randn(1, cfg.audio_latents_dim, 2, audio_frames, generator=g)
+    text = torch.randn(1, text_tokens, cfg.text_dim, generator=g)
+    tokens = text_tokens + 2 * audio_frames + frames * side * side
     return [video, audio], torch.tensor([500.0]), text, tokens
 
 
