@@ -41,3 +41,19 @@ def fake_hccl_no_alltoallv_path(tmp_path_factory):
 def fake_nccl_no_sendrecv_path(tmp_path_factory):
     return build_fake("fake_nccl", defines=("FAKE_NO_SENDRECV",),
                       out_dir=tmp_path_factory.mktemp("fake_nccl_nop2p"))
+
+
+def recording_progress_bar(steps: list):
+    """A stand-in for ComfyUI's comfy.utils.ProgressBar that appends ("new", total) and
+    ("step", value) to `steps`; the sampler's own update_absolute is ignored."""
+
+    class RecordingBar:
+        def __init__(self, total):
+            steps.append(("new", total))
+
+        def update(self, value):
+            steps.append(("step", value))
+
+        def update_absolute(self, value, total=None, preview=None):
+            pass
+    return RecordingBar

@@ -34,6 +34,7 @@ from comfy.multidevice.tp.layers import (ColumnParallelLinear, QuantizedWeightsE
 from comfy.multidevice.tp.shard import (TensorParallelDecoder, build_tensor_parallel_decoder, prefixed_weights, shard_decoder)
 from comfy.multidevice.tp.clip import (apply_tensor_parallel_text_encoder, remove_tensor_parallel_text_encoder, tensor_parallel_clip, check_tensor_parallel_clip)
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
+from tests.conftest import recording_progress_bar
 from tests.rank_processes import run_rank_processes
 
 FP32_REL_TOL = 1e-5
@@ -246,14 +247,7 @@ def test_rank_weight_bytes_follow_the_formula(world, layout):
 def test_the_split_logs_each_card_and_moves_comfyuis_progress_bar(monkeypatch, caplog):
     # A stand-in for comfy.utils (ComfyUI's module) whose ProgressBar records its steps.
     steps = []
-
-    class RecordingBar:
-        def __init__(self, total):
-            steps.append(("new", total))
-
-        def update(self, value):
-            steps.append(("step", value))
-    monkeypatch.setitem(sys.modules, "comfy.utils", SimpleNamespace(ProgressBar=RecordingBar))
+    monkeypatch.setitem(sys.modules, "comfy.utils", SimpleNamespace(ProgressBar=recording_progress_bar(steps)))
     model = build_miniature_decoder(LAYOUTS["separate"])
     with coordinator(4) as coord, caplog.at_level("INFO", logger="comfy.multidevice.tp"):
         build_tensor_parallel_decoder(model, coord)

@@ -12,6 +12,7 @@ import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.plan import SequenceParallelError
+from tests.conftest import recording_progress_bar
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL, tiny_state_dict
 
@@ -98,17 +99,7 @@ def test_first_prompt_shows_replica_progress_and_logs_each_card(upstream, patche
         pytest.skip("refused on this ComfyUI (test_node_dit_role_samples_like_one_card checks that)")
     import comfy.utils
     steps = []
-
-    class RecordingBar:
-        def __init__(self, total):
-            steps.append(("new", total))
-
-        def update(self, value):
-            steps.append(("step", value))
-
-        def update_absolute(self, value, total=None, preview=None):  # the sampler's own bar
-            pass
-    monkeypatch.setattr(comfy.utils, "ProgressBar", RecordingBar)
+    monkeypatch.setattr(comfy.utils, "ProgressBar", recording_progress_bar(steps))
     world = 4
     coord, parallel = node_dit(patcher, world)
     with coord, caplog.at_level("INFO", logger="comfy.multidevice.roles"):
