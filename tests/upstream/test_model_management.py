@@ -227,6 +227,34 @@ def test_text_encoder_shards_are_evicted_and_rebuilt_from_ram(upstream, tiny_cli
         assert decoder.shards[0] is not None and torch.equal(first, third)
 
 
+def test_an_encode_that_skips_the_clips_load_brings_the_shards_in_with_the_running_clip(
+        upstream, tiny_clip, monkeypatch):
+    """A caller that encodes without CLIP.load_model (straight through cond_stage_model) while
+    a shard is evicted: the decoder loads the shards through ComfyUI before it runs, in one call
+    with the loaded CLIP patcher that runs it (so that call cannot evict it), bit-identical."""
+    import comfy.model_management as mm
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.tp.clip import language_model_of
+    from tests.upstream.test_text_encoder import PROMPT
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
+        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        decoder = language_model_of(parallel)
+        tokens = parallel.tokenize(PROMPT)
+        with torch.inference_mode():
+            parallel.load_model(tokens)
+            first = parallel.cond_stage_model.encode_token_weights(tokens)[0]
+        _our_shards(decoder)[0][1].detach()  # evicted, still listed
+        assert decoder.shards[0] is None
+        calls, real = [], mm.load_models_gpu
+        monkeypatch.setattr(mm, "load_models_gpu", lambda models, *a, **k: calls.append(list(models)) or real(models, *a, **k))
+        with torch.inference_mode():
+            second = parallel.cond_stage_model.encode_token_weights(tokens)[0]
+        ours = [p for _, (_, p) in sorted(_our_shards(decoder).items())]
+        assert len(calls) == 1 and calls[0] == [parallel.patcher] + ours
+        assert decoder.shards[0] is not None and torch.equal(first, second)
+
+
 def test_making_room_for_a_call_never_evicts_a_model_of_that_call(upstream, monkeypatch):
     """Why the shards ride on the CLIP's own load: upstream's load_models_gpu takes the models
     of its call out of the loaded list before it makes room, so a card with no free memory
