@@ -315,6 +315,58 @@ def test_the_merge_card_decodes_with_the_vaes_own_weights_counted_by_its_patcher
     assert loaded.model_loaded_memory() == weight_bytes(used[0]) - tables > 0 and tables < 1024
 
 
+def test_stage_switching_two_prompts_in_a_row_through_model_management(upstream, hook, h3_file, tiny_clip,
+                                                                        tiny_vae):
+    """One server, two prompts in a row, each: text encoder (tensor parallel on both cards) ->
+    DiT (sequence parallel, a replica on card 1) -> video VAE (chunks on both cards), all on the
+    node's one coordinator. Between stages every card is made room on as load_models_gpu does
+    when the cards are full (free_memory), which evicts the stage before; each stage's copies
+    come back through ComfyUI from RAM. The second prompt reads 0 bytes from disk and repeats
+    the first bit for bit. The stages take the test's own inputs (the tiny encoder's width is
+    not the tiny DiT's, nor is its latent the tiny VAE's)."""
+    import comfy.model_management as mm
+    import comfy.sd
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+    from comfy.multidevice.roles.apply import _chunked_video_vae, _tensor_parallel_text_encoder
+    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    from comfy.multidevice.roles.model_management import ADDITIONAL_MODELS_KEY
+    from comfy.multidevice.tp.clip import language_model_of
+    from comfy.multidevice.weights.checkpoint import total_bytes_read
+    model = comfy.sd.load_diffusion_model(str(h3_file))
+    z = torch.randn(1, 24, 7, 2, 3, generator=torch.Generator().manual_seed(1))
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
+        clip = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        dit = _sequence_parallel_dit(model, coord.devices, coord)
+        vae = _chunked_video_vae(tiny_vae, coord.devices, coord.devices[0], coord)
+        decoder, replicas = language_model_of(clip), dit.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)
+
+        def make_room():  # every card full: what load_models_gpu does before the next stage
+            for device in dict.fromkeys(coord.devices):
+                mm.free_memory(1e30, device)
+
+        def prompt():
+            cond = encode(clip)
+            assert sorted(_our_shards(decoder)) == [0, 1]
+            make_room()
+            assert _our_shards(decoder) == {} and all(s is None for s in decoder.shards)
+            latents = sample(dit)
+            assert _registered(replicas) == [True]
+            make_room()
+            assert _registered(replicas) == [False] and not dit.multinpu_dit_replicas.resident(0)
+            with torch.inference_mode():
+                frames = vae.decode(z)
+            assert _registered([vae.patcher]) == [True]
+            make_room()
+            return cond, latents, frames
+
+        first = prompt()
+        before = total_bytes_read()
+        second = prompt()
+        assert total_bytes_read() == before
+    assert torch.equal(first[0], second[0]) and torch.equal(first[2], second[2])
+    assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+
+
 def test_an_eviction_frees_the_replicas_own_copies(upstream, hook, h3_file):
     """The fp32 file loaded as bf16: each replica holds its own bf16 copy of the weights (not
     the base views), so what an eviction drops is measurable: every byte of those copies, while
