@@ -360,6 +360,26 @@ def test_missing_or_misshaped_weight_is_named():
             build_tensor_parallel_decoder(model, coord, weights=sd)
 
 
+def _storages(module):
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_rank_0_shard_is_memory_of_its_own_beyond_what_the_module_tree_holds(world):
+    """Rank 0's shard, on the very device of the decoder it was cut from, shares no storage with
+    it, and the fan-out module's own tensors (what a model manager moving and counting the CLIP
+    sees: the kept input embedding) include none of any shard's: so a model manager counting
+    the CLIP does not count rank 0's shard (roles/model_management.py registers it)."""
+    model = build_miniature_decoder(LAYOUTS["separate"], seed=4)
+    with coordinator(world) as coord:
+        tp = build_tensor_parallel_decoder(model, coord)
+        assert [str(s.embed_tokens.weight.device) for s in tp.shards] == ["cpu"] * world
+        assert not _storages(tp.shards[0]) & _storages(model)
+        assert _storages(tp) == _storages(model.embed_tokens)
+        assert all(not _storages(s) & _storages(tp) for s in tp.shards)
+        assert tp.shard_bytes[0] == weight_bytes(tp.shards[0]) > 0
+
+
 def test_decoder_is_not_modified():
     cfg = LAYOUTS["separate"]
     model = build_miniature_decoder(cfg, seed=10)

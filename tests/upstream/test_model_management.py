@@ -8,6 +8,10 @@ card) evict them, dropping only the device copy while the base stays in RAM; the
 loads them again reading 0 bytes from disk and gives the same result bit for bit. Ranks are CPU
 devices here, so a replica's "device copy" is the base view itself: what is measured is the
 bookkeeping (registered, evicted, restored, bytes read), not freed card memory.
+
+The text encoder's tensor-parallel shards (rank 0's included) come in with the CLIP's own load
+and are evicted and rebuilt the same way; the video VAE's merge card decodes with the VAE's own
+weights, which its patcher counts.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from tests.upstream.test_h3_dit import FP32_TOL, tiny_state_dict
 from tests.upstream.test_sampling import node_dit, sample
 from tests.upstream import test_text_encoder
 from tests.upstream.test_text_encoder import encode
+from tests.upstream import test_video_vae
+from tests.upstream.test_video_vae import parallel_vae
 
 tiny_clip = test_text_encoder.tiny_clip  # the text encoder cases' fixture, used here too
+tiny_vae = test_video_vae.tiny_vae        # and the video VAE cases'
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +148,63 @@ def test_the_chunked_video_vae_loads_its_copies_through_comfyui_before_decoding(
     assert loaded == [patchers]
 
 
-def test_text_encoder_shards_are_loaded_evicted_and_rebuilt_from_ram(upstream, tiny_clip):
-    """The tensor-parallel text encoder's shards on ranks 1..W-1 are loaded through ComfyUI
-    before each encode (counted in current_loaded_models), evicted by unload_all_models (their
-    memory freed: the shard object is gone) and rebuilt from the kept decoder at the next
-    encode, reading nothing from disk; the encodes agree bit for bit."""
+def _storages(module):
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+
+@pytest.fixture
+def loads_with_model_patches(upstream):
+    import inspect
+    import comfy.model_management as mm
+    if "model_patches_models" not in inspect.getsource(mm.load_models_gpu):
+        pytest.skip("this ComfyUI's load_models_gpu does not load a patcher's model patches with it "
+                    "(the text encoder shards then come in before each forward instead)")
+
+
+def _our_shards(decoder):
+    import comfy.model_management as mm
+    return {p.card_copy.rank: (lm, p) for lm in mm.current_loaded_models if (p := lm.model) is not None
+            and getattr(getattr(p, "card_copy", None), "decoder", None) is decoder}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_text_encoder_shard_rank_0_included_comes_with_the_clips_own_load(
+        upstream, tiny_clip, loads_with_model_patches, monkeypatch, world):
+    """Rank 0's shard is memory of its own on card 0, beside what the CLIP's patcher counts
+    there (no storage in common), so ComfyUI must count it: after an encode every shard, rank
+    0's included, is in current_loaded_models on its card with its real size, and card 0's
+    accounting is the CLIP's loaded size plus rank 0's shard. They came in the CLIP's own
+    load_models_gpu call (the only call of the encode), so making room for them could not
+    evict the CLIP. Ranks are CPU devices here: what is checked is the accounting, by object."""
+    import comfy.model_management as mm
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.tp.clip import language_model_of
+    from comfy.multidevice.tp.layers import weight_bytes
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
+        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        decoder = language_model_of(parallel)
+        calls, real = [], mm.load_models_gpu
+        monkeypatch.setattr(mm, "load_models_gpu", lambda models, *a, **k: calls.append(list(models)) or real(models, *a, **k))
+        encode(parallel)
+        assert len(calls) == 1 and calls[0][0] is parallel.patcher  # the CLIP's own, nothing else
+        ours = _our_shards(decoder)
+        assert sorted(ours) == list(range(world))
+        assert parallel.patcher.model_patches_models() == [ours[r][1] for r in range(world)]
+        assert parallel.clone().patcher.model_patches_models() == parallel.patcher.model_patches_models()
+        for rank, (loaded, patcher) in ours.items():
+            assert loaded.device == coord.devices[rank]
+            assert patcher.loaded_size() == weight_bytes(decoder.shards[rank]) > 0
+        clip_loaded = next(lm for lm in mm.current_loaded_models if lm.model is parallel.patcher)
+        assert not _storages(decoder.shards[0]) & _storages(parallel.patcher.model)  # extra memory
+        card_0 = clip_loaded.model_loaded_memory() + ours[0][0].model_loaded_memory()
+        assert card_0 == parallel.patcher.loaded_size() + weight_bytes(decoder.shards[0])
+
+
+def test_text_encoder_shards_are_evicted_and_rebuilt_from_ram(upstream, tiny_clip):
+    """unload_all_models and free_memory on card 0 evict every shard, rank 0's included (its
+    memory freed: the shard object is gone); the next encode brings them back with the CLIP,
+    sliced again from the kept single-card decoder in RAM (no file is read), bit-identical."""
     import comfy.model_management as mm
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
     from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
@@ -155,16 +214,157 @@ def test_text_encoder_shards_are_loaded_evicted_and_rebuilt_from_ram(upstream, t
         parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
         decoder = language_model_of(parallel)
         first = encode(parallel)
-        loaded = [lm.model for lm in mm.current_loaded_models]
-        ours = [m for m in loaded if getattr(getattr(m, "card_copy", None), "decoder", None) is decoder]
-        assert sorted(p.card_copy.rank for p in ours) == [1, 2, 3]
-        assert all(p.loaded_size() == p.model_size() > 0 for p in ours)
         mm.unload_all_models()
-        assert decoder.shards[0] is not None and all(decoder.shards[r] is None for r in (1, 2, 3))
+        assert _our_shards(decoder) == {} and all(s is None for s in decoder.shards)
         before = total_bytes_read()
         second = encode(parallel)
-        assert all(s is not None for s in decoder.shards) and total_bytes_read() == before
-        assert torch.equal(first, second)
+        assert sorted(_our_shards(decoder)) == [0, 1, 2, 3] and all(s is not None for s in decoder.shards)
+        assert total_bytes_read() == before and torch.equal(first, second)
+
+        mm.free_memory(1e30, coord.devices[0])  # another model needing card 0
+        assert 0 not in _our_shards(decoder) and decoder.shards[0] is None
+        third = encode(parallel)
+        assert decoder.shards[0] is not None and torch.equal(first, third)
+
+
+def test_an_encode_that_skips_the_clips_load_brings_the_shards_in_with_the_running_clip(
+        upstream, tiny_clip, monkeypatch):
+    """A caller that encodes without CLIP.load_model (straight through cond_stage_model) while
+    a shard is evicted: the decoder loads the shards through ComfyUI before it runs, in one call
+    with the loaded CLIP patcher that runs it (so that call cannot evict it), bit-identical."""
+    import comfy.model_management as mm
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.tp.clip import language_model_of
+    from tests.upstream.test_text_encoder import PROMPT
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
+        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        decoder = language_model_of(parallel)
+        tokens = parallel.tokenize(PROMPT)
+        with torch.inference_mode():
+            parallel.load_model(tokens)
+            first = parallel.cond_stage_model.encode_token_weights(tokens)[0]
+        _our_shards(decoder)[0][1].detach()  # evicted, still listed
+        assert decoder.shards[0] is None
+        calls, real = [], mm.load_models_gpu
+        monkeypatch.setattr(mm, "load_models_gpu", lambda models, *a, **k: calls.append(list(models)) or real(models, *a, **k))
+        with torch.inference_mode():
+            second = parallel.cond_stage_model.encode_token_weights(tokens)[0]
+        ours = [p for _, (_, p) in sorted(_our_shards(decoder).items())]
+        assert len(calls) == 1 and calls[0] == [parallel.patcher] + ours
+        assert decoder.shards[0] is not None and torch.equal(first, second)
+
+
+def test_making_room_for_a_call_never_evicts_a_model_of_that_call(upstream, monkeypatch):
+    """Why the shards ride on the CLIP's own load: upstream's load_models_gpu takes the models
+    of its call out of the loaded list before it makes room, so a card with no free memory
+    gives up the other models, never one of that call; a separate call for our shard alone (as
+    rank 0's used to be, mid-encode) evicts the CLIP. Stand-ins on the meta device (nothing
+    allocated) with ComfyUI told the card is full; the bookkeeping is upstream's own."""
+    import comfy.model_management as mm
+    from comfy.multidevice.roles.model_management import CachedCopy, card_patcher
+    from comfy.multidevice.weights.replicas import ReplicaCache
+
+    def stand_in(what, width):
+        return card_patcher(CachedCopy(ReplicaCache(torch.nn.Linear(width, width)), "meta", what))
+
+    other, clip, shard = stand_in("another model", 8), stand_in("the CLIP", 6), stand_in("rank 0 shard", 4)
+    free = {"bytes": 1 << 40}
+    monkeypatch.setattr(mm, "get_free_memory", lambda *a, **k: (free["bytes"],) * 2 if k.get("torch_free_too") else free["bytes"])
+    mm.load_models_gpu([other])
+    mm.load_models_gpu([clip])
+    free["bytes"] = 0  # the card is full from here on
+    try:
+        mm.load_models_gpu([clip, shard])  # one call: the CLIP and its shard
+        assert _registered([other, clip, shard]) == [False, True, True]
+        assert clip.loaded_size() > 0 and shard.loaded_size() > 0
+        mm.free_memory(1e30, torch.device("meta"))
+        mm.load_models_gpu([clip])
+        mm.load_models_gpu([shard])  # a call of its own while the CLIP is loaded
+        assert _registered([clip, shard]) == [False, True] and clip.loaded_size() == 0
+    finally:
+        mm.free_memory(1e30, torch.device("meta"))
+
+
+def test_the_merge_card_decodes_with_the_vaes_own_weights_counted_by_its_patcher(upstream, tiny_vae, monkeypatch):
+    """The video VAE's merge card holds no decoder copy of ours: the merge rank decodes with the
+    very module upstream's VAE.decode loaded through the VAE's patcher, so ComfyUI's accounting
+    of that card (the patcher's loaded size) is every weight the merge rank decoded with. Ranks
+    are CPU devices here (all of them the merge device), so no copy is asked for at all."""
+    import comfy.model_management as mm
+    from comfy.multidevice.tp.layers import weight_bytes
+    from comfy.multidevice.vae.chunked import H3ChunkInterface
+    coord, parallel = parallel_vae(tiny_vae, 2)
+    chunked = parallel.first_stage_model.parallel_decode
+    used, asked = [], []
+    real_decode, real_get = H3ChunkInterface.decode_window, chunked.replicas.get
+    monkeypatch.setattr(H3ChunkInterface, "decode_window",
+                        staticmethod(lambda module, z: used.append(module) or real_decode(module, z)))
+    monkeypatch.setattr(chunked.replicas, "get", lambda device: asked.append(device) or real_get(device))
+    z = torch.randn(1, 24, 12, 2, 3, generator=torch.Generator().manual_seed(3))
+    with coord, torch.inference_mode():
+        out = parallel.decode(z)
+        reference = tiny_vae.decode(z)
+    assert torch.equal(out, reference) and len(used) == 2 and asked == []
+    assert all(m is parallel.patcher.model for m in used)  # the VAE patcher's own module
+    loaded = next(lm for lm in mm.current_loaded_models if lm.model is parallel.patcher)
+    # upstream counts state-dict tensors: all but the non-persistent buffers (a few small tables)
+    persistent = used[0].state_dict()
+    tables = sum(b.nbytes for n, b in used[0].named_buffers() if n not in persistent)
+    assert loaded.device == coord.devices[0]
+    assert loaded.model_loaded_memory() == weight_bytes(used[0]) - tables > 0 and tables < 1024
+
+
+def test_stage_switching_two_prompts_in_a_row_through_model_management(upstream, hook, h3_file, tiny_clip,
+                                                                        tiny_vae):
+    """One server, two prompts in a row, each: text encoder (tensor parallel on both cards) ->
+    DiT (sequence parallel, a replica on card 1) -> video VAE (chunks on both cards), all on the
+    node's one coordinator. Between stages every card is made room on as load_models_gpu does
+    when the cards are full (free_memory), which evicts the stage before; each stage's copies
+    come back through ComfyUI from RAM. The second prompt reads 0 bytes from disk and repeats
+    the first bit for bit. The stages take the test's own inputs (the tiny encoder's width is
+    not the tiny DiT's, nor is its latent the tiny VAE's)."""
+    import comfy.model_management as mm
+    import comfy.sd
+    from comfy.multidevice.comm.group import SequenceParallelCoordinator
+    from comfy.multidevice.roles.apply import _chunked_video_vae, _tensor_parallel_text_encoder
+    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    from comfy.multidevice.roles.model_management import ADDITIONAL_MODELS_KEY
+    from comfy.multidevice.tp.clip import language_model_of
+    from comfy.multidevice.weights.checkpoint import total_bytes_read
+    model = comfy.sd.load_diffusion_model(str(h3_file))
+    z = torch.randn(1, 24, 7, 2, 3, generator=torch.Generator().manual_seed(1))
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
+        clip = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        dit = _sequence_parallel_dit(model, coord.devices, coord)
+        vae = _chunked_video_vae(tiny_vae, coord.devices, coord.devices[0], coord)
+        decoder, replicas = language_model_of(clip), dit.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)
+
+        def make_room():  # every card full: what load_models_gpu does before the next stage
+            for device in dict.fromkeys(coord.devices):
+                mm.free_memory(1e30, device)
+
+        def prompt():
+            cond = encode(clip)
+            assert sorted(_our_shards(decoder)) == [0, 1]
+            make_room()
+            assert _our_shards(decoder) == {} and all(s is None for s in decoder.shards)
+            latents = sample(dit)
+            assert _registered(replicas) == [True]
+            make_room()
+            assert _registered(replicas) == [False] and not dit.multinpu_dit_replicas.resident(0)
+            with torch.inference_mode():
+                frames = vae.decode(z)
+            assert _registered([vae.patcher]) == [True]
+            make_room()
+            return cond, latents, frames
+
+        first = prompt()
+        before = total_bytes_read()
+        second = prompt()
+        assert total_bytes_read() == before
+    assert torch.equal(first[0], second[0]) and torch.equal(first[2], second[2])
+    assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
 
 
 def test_an_eviction_frees_the_replicas_own_copies(upstream, hook, h3_file):

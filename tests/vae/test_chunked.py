@@ -121,6 +121,32 @@ def test_chunks_are_spread_over_all_ranks():
     assert sorted(set(seen)) == [f"sp-rank-{r}" for r in range(4)]
 
 
+def test_the_merge_card_decodes_with_the_module_itself_never_a_copy():
+    """On the merge card the module decodes as its model manager left it there (ComfyUI's VAE
+    patcher counts those weights); the copy cache is asked only for the other cards, even when
+    it would build a copy for the merge card (the module's first weight elsewhere, as after a
+    partial load). Here every rank is the merge device: no copy is asked for at all."""
+    vae = TinyCausalVideoVAE(seed=3)
+    asked, decoded_by = [], []
+
+    class CopyingCache:  # what ReplicaCache does when the module's home is another device
+        def get(self, device):
+            asked.append(device)
+            return replica_on(vae, device)
+
+    real = vae._adaptive_decode
+    vae._adaptive_decode = lambda z: decoded_by.append("module") or real(z)
+    z = latent(17, seed=5)
+    chunked = ChunkedDecode(vae, ["cpu"] * 3, merge_device="cpu", replicas=CopyingCache())
+    chunks = len(chunked.interface.schedule.plan(17).windows)
+    with torch.no_grad():
+        want = vae.decode(z)
+        decoded_by.clear()
+        got = chunked.decode(z)
+    assert chunks == 3 and asked == [] and decoded_by == ["module"] * chunks  # all by the module
+    assert torch.equal(got, want)
+
+
 def test_single_frame_uses_the_module_path():
     vae = TinyCausalVideoVAE()
     z = latent(1)

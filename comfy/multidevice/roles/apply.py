@@ -173,8 +173,7 @@ def _tensor_parallel_text_encoder(clip, devices, coordinator):
         patcher.load_device = devices[0]
     try:
         from comfy.multidevice.roles.model_management import manage_tensor_parallel_shards
-        from comfy.multidevice.tp.clip import language_model_of
-        manage_tensor_parallel_shards(language_model_of(out))
+        manage_tensor_parallel_shards(out)  # out has a patcher of its own (a clone's)
     except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
         pass
     log.info("text encoder: tensor parallel over %s", ", ".join(map(str, devices)))

@@ -171,8 +171,10 @@ class CachedCopy:
 def manage_decoder_copies(decoder, what: str = "video VAE decoder copy") -> list:
     """Make a ChunkedDecode's per-card decoder copies known to ComfyUI: before each decode they
     are loaded through `load_models_gpu` (registered on their cards, room made by evicting
-    others), and ComfyUI may evict them between decodes. The merge card is left out: the
-    VAE's own patcher holds the decoder there. Returns the patchers."""
+    others), and ComfyUI may evict them between decodes. The merge card has no copy: the merge
+    rank decodes with the VAE's own module, counted by the VAE's own patcher, which upstream's
+    VAE.decode loads there; this call makes room on the other cards only, so it cannot evict
+    that patcher. Returns the patchers."""
     patchers = [card_patcher(CachedCopy(decoder.replicas, d, what))
                 for d in dict.fromkeys(decoder.devices) if d != decoder.merge_device]
     decoder.before_decode = lambda: load_card_copies(patchers)
@@ -201,15 +203,51 @@ class ShardCopy:
         return self.decoder.drop_shard(self.rank)
 
 
-def manage_tensor_parallel_shards(decoder) -> list:
-    """Make a TensorParallelDecoder's shards known to ComfyUI: before each encode they are
-    loaded through `load_models_gpu`, and ComfyUI may evict them between encodes. Rank 0's
-    shard is left out: its card is the CLIP's load device, where the CLIP's own patcher is
-    loaded for this encode, and making room there could evict it mid-encode. Returns the
-    patchers (ranks 1..W-1)."""
-    patchers = [card_patcher(ShardCopy(decoder, r)) for r in range(1, decoder.world_size)]
-    decoder.before_forward = lambda: load_card_copies(patchers)
+class LoadedWith:
+    """A model patch whose `models()` ComfyUI loads together with the patcher that carries it.
+
+    Upstream's `load_models_gpu` adds every model patch's `models()` to the models of its call
+    (`ModelPatcher.model_patches_models`). A call first takes each of its models out of the
+    loaded list and only then makes room, so nothing of one call can evict another part of the
+    same call: the CLIP's own load (at the start of every encode) brings our shards with it and
+    can never evict the CLIP to make room for them. Clones of the patcher share this entry."""
+
+    def __init__(self, patchers: Sequence):
+        self.patchers = list(patchers)
+
+    def models(self) -> list:
+        return list(self.patchers)
+
+
+def manage_tensor_parallel_shards(clip) -> list:
+    """Make a tensor-parallel CLIP's shards, rank 0's included, known to ComfyUI.
+
+    Every shard is extra memory on its card: rank 0's holds its own copies of its slices and
+    of the replicated tensors, none of them the CLIP patcher's. The shards ride on the CLIP's
+    patcher as a model patch (LoadedWith), so ComfyUI loads them in the CLIP's own call at each
+    encode, counts each on its card and may evict them between encodes (an evicted shard is
+    sliced again from the kept decoder, 0 bytes from disk). `clip` must be a CLIP of its own,
+    not one sharing its patcher with another CLIP (tensor_parallel_clip makes such a copy).
+    Returns the patchers (ranks 0..W-1)."""
+    from comfy.multidevice.tp.clip import language_model_of
+    decoder = language_model_of(clip)
+    patchers = [card_patcher(ShardCopy(decoder, r)) for r in range(decoder.world_size)]
+    clip.patcher.set_model_patch(LoadedWith(patchers), ADDITIONAL_MODELS_KEY)
+    owner = clip.patcher.model  # what every clone of the CLIP's patcher manages too
+    decoder.before_forward = lambda: load_with_running_owner(patchers, owner)
     return patchers
+
+
+def load_with_running_owner(patchers: Sequence, owner) -> None:
+    """Before a forward: load `patchers` through ComfyUI if any is not resident and registered
+    (normally all are: they came with the owner's own load). The loaded patchers that manage
+    `owner` (the running CLIP's) go into the same call, so making room cannot evict them."""
+    import comfy.model_management as mm
+    loaded = [lm.model for lm in mm.current_loaded_models if lm.model is not None]
+    if all(p.card_copy.resident and any(p is m for m in loaded) for p in patchers):
+        return
+    running = [m for m in loaded if getattr(m, "model", None) is owner]
+    mm.load_models_gpu(running + list(patchers))
 
 
 def load_card_copies(patchers: Sequence) -> None:

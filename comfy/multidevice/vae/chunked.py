@@ -277,6 +277,12 @@ class ChunkedDecode:
         raw_parts = self.decode_chunks(z, plan)
         return self.merge(raw_parts, plan, output_buffer)
 
+    def decoder_on(self, device: torch.device):
+        """The module that decodes on `device`. On the merge card it is the module itself, as
+        the caller's model manager (ComfyUI's VAE patcher) left it there, fully or partially
+        loaded: a copy there would be a second, uncounted one. Elsewhere a cached copy."""
+        return self.module if device == self.merge_device else self.replicas.get(device)
+
     def decode_chunks(self, z: torch.Tensor, plan: TemporalChunkPlan) -> list[torch.Tensor]:
         """Every chunk's raw frames, in chunk order, each on the merge device."""
         if self.before_decode is not None:
@@ -289,7 +295,7 @@ class ChunkedDecode:
         ratio = self.interface.schedule.time_ratio
 
         def decode_mine(rank, device, chunk_ids):
-            decoder = self.replicas.get(device)
+            decoder = self.decoder_on(device)
             out = []
             for i in chunk_ids:
                 raw = H3ChunkInterface.decode_window(decoder, windows[i].to(device))
