@@ -5,7 +5,7 @@ comfy-aimdo's C library does not initialise beside this CPU torch, so only
 `comfy_aimdo.model_mmap.ModelMMAP` is replaced, by the STAND-IN of tests/weights/aimdo_standin.py
 (a read-only Python mmap of the whole file with the same methods); everything else is
 upstream's code. The node's DiT role on 2 CPU ranks samples like one card (fp32, 1e-5 of
-max |reference|, as in test_h3_dit.py).
+max |reference|, as in test_h3_dit.py), for an fp32 file and one with fp8 block linears.
 """
 
 from __future__ import annotations
@@ -48,10 +48,13 @@ def own_mappings(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def h3_file(upstream, tmp_path):
-    path = tmp_path / "tiny_minimax_h3.safetensors"
-    safetensors.torch.save_file(tiny_state_dict(upstream), str(path))
+@pytest.fixture(params=["fp32", "float8_e4m3fn"])
+def h3_file(upstream, tmp_path, request):
+    """A tiny H3 file: fp32, or with its block linears quantized (as test_quantized_files.py)."""
+    from tests.upstream.test_quantized_files import quantized_state_dict
+    state = tiny_state_dict(upstream) if request.param == "fp32" else quantized_state_dict(upstream, request.param)
+    path = tmp_path / f"tiny_minimax_h3_{request.param}.safetensors"
+    safetensors.torch.save_file(state, str(path))
     return path
 
 
@@ -77,12 +80,15 @@ def test_node_dit_role_from_a_model_loaded_by_aimdo_samples_like_one_card(upstre
     if not upstream.has_attention_hook:
         pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
     import comfy.sd
-    model = comfy.sd.load_diffusion_model(str(h3_file))   # records the file for the shared base
-    loaded, _ = aimdo_loader(str(h3_file))
-    # the dynamic-VRAM loader's step: upstream's load_model_weights with assign=True
-    model.model.load_model_weights(loaded, "", assign=True)
-    weight = next(iter(model.model.diffusion_model.parameters()))
-    assert getattr(weight.untyped_storage(), MMAP_REFS_ATTRIBUTE, None) is not None, \
+    with torch.inference_mode():  # as ComfyUI runs a prompt's nodes, loaders included
+        model = comfy.sd.load_diffusion_model(str(h3_file))   # records the file for the shared base
+        loaded, _ = aimdo_loader(str(h3_file))
+        # the dynamic-VRAM loader's step: upstream's load_model_weights with assign=True
+        model.model.load_model_weights(loaded, "", assign=True)
+    weight = model.model.diffusion_model.blocks[0].attn.qkv_proj.weight
+    stored = weight._qdata if type(weight).__name__ == "QuantizedTensor" else weight
+    assert (type(weight).__name__ == "QuantizedTensor") == ("float8" in h3_file.name)
+    assert getattr(stored.untyped_storage(), MMAP_REFS_ATTRIBUTE, None) is not None, \
         "the MODEL's weights do not lie in the loader's mapping"
     reference = sample(model)
     coord, parallel = node_dit(model, 2)
@@ -90,5 +96,5 @@ def test_node_dit_role_from_a_model_loaded_by_aimdo_samples_like_one_card(upstre
         out = sample(parallel)
         replicas = parallel.multinpu_dit_replicas
     assert rel_diff(out, reference) <= FP32_TOL
-    assert replicas.base_replicas is not None, "replicas were not built from the shared checkpoint base"
+    assert replicas.uses_base(), replicas.base_problem  # built from the shared base, not copied
     assert replicas.base_replicas.base.mapped_by == "comfy-aimdo" and own_mappings == []
