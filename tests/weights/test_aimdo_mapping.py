@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import comfy.multidevice.weights.checkpoint as sc
-from comfy.multidevice.weights.aimdo_mapping import FILE_SLICE_ATTRIBUTE, MMAP_REFS_ATTRIBUTE
+from comfy.multidevice.weights.aimdo_mapping import FILE_SLICE_ATTRIBUTE, MMAP_REFS_ATTRIBUTE, find_loader_mappings
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint, clear_shared_checkpoints, total_bytes_read
 from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
 from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
@@ -174,3 +174,16 @@ def test_model_replicas_adopt_the_mapping_the_model_was_loaded_from(tmp_path, ow
     for replica in family:
         assert torch.equal(replica.module(x), ref(x))
         assert replica.module.embed.weight.data_ptr() == model.embed.weight.data_ptr()  # zero-copy
+
+
+def test_a_wrapper_subclass_is_followed_to_its_inner_tensors(tmp_path):
+    # upstream's QuantizedTensor keeps its bytes in inner tensors (torch's __tensor_flatten__);
+    # torch's own two-tensor test subclass has the same protocol
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    path = write(tmp_path / "m.safetensors", sample_tensors())
+    model_mmap = StandInModelMMAP(path)
+    loaded = loader_state_dict(path, model_mmap)
+    wrapped = two_tensor.TwoTensor(loaded["f32"], loaded["f32"].clone())  # one inner tensor in the mapping
+    (mapping,) = find_loader_mappings([wrapped, torch.ones(3)])
+    assert mapping.owner is model_mmap and [s.address for s in mapping.slices] == [loaded["f32"].data_ptr()]
+    assert SharedCheckpoint.open(path, loaded={"w": wrapped}).mapped_by == "comfy-aimdo"

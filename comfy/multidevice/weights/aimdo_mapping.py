@@ -62,8 +62,7 @@ class LoaderMapping:
 def _storages(t: torch.Tensor):
     """The untyped storages behind a tensor; a wrapper subclass (upstream's QuantizedTensor)
     keeps its bytes in inner tensors."""
-    flatten = getattr(type(t), "__tensor_flatten__", None)
-    if flatten is not None:
+    if hasattr(type(t), "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         for name in names:
             inner = getattr(t, name, None)
@@ -113,7 +112,7 @@ def _same_file(file_ref: object, st: os.stat_result) -> str | None:
     if (mapped.st_dev, mapped.st_ino) != (st.st_dev, st.st_ino):
         return "it maps another file"
     if (mapped.st_size, mapped.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
-        return "the file changed since it was mapped"
+        return "the file changed while it was being opened"
     return None
 
 
