@@ -15,13 +15,19 @@ Base
                                      COMFYUI_MULTI_DEVICE_WEIGHT_BASE=pin) reads it into anonymous
                                      RAM instead, for network filesystems where evicted pages
                                      would be fetched again.
+    SharedCheckpoint.open(path, loaded=tensors)  the same, and when those tensors (the MODEL's,
+                                     as upstream's loader made them) lie in comfy-aimdo's mapping
+                                     of this file, the base adopts that mapping instead of mapping
+                                     the file again (aimdo_mapping.py; a mapping that does not
+                                     match the header is logged and not used).
     SharedCheckpoint.from_state_dict(tensors)   the same over tensors already in memory.
     A SharedCheckpoint is a read-only Mapping name -> zero-copy CPU view (ReadOnlyTensor):
     in-place writes raise ReadOnlyWeightError; the memory lives as long as any view does.
     total_bytes_read() counts every byte read from disk by this module, process-wide: headers
                                      as read, a mapped file's data once when it is mapped (each
                                      page comes from disk at most once while the page cache
-                                     keeps it; `pin` exists for when it would not).
+                                     keeps it; `pin` exists for when it would not); nothing for
+                                     the data of an adopted mapping (upstream's loader mapped it).
 
 Hot caches
     RankReplicas(base, devices, template=None)  one RankReplica per device: the rank's
@@ -52,10 +58,12 @@ import stat
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
+from comfy.multidevice.weights.aimdo_mapping import (adopt, find_loader_mappings, LoaderMappingMismatch,
+                                                     OWNER_NAME)
 from comfy.multidevice.weights.read_only import read_only_view, ReadOnlyMemory, ReadOnlyTensor
 from comfy.multidevice.weights.safetensors_header import (CheckpointError, HEADER_LENGTH_BYTES,
                                                           parse_header_json, parse_header_length,
@@ -183,6 +191,25 @@ def _map_read_only(handle, real: str, offset: int, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
+def _adopt_loader_mapping(loaded, header: SafetensorsHeader, data_start: int, st: os.stat_result,
+                          real: str) -> torch.Tensor | None:
+    """The data section over comfy-aimdo's mapping of this file, when `loaded` lies in one that
+    matches the header; None (logged when a mapping was refused) to map the file here instead."""
+    mappings = find_loader_mappings(loaded)
+    if not mappings:
+        return None
+    begins = {info.begin: info.nbytes for info in header.tensors.values() if info.nbytes}
+    problems = []
+    for mapping in mappings:  # tensors of a MODEL made from several files lie in several
+        try:
+            return adopt(mapping, begins, data_start, st)
+        except LoaderMappingMismatch as exc:
+            problems.append(str(exc))
+    log.warning("%s: not adopting %s's mapping of the loaded weights (%s); mapping the file here "
+                "instead", real, OWNER_NAME, "; ".join(problems))
+    return None
+
+
 def _read_into_ram(handle, real: str, nbytes: int) -> torch.Tensor:
     """The file's data bytes (from the current position) read into a new anonymous buffer."""
     if hasattr(os, "posix_fadvise"):
@@ -216,15 +243,18 @@ class SharedCheckpoint(Mapping):
     Attributes: label (real path, or a description for in-memory sources), key (registry key or
     None), file_bytes (file size; 0 in memory), bytes_read (bytes this source read from disk),
     metadata (the header's __metadata__, {} when absent), header (SafetensorsHeader or None),
-    mode ("map": a read-only mapping of the file, "pin": anonymous RAM, "memory": in memory).
+    mode ("map": a read-only mapping of the file, "pin": anonymous RAM, "memory": in memory),
+    mapped_by (None: the mapping is this module's own; "comfy-aimdo": the loader's, adopted).
     """
 
     def __init__(self, label: str, views: dict[str, tuple[torch.Tensor, ReadOnlyMemory]], *,
                  key: tuple | None = None, header: SafetensorsHeader | None = None,
-                 file_bytes: int = 0, bytes_read: int = 0, mode: str = "memory"):
+                 file_bytes: int = 0, bytes_read: int = 0, mode: str = "memory",
+                 mapped_by: str | None = None):
         self.label = label
         self.key = key
         self.mode = mode
+        self.mapped_by = mapped_by
         self.header = header
         self.metadata: dict[str, str] = dict(header.metadata) if header is not None else {}
         self.file_bytes = file_bytes
@@ -273,12 +303,17 @@ class SharedCheckpoint(Mapping):
 
     # -- construction
     @classmethod
-    def open(cls, path: str | os.PathLike, mode: str | None = None) -> "SharedCheckpoint":
+    def open(cls, path: str | os.PathLike, mode: str | None = None,
+             loaded: Iterable[torch.Tensor] | None = None) -> "SharedCheckpoint":
         """The process's shared base for a safetensors file; reads it only if nobody has yet.
 
         mode "map" (default) maps the file read-only; "pin" reads it into anonymous RAM; None
         takes COMFYUI_MULTI_DEVICE_WEIGHT_BASE. A live base of the file is reused whatever its
         mode (one base per file per process).
+        loaded: tensors loaded from this file (a MODEL's state dict). In mode "map", when they
+        lie in comfy-aimdo's mapping of the file (ComfyUI's dynamic-VRAM loader) and that
+        mapping matches our header, the base's views point into it: the file is not mapped a
+        second time and only the header is read here.
         """
         mode = base_mode_from_env(mode)
         shown = os.fspath(path)
@@ -302,7 +337,7 @@ class SharedCheckpoint(Mapping):
             if not reader:
                 return cls._wait_for(pending, real)
             try:
-                source = cls._read(handle, real, key, st, mode)
+                source = cls._read(handle, real, key, st, mode, loaded)
             except BaseException as exc:
                 _abandon(key, pending, exc)
                 raise
@@ -322,7 +357,8 @@ class SharedCheckpoint(Mapping):
         return pending.result
 
     @classmethod
-    def _read(cls, handle, real: str, key: tuple, st: os.stat_result, mode: str) -> "SharedCheckpoint":
+    def _read(cls, handle, real: str, key: tuple, st: os.stat_result, mode: str,
+              loaded: Iterable[torch.Tensor] | None) -> "SharedCheckpoint":
         read = 0
 
         def read_exact(n: int, what: str) -> bytes:
@@ -341,13 +377,16 @@ class SharedCheckpoint(Mapping):
                                    st.st_size - HEADER_LENGTH_BYTES - length, real)
         data_start = HEADER_LENGTH_BYTES + length
         mapped = mode == "map" and header.data_bytes > 0
-        if mapped:
-            data = _map_read_only(handle, real, data_start, header.data_bytes)
-        else:
-            data = _read_into_ram(handle, real, header.data_bytes)
-        address_offset = data_start if mapped else 0  # the mapping starts at the file's first byte
-        read += header.data_bytes
-        _count(header.data_bytes)
+        data = (_adopt_loader_mapping(loaded, header, data_start, st, real)
+                if mapped and loaded is not None else None)
+        adopted = data is not None
+        if not adopted:  # (an adopted file's data was mapped by upstream's loader, not read here)
+            if mapped:
+                data = _map_read_only(handle, real, data_start, header.data_bytes)
+            else:
+                data = _read_into_ram(handle, real, header.data_bytes)
+            read += header.data_bytes
+            _count(header.data_bytes)
         after = os.fstat(handle.fileno())
         if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
             raise CheckpointError(f"{real}: the file changed while being read; open it again")
@@ -357,16 +396,19 @@ class SharedCheckpoint(Mapping):
         for info in header.tensors.values():
             raw = data[info.begin:info.end]
             block = memory
-            if info.begin % info.dtype.itemsize or (address_offset + info.begin) % info.dtype.itemsize:
+            if info.begin % info.dtype.itemsize or (data.data_ptr() + info.begin) % info.dtype.itemsize:
                 # A misaligned tensor cannot be viewed in place: give it its own aligned block.
                 raw = raw.clone()
                 block = ReadOnlyMemory(raw.untyped_storage(), real)
             views[info.name] = (raw.view(info.dtype).view(info.shape), block)
-        how = "mapped read-only from" if mapped else "read into RAM from"
-        log.info("Read shared checkpoint source %s: %d tensors, %d bytes %s disk [%s]",
+        if adopted:
+            how = f"read from disk (the header; the data is {OWNER_NAME}'s mapping of the file, adopted)"
+        else:
+            how = "mapped read-only from disk" if mapped else "read into RAM from disk"
+        log.info("Read shared checkpoint source %s: %d tensors, %d bytes %s [%s]",
                  real, len(views), read, how, threading.current_thread().name)
         return cls(real, views, key=key, header=header, file_bytes=st.st_size, bytes_read=read,
-                   mode=mode)
+                   mode=mode, mapped_by=OWNER_NAME if adopted else None)
 
     @classmethod
     def from_state_dict(cls, tensors: Mapping[str, torch.Tensor], *, label: str = "in-memory state dict",

@@ -631,8 +631,8 @@ def comfy_diffusion_model_replicas(model_patcher: Any, devices: Sequence[Any], b
     declared = diffusion_model.state_dict()
     if base is None:
         base = checkpoint_path_of(model_patcher)
-    if isinstance(base, (str, os.PathLike)):
-        base = SharedCheckpoint.open(base)
+    if isinstance(base, (str, os.PathLike)):  # loaded: to adopt comfy-aimdo's mapping of the file
+        base = SharedCheckpoint.open(base, loaded=declared)
     elif base is None:
         if getattr(model_patcher, "backup", None):
             raise ValueError("the MODEL's weights are patched in place right now, so they are not a "
