@@ -31,7 +31,7 @@ import torch.nn as nn
 from comfy.multidevice.comm.types import CollectiveAborted
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.tp.layers import (ColumnParallelLinear, QuantizedWeightsError, RowParallelLinear, TensorParallelError, check_head_split, head_shard, weight_bytes)
-from comfy.multidevice.tp.shard import (TensorParallelDecoder, build_tensor_parallel_decoder, prefixed_weights, shard_decoder)
+from comfy.multidevice.tp.shard import (TensorParallelDecoder, build_tensor_parallel_decoder, planned_shard_bytes, prefixed_weights, shard_decoder)
 from comfy.multidevice.tp.clip import (apply_tensor_parallel_text_encoder, remove_tensor_parallel_text_encoder, tensor_parallel_clip, check_tensor_parallel_clip)
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
 from tests.conftest import recording_progress_bar
@@ -64,8 +64,10 @@ def rel_err(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def expected_rank_bytes(cfg, world, itemsize):
-    """Bytes one rank must hold, from the config alone (the split this project promises)."""
+def expected_rank_bytes(cfg, world, itemsize, embedding=False):
+    """Bytes one rank must hold, from the config alone (the split this project promises).
+
+    A shard holds no input embedding (embedding=False) until a call passes token ids."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_local = cfg.num_attention_heads // world
     kv_local = max(cfg.num_key_value_heads // world, 1)  # replicated when W > KV heads
@@ -77,14 +79,24 @@ def expected_rank_bytes(cfg, world, itemsize):
     if cfg.qkv_bias:
         split += (q_local + 2 * kv_local) * d
     total = cfg.num_hidden_layers * split + replicated_elements(cfg)
+    if embedding:
+        total += embedding_elements(cfg)
     return total * itemsize
 
 
 def replicated_elements(cfg):
-    """Elements every rank holds whole: embeddings and norms."""
+    """Elements every rank holds whole: the norms."""
     h = cfg.hidden_size
     per_layer = 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)  # block norms, q/k norms
-    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * h + (h if cfg.final_norm else 0)
+    return cfg.num_hidden_layers * per_layer + (h if cfg.final_norm else 0)
+
+
+def embedding_elements(cfg):
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def holds_embedding(shard):
+    return any(name.startswith("embed_tokens.") for name, _ in shard.named_parameters())
 
 
 LAYOUTS = {
@@ -128,14 +140,25 @@ def test_hidden_states_match_single_device_bf16(world):
     assert rel_err(got, exact) <= 2 * rel_err(single, exact) + 2.0 ** -8
 
 
-def test_input_ids_path_and_replicated_embedding():
+@pytest.mark.parametrize("world", [2, 4])
+def test_input_ids_path_copies_the_embedding_on_first_use(world):
+    # Token ids: each shard copies the embedding on its first call, then runs exactly as with the
+    # embeddings passed in (bit-identical: a lookup adds no rounding); `embeds` never copies it.
     cfg = LAYOUTS["separate"]
     model = build_miniature_decoder(cfg, seed=5)
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     want, _ = model(input_ids=ids)
-    with coordinator(2) as coord:
-        got, _ = build_tensor_parallel_decoder(model, coord)(input_ids=ids)
+    with coordinator(world) as coord:
+        tp = build_tensor_parallel_decoder(model, coord)
+        from_embeds, _ = tp(embeds=model.embed_tokens(ids).detach())
+        assert not any(holds_embedding(s) for s in tp.shards)
+        assert tp.shard_bytes == [expected_rank_bytes(cfg, world, 4)] * world
+        got, _ = tp(input_ids=ids)
+        assert all(holds_embedding(s) for s in tp.shards)
+        assert tp.shard_bytes == [expected_rank_bytes(cfg, world, 4, embedding=True)] * world
+        again, _ = tp(input_ids=ids)
     assert rel_err(got, want) <= FP32_REL_TOL
+    assert torch.equal(got, from_embeds) and torch.equal(again, got)
 
 
 def test_callers_inputs_are_not_overwritten():
@@ -232,16 +255,18 @@ def test_unsplittable_mlp_width_error():
 def test_rank_weight_bytes_follow_the_formula(world, layout):
     cfg = LAYOUTS[layout]
     model = build_miniature_decoder(cfg, dtype=torch.bfloat16)
-    assert weight_bytes(model) == expected_rank_bytes(cfg, 1, 2)
+    assert weight_bytes(model) == expected_rank_bytes(cfg, 1, 2, embedding=True)
+    planned = planned_shard_bytes(model, world)  # before any shard exists
     with coordinator(world) as coord:
         tp = build_tensor_parallel_decoder(model, coord)
         per_rank = [weight_bytes(s) for s in tp.shards]
-    assert per_rank == [expected_rank_bytes(cfg, world, 2)] * world
+        assert not any(holds_embedding(s) for s in tp.shards)
+    assert per_rank == [expected_rank_bytes(cfg, world, 2)] * world == planned
     # Without KV replication (W <= KV heads) a rank holds exactly 1/W of the split weights;
     # beyond that (W=4 over 2 KV heads) the formula above adds each rank's whole KV head.
     replicated = replicated_elements(cfg) * 2
     if world <= cfg.num_key_value_heads:
-        assert (per_rank[0] - replicated) * world == weight_bytes(model) - replicated
+        assert (per_rank[0] - replicated) * world == weight_bytes(model) - replicated - embedding_elements(cfg) * 2
 
 
 def test_the_split_logs_each_card_and_moves_comfyuis_progress_bar(monkeypatch, caplog):
@@ -341,9 +366,14 @@ def test_weights_from_a_state_dict_match_module_weights():
     blank = build_miniature_decoder(cfg, seed=99)  # same layout, other values
     embeds, _ = inputs(cfg)
     want, _ = model(embeds=embeds.clone())
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    want_ids, _ = model(input_ids=ids)
     with coordinator(2) as coord:
-        got, _ = build_tensor_parallel_decoder(blank, coord, weights=model.state_dict())(embeds=embeds)
+        tp = build_tensor_parallel_decoder(blank, coord, weights=model.state_dict())
+        got, _ = tp(embeds=embeds)
+        got_ids, _ = tp(input_ids=ids)  # the embedding copied on first use comes from the weights too
     assert rel_err(got, want) <= FP32_REL_TOL
+    assert rel_err(got_ids, want_ids) <= FP32_REL_TOL
 
 
 def test_missing_or_misshaped_weight_is_named():
@@ -373,7 +403,7 @@ def test_rank_0_shard_is_memory_of_its_own_beyond_what_the_module_tree_holds(wor
     model = build_miniature_decoder(LAYOUTS["separate"], seed=4)
     with coordinator(world) as coord:
         tp = build_tensor_parallel_decoder(model, coord)
-        assert [str(s.embed_tokens.weight.device) for s in tp.shards] == ["cpu"] * world
+        assert not any(holds_embedding(s) for s in tp.shards)
         assert not _storages(tp.shards[0]) & _storages(model)
         assert _storages(tp) == _storages(model.embed_tokens)
         assert all(not _storages(s) & _storages(tp) for s in tp.shards)

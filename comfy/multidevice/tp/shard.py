@@ -12,7 +12,11 @@ card beside anything else. Split over W ranks, each rank holds about 1/W of it:
              gate|up weight is cut so each rank keeps its gate rows and the matching up
              rows); down_proj is row-parallel.
   row-parallel layers end in comm.all_reduce(partial, "sum"): two per layer.
-  replicated everything else: embeddings, RMSNorms (incl. per-head q/k norms), RoPE.
+  replicated everything else: RMSNorms (incl. per-head q/k norms), RoPE.
+  embedding  none in a shard until a caller passes token ids: ComfyUI's text encoders embed
+             the tokens themselves and pass `embeds` (H3: a 151936 x 5120 table, 1.56 GB in
+             BF16, that W shards would each copy for nothing); a shard called with token ids
+             copies the decoder's embedding onto its device on that first call.
 
 Only the per-rank communicator interface is used (comm.rank, comm.world_size,
 comm.device, comm.all_reduce), so a shard runs over RankComm (comfy/multidevice/comm/group.py,
@@ -26,6 +30,8 @@ fresh tensor of the slice's size. No rank ever holds or creates a full copy.
 
 Entry points
   shard_decoder(decoder, comm, weights=None)            one rank's shard (any communicator)
+  planned_shard_bytes(decoder, world_size)              what each rank's shard will hold, before
+                                                        anything is built (memory plans)
   build_tensor_parallel_decoder(decoder, coordinator)   all shards + a fan-out module
   tensor_parallel_clip(clip, coordinator)               upstream ComfyUI CLIP -> a new CLIP
                                                         (the node's entry point; input untouched)
@@ -262,29 +268,146 @@ def _clone_structure(module: nn.Module, prefix: str, device, source: _WeightSour
     return new
 
 
+@dataclass(frozen=True)
+class _Split:
+    """One linear layer's share on one rank.
+
+    column  rows `spans` ((start, count), ...) of the weight and of the bias
+    row     columns spans[0] of the weight; the bias whole (added once, after the all-reduce)
+    """
+    name: str  # decoder-relative, e.g. "layers.0.self_attn.q_proj"
+    column: bool
+    spans: tuple
+
+
+def _layer_splits(lay: _LayerLayout, world: int, rank: int) -> list[_Split]:
+    """Rank `rank`'s share of every split linear layer of one block (see the module notes)."""
+    heads = head_shard(lay.q_heads, lay.kv_heads, world, rank)
+    hd, attn, mlp = lay.head_dim, f"layers.{lay.index}.self_attn.", f"layers.{lay.index}.mlp."
+    q_span = (heads.q_start * hd, heads.q_count * hd)
+    kv_span = (heads.kv_start * hd, heads.kv_count * hd)
+    if lay.fused_qkv:
+        q_rows, kv_rows = lay.q_heads * hd, lay.kv_heads * hd
+        out = [_Split(attn + "qkv_proj", True, (q_span, (q_rows + kv_span[0], kv_span[1]),
+                                                (q_rows + kv_rows + kv_span[0], kv_span[1])))]
+    else:
+        out = [_Split(attn + "q_proj", True, (q_span,)), _Split(attn + "k_proj", True, (kv_span,)),
+               _Split(attn + "v_proj", True, (kv_span,))]
+    out.append(_Split(attn + "o_proj", False, (q_span,)))
+    start, count = width_shard(lay.intermediate, world, rank, f"layers.{lay.index}.mlp intermediate")
+    if lay.fused_mlp:
+        # Gate rows [start, start+count) and the matching up rows, so the local output
+        # still chunks into (gate, up) halves that belong together.
+        out.append(_Split(mlp + "gate_up_proj", True, ((start, count), (lay.intermediate + start, count))))
+    else:
+        out += [_Split(mlp + "gate_proj", True, ((start, count),)),
+                _Split(mlp + "up_proj", True, ((start, count),))]
+    out.append(_Split(mlp + "down_proj", False, ((start, count),)))
+    return out
+
+
+def _split_skip(layouts: list[_LayerLayout]) -> set[str]:
+    """The qualified names a shard does not copy whole: every split linear, the input embedding."""
+    skip = {"embed_tokens"}
+    for lay in layouts:
+        skip.update(f"layers.{lay.index}.self_attn.{n}" for n in _ATTN_LINEARS)
+        skip.update(f"layers.{lay.index}.mlp.{n}" for n in _MLP_LINEARS)
+    return skip
+
+
+def _whole_tensors(module: nn.Module, prefix: str, skip: set[str]):
+    """(name, tensor) of every parameter and buffer _clone_structure copies whole."""
+    for name, t in (*module._parameters.items(), *module._buffers.items()):
+        if t is not None:
+            yield prefix + name, t
+    for name, child in module._modules.items():
+        if child is not None and prefix + name not in skip:
+            yield from _whole_tensors(child, prefix + name + ".", skip)
+
+
+def _nbytes(shape, dtype) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count * dtype.itemsize
+
+
+def planned_shard_bytes(decoder: nn.Module, world_size: int) -> list[int]:
+    """Bytes each rank's shard_decoder(decoder, comm) shard will hold, computed before anything
+    is built (each rank's slices plus the tensors every rank copies whole, in the decoder's
+    dtypes; no input embedding: see _EmbeddingOnFirstUse). Raises what shard_decoder raises."""
+    layouts = check_decoder_split(decoder, world_size)
+    skip = _split_skip(layouts)
+    whole = sum(_nbytes(t.shape, t.dtype) for _, t in _whole_tensors(decoder, "", skip))
+    linears = dict(decoder.named_modules())
+    out = []
+    for rank in range(world_size):
+        total = whole
+        for lay in layouts:
+            for split in _layer_splits(lay, world_size, rank):
+                linear = linears[split.name]
+                weight, bias = linear.weight, getattr(linear, "bias", None)
+                rows = sum(count for _, count in split.spans)
+                if split.column:
+                    total += _nbytes((rows, weight.shape[1]), weight.dtype)
+                    total += 0 if bias is None else _nbytes((rows,), bias.dtype)
+                else:
+                    total += _nbytes((weight.shape[0], rows), weight.dtype)
+                    total += 0 if bias is None else _nbytes(bias.shape, bias.dtype)
+        out.append(total)
+    return out
+
+
+class _EmbeddingOnFirstUse(nn.Module):
+    """Stands in for a shard's input embedding and holds no weights until it is called.
+
+    ComfyUI's text encoders embed the tokens themselves, on the CLIP's card, and hand the
+    decoder `embeds`, so a shard never reads an embedding. A caller that passes token ids
+    (the miniature, the dry run) gets the same embedding as before: on the first call this
+    copies the decoder's embedding onto the shard's device, exactly as the replicated
+    tensors are copied, puts the copy in its own place and runs it.
+    """
+
+    def __init__(self, owner: nn.Module, original: nn.Module, device, source: "_WeightSource"):
+        super().__init__()
+        self._build = (owner, original, device, source)  # a plain tuple: nothing registered
+
+    def forward(self, *args, **kwargs):
+        owner, original, device, source = self._build
+        embedding = _clone_structure(original, "embed_tokens.", device, source, set())
+        owner.embed_tokens = embedding
+        log.debug("tensor parallel: a shard copied the input embedding on %s (token ids passed)", device)
+        return embedding(*args, **kwargs)
+
+
 def shard_decoder(decoder: nn.Module, comm, weights: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """This rank's tensor-parallel shard of a Llama/Qwen-style decoder.
 
     Returns a module of the same class that runs the decoder's own forward on rank
     comm.rank of comm.world_size: split linear layers in place of the originals, each
     attention's head counts set to this rank's share, everything else replicated on
-    comm.device. `decoder` is not modified. `weights` (optional) maps decoder-relative
-    names to full tensors, e.g. read-only views of a shared checkpoint; otherwise the
-    decoder's own tensors are sliced. Call it on every rank; the shards' row-parallel
-    layers all-reduce through `comm`.
+    comm.device except the input embedding, which is copied only when a call passes
+    token ids instead of `embeds`. `decoder` is not modified. `weights` (optional) maps
+    decoder-relative names to full tensors, e.g. read-only views of a shared checkpoint;
+    otherwise the decoder's own tensors are sliced. Call it on every rank; the shards'
+    row-parallel layers all-reduce through `comm`.
     """
     world, rank, device = comm.world_size, comm.rank, comm.device
     layouts = check_decoder_split(decoder, world)
     source = _WeightSource(decoder, weights)
-    skip = set()
+    shard = _clone_structure(decoder, "", device, source, _split_skip(layouts))
+    if getattr(decoder, "embed_tokens", None) is not None:
+        shard.embed_tokens = _EmbeddingOnFirstUse(shard, decoder.embed_tokens, device, source)
     for lay in layouts:
-        skip.update(f"layers.{lay.index}.self_attn.{n}" for n in _ATTN_LINEARS)
-        skip.update(f"layers.{lay.index}.mlp.{n}" for n in _MLP_LINEARS)
-    shard = _clone_structure(decoder, "", device, source, skip)
-    for lay in layouts:
-        block = shard.layers[lay.index]
-        _shard_attention(block.self_attn, lay, f"layers.{lay.index}.self_attn.", comm, source)
-        _shard_mlp(block.mlp, lay, f"layers.{lay.index}.mlp.", comm, source)
+        for split in _layer_splits(lay, world, rank):
+            _install_split(shard, split, comm, source)
+        heads = head_shard(lay.q_heads, lay.kv_heads, world, rank)
+        attn = shard.layers[lay.index].self_attn
+        attn.num_heads, attn.num_kv_heads = heads.q_count, heads.kv_count
+        if hasattr(attn, "inner_size"):
+            attn.inner_size = heads.q_count * lay.head_dim
+        if hasattr(attn, "kv_size"):
+            attn.kv_size = heads.kv_count * lay.head_dim
     config = getattr(shard, "config", None)
     if config is not None and hasattr(config, "num_attention_heads"):
         # Keep the shard's config consistent with its layers (upstream sizes KV caches
@@ -299,56 +422,16 @@ def shard_decoder(decoder: nn.Module, comm, weights: Mapping[str, torch.Tensor] 
     return shard
 
 
-def _bias(source: _WeightSource, linear_prefix: str):
-    name = linear_prefix + "bias"
-    return source.get(name) if source.has(name) else None
-
-
-def _shard_attention(attn: nn.Module, lay: _LayerLayout, prefix: str, comm, source: _WeightSource):
-    heads = head_shard(lay.q_heads, lay.kv_heads, comm.world_size, comm.rank)
-    hd, device = lay.head_dim, comm.device
-    q_span = (heads.q_start * hd, heads.q_count * hd)
-    kv_span = (heads.kv_start * hd, heads.kv_count * hd)
-    if lay.fused_qkv:
-        q_rows, kv_rows = lay.q_heads * hd, lay.kv_heads * hd
-        spans = [q_span, (q_rows + kv_span[0], kv_span[1]), (q_rows + kv_rows + kv_span[0], kv_span[1])]
-        attn.qkv_proj = ColumnParallelLinear.from_full(
-            source.get(prefix + "qkv_proj.weight"), _bias(source, prefix + "qkv_proj."),
-            spans, device)
+def _install_split(shard: nn.Module, split: _Split, comm, source: _WeightSource) -> None:
+    weight = source.get(split.name + ".weight")
+    bias = source.get(split.name + ".bias") if source.has(split.name + ".bias") else None
+    if split.column:
+        layer = ColumnParallelLinear.from_full(weight, bias, list(split.spans), comm.device)
     else:
-        for name, span in (("q_proj", q_span), ("k_proj", kv_span), ("v_proj", kv_span)):
-            setattr(attn, name, ColumnParallelLinear.from_full(
-                source.get(prefix + name + ".weight"), _bias(source, prefix + name + "."),
-                [span], device))
-    attn.o_proj = RowParallelLinear.from_full(
-        source.get(prefix + "o_proj.weight"), _bias(source, prefix + "o_proj."),
-        q_span[0], q_span[1], comm)
-    attn.num_heads, attn.num_kv_heads = heads.q_count, heads.kv_count
-    if hasattr(attn, "inner_size"):
-        attn.inner_size = heads.q_count * hd
-    if hasattr(attn, "kv_size"):
-        attn.kv_size = heads.kv_count * hd
-
-
-def _shard_mlp(mlp: nn.Module, lay: _LayerLayout, prefix: str, comm, source: _WeightSource):
-    start, count = width_shard(lay.intermediate, comm.world_size, comm.rank,
-                               f"layers.{lay.index}.mlp intermediate")
-    device = comm.device
-    if lay.fused_mlp:
-        # Gate rows [start, start+count) and the matching up rows, so the local output
-        # still chunks into (gate, up) halves that belong together.
-        spans = [(start, count), (lay.intermediate + start, count)]
-        mlp.gate_up_proj = ColumnParallelLinear.from_full(
-            source.get(prefix + "gate_up_proj.weight"),
-            _bias(source, prefix + "gate_up_proj."), spans, device)
-    else:
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, ColumnParallelLinear.from_full(
-                source.get(prefix + name + ".weight"), _bias(source, prefix + name + "."),
-                [(start, count)], device))
-    mlp.down_proj = RowParallelLinear.from_full(
-        source.get(prefix + "down_proj.weight"), _bias(source, prefix + "down_proj."),
-        start, count, comm)
+        (start, count), = split.spans
+        layer = RowParallelLinear.from_full(weight, bias, start, count, comm)
+    parent, _, name = split.name.rpartition(".")
+    setattr(shard.get_submodule(parent), name, layer)
 
 
 # ----------------------------------------------------------------------------- fan-out
@@ -377,7 +460,8 @@ class TensorParallelDecoder(nn.Module):
     0's result comes back on the device of the first tensor argument. The shards are
     kept outside the module tree (model managers moving this module must not move
     them); the original's input embedding is kept as a submodule so callers that embed
-    tokens themselves (upstream's SDClipModel) still find `embed_tokens`.
+    tokens themselves (upstream's SDClipModel) still find `embed_tokens`, and the shards
+    hold none (see _EmbeddingOnFirstUse).
     """
 
     # Upstream's ComfyUI model code reads these flags from the language model.
@@ -458,6 +542,8 @@ class TensorParallelDecoder(nn.Module):
             return shards[rank](*call[0], **call[1])
 
         results = self.coordinator.run(run_shard, per_rank)
+        # a call with token ids has made the shards copy the embedding: count it
+        self.shard_bytes = [weight_bytes(s) if s is not None else n for s, n in zip(shards, self.shard_bytes)]
         if out_device is None:
             return results[0]
         return copy_for_rank(results[0], out_device)
