@@ -66,3 +66,33 @@ def test_text_encoder_tensor_parallel_matches_one_card(upstream, tiny_clip, worl
     scale = float(reference.abs().max())
     assert float((out - reference).abs().max()) <= TOL * scale
     assert torch.equal(encode(tiny_clip), reference)  # the input CLIP still encodes on one card
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_text_encoder_shards_hold_no_embedding_table(upstream, tiny_clip, world):
+    """Upstream's SDClipModel embeds the tokens itself (get_input_embeddings) and passes `embeds`,
+    so no shard copies the vocabulary table, before or after an encode; the embedding stays the
+    CLIP's own. Bytes per card: exactly what planned_shard_bytes computed before the split."""
+    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.tp.layers import weight_bytes
+    from comfy.multidevice.tp.shard import planned_shard_bytes
+
+    language_model = tiny_clip.cond_stage_model.qwen3vl_32b.transformer.model
+    table = language_model.embed_tokens.weight
+    vocab, hidden = language_model.config.vocab_size, language_model.config.hidden_size
+    assert tuple(table.shape) == (vocab, hidden) == (151936, 64)  # H3's real vocabulary, tiny width
+    planned = planned_shard_bytes(language_model, world)
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
+        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        split = parallel.cond_stage_model.qwen3vl_32b.transformer.model
+        for when in ("built", "after an encode"):
+            for shard in split.shards:
+                sizes = [tuple(t.shape) for t in (*shard.parameters(), *shard.buffers())]
+                assert not any(vocab in shape for shape in sizes), (when, sizes)
+            if when == "built":
+                encode(parallel)
+        per_card = [weight_bytes(s) for s in split.shards]
+        assert split.embed_tokens is language_model.embed_tokens  # the CLIP's own, on its card
+    assert per_card == planned == split.shard_bytes
+    # a shard that copied the table would hold table.nbytes more (39 MB here in fp32, against
+    # 124 kB (W=2) / 63 kB (W=4) of the tiny layers; for H3 in BF16, 1.56 GB per card)
