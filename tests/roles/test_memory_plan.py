@@ -21,6 +21,9 @@ from comfy_extras.nodes_multinpu import configure_parallel
 from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture)
 from tests.sp_cases import make_inputs, tiny_model
 from tests.test_nodes_multinpu import FakeModelPatcher, inputs, run_dit
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.tp.clip import tensor_parallel_clip
+from comfy.multidevice.tp.layers import weight_bytes
 from tests.tp.test_tensor_parallel import WrappedWeight
 
 CPU4 = [torch.device("cpu")] * 4
@@ -60,11 +63,55 @@ def test_dit_stage_counts_the_weights_and_the_activation_estimate():
         assert card.stage_total("DiT") < nbytes(dit) + act
 
 
+@pytest.mark.parametrize("world", [4, 8])  # 8: KV heads replicated (the miniature has 2)
+def test_text_encoder_share_is_what_the_built_shards_and_the_clip_hold(world):
+    # Planned before anything is built; then the split apply makes, counted: each rank's shard
+    # (no embedding: the CLIP embeds) and, on rank 0's card, what the CLIP's patcher loads there
+    # (the new CLIP's module: the embedding and the vision tower, no language model layers).
+    model, clip, video, audio = inputs()
+    cpus = [torch.device("cpu")] * world
+    memory = plan_memory(plan_roles(world), cpus, model, clip, video, audio, tokens=TOKENS)
+    planned = [c.stages["text encoder"] for c in memory.cards]
+    with SequenceParallelCoordinator(cpus, backend="peer", timeout_s=30) as coord:
+        parallel = tensor_parallel_clip(clip, coord)
+        split = parallel.cond_stage_model.qwen3vl_32b.transformer.model
+        built = [weight_bytes(s) for s in split.shards]
+    assert [p["shard"] for p in planned] == built
+    assert planned[0]["CLIP module"] == nbytes(parallel.cond_stage_model) > 0
+    assert all("CLIP module" not in p for p in planned[1:])
+    decoder = clip.cond_stage_model.qwen3vl_32b.transformer.model
+    embedding, whole = nbytes(decoder.embed_tokens), nbytes(clip.cond_stage_model)
+    assert planned[0]["CLIP module"] == whole - nbytes(decoder) + embedding
+    # the old estimate (1/W of the whole CLIP) was off by the embedding and the vision tower on
+    # card 0 and by the replicated norms everywhere; what the cards hold together now:
+    assert sum(sum(p.values()) for p in planned) == nbytes(parallel.cond_stage_model) + sum(built)
+
+
+def test_the_clip_load_card_is_refused_first_and_the_message_names_the_fix():
+    # Card 0 holds rank 0's shard and the CLIP's own module: with the same free memory on every
+    # card, it alone does not fit (the old 1/W share fitted on all four).
+    model, clip, video, audio = inputs()
+    memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=TOKENS)
+    need = [c.stage_total("text encoder") for c in memory.cards]
+    assert need[0] > need[1] == need[2] == need[3]
+    old_share = nbytes(clip.cond_stage_model) // 4
+    for card in memory.cards:
+        card.free = need[0] - 1
+        card.stages = {"text encoder": card.stages["text encoder"]}  # this stage alone
+    assert old_share <= need[0] - 1
+    assert [(memory.cards.index(c), stage) for c, stage, _ in memory.problems()] == [(0, "text encoder")]
+    with pytest.raises(MemoryPlanError) as err:
+        memory.check()
+    text = str(err.value)
+    assert "cannot hold the text encoder stage" in text and "CLIP module" in text and "shard" in text
+    assert "NVFP4 text encoder file or more cards (npu_count)" in text
+
+
 def test_text_encoder_share_and_vae_copies_follow_what_apply_will_do():
     model, clip, video, audio = inputs()
     te = sum(t.nbytes for t in clip.cond_stage_model.state_dict().values())
     memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=TOKENS)
-    assert [c.stages["text encoder"]["weights"] for c in memory.cards] == [te // 4] * 4
+    assert [sorted(c.stages["text encoder"]) for c in memory.cards] == [["CLIP module", "shard"]] + [["shard"]] * 3
     assert all("video VAE" in c.stages["VAE decode"] for c in memory.cards)  # a copy per chunk card
     assert "audio VAE" in memory.cards[3].stages["VAE decode"]
     # a quantized encoder cannot be sliced: apply keeps it whole on card 0, and so does the plan

@@ -3,7 +3,10 @@
 Per card and per stage (ComfyUI runs the text encoder, then the DiT, then the VAE decode, and
 can evict one stage's models before the next loads):
 
-  text encoder   its share: 1/W of the language model when tensor parallel, else all of it
+  text encoder   tensor parallel: the rank's shard (its slices plus the tensors every rank
+                 copies whole, counted before any shard exists: tp/shard.py planned_shard_bytes)
+                 and, on the CLIP's load card (rank 0's), the CLIP's own module beside it (the
+                 input embedding, a vision tower: all but the split layers); else all of it
   DiT            `replicate`: the whole DiT; `shard`: the non-block weights, the block tensors
                  the card owns (the exact whole-tensor split of weights/block_shards.py) and
                  two gathered blocks (the running one and the prefetch); plus the activation
@@ -53,6 +56,23 @@ def _clip_bytes(clip) -> int:
     if callable(size):
         return int(size())
     return _bytes(getattr(clip, "cond_stage_model", None))
+
+
+def text_encoder_shares(clip, world: int) -> list[dict]:
+    """Per tensor-parallel rank, {item: bytes} of the text encoder it will hold (rank 0's card is
+    the CLIP's load card). The caller has checked that the CLIP splits over `world` ranks."""
+    from comfy.multidevice.tp.clip import language_model_of
+    from comfy.multidevice.tp.shard import planned_shard_bytes, TensorParallelDecoder
+
+    found = language_model_of(clip)
+    decoder = found.source_decoder if isinstance(found, TensorParallelDecoder) else found
+    # what ComfyUI loads for the CLIP once its language model is the fan-out module: everything
+    # but the language model, plus the embedding the fan-out module keeps
+    own = (_bytes(clip.cond_stage_model) - _bytes(found)
+           + _bytes(getattr(found, "embed_tokens", None)))
+    shares = [{"shard": n} for n in planned_shard_bytes(decoder, world)]
+    shares[0]["CLIP module"] = own
+    return shares
 
 
 def dit_shape_of(dit) -> DiTShape | None:
@@ -189,13 +209,12 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
             cards[c].stages["DiT"] = {"weights": dit_bytes, "activations": act}
     from comfy.multidevice.roles.apply import _has_chunk_interface, text_encoder_split_problem
 
-    te_bytes = _clip_bytes(clip)
     te_cards = list(plan.text_encoder.cards)
     if plan.text_encoder.mode == TENSOR_PARALLEL and text_encoder_split_problem(clip, len(te_cards)) is None:
-        for c in te_cards:
-            cards[c].stages["text encoder"] = {"weights": te_bytes // len(te_cards)}
+        for c, share in zip(te_cards, text_encoder_shares(clip, len(te_cards))):
+            cards[c].stages["text encoder"] = share
     else:  # one card, or an encoder that stays on card 0 (apply.py says why in the log)
-        cards[te_cards[0]].stages["text encoder"] = {"weights": te_bytes}
+        cards[te_cards[0]].stages["text encoder"] = {"weights": _clip_bytes(clip)}
     video = _bytes(getattr(video_vae, "first_stage_model", None))
     audio = _bytes(getattr(audio_vae, "first_stage_model", None))
     video_cards = list(plan.video_vae.cards)
