@@ -96,3 +96,26 @@ def test_text_encoder_shards_hold_no_embedding_table(upstream, tiny_clip, world)
     assert per_card == planned == split.shard_bytes
     # a shard that copied the table would hold table.nbytes more (39 MB here in fp32, against
     # 124 kB (W=2) / 63 kB (W=4) of the tiny layers; for H3 in BF16, 1.56 GB per card)
+
+
+def test_memory_plan_counts_what_upstreams_clip_and_the_shards_hold(upstream, tiny_clip):
+    """The plan's text-encoder bytes per card, computed before the split, against the split:
+    rank r's shard, and on rank 0's card what upstream's CLIP patcher counts for the new CLIP
+    (ModelPatcher.model_size: the embedding, the vision tower, no language-model layers; its
+    clone() would hand over the whole encoder's cached size, so the split resets it)."""
+    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.roles.memory_plan import text_encoder_shares
+    from comfy.multidevice.tp.clip import remove_tensor_parallel_text_encoder
+    from comfy.multidevice.tp.layers import weight_bytes
+
+    world = 4
+    planned = text_encoder_shares(tiny_clip, world)
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
+        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        split = parallel.cond_stage_model.qwen3vl_32b.transformer.model
+        built = [weight_bytes(s) for s in split.shards]
+        counted_by_comfyui = parallel.patcher.model_size()
+        remove_tensor_parallel_text_encoder(parallel)
+        assert parallel.patcher.model_size() == tiny_clip.patcher.model_size()  # whole again
+    assert [p["shard"] for p in planned] == built
+    assert planned[0]["CLIP module"] == counted_by_comfyui < tiny_clip.patcher.model_size()

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 # - comfy.sd.CLIP.clone() returns a new CLIP with patcher = self.patcher.clone() and the
 #   *same* cond_stage_model object; ModelPatcher.clone() builds a patcher around the same
 #   `.model` (ModelPatcher keeps the module it manages in its `model` attribute).
+# - ModelPatcher.model_size() caches the module's state-dict bytes in `patcher.size` and
+#   counts again while that is 0; clone() hands the clone the cached figure.
 # - Upstream's CLIP patcher applies weight patches (e.g. a CLIP LoRA) when it loads the
 #   model; `clip.patcher.patches` maps state-dict keys of cond_stage_model to patches.
 
@@ -137,6 +139,7 @@ def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, 
     source = prefixed_weights(weights, weights_prefix) if weights is not None else None
     wrapper = build_tensor_parallel_decoder(model, coordinator, weights=source)
     transformer.model = wrapper
+    _recount_patcher(clip)
     if getattr(transformer, "visual", None) is not None:
         log.info("tensor parallel text encoder: the vision tower is not split; it runs on one "
                  "card, the CLIP's load device")
@@ -181,7 +184,18 @@ def remove_tensor_parallel_text_encoder(clip) -> Any:
     transformer, model, _ = _locate_language_model(clip)
     if isinstance(model, TensorParallelDecoder):
         transformer.model = model.source_decoder
+        _recount_patcher(clip)
     return clip
+
+
+def _recount_patcher(clip) -> None:
+    """Make the CLIP's patcher count its module again: it now holds the fan-out module (the
+    embedding, no split layers) or the whole language model back. Otherwise ComfyUI would
+    reserve the whole encoder (~51.5 GB for H3) on the load card for the embedding and the
+    vision tower, the size cached before the split (or handed over by clone())."""
+    patcher = getattr(clip, "patcher", None)
+    if isinstance(getattr(patcher, "size", None), int):
+        patcher.size = 0
 
 
 def _device_of(module: nn.Module) -> str:
