@@ -161,6 +161,26 @@ def test_input_ids_path_copies_the_embedding_on_first_use(world):
     assert torch.equal(got, from_embeds) and torch.equal(again, got)
 
 
+def test_a_dropped_shard_is_freed_at_once():
+    # No reference cycle through the embedding placeholder: dropping frees the card's memory
+    # without waiting for the garbage collector.
+    import gc
+    import weakref
+    cfg = LAYOUTS["separate"]
+    model = build_miniature_decoder(cfg, seed=5)
+    embeds, _ = inputs(cfg)
+    with coordinator(2) as coord:
+        tp = build_tensor_parallel_decoder(model, coord)
+        tp(embeds=embeds)  # as ComfyUI calls it: the placeholders stay in the shards
+        shards = [weakref.ref(s) for s in tp.shards]
+        gc.disable()
+        try:
+            tp.drop_shard(1)
+            assert shards[1]() is None and shards[0]() is tp.shards[0]
+        finally:
+            gc.enable()
+
+
 def test_callers_inputs_are_not_overwritten():
     # The blocks write into their input buffer (as upstream's do); the fan-out gives each
     # rank its own copy, so the caller's tensor and the ranks never alias.

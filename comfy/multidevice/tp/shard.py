@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -370,12 +371,14 @@ class _EmbeddingOnFirstUse(nn.Module):
 
     def __init__(self, owner: nn.Module, original: nn.Module, device, source: "_WeightSource"):
         super().__init__()
-        self._build = (owner, original, device, source)  # a plain tuple: nothing registered
+        # a plain tuple: nothing registered; a weak reference to the shard, so that a dropped
+        # shard is freed at once (no reference cycle waiting for the garbage collector)
+        self._build = (weakref.ref(owner), original, device, source)
 
     def forward(self, *args, **kwargs):
         owner, original, device, source = self._build
         embedding = _clone_structure(original, "embed_tokens.", device, source, set())
-        owner.embed_tokens = embedding
+        owner().embed_tokens = embedding
         log.debug("tensor parallel: a shard copied the input embedding on %s (token ids passed)", device)
         return embedding(*args, **kwargs)
 
