@@ -124,10 +124,11 @@ def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, 
 
     What changes: clip.cond_stage_model.<name>.transformer.model becomes a
     TensorParallelDecoder; rank r holds 1/W of every layer's linear weights plus
-    replicated norms and embeddings on coordinator.devices[r]. Encoding then runs on all
-    ranks at once and returns rank 0's hidden states, equal to the single-device result
-    up to float summation order. The vision tower stays where the CLIP's own patcher
-    loads it (one card). The single-device language model is kept (not moved) for
+    replicated norms on coordinator.devices[r]. Encoding then runs on all ranks at once
+    and returns rank 0's hidden states, equal to the single-device result up to float
+    summation order. The input embedding and the vision tower stay where the CLIP's own
+    patcher loads them (one card; the CLIP embeds the tokens there, so no rank copies the
+    embedding), and that patcher counts its module again. The single-device language model is kept (not moved) for
     remove_tensor_parallel_text_encoder(). Calling again with the same coordinator is a
     no-op; with another coordinator the encoder is re-split from the kept original.
     Errors (TensorParallelError) are raised before anything is changed.
