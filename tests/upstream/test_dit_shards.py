@@ -169,7 +169,8 @@ QUANTIZED_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"]
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
 @pytest.mark.parametrize("world", [2, 3])
-def test_shard_with_a_lora_on_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world):
+def test_shard_with_a_lora_on_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world,
+                                                                            monkeypatch):
     """A LoRA (upstream's load_lora_for_models) before the node onto a DiT file made by
     upstream's own quantizers. Each quantized block tensor is patched once, by the rank that
     keeps it, with ComfyUI's patch_weight_to_device (dequantize, patch, requantize with the
@@ -193,7 +194,17 @@ def test_shard_with_a_lora_on_a_quantized_file_samples_exactly_like_replicate(up
     with torch.inference_mode():  # as ComfyUI evicts, inside a prompt: card 0 back to the file's weights
         comfy.model_management.unload_all_models()
     assert len(loaded) == 4 * len(model.model.diffusion_model.blocks)
+    import comfy.model_patcher
+    patched_keys, real_patch = [], comfy.model_patcher.ModelPatcher.patch_weight_to_device
+
+    def counting_patch(self, key, *args, **kwargs):
+        patched_keys.append(key)
+        return real_patch(self, key, *args, **kwargs)
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "patch_weight_to_device", counting_patch)
     coord, sharded = node_dit(with_lora(model, turbo), world, "shard")
+    monkeypatch.undo()
+    # every quantized block weight patched exactly once over all the cards (by its owner)
+    assert sorted(patched_keys) == sorted(f"diffusion_model.blocks.{n}.weight" for n in loaded)
     with coord:
         out = sample(sharded)
         shards = sharded.multinpu_dit_shards

@@ -135,6 +135,16 @@ def test_balanced_plan_is_deterministic_and_spreads_whole_tensors():
         BlockShardPlan.balanced(blocks, 0)
 
 
+def test_tensors_that_go_together_get_one_owner():
+    """A quantized layer's weight and bias are one unit (its loader rebuilds them as one)."""
+    blocks = [{"w": 100, "bias": 10, "norm": 95}]
+    alone = BlockShardPlan.balanced(blocks, 2)  # w -> 0, norm -> 1, bias -> 1 (the lighter)
+    assert alone.owner[0]["w"] != alone.owner[0]["bias"]
+    plan = BlockShardPlan.balanced(blocks, 2, together=[{"w": "lin", "bias": "lin"}])
+    assert plan.owner[0]["w"] == plan.owner[0]["bias"] != plan.owner[0]["norm"]
+    assert [plan.owned_bytes(r) for r in range(2)] == [110, 95]
+
+
 class _Block(torch.nn.Module):
     def __init__(self, weight):
         super().__init__()

@@ -67,10 +67,15 @@ class DitShards:
         replica = self.replicas[0]
         names = list(replica.names)
         self.num_blocks = len(_blocks(replica.module))
-        self.plan = BlockShardPlan.balanced(
-            [self._block_sizes(replica, i) for i in range(self.num_blocks)], len(self.devices))
+        sizes = [self._block_sizes(replica, i) for i in range(self.num_blocks)]
+        # a quantized layer's tensors go to one owner: its loader rebuilds (and patches) them as one
+        together = [{n: replica.loaded_with(f"blocks.{i}.{n}")[0] for n in b} for i, b in enumerate(sizes)]
+        self.plan = BlockShardPlan.balanced(sizes, len(self.devices), together)
         self._block_names = {f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.nbytes[i]}
-        self._shared_names = [n for n in names if n not in self._block_names]
+        # a quantized block layer's scales and format record go with its weight, to its owner
+        # only: a card that rebuilt (and patched) every quantized layer would hold a replica
+        in_blocks = {m for n in self._block_names for m in replica.loaded_with(n)}
+        self._shared_names = [n for n in names if n not in in_blocks]
         # bytes every card holds outside the blocks (embeddings, refiner, final layer)
         self.shared_bytes = sum(t.numel() * replica._target_dtype(n, t).itemsize
                                 for n, t in ((n, replica._base_tensor(n)) for n in replica._groups)
@@ -98,7 +103,7 @@ class DitShards:
     def keep_names(self, rank: int) -> list[str]:
         """What card `rank` holds between blocks: the non-block weights and its own block tensors."""
         owned = [f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.names_of(i, rank)]
-        return self._shared_names + owned
+        return self._shared_names + [m for n in owned for m in self.replicas[rank].loaded_with(n)]
 
     def load(self) -> ShardedBlockWeights:
         """Make every card's shard resident (from RAM) and the block gathers ready."""

@@ -335,6 +335,12 @@ class RankReplica:
             total += base.numel() * self._target_dtype(source, base).itemsize
         return total
 
+    def loaded_with(self, name: str) -> list[str]:
+        """The names rebuilt together with `name`: all of a quantized layer's state-dict names
+        (its data, scales and format record) for one of them, else just `name`."""
+        prefix = self._loader_of.get(name)
+        return list(self._loaders[prefix][1]) if prefix is not None else [name]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors the replica is bound to now: device copies when resident, base views otherwise."""
         with self._lock:
