@@ -168,7 +168,7 @@ QUANTIZED_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"]
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_shard_with_a_lora_on_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world,
                                                                             monkeypatch):
     """A LoRA (upstream's load_lora_for_models) before the node onto a DiT file made by
