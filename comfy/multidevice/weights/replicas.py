@@ -399,7 +399,7 @@ class RankReplica:
                 layer._buffers[leaf] = value
             self._layer_patched[name] = _nbytes(value)
             # the unpatched device copy served only as the patch's input: rebind the base view
-            source = next(s for s, group in self._groups.items() if name in group)
+            source = name if name in self._groups else next(s for s, g in self._groups.items() if name in g)
             if source in self._owned:
                 self._owned.discard(source)
                 for n in self._groups[source]:
