@@ -59,6 +59,31 @@ def test_shard_samples_exactly_like_replicate(patcher, lora, world, with_a_lora)
     assert all(t.numel() > 0 for t in patcher.model.diffusion_model.state_dict().values())
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_lora_is_patched_in_comfyuis_lora_compute_dtype(patcher, lora, world, monkeypatch):  # noqa: F811
+    """On Ascend NPUs and recent NVIDIA cards ComfyUI patches weights in float16
+    (comfy.model_management.lora_compute_dtype), on the CPU in float32. Made float16 here: the
+    shards and the replicas, patched from the base, still equal `replicate` with the LoRA after
+    the node (every rank a copy of card 0's weights as ComfyUI patched them) bit for bit."""
+    import comfy.model_management
+    monkeypatch.setattr(comfy.model_management, "lora_compute_dtype", lambda device: torch.float16)
+    coord, replicated = node_dit(patcher, world, "replicate")
+    with coord:
+        reference = sample(with_lora(replicated, lora))
+        assert not replicated.multinpu_dit_replicas.uses_base()
+    with torch.inference_mode():
+        comfy.model_management.unload_all_models()
+    coord, sharded = node_dit(with_lora(patcher, lora), world, "shard")
+    with coord:
+        out = sample(sharded)
+        sharded.multinpu_dit_shards.family.close()
+    assert identical(out, reference)
+    coord, replicated = node_dit(with_lora(patcher, lora), world, "replicate")  # cards 1..W-1 from the base
+    with coord:
+        assert identical(sample(replicated), reference)
+        assert replicated.multinpu_dit_replicas.uses_base()
+
+
 def test_a_lora_added_after_the_node_is_refused(patcher, lora):  # noqa: F811
     coord, sharded = node_dit(patcher, 2, "shard")
     with coord, pytest.raises(RolePlanError, match="added after MultiNPUParallelConfig"):

@@ -95,9 +95,10 @@ class WeightPatches:
     """Weight patches keyed by tensor name, shared by a family of replicas.
 
     Each name has an ordered list of entries: additive deltas (weight += strength * delta) or
-    functions fn(name, weight_fp32) -> weight_fp32. They are applied in float32 on the
-    replica's device, then cast back with `cast(name, weight_fp32, dtype)` (default: .to(dtype));
-    the same operations in the same order give the same weights on every replica.
+    functions fn(name, weight_fp32) -> patched weight (float32, or the dtype the function
+    computes in). Deltas are added in float32 on the replica's device; the result is cast back
+    with `cast(name, weight, dtype)` (default: .to(dtype)); the same operations in the same
+    order give the same weights on every replica.
 
     A tensor of a quantized layer (see _holds_wrapped_tensor) has a layer patch instead: one
     function that computes the patched tensor from the layer as its loader rebuilt it on the
@@ -136,9 +137,13 @@ class WeightPatches:
         work = weight.to(torch.float32, copy=True)
         for kind, value, strength in self._entries.get(name, ()):
             if kind == "delta":
+                if work.dtype != torch.float32:
+                    work = work.to(torch.float32)
                 work.add_(value.to(work.device, torch.float32), alpha=strength)
             else:
-                work = value(name, work).to(torch.float32)
+                # cast as the function returns it: ComfyUI's patch math returns its LoRA compute
+                # dtype, and its rounding to the stored dtype starts from that
+                work = value(name, work)
         return self.cast(name, work, weight.dtype)
 
 
@@ -648,7 +653,14 @@ def checkpoint_path_of(model_patcher: Any) -> str | None:
 def _comfy_patch_function(patch_list: list, key: str) -> PatchFunction:
     def apply(name: str, weight: torch.Tensor) -> torch.Tensor:
         import comfy.lora  # ComfyUI's own patch math, so replicas match the primary
-        return comfy.lora.calculate_weight(patch_list, weight, key)
+        try:
+            from comfy.model_management import lora_compute_dtype
+        except ImportError:  # a stand-in for comfy.lora alone (tests): float32
+            return comfy.lora.calculate_weight(patch_list, weight, key)
+        # ComfyUI patches in its LoRA compute dtype for the card (float16 on Ascend and recent
+        # NVIDIA cards, float32 on the CPU), and the result depends on it; the float32 copy
+        # converts to it exactly as the stored weight would
+        return comfy.lora.calculate_weight(patch_list, weight.to(lora_compute_dtype(weight.device)), key)
     return apply
 
 
