@@ -196,6 +196,18 @@ QUANTIZED_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"]
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shard_with_a_lora_on_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world,
                                                                             monkeypatch):
+    check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, world, monkeypatch)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+def test_a_lora_on_a_quantized_file_in_a_float16_lora_compute_dtype(upstream, tmp_path, fmt, monkeypatch):
+    """The same with ComfyUI's LoRA compute dtype float16, as on Ascend and recent NVIDIA cards."""
+    import comfy.model_management
+    monkeypatch.setattr(comfy.model_management, "lora_compute_dtype", lambda device: torch.float16)
+    check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, 2, monkeypatch)
+
+
+def check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, world, monkeypatch):
     """A LoRA (upstream's load_lora_for_models) before the node onto a DiT file made by
     upstream's own quantizers. Each quantized block tensor is patched once, by the rank that
     keeps it, with ComfyUI's patch_weight_to_device (dequantize, patch, requantize with the
@@ -225,9 +237,9 @@ def test_shard_with_a_lora_on_a_quantized_file_samples_exactly_like_replicate(up
     def counting_patch(self, key, *args, **kwargs):
         patched_keys.append(key)
         return real_patch(self, key, *args, **kwargs)
-    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "patch_weight_to_device", counting_patch)
-    coord, sharded = node_dit(with_lora(model, turbo), world, "shard")
-    monkeypatch.undo()
+    with monkeypatch.context() as counting:
+        counting.setattr(comfy.model_patcher.ModelPatcher, "patch_weight_to_device", counting_patch)
+        coord, sharded = node_dit(with_lora(model, turbo), world, "shard")
     # every quantized block weight patched exactly once over all the cards (by its owner)
     assert sorted(patched_keys) == sorted(f"diffusion_model.blocks.{n}.weight" for n in loaded)
     with coord:
