@@ -59,6 +59,31 @@ def test_shard_samples_exactly_like_replicate(patcher, lora, world, with_a_lora)
     assert all(t.numel() > 0 for t in patcher.model.diffusion_model.state_dict().values())
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_lora_is_patched_in_comfyuis_lora_compute_dtype(patcher, lora, world, monkeypatch):  # noqa: F811
+    """On Ascend NPUs and recent NVIDIA cards ComfyUI patches weights in float16
+    (comfy.model_management.lora_compute_dtype), on the CPU in float32. Made float16 here: the
+    shards and the replicas, patched from the base, still equal `replicate` with the LoRA after
+    the node (every rank a copy of card 0's weights as ComfyUI patched them) bit for bit."""
+    import comfy.model_management
+    monkeypatch.setattr(comfy.model_management, "lora_compute_dtype", lambda device: torch.float16)
+    coord, replicated = node_dit(patcher, world, "replicate")
+    with coord:
+        reference = sample(with_lora(replicated, lora))
+        assert not replicated.multinpu_dit_replicas.uses_base()
+    with torch.inference_mode():
+        comfy.model_management.unload_all_models()
+    coord, sharded = node_dit(with_lora(patcher, lora), world, "shard")
+    with coord:
+        out = sample(sharded)
+        sharded.multinpu_dit_shards.family.close()
+    assert identical(out, reference)
+    coord, replicated = node_dit(with_lora(patcher, lora), world, "replicate")  # cards 1..W-1 from the base
+    with coord:
+        assert identical(sample(replicated), reference)
+        assert replicated.multinpu_dit_replicas.uses_base()
+
+
 def test_a_lora_added_after_the_node_is_refused(patcher, lora):  # noqa: F811
     coord, sharded = node_dit(patcher, 2, "shard")
     with coord, pytest.raises(RolePlanError, match="added after MultiNPUParallelConfig"):
@@ -144,22 +169,101 @@ def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tm
     assert "QuantizedTensor" in kept
 
 
-def test_a_lora_on_a_quantized_file_is_refused_with_the_reason_and_the_fix(upstream, tmp_path):
-    """A LoRA loaded before the node onto a quantized DiT: the shards are built from the base,
-    which cannot patch quantized weights, so shard is refused (naming the patched layer and the
-    fixes), before the input MODEL is changed; replicate serves the same MODEL."""
-    from tests.upstream.test_quantized_files import load, quantized_state_dict
-    model = load(upstream, quantized_state_dict(upstream, "int8_tensorwise"), tmp_path, "int8")
-    patched = model.clone()
-    key = "diffusion_model.blocks.0.attn.qkv_proj.weight"
-    patched.add_patches({key: (torch.zeros(patched.model.diffusion_model.blocks[0].attn.qkv_proj.weight.shape),)}, 1.0)
-    before = dict(patched.patches)
-    with pytest.raises(RolePlanError, match=r"quantized layers \(first 'blocks\.0\.attn\.qkv_proj\.weight'\).*"
-                                            r"dit_weights=replicate.*BF16 DiT file"), \
-            SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
-        from comfy.multidevice.roles.dit import _sequence_parallel_dit
-        _sequence_parallel_dit(patched, coord.devices, coord, dit_weights="shard")
-    assert patched.patches == before and patched.model.diffusion_model is model.model.diffusion_model
-    coord, replicated = node_dit(patched, 2, "replicate")
+def quantized_lora(model, seed=13):
+    """A rank-2 LoRA on every block linear of a (quantized) DiT, sized from the layers
+    (a QuantizedTensor reports its float shape), in the form test_lora.py's LoRA takes."""
+    g = torch.Generator().manual_seed(seed)
+    dit, out = model.model.diffusion_model, {}
+    for i in range(len(dit.blocks)):
+        for target in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            rows, cols = dit.blocks[i].get_submodule(target).weight.shape
+            out[f"diffusion_model.blocks.{i}.{target}.lora_up.weight"] = torch.randn(rows, 2, generator=g) * 0.3
+            out[f"diffusion_model.blocks.{i}.{target}.lora_down.weight"] = torch.randn(2, cols, generator=g) * 0.3
+    return out
+
+
+def layer_tensors(layer):
+    """The plain tensors a (quantized) layer holds: a QuantizedTensor as its inner tensors."""
+    from comfy.multidevice.weights.block_shards import _leaves
+    return [leaf for t in (*layer._parameters.values(), *layer._buffers.values()) if t is not None
+            for leaf in _leaves(t)]
+
+
+QUANTIZED_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"]
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shard_with_a_lora_on_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world,
+                                                                            monkeypatch):
+    check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, world, monkeypatch)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+def test_a_lora_on_a_quantized_file_in_a_float16_lora_compute_dtype(upstream, tmp_path, fmt, monkeypatch):
+    """The same with ComfyUI's LoRA compute dtype float16, as on Ascend and recent NVIDIA cards."""
+    import comfy.model_management
+    monkeypatch.setattr(comfy.model_management, "lora_compute_dtype", lambda device: torch.float16)
+    check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, 2, monkeypatch)
+
+
+def check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, world, monkeypatch):
+    """A LoRA (upstream's load_lora_for_models) before the node onto a DiT file made by
+    upstream's own quantizers. Each quantized block tensor is patched once, by the rank that
+    keeps it, with ComfyUI's patch_weight_to_device (dequantize, patch, requantize with the
+    key's seeded rounding); the reference is `replicate` with the same LoRA after the node, where
+    every rank runs a copy of card 0's weights as ComfyUI itself loaded and patched them. The
+    latents are bit-identical, every kept quantized tensor equals ComfyUI's patched one byte for
+    byte, and the base stays unpatched."""
+    import comfy.model_management
+    from tests.upstream.test_quantized_files import convrot_state_dict, load, quantized_state_dict
+    state = convrot_state_dict("int8") if fmt == "convrot_int8" else quantized_state_dict(upstream, fmt)
+    model = load(upstream, state, tmp_path, fmt)
+    turbo = quantized_lora(model)
+    coord, replicated = node_dit(model, world, "replicate")
     with coord:
-        sample(replicated)
+        reference = sample(with_lora(replicated, turbo))  # ComfyUI patches card 0; the others copy it
+        assert not replicated.multinpu_dit_replicas.uses_base()
+    # card 0's weights as ComfyUI loaded and patched them (the MODEL stays loaded after sampling)
+    loaded = {name: [t.clone() for t in layer_tensors(layer)]
+              for name, layer in model.model.diffusion_model.blocks.named_modules()
+              if type(getattr(layer, "weight", None)).__name__ == "QuantizedTensor"}
+    with torch.inference_mode():  # as ComfyUI evicts, inside a prompt: card 0 back to the file's weights
+        comfy.model_management.unload_all_models()
+    assert len(loaded) == 4 * len(model.model.diffusion_model.blocks)
+    import comfy.model_patcher
+    patched_keys, real_patch = [], comfy.model_patcher.ModelPatcher.patch_weight_to_device
+
+    def counting_patch(self, key, *args, **kwargs):
+        patched_keys.append(key)
+        return real_patch(self, key, *args, **kwargs)
+    with monkeypatch.context() as counting:
+        counting.setattr(comfy.model_patcher.ModelPatcher, "patch_weight_to_device", counting_patch)
+        coord, sharded = node_dit(with_lora(model, turbo), world, "shard")
+    # every quantized block weight patched exactly once over all the cards (by its owner)
+    assert sorted(patched_keys) == sorted(f"diffusion_model.blocks.{n}.weight" for n in loaded)
+    with coord:
+        out = sample(sharded)
+        shards = sharded.multinpu_dit_shards
+        kept = {}
+        for r in range(world):
+            for name in loaded:
+                layer = shards.module(r).blocks.get_submodule(name)
+                if layer.weight.numel():  # the rank keeps this layer's weight
+                    kept.setdefault(name, []).append(layer_tensors(layer))
+        base = shards.replicas[0].base
+        shards.family.close()
+    assert identical(out, reference)
+    assert sorted(kept) == sorted(loaded) and all(len(v) == 1 for v in kept.values())  # one owner each
+    for name, (tensors,) in kept.items():
+        assert len(tensors) == len(loaded[name]) and all(torch.equal(a, b) for a, b in zip(tensors, loaded[name])), name
+    # the base still holds the file's (unpatched) bytes
+    for name in state:
+        if name.startswith("blocks.") and not name.endswith("comfy_quant"):
+            assert torch.equal(base[name], state[name]), name
+    assert not identical(out, sample(model))  # the LoRA acts
+    # replicate with the LoRA before the node now builds cards 1..W-1 from the base the same way
+    coord, replicated = node_dit(with_lora(model, turbo), world, "replicate")
+    with coord:
+        assert identical(sample(replicated), reference)
+        assert replicated.multinpu_dit_replicas.uses_base()

@@ -168,13 +168,35 @@ def test_quantized_layers_are_served_from_the_base_as_they_are(upstream, tmp_pat
     assert torch.equal(replicas[1].module.blocks[0].attn.qkv_proj(x), primary.blocks[0].attn.qkv_proj(x))
 
 
-def test_a_lora_on_a_quantized_layer_is_refused_by_the_base(upstream, tmp_path):
-    """Replicas from the base cannot patch quantized weights: refused with a clear error (the
-    node then copies the loaded, patched weights card to card instead)."""
+def test_a_lora_on_a_quantized_layer_is_patched_from_the_base_as_comfyui_patches_it(upstream, tmp_path):
+    """Replicas from the base patch a quantized layer with ComfyUI's own patch_weight_to_device
+    (dequantize, patch, requantize with the key's seeded rounding): byte for byte the tensors
+    ComfyUI's load of the patched MODEL puts in the primary; the base stays unpatched, the
+    patched copy counts as the replica's own bytes, and unload / reload reads nothing from disk."""
+    import comfy.model_management
+    from comfy.multidevice.weights.checkpoint import total_bytes_read
     from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
     model = load(upstream, quantized_state_dict(upstream, "int8_tensorwise"), tmp_path, "int8")
     patched = model.clone()
     key = "diffusion_model.blocks.0.attn.qkv_proj.weight"
-    patched.add_patches({key: (torch.zeros(patched.model.diffusion_model.blocks[0].attn.qkv_proj.weight.shape),)}, 1.0)
-    with pytest.raises(ValueError, match="quantized layer"):
-        comfy_diffusion_model_replicas(patched, ["cpu"])
+    layer = patched.model.diffusion_model.blocks[0].attn.qkv_proj
+    delta = torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(3)) * 0.05
+    patched.add_patches({key: (delta,)}, 1.0)
+    replicas = comfy_diffusion_model_replicas(patched, ["cpu", "cpu"], load=True)
+    base_qdata = replicas.base["blocks.0.attn.qkv_proj.weight"].clone()
+    with torch.inference_mode():
+        comfy.model_management.load_models_gpu([patched])  # ComfyUI patches the primary itself
+        theirs = layer.weight
+        for replica in replicas:
+            mine = replica.module.blocks[0].attn.qkv_proj.weight
+            assert type(mine).__name__ == "QuantizedTensor"
+            assert torch.equal(mine._qdata, theirs._qdata) and torch.equal(mine._params.scale, theirs._params.scale)
+            assert not torch.equal(mine._qdata, base_qdata)  # the patch acts
+            assert replica.resident_bytes == mine._qdata.nbytes + mine._params.scale.nbytes
+        comfy.model_management.unload_all_models()
+    assert torch.equal(replicas.base["blocks.0.attn.qkv_proj.weight"], base_qdata)
+    before = total_bytes_read()
+    assert replicas.unload() > 0 and replicas[1].resident_bytes == 0
+    replicas.load()
+    assert total_bytes_read() == before
+    assert torch.equal(replicas[1].module.blocks[0].attn.qkv_proj.weight._qdata, theirs._qdata)

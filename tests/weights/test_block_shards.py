@@ -135,6 +135,16 @@ def test_balanced_plan_is_deterministic_and_spreads_whole_tensors():
         BlockShardPlan.balanced(blocks, 0)
 
 
+def test_tensors_that_go_together_get_one_owner():
+    """A quantized layer's weight and bias are one unit (its loader rebuilds them as one)."""
+    blocks = [{"w": 100, "bias": 10, "norm": 95}]
+    alone = BlockShardPlan.balanced(blocks, 2)  # w -> 0, norm -> 1, bias -> 1 (the lighter)
+    assert alone.owner[0]["w"] != alone.owner[0]["bias"]
+    plan = BlockShardPlan.balanced(blocks, 2, together=[{"w": "lin", "bias": "lin"}])
+    assert plan.owner[0]["w"] == plan.owner[0]["bias"] != plan.owner[0]["norm"]
+    assert [plan.owned_bytes(r) for r in range(2)] == [110, 95]
+
+
 class _Block(torch.nn.Module):
     def __init__(self, weight):
         super().__init__()
@@ -288,3 +298,124 @@ def test_the_next_blocks_gather_runs_on_the_lane_while_a_block_computes(monkeypa
     rank_threads = {e[2] for e in events if e[0] == "take"}
     lane_threads = {e[2] for e in events if e[0] == "gather"}
     assert len(rank_threads) == world and len(lane_threads) == world and not rank_threads & lane_threads
+
+
+# ----------------------------------------------------------------------------- quantized-layer patches
+
+class _PackedLinear(torch.nn.Module):
+    """A stand-in for upstream's quantized layer: it holds one tensor subclass (a TwoTensor)
+    that is stored as two plain tensors, 'weight' and 'weight_scale', and put together only by
+    its own loader."""
+
+    def __init__(self, a, b):
+        super().__init__()
+        from torch.testing._internal.two_tensor import TwoTensor
+        self.weight = torch.nn.Parameter(TwoTensor(a, b), requires_grad=False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.weight is None:  # not loaded yet (a copy of the structure only)
+            return
+        destination[prefix + "weight"] = self.weight.a
+        destination[prefix + "weight_scale"] = self.weight.b
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        from torch.testing._internal.two_tensor import TwoTensor
+        # copies: a TwoTensor needs its two parts at equal storage offsets, the base's views are not
+        a, b = state_dict[prefix + "weight"].clone(), state_dict[prefix + "weight_scale"].clone()
+        self.weight = torch.nn.Parameter(TwoTensor(a, b), requires_grad=False)
+
+
+class _PackedBlock(torch.nn.Module):
+    def __init__(self, g):
+        super().__init__()
+        self.lin = _PackedLinear(torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g))
+        self.norm = torch.nn.Parameter(torch.randn(5, generator=g), requires_grad=False)
+
+
+class _PackedTower(torch.nn.Module):
+    def __init__(self, blocks=4, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.blocks = torch.nn.ModuleList(_PackedBlock(g) for _ in range(blocks))
+
+
+def _requantizing_patch(calls):
+    """A layer patch in the shape of ComfyUI's for a quantized weight: read the layer as its
+    loader rebuilt it, change it, round with a generator seeded by the name (same bits on
+    every rank), return a new tensor of the layer's own kind."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def patch(name, module, device):
+        calls.append(name)
+        weight = module.get_submodule(name.rpartition(".")[0]).weight
+        g = torch.Generator(device=device).manual_seed(sum(map(ord, name)))
+        noise = torch.rand(weight.a.shape, generator=g, device=device)
+        return TwoTensor(weight.a + 0.25, (weight.b * 4 + noise).floor())
+    return patch
+
+
+def test_a_quantized_layer_patch_runs_once_on_its_owner_and_the_gather_is_exact():
+    """Layer patches (weights/replicas.py) on a sharded family: each patched tensor is computed
+    once, by the rank that keeps it, and every rank's gathered block equals a full replica's
+    patched block bit for bit; the base stays unpatched; an unload drops the patched copies
+    without patching anything again."""
+    pytest.importorskip("torch.testing._internal.two_tensor")
+    from comfy.multidevice.weights.block_shards import block_tensors, tensor_nbytes
+    world, template = 3, _PackedTower()
+    state = {n: t.clone() for n, t in template.state_dict().items()}
+    base = SharedCheckpoint.from_state_dict(state, copy=True, label="packed tower")
+    names = [f"blocks.{i}.lin.weight" for i in range(len(template.blocks))]
+
+    def family(calls):
+        reps = RankReplicas(base, ["cpu"] * world, template=template, load=False)
+        reps.add_layer_patch(names, _requantizing_patch(calls))
+        return reps
+
+    full_calls, shard_calls = [], []
+    full = family(full_calls).load()
+    assert sorted(full_calls) == sorted(names * world)  # replicate: every rank patches everything
+    sharded = family(shard_calls)
+    sizes = [{n: tensor_nbytes(t) for n, t in block_tensors(b).items()} for b in sharded[0].module.blocks]
+    plan = BlockShardPlan.balanced(sizes, world)
+    for r, replica in enumerate(sharded):  # as roles/dit_shards.py loads each card's shard
+        replica.load([f"blocks.{i}.{n}" for i in range(len(sizes)) for n in plan.names_of(i, r)], only=True)
+    assert sorted(shard_calls) == sorted(names)  # shard: once each, on the owner
+    for r, replica in enumerate(sharded):
+        owned = [i for i in range(len(sizes)) if plan.owner[i]["lin.weight"] == r]
+        assert replica.resident_bytes == sum(sizes[i]["lin.weight"] for i in owned)
+    weights = ShardedBlockWeights([r.module for r in sharded], lambda m: m.blocks, [torch.device("cpu")] * world,
+                                  plan=plan)
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        def gather_all(rank, comm):
+            view, got = weights.rank_view(rank), []
+            view.begin_forward()
+            for i, block in enumerate(sharded[rank].module.blocks):
+                view.bind(i, comm)
+                got.append((block.lin.weight.a.clone(), block.lin.weight.b.clone(), block.norm.clone()))
+                view.release(i)
+            return got
+        results = coord.run(gather_all)
+    weights.close()
+    for got in results:
+        for (a, b, norm), block in zip(got, full[0].module.blocks):
+            assert torch.equal(a, block.lin.weight.a) and torch.equal(b, block.lin.weight.b)
+            assert torch.equal(norm, block.norm)
+    assert not torch.equal(full[0].module.blocks[0].lin.weight.a, state["blocks.0.lin.weight"])  # it acts
+    assert all(torch.equal(base[n], t) for n, t in state.items())
+    assert sharded.unload() == sum(sizes[i]["lin.weight"] for i in range(len(sizes)))
+    assert sorted(shard_calls) == sorted(names) and sharded[0].resident_bytes == 0
+
+
+def test_quantized_layer_tensors_take_layer_patches_only():
+    pytest.importorskip("torch.testing._internal.two_tensor")
+    from comfy.multidevice.weights.replicas import QuantizedPatchError
+    template = _PackedTower(blocks=1)
+    base = SharedCheckpoint.from_state_dict(template.state_dict(), copy=True, label="packed tower")
+    reps = RankReplicas(base, ["cpu"], template=template, load=False)
+    with pytest.raises(QuantizedPatchError, match="'blocks.0.lin.weight' of a quantized layer.*add_layer_patch"):
+        reps.add_patches({"blocks.0.lin.weight": torch.zeros(3, 5)})
+    with pytest.raises(ValueError, match="'blocks.0.norm' is not a tensor of a quantized layer.*add_patches"):
+        reps.add_layer_patch(["blocks.0.norm"], _requantizing_patch([]))
+    with pytest.raises(ValueError, match="'blocks.0.lin.weight_scale' is stored inside.*patch the layer's weight"):
+        reps.add_layer_patch(["blocks.0.lin.weight_scale"], _requantizing_patch([]))
+    assert reps.patches.names() == []  # nothing was added by the refused calls

@@ -4,8 +4,10 @@ Every rank, card 0 included, runs a DiT built from the shared checkpoint base (t
 file read once per process, or the loaded CPU weights zero-copy) with the MODEL's weight
 patches (a Turbo LoRA loaded before the node) applied by ComfyUI's own patch math
 (weights/replicas.py). Each card is given only the non-block weights and the block tensors
-its rank owns; the others are gathered block by block while the DiT runs
-(weights/block_shards.py). A card never holds a whole replica, not even while it is built.
+its rank owns, patched there once (a quantized layer as ComfyUI patches it when it loads the
+MODEL on a card: dequantized, patched, requantized with rounding seeded by the key); the
+others are gathered block by block while the DiT runs (weights/block_shards.py). A card
+never holds a whole replica, not even while it is built.
 
 Rank 0's sharded DiT is also what ComfyUI loads on card 0: the node's MODEL output is a clone
 whose BaseModel is a shallow copy with that DiT in place of the full one, so ComfyUI's memory
@@ -45,7 +47,7 @@ class DitShards:
 
     def __init__(self, primary, devices: Sequence[torch.device], coordinator, prefetch: bool = True,
                  lane=None):
-        from comfy.multidevice.weights.replicas import QuantizedPatchError, comfy_diffusion_model_replicas
+        from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
 
         self.devices = list(devices)
         self.coordinator = coordinator
@@ -60,23 +62,20 @@ class DitShards:
         try:
             with self._as_loaded():
                 self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
-        except QuantizedPatchError as exc:
-            raise RolePlanError(
-                f"dit_weights=shard cannot apply this MODEL's weight patches (e.g. a LoRA) to a quantized "
-                f"DiT: {len(exc.names)} of them patch quantized layers (first {exc.names[0]!r}); the shards are "
-                f"built from the file's base, where quantized weights cannot be patched, and a LoRA loaded "
-                f"after the node would reach card 0's shard only. Use dit_weights=replicate (the loaded, "
-                f"patched weights are copied to the other cards), or the BF16 DiT file with "
-                f"dit_weights=shard") from exc
         except Exception as exc:  # the base is what makes a card-by-card shard possible
             raise RolePlanError(f"{SHARD_NEEDS_BASE} ({type(exc).__name__}: {exc})") from exc
         replica = self.replicas[0]
         names = list(replica.names)
         self.num_blocks = len(_blocks(replica.module))
-        self.plan = BlockShardPlan.balanced(
-            [self._block_sizes(replica, i) for i in range(self.num_blocks)], len(self.devices))
+        sizes = [self._block_sizes(replica, i) for i in range(self.num_blocks)]
+        # a quantized layer's tensors go to one owner: its loader rebuilds (and patches) them as one
+        together = [{n: replica.loaded_with(f"blocks.{i}.{n}")[0] for n in b} for i, b in enumerate(sizes)]
+        self.plan = BlockShardPlan.balanced(sizes, len(self.devices), together)
         self._block_names = {f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.nbytes[i]}
-        self._shared_names = [n for n in names if n not in self._block_names]
+        # a quantized block layer's scales and format record go with its weight, to its owner
+        # only: a card that rebuilt (and patched) every quantized layer would hold a replica
+        in_blocks = {m for n in self._block_names for m in replica.loaded_with(n)}
+        self._shared_names = [n for n in names if n not in in_blocks]
         # bytes every card holds outside the blocks (embeddings, refiner, final layer)
         self.shared_bytes = sum(t.numel() * replica._target_dtype(n, t).itemsize
                                 for n, t in ((n, replica._base_tensor(n)) for n in replica._groups)
@@ -104,7 +103,7 @@ class DitShards:
     def keep_names(self, rank: int) -> list[str]:
         """What card `rank` holds between blocks: the non-block weights and its own block tensors."""
         owned = [f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.names_of(i, rank)]
-        return self._shared_names + owned
+        return self._shared_names + [m for n in owned for m in self.replicas[rank].loaded_with(n)]
 
     def load(self) -> ShardedBlockWeights:
         """Make every card's shard resident (from RAM) and the block gathers ready."""

@@ -173,19 +173,29 @@ class BlockShardPlan:
     nbytes: tuple  # per block: {name: bytes}
 
     @staticmethod
-    def balanced(block_bytes: Sequence[dict], world_size: int) -> "BlockShardPlan":
-        """Largest tensor first to the least-loaded rank (ties: the lower rank), over all blocks."""
+    def balanced(block_bytes: Sequence[dict], world_size: int,
+                 together: Sequence[dict] | None = None) -> "BlockShardPlan":
+        """Largest unit first to the least-loaded rank (ties: the lower rank), over all blocks.
+
+        A unit is one tensor, or the tensors that `together[i]` maps to one unit name (e.g. a
+        quantized layer's weight and bias, which its loader rebuilds, and a patch changes, as one).
+        """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        unit_of = [{name: (together[i] if together else {}).get(name, name) for name in b}
+                   for i, b in enumerate(block_bytes)]
+        units: dict = {}
+        for i, b in enumerate(block_bytes):
+            for name, n in b.items():
+                units[(i, unit_of[i][name])] = units.get((i, unit_of[i][name]), 0) + n
         load = [0] * world_size
-        owner = [dict() for _ in block_bytes]
-        items = sorted(((n, i, name) for i, b in enumerate(block_bytes) for name, n in b.items()),
-                       key=lambda x: (-x[0], x[1], x[2]))
-        for n, i, name in items:
+        unit_owner = {}
+        for (i, unit), n in sorted(units.items(), key=lambda x: (-x[1], x[0][0], x[0][1])):
             r = min(range(world_size), key=lambda k: (load[k], k))
-            owner[i][name] = r
+            unit_owner[(i, unit)] = r
             load[r] += n
-        return BlockShardPlan(world_size, tuple(owner), tuple(dict(b) for b in block_bytes))
+        owner = tuple({name: unit_owner[(i, unit_of[i][name])] for name in b} for i, b in enumerate(block_bytes))
+        return BlockShardPlan(world_size, owner, tuple(dict(b) for b in block_bytes))
 
     def owned_bytes(self, rank: int) -> int:
         return sum(n for own, nb in zip(self.owner, self.nbytes) for name, n in nb.items() if own[name] == rank)

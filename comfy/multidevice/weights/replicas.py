@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from comfy.multidevice.devices import accelerator_api, module_device, resolve_device
+from comfy.multidevice.weights.block_shards import tensor_nbytes as _nbytes
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.read_only import ReadOnlyTensor
 
@@ -86,19 +87,27 @@ class ReplicaCache:
 # ----------------------------------------------------------------------------- patches
 
 PatchFunction = Callable[[str, torch.Tensor], torch.Tensor]
+# (name, replica module, device) -> the patched tensor for `name`, read from the module's layer
+LayerPatchFunction = Callable[[str, torch.nn.Module, torch.device], torch.Tensor]
 
 
 class WeightPatches:
     """Weight patches keyed by tensor name, shared by a family of replicas.
 
     Each name has an ordered list of entries: additive deltas (weight += strength * delta) or
-    functions fn(name, weight_fp32) -> weight_fp32. They are applied in float32 on the
-    replica's device, then cast back with `cast(name, weight_fp32, dtype)` (default: .to(dtype));
-    the same operations in the same order give the same weights on every replica.
+    functions fn(name, weight_fp32) -> patched weight (float32, or the dtype the function
+    computes in). Deltas are added in float32 on the replica's device; the result is cast back
+    with `cast(name, weight, dtype)` (default: .to(dtype)); the same operations in the same
+    order give the same weights on every replica.
+
+    A tensor of a quantized layer (see _holds_wrapped_tensor) has a layer patch instead: one
+    function that computes the patched tensor from the layer as its loader rebuilt it on the
+    replica's device (e.g. dequantize, add the LoRA, requantize with a fixed seed).
     """
 
     def __init__(self):
         self._entries: dict[str, list[tuple[str, Any, float]]] = {}
+        self._layer: dict[str, LayerPatchFunction] = {}
         self.version = 0
         self.cast: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor] = (
             lambda name, weight, dtype: weight.to(dtype))
@@ -107,7 +116,10 @@ class WeightPatches:
         return name in self._entries
 
     def names(self) -> list[str]:
-        return list(self._entries)
+        return [*self._entries, *self._layer]
+
+    def layer_patch(self, name: str) -> LayerPatchFunction | None:
+        return self._layer.get(name)
 
     def _add(self, name: str, kind: str, value: Any, strength: float) -> None:
         self._entries.setdefault(name, []).append((kind, value, strength))
@@ -117,6 +129,7 @@ class WeightPatches:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._layer.clear()
         self._bump()
 
     def apply(self, name: str, weight: torch.Tensor) -> torch.Tensor:
@@ -124,9 +137,13 @@ class WeightPatches:
         work = weight.to(torch.float32, copy=True)
         for kind, value, strength in self._entries.get(name, ()):
             if kind == "delta":
+                if work.dtype != torch.float32:
+                    work = work.to(torch.float32)
                 work.add_(value.to(work.device, torch.float32), alpha=strength)
             else:
-                work = value(name, work).to(torch.float32)
+                # cast as the function returns it: ComfyUI's patch math returns its LoRA compute
+                # dtype, and its rounding to the stored dtype starts from that
+                work = value(name, work)
         return self.cast(name, work, weight.dtype)
 
 
@@ -206,6 +223,7 @@ class RankReplica:
         self._patch_version = -1
         self._bound: dict[str, torch.Tensor] = {}
         self._owned: set[str] = set()  # sources bound to a private copy rather than the base itself
+        self._layer_patched: dict[str, int] = {}  # quantized-layer tensor -> bytes of its patched copy
         self._loaders: dict[str, tuple[torch.nn.Module, list[str]]] = {}  # prefix -> layer, names
         self._loader_of: dict[str, str] = {}                                # name -> prefix
         if template is None:
@@ -309,7 +327,8 @@ class RankReplica:
     @property
     def resident_bytes(self) -> int:
         """Bytes held by this replica beyond the shared base (device copies, patched weights)."""
-        return sum(self._bound[self._groups[s][0]].nbytes for s in self._owned)
+        return (sum(self._bound[self._groups[s][0]].nbytes for s in self._owned)
+                + sum(self._layer_patched.values()))
 
     @functools.cached_property
     def device_bytes(self) -> int:
@@ -321,6 +340,12 @@ class RankReplica:
             total += base.numel() * self._target_dtype(source, base).itemsize
         return total
 
+    def loaded_with(self, name: str) -> list[str]:
+        """The names rebuilt together with `name`: all of a quantized layer's state-dict names
+        (its data, scales and format record) for one of them, else just `name`."""
+        prefix = self._loader_of.get(name)
+        return list(self._loaders[prefix][1]) if prefix is not None else [name]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors the replica is bound to now: device copies when resident, base views otherwise."""
         with self._lock:
@@ -328,10 +353,11 @@ class RankReplica:
 
     # -- binding
     def _bind_base(self) -> None:
-        self._bind({s: self._base_tensor(s) for s in self._groups})
+        self._bind({s: self._base_tensor(s) for s in self._groups}, patch_layers=False)
         self._owned.clear()
+        self._layer_patched.clear()
 
-    def _bind(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _bind(self, tensors: Mapping[str, torch.Tensor], patch_layers: bool = True) -> None:
         reload = set()
         for source, t in tensors.items():
             names = self._groups[source]
@@ -347,11 +373,12 @@ class RankReplica:
             for name in names:
                 self._bound[name] = t
         for prefix in sorted(reload):
-            self._load_layer(prefix)
+            self._load_layer(prefix, patch=patch_layers)
 
-    def _load_layer(self, prefix: str) -> None:
+    def _load_layer(self, prefix: str, patch: bool = False) -> None:
         """Rebuild a quantized layer's weights from its bound tensors with the layer's own
-        loader, assigning them as they are (no copy: on a CPU rank the base views themselves)."""
+        loader, assigning them as they are (no copy: on a CPU rank the base views themselves);
+        with `patch`, then replace its patched tensors by their layer patches' results."""
         layer, names = self._loaders[prefix]
         state = {n: self._bound[n] for n in names}
         if isinstance(getattr(layer, "factory_kwargs", None), dict):
@@ -364,6 +391,24 @@ class RankReplica:
             raise ValueError(f"{_label(self.base)}: the layer {prefix[:-1]!r} could not be rebuilt on "
                              f"{self._where()}: {errors[0]}")
         layer.requires_grad_(False)
+        for name in names:
+            fn = self.patches.layer_patch(name) if patch else None
+            if fn is None:
+                self._layer_patched.pop(name, None)
+                continue
+            value = fn(name, self.module, self.device)
+            leaf = name[len(prefix):]
+            if leaf in layer._parameters:
+                layer._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+            else:
+                layer._buffers[leaf] = value
+            self._layer_patched[name] = _nbytes(value)
+            # the unpatched device copy served only as the patch's input: rebind the base view
+            source = name if name in self._groups else next(s for s, g in self._groups.items() if name in g)
+            if source in self._owned:
+                self._owned.discard(source)
+                for n in self._groups[source]:
+                    self._bound[n] = self._base_tensor(source)
 
     def _materialize(self, source: str) -> torch.Tensor:
         base = self._base_tensor(source)
@@ -472,9 +517,9 @@ class RankReplicas(Sequence):
         quantized = [n for n in names if n in self.replicas[0]._loader_of]
         if quantized:
             raise QuantizedPatchError(quantized, f"patch for {quantized[0]!r} of a quantized layer "
-                                      f"({len(quantized)} such): replicas from the base cannot patch "
-                                      "quantized weights; load the LoRA after this node, or use an "
-                                      "unquantized DiT file")
+                                      f"({len(quantized)} such): a delta or a float function cannot "
+                                      "patch a quantized tensor; give it a layer patch "
+                                      "(RankReplicas.add_layer_patch), which rebuilds the layer's tensor")
         return names
 
     def add_patches(self, deltas: Mapping[str, torch.Tensor], strength: float = 1.0) -> list[str]:
@@ -504,6 +549,27 @@ class RankReplicas(Sequence):
         names = self._check_patch_names(names)
         for name in names:
             self.patches._add(name, "function", fn, 1.0)
+        self._refresh(names)
+        return names
+
+    def add_layer_patch(self, names: Iterable[str], fn: LayerPatchFunction) -> list[str]:
+        """Patch each named tensor of a quantized layer with fn(name, replica module, device) ->
+        the patched tensor, called on each replica after the layer's loader rebuilt it there
+        (only where the layer is made resident, so a shard patches only what it keeps)."""
+        names = list(names)
+        first = self.replicas[0]
+        for name in names:
+            prefix = first._loader_of.get(name)
+            if prefix is None:
+                raise ValueError(f"{name!r} is not a tensor of a quantized layer (known: "
+                                 f"{sorted(first._loader_of)[:3]}); patch it with add_patches or "
+                                 "add_patch_function")
+            layer, leaf = first._loaders[prefix][0], name[len(prefix):]
+            if leaf not in layer._parameters and leaf not in layer._buffers:
+                raise ValueError(f"{name!r} is stored inside the layer's {prefix[:-1]!r} weight, not "
+                                 "held by it; patch the layer's weight instead")
+        for name in names:
+            self.patches._layer[name] = fn
         self._refresh(names)
         return names
 
@@ -587,7 +653,31 @@ def checkpoint_path_of(model_patcher: Any) -> str | None:
 def _comfy_patch_function(patch_list: list, key: str) -> PatchFunction:
     def apply(name: str, weight: torch.Tensor) -> torch.Tensor:
         import comfy.lora  # ComfyUI's own patch math, so replicas match the primary
-        return comfy.lora.calculate_weight(patch_list, weight, key)
+        try:
+            from comfy.model_management import lora_compute_dtype
+        except ImportError:  # a stand-in for comfy.lora alone (tests): float32
+            return comfy.lora.calculate_weight(patch_list, weight, key)
+        # ComfyUI patches in its LoRA compute dtype for the card (float16 on Ascend and recent
+        # NVIDIA cards, float32 on the CPU), and the result depends on it; the float32 copy
+        # converts to it exactly as the stored weight would
+        return comfy.lora.calculate_weight(patch_list, weight.to(lora_compute_dtype(weight.device)), key)
+    return apply
+
+
+def _comfy_layer_patch(source: Any, key: str) -> LayerPatchFunction:
+    """A quantized layer's tensor patched by ComfyUI's own ModelPatcher.patch_weight_to_device,
+    run against the replica's module on the replica's device, as ComfyUI loads the MODEL on a
+    card: dequantized in its LoRA compute dtype, patched, requantized by the layer's set_weight
+    with stochastic rounding seeded from the key (comfy.utils.string_to_seed): the same bits on
+    every card of one kind, and no random state of the process is used. `source` is a clone of
+    the node's MODEL (its patch set as it was then)."""
+    def apply(name: str, module: torch.nn.Module, device: torch.device) -> torch.Tensor:
+        from types import SimpleNamespace
+        patcher = copy.copy(source)
+        # ComfyUI contract: the key is resolved on patcher.model; return_weight=True leaves the
+        # module and the patcher's backup untouched
+        patcher.model = SimpleNamespace(diffusion_model=module)
+        return patcher.patch_weight_to_device(key, device_to=device, return_weight=True)
     return apply
 
 
@@ -620,8 +710,9 @@ def comfy_diffusion_model_replicas(model_patcher: Any, devices: Sequence[Any], b
 
     Each replica has the dtype of the loaded model's tensor of the same name, and the
     patcher's weight patches (LoRAs: model_patcher.patches, keys 'diffusion_model.<name>')
-    applied with comfy.lora.calculate_weight and ComfyUI's rounding, so every device gets the
-    same weights ComfyUI computes for the primary. The file is read at most once per process.
+    applied with comfy.lora.calculate_weight and ComfyUI's rounding (on a quantized layer: by
+    ComfyUI's own patch_weight_to_device, which requantizes with a seeded rounding), so every
+    device gets the same weights ComfyUI computes for the primary. The file is read at most once per process.
     Rebuild the replicas when the MODEL input changes (new LoRA, new strength).
     """
     diffusion_model = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
@@ -654,9 +745,14 @@ def comfy_diffusion_model_replicas(model_patcher: Any, devices: Sequence[Any], b
                     setattr(sub, attr, [])
     patches = getattr(model_patcher, "patches", None) or {}
     replica_names = set(replicas[0].names)
+    source = None  # a clone of the MODEL for the quantized layers' patches, made once
     for key, patch_list in patches.items():
         name = key[len("diffusion_model."):] if isinstance(key, str) and key.startswith("diffusion_model.") else None
-        if name in replica_names:
+        if name in replicas[0]._loader_of:  # a tensor of a quantized layer
+            if source is None:
+                source = model_patcher.clone()
+            replicas.add_layer_patch([name], _comfy_layer_patch(source, key))
+        elif name in replica_names:
             replicas.add_patch_function([name], _comfy_patch_function(list(patch_list), key))
     replicas.patches.cast = _comfy_cast("diffusion_model.")
     if load:
