@@ -107,14 +107,15 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
         for out, send in zip(gathered, (raw_k, raw_v)):
             dist.all_gather_into_tensor(out, send)
 
-    # Ulysses in + out; the attention is replaced by a ready output of its shape
+    # Ulysses in + out as the SP adapter drives it (the shard plan known, the forward's buffers
+    # kept); the attention is replaced by a ready output of its shape
     heads_mine = HEADS // world
     ready = torch.empty(1, seq, heads_mine * HEAD_DIM, dtype=torch.bfloat16)
     ulysses = UlyssesKV()
     ulysses.begin_forward()
 
     def ours_ulysses():
-        ulysses.attend(comm, lambda *a, **kw: ready, q, k, v, HEADS, skip_reshape=True)
+        ulysses.attend(comm, lambda *a, **kw: ready, q, k, v, HEADS, skip_reshape=True, shard_sizes=sizes)
 
     packed_in = [torch.empty(world, rows, heads_mine, HEAD_DIM, dtype=torch.bfloat16) for _ in range(3)]
     for packed, t in zip(packed_in, (q, k, v)):  # packed in advance: what the raw call is given
