@@ -227,14 +227,15 @@ class DistributedComm:
         received = self._all_to_all_shapes(tensors, splits, split_dim, cat_dim,
                                            check_recv_splits(recv_splits, self.world_size))
         transfers = _PointToPoint(self, workspace)
-        results = [transfers.start(t, tensor.detach().to(self._wire_device), splits, split_dim, cat_dim,
-                                   received[t])
-                   for t, tensor in enumerate(tensors)]
+        wires = [tensor.detach().to(self._wire_device) for tensor in tensors]
+        posted = [transfers.receive(t, wire, cat_dim, received[t]) for t, wire in enumerate(wires)]
+        for t, (wire, (_, own_place)) in enumerate(zip(wires, posted)):
+            transfers.send(t, wire, splits, split_dim, own_place)
         transfers.finish()
         sent, got = all_to_all_bytes([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits, received,
                                      split_dim, self.rank)
         self._count("all_to_all_v", sent=sent, received=got)
-        out = [r.to(self.device) for r in results]
+        out = [result.to(self.device) for result, _ in posted]
         return out[0] if single else out
 
     def _all_to_all_shapes(self, tensors, splits, split_dim, cat_dim, recv_splits):
@@ -363,55 +364,56 @@ class DistributedComm:
 
 
 class _PointToPoint:
-    """The transfers of one all_to_all_v call: per tensor, the receives posted into their
-    places in the result, each peer's chunk packed and sent, then the chunk the rank keeps
-    copied into its place while those move. On gloo each transfer starts as soon as it is
-    ready (gloo's threads move the bytes while this one packs the next chunk); nccl/hccl get
-    one batch per tensor (their point-to-point calls must be grouped; copies are stream-ordered)."""
+    """The transfers of one all_to_all_v call: every receive posted into its place in the
+    result first, then per tensor each peer's chunk packed and sent and the chunk the rank
+    keeps copied into its place while those move. On gloo each transfer starts as soon as it
+    is ready (gloo's threads move the bytes while this one packs the next chunk); nccl/hccl
+    get all of them as one batch (grouped point-to-point calls; the copies are stream-ordered)."""
 
     def __init__(self, comm: DistributedComm, workspace: dict | None):
         self.comm, self.workspace = comm, workspace
         self.rank, self.world = comm.rank, comm.world_size
         self.eager = comm._wire_device.type == "cpu"
+        self.batch = []    # ops not started yet: (kind, tensor, peer, tag, strided place or None)
         self.started = []  # (works, [(received buffer, its strided place)])
 
-    def start(self, t, wire, splits, split_dim, cat_dim, shapes):
-        """Start moving tensor `t` (this rank's tensor on the wire device; `shapes`: the chunks
-        it receives, per source); returns its result, complete after `finish`."""
+    def receive(self, t, like, cat_dim, shapes):
+        """Post tensor `t`'s receives (`shapes`: the chunk from each source); returns its result
+        (complete after `finish`) and the place in it of the chunk this rank keeps (or None)."""
         sizes = [s[cat_dim] if numel(s) else 0 for s in shapes]
         kept = [src for src, n in enumerate(sizes) if n]
         if not kept:  # nothing comes from anyone: the concat of the empty chunks
-            return torch.cat([wire.new_empty(s) for s in shapes], dim=cat_dim)
+            return torch.cat([like.new_empty(s) for s in shapes], dim=cat_dim), None
         shape = list(shapes[kept[0]])
         shape[cat_dim] = sum(sizes)
-        result = scratch(self.workspace, ("out", t), numel(shape), wire.dtype, wire.device).view(shape)
+        result = scratch(self.workspace, ("out", t), numel(shape), like.dtype, like.device).view(shape)
         places = dict(zip(kept, result.split([sizes[src] for src in kept], cat_dim)))
-        receives = [self._receive(t, src, places[src]) for src in kept if src != self.rank]
-        if self.eager:  # posted before any send: every chunk finds its place when it arrives
-            receives = self._issue(receives)
+        for src in kept:
+            if src != self.rank:
+                self._start(self._receive_op(t, src, places[src]))
+        return result, places.get(self.rank)
+
+    def send(self, t, wire, splits, split_dim, own_place):
+        """Pack and send tensor `t`'s chunks to the peers, then copy the chunk kept into its place."""
         offsets = displacements(splits)
-        sends = []
         for step in range(1, self.world):  # ring order: each rank serves a different peer first
             dst = (self.rank + step) % self.world
             chunk = wire.narrow(split_dim, offsets[dst], splits[dst])
             if chunk.numel():  # an empty chunk is not received either (see `kept`)
-                sends.append(("send", self._dense(("send", t, dst), chunk), dst, t, None))
-                if self.eager:
-                    sends = self._issue(sends)
-        self._issue(receives + sends)
-        if self.rank in places:  # the chunk this rank keeps: one copy, from its source to its place
-            places[self.rank].copy_(wire.narrow(split_dim, offsets[self.rank], splits[self.rank]))
-        return result
+                self._start(("send", self._dense(("send", t, dst), chunk), dst, t, None))
+        if own_place is not None:  # one copy, from its source to its place
+            own_place.copy_(wire.narrow(split_dim, offsets[self.rank], splits[self.rank]))
 
     def finish(self):
         """Wait for every transfer; a chunk received off its place is copied there on arrival."""
+        self._issue(self.batch)
         for works, received in self.started:
             for work in works:
                 self.comm._call("all_to_all_v", work.wait)
             for buf, place in received:
                 place.copy_(buf)
 
-    def _receive(self, t, src, place):
+    def _receive_op(self, t, src, place):
         if place.is_contiguous():
             return "recv", place, src, t, None
         # a strided place (e.g. a head block of every row): received densely, copied on arrival
@@ -419,21 +421,26 @@ class _PointToPoint:
         return "recv", buf.view(place.shape), src, t, place
 
     def _dense(self, key, chunk):
-        """`chunk` as the wire sends it: itself when dense, else packed into a buffer (one copy)."""
+        """`chunk` as the wire takes it: itself when dense, else packed into a buffer (one copy)."""
         if chunk.is_contiguous():
             return chunk
         return scratch(self.workspace, key, chunk.numel(), chunk.dtype, chunk.device).view(chunk.shape).copy_(chunk)
 
-    def _issue(self, ops) -> list:
-        """Start `ops` (kind, tensor, peer, tag, place) as one batch; returns [] (all started).
-        The tag is the tensor's index: the same on both ends, and ordered within a pair."""
+    def _start(self, op):
+        if self.eager:
+            self._issue([op])
+        else:
+            self.batch.append(op)
+
+    def _issue(self, ops):
+        """Start `ops` as one batch. Tag = the tensor's index: the same on both ends of a
+        transfer, and unique per pair and direction within one call."""
         if ops:
             dist, comm = self.comm._dist, self.comm
             p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, comm._global_rank(peer),
                               group=comm.group, tag=tag) for kind, tensor, peer, tag, _ in ops]
             works = comm._call("all_to_all_v", dist.batch_isend_irecv, p2p)
             self.started.append((works, [(op[1], op[4]) for op in ops if op[4] is not None]))
-        return []
 
 
 def _decode_metas(row: list[int], n_tensors: int, n_splits: int):
