@@ -248,6 +248,15 @@ def ulysses_worker(comm):
     return {"verdicts": verdicts, "rank": r}
 
 
+def _collective_path(worker):
+    """`worker` with all_to_all_v on the path nccl/hccl take (one all_to_all_single per tensor)."""
+    def run(comm):
+        from comfy.multidevice.comm import torch_dist
+        torch_dist._POINT_TO_POINT_WIRES = ()  # this process only
+        return worker(comm)
+    return run
+
+
 def all_to_all_plan_worker(comm):
     """recv_splits: a gather to one rank (the others receive nothing but send) with and without
     them; a plan that disagrees with what is sent, and one that only some ranks pass: the same
@@ -275,6 +284,11 @@ def all_to_all_plan_worker(comm):
     after = comm.all_to_all_v(x, [1] * W, 0, recv_splits=[1] * W)
     out["after_ok"] = torch.equal(after, torch.stack([torch.tensor([2.0 * r, 2.0 * r + 1]) + 10 * j for j in range(W)]))
     return out
+
+
+ulysses_collective_worker = _collective_path(ulysses_worker)
+all_to_all_plan_collective_worker = _collective_path(all_to_all_plan_worker)
+exactness_collective_worker = _collective_path(exactness_worker)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -326,6 +340,11 @@ def test_four_processes_exact(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_three_processes_exact_on_the_collective_path_of_nccl_and_hccl(tmp_path):
+    check_exactness(payloads(run_ranks(3, "exactness_collective_worker", tmp_path)), 3)
+
+
+@pytest.mark.timeout(120)
 def test_a_raising_process_makes_the_others_fail_instead_of_hanging(tmp_path):
     start = time.monotonic()
     out = run_ranks(3, "failing_rank_worker", tmp_path, dist_timeout_s=60)
@@ -343,17 +362,20 @@ def test_a_raising_process_makes_the_others_fail_instead_of_hanging(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["point_to_point", "collective"])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ulysses_over_processes_is_bit_identical_and_sends_shapes_once_per_plan(tmp_path, world):
-    for res in payloads(run_ranks(world, "ulysses_worker", tmp_path)):
+def test_ulysses_over_processes_is_bit_identical_and_sends_shapes_once_per_plan(tmp_path, world, path):
+    worker = "ulysses_worker" if path == "point_to_point" else "ulysses_collective_worker"
+    for res in payloads(run_ranks(world, worker, tmp_path)):
         failed = [name for name, ok in res["verdicts"].items() if not ok]
         assert not failed, f"rank {res['rank']}: {failed}"
         assert len(res["verdicts"]) == 2 * 2 * 2 * 2 * 2 * 2
 
 
 @pytest.mark.timeout(120)
-def test_all_to_all_plans_are_checked_on_their_first_call_everywhere(tmp_path):
-    out = payloads(run_ranks(3, "all_to_all_plan_worker", tmp_path))
+@pytest.mark.parametrize("worker", ["all_to_all_plan_worker", "all_to_all_plan_collective_worker"])
+def test_all_to_all_plans_are_checked_on_their_first_call_everywhere(tmp_path, worker):
+    out = payloads(run_ranks(3, worker, tmp_path))
     first, second = out[0]["messages"]
     assert "rank 0's recv_splits [2, 2, 2] give chunks" in first and "the ranks send it" in first
     assert "ranks [0] passed recv_splits and the others did not" in second

@@ -213,24 +213,23 @@ class DistributedComm:
         """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
         the chunks received are concatenated in source-rank order along cat_dim.
 
-        Point to point, straight into the result: the chunk a rank keeps is copied once from
-        its source into its place and never crosses the wire; a peer's chunk is packed once
-        (not when it lies dense already) and received into its place (via one buffer and one
-        copy when that place is strided, as heads along cat_dim are). Every tensor's transfers
-        are started before any is awaited. `recv_splits`: see `Communicator.all_to_all_v`;
-        with them the shapes are exchanged on a plan's first call only. `workspace`: see
-        `Communicator.exchange`."""
+        Straight into the result (see `_AllToAllTransfers`): the chunk a rank keeps is copied
+        once from its source into its place, a peer's chunk is packed once (not when dense) and
+        lands in its place (via one buffer and a copy where that place is strided, as a head
+        block along cat_dim is). Every tensor's transfers start before any is awaited.
+        `recv_splits`: see `Communicator.all_to_all_v`; with them the shapes are exchanged on
+        a plan's first call only. `workspace`: see `Communicator.exchange`."""
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
             return tensors[0] if single else tensors
         received = self._all_to_all_shapes(tensors, splits, split_dim, cat_dim,
                                            check_recv_splits(recv_splits, self.world_size))
-        transfers = _PointToPoint(self, workspace)
+        transfers = _AllToAllTransfers(self, workspace)
         wires = [tensor.detach().to(self._wire_device) for tensor in tensors]
         posted = [transfers.receive(t, wire, cat_dim, received[t]) for t, wire in enumerate(wires)]
-        for t, (wire, (_, own_place)) in enumerate(zip(wires, posted)):
-            transfers.send(t, wire, splits, split_dim, own_place)
+        for t, (wire, (_, places)) in enumerate(zip(wires, posted)):
+            transfers.send(t, wire, splits, split_dim, places)
         transfers.finish()
         sent, got = all_to_all_bytes([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits, received,
                                      split_dim, self.rank)
@@ -363,62 +362,74 @@ class DistributedComm:
         self._traffic.add(op, sent, received)
 
 
-class _PointToPoint:
-    """The transfers of one all_to_all_v call: every receive posted into its place in the
-    result first, then per tensor each peer's chunk packed and sent and the chunk the rank
-    keeps copied into its place while those move. On gloo each transfer starts as soon as it
-    is ready (gloo's threads move the bytes while this one packs the next chunk); nccl/hccl
-    get all of them as one batch (grouped point-to-point calls; the copies are stream-ordered)."""
+# Wire devices whose all-to-all goes point to point (gloo's host memory); the others take the
+# all_to_all_single path (tests run that path over gloo by emptying this).
+_POINT_TO_POINT_WIRES = ("cpu",)
+
+
+class _AllToAllTransfers:
+    """The transfers of one all_to_all_v call, straight into each tensor's result: the chunk a
+    rank keeps is copied once from its source into its place and never crosses the wire.
+
+    gloo (host memory): point to point. Every receive is posted into its place first (via one
+    dense buffer when the place is strided), then per tensor each peer's chunk is packed (one
+    copy, none when dense) and sent at once, so gloo's threads move it while this one copies
+    the next; the own chunk is copied meanwhile. nccl/hccl: one `all_to_all_single` per tensor
+    with no bytes to self (a collective every such backend has, stream-ordered like the
+    copies around it): peers' chunks packed back to back, received back to back, then copied
+    into their places."""
 
     def __init__(self, comm: DistributedComm, workspace: dict | None):
         self.comm, self.workspace = comm, workspace
         self.rank, self.world = comm.rank, comm.world_size
-        self.eager = comm._wire_device.type == "cpu"
-        self.batch = []    # ops not started yet: (kind, tensor, peer, tag, strided place or None)
-        self.started = []  # (works, [(received buffer, its strided place)])
+        self.point_to_point = comm._wire_device.type in _POINT_TO_POINT_WIRES
+        self.started = []  # (works, [(received buffer, its place)]): awaited in order, then copied
 
     def receive(self, t, like, cat_dim, shapes):
-        """Post tensor `t`'s receives (`shapes`: the chunk from each source); returns its result
-        (complete after `finish`) and the place in it of the chunk this rank keeps (or None)."""
+        """Tensor `t`'s result (`shapes`: the chunk from each source), complete after `finish`,
+        and its places per source; on gloo the receives are posted."""
         sizes = [s[cat_dim] if numel(s) else 0 for s in shapes]
         kept = [src for src, n in enumerate(sizes) if n]
         if not kept:  # nothing comes from anyone: the concat of the empty chunks
-            return torch.cat([like.new_empty(s) for s in shapes], dim=cat_dim), None
+            return torch.cat([like.new_empty(s) for s in shapes], dim=cat_dim), {}
         shape = list(shapes[kept[0]])
         shape[cat_dim] = sum(sizes)
         result = scratch(self.workspace, ("out", t), numel(shape), like.dtype, like.device).view(shape)
         places = dict(zip(kept, result.split([sizes[src] for src in kept], cat_dim)))
-        for src in kept:
-            if src != self.rank:
-                self._start(self._receive_op(t, src, places[src]))
-        return result, places.get(self.rank)
+        if self.point_to_point:
+            for src in kept:
+                if src != self.rank:
+                    self._receive(t, src, places[src])
+        return result, places
 
-    def send(self, t, wire, splits, split_dim, own_place):
-        """Pack and send tensor `t`'s chunks to the peers, then copy the chunk kept into its place."""
+    def send(self, t, wire, splits, split_dim, places):
+        """Send tensor `t`'s chunks to the peers, then copy the chunk kept into its place."""
         offsets = displacements(splits)
-        for step in range(1, self.world):  # ring order: each rank serves a different peer first
-            dst = (self.rank + step) % self.world
-            chunk = wire.narrow(split_dim, offsets[dst], splits[dst])
-            if chunk.numel():  # an empty chunk is not received either (see `kept`)
-                self._start(("send", self._dense(("send", t, dst), chunk), dst, t, None))
-        if own_place is not None:  # one copy, from its source to its place
-            own_place.copy_(wire.narrow(split_dim, offsets[self.rank], splits[self.rank]))
+        chunks = [wire.narrow(split_dim, offsets[j], splits[j]) for j in range(self.world)]
+        if self.point_to_point:
+            for step in range(1, self.world):  # ring order: each rank serves a different peer first
+                dst = (self.rank + step) % self.world
+                if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
+                    self._start([("send", self._dense(("send", t, dst), chunks[dst]), dst, t)], [])
+        else:
+            self._collective(t, chunks, places)
+        if self.rank in places:  # one copy, from its source to its place
+            places[self.rank].copy_(chunks[self.rank])
 
     def finish(self):
         """Wait for every transfer; a chunk received off its place is copied there on arrival."""
-        self._issue(self.batch)
-        for works, received in self.started:
+        for works, copies in self.started:
             for work in works:
                 self.comm._call("all_to_all_v", work.wait)
-            for buf, place in received:
+            for buf, place in copies:
                 place.copy_(buf)
 
-    def _receive_op(self, t, src, place):
+    def _receive(self, t, src, place):
         if place.is_contiguous():
-            return "recv", place, src, t, None
+            return self._start([("recv", place, src, t)], [])
         # a strided place (e.g. a head block of every row): received densely, copied on arrival
         buf = scratch(self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device)
-        return "recv", buf.view(place.shape), src, t, place
+        self._start([("recv", buf.view(place.shape), src, t)], [(buf.view(place.shape), place)])
 
     def _dense(self, key, chunk):
         """`chunk` as the wire takes it: itself when dense, else packed into a buffer (one copy)."""
@@ -426,21 +437,29 @@ class _PointToPoint:
             return chunk
         return scratch(self.workspace, key, chunk.numel(), chunk.dtype, chunk.device).view(chunk.shape).copy_(chunk)
 
-    def _start(self, op):
-        if self.eager:
-            self._issue([op])
-        else:
-            self.batch.append(op)
+    def _start(self, ops, copies):
+        """Start point-to-point `ops` (kind, tensor, peer, tag). The tag is the tensor's index:
+        the same on both ends of a transfer, and unique per pair and direction in one call."""
+        dist, comm = self.comm._dist, self.comm
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, comm._global_rank(peer),
+                          group=comm.group, tag=tag) for kind, tensor, peer, tag in ops]
+        self.started.append((comm._call("all_to_all_v", dist.batch_isend_irecv, p2p), copies))
 
-    def _issue(self, ops):
-        """Start `ops` as one batch. Tag = the tensor's index: the same on both ends of a
-        transfer, and unique per pair and direction within one call."""
-        if ops:
-            dist, comm = self.comm._dist, self.comm
-            p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, comm._global_rank(peer),
-                              group=comm.group, tag=tag) for kind, tensor, peer, tag, _ in ops]
-            works = comm._call("all_to_all_v", dist.batch_isend_irecv, p2p)
-            self.started.append((works, [(op[1], op[4]) for op in ops if op[4] is not None]))
+    def _collective(self, t, chunks, places):
+        ref = chunks[self.rank]
+        out_counts = [0 if j == self.rank else c.numel() for j, c in enumerate(chunks)]
+        in_counts = [0 if j == self.rank or j not in places else places[j].numel() for j in range(self.world)]
+        send = scratch(self.workspace, ("send", t), sum(out_counts), ref.dtype, ref.device)
+        for chunk, offset, n in zip(chunks, displacements(out_counts), out_counts):
+            if n:
+                send.narrow(0, offset, n).view(chunk.shape).copy_(chunk)
+        recv = scratch(self.workspace, ("recv", t), sum(in_counts), ref.dtype, ref.device)
+        work = self.comm._call("all_to_all_v", self.comm._dist.all_to_all_single, recv, send,
+                               output_split_sizes=in_counts, input_split_sizes=out_counts,
+                               group=self.comm.group, async_op=True)
+        copies = [(recv.narrow(0, offset, n).view(places[j].shape), places[j])
+                  for j, (offset, n) in enumerate(zip(displacements(in_counts), in_counts)) if n]
+        self.started.append(([work], copies))
 
 
 def _decode_metas(row: list[int], n_tensors: int, n_splits: int):
