@@ -10,8 +10,10 @@ fused qkv rows [S_r, 3 x 7168], as H3's attention makes them):
                                exchange of K and V with the shard plan and the forward's
                                buffers, as the SP adapter drives it) / two raw
                                `all_gather_into_tensor` of the same bytes, sequence-major and dense
-  ulysses_vs_raw_all_to_all    the Ulysses exchange (q, k, v in, the attention output back; the
-                               attention itself replaced by a ready output) / four raw
+  ulysses_vs_raw_all_to_all    the Ulysses exchange of one block as the SP adapter drives it
+                               (q, k, v in, the attention output back as the [1, S_r, H x D]
+                               tensor the caller gets; the shard plan known, the forward's
+                               buffers; the attention replaced by a ready output) / four raw
                                `all_to_all_single` of the same tensors, packed in advance
   ulysses_vs_yunchang          the same against yunchang's all_to_all_4D, when yunchang is
                                installed (else reported skipped, not faked)
