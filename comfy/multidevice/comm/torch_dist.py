@@ -426,10 +426,11 @@ class _AllToAllTransfers:
 
     def _receive(self, t, src, place):
         if place.is_contiguous():
-            return self._start([("recv", place, src, t)], [])
-        # a strided place (e.g. a head block of every row): received densely, copied on arrival
-        buf = scratch(self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device)
-        self._start([("recv", buf.view(place.shape), src, t)], [(buf.view(place.shape), place)])
+            self._start([("recv", place, src, t)], [])
+        else:  # a strided place (e.g. a head block of every row): received densely, copied on arrival
+            buf = scratch(self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device)
+            buf = buf.view(place.shape)
+            self._start([("recv", buf, src, t)], [(buf, place)])
 
     def _dense(self, key, chunk):
         """`chunk` as the wire takes it: itself when dense, else packed into a buffer (one copy)."""
@@ -446,7 +447,8 @@ class _AllToAllTransfers:
         self.started.append((comm._call("all_to_all_v", dist.batch_isend_irecv, p2p), copies))
 
     def _collective(self, t, chunks, places):
-        ref = chunks[self.rank]
+        """One all_to_all_single of tensor `t` without bytes to self; arrivals copied to their places."""
+        ref = chunks[self.rank]  # dtype and device
         out_counts = [0 if j == self.rank else c.numel() for j, c in enumerate(chunks)]
         in_counts = [0 if j == self.rank or j not in places else places[j].numel() for j in range(self.world)]
         send = scratch(self.workspace, ("send", t), sum(out_counts), ref.dtype, ref.device)
