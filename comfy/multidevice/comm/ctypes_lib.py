@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from comfy.multidevice.comm.types import (BackendUnavailable, chunk_shape, CollectiveError,
-                                          displacements, numel, pack_chunks, scratch, sequence_major,
+                                          displacements, numel, pack_peer_chunks, scratch, sequence_major,
                                           unflatten_gathered, unpack_received)
 from comfy.multidevice.devices import current_stream_handle, synchronize
 
@@ -188,14 +188,17 @@ class FlatCollectiveBackend:
         world = len(splits)
         plans = []
         for t, tensor in enumerate(tensors):
-            send = pack_chunks(tensor, splits[rank], split_dim, workspace, ("send", t))  # one copy at most
-            send_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
-            send_displs = displacements(send_counts)
+            send, send_counts, send_displs = pack_peer_chunks(tensor, splits[rank], split_dim, rank,
+                                                              workspace, ("send", t))
             recv_shapes = [chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
                            for src in range(world)]
             recv_counts = [numel(shape) for shape in recv_shapes]
             recv_displs = displacements(recv_counts)
-            recv = self._empty(sum(recv_counts), send.dtype, device, workspace, ("recv", t))
+            recv = self._empty(sum(recv_counts), tensor.dtype, device, workspace, ("recv", t))
+            # the chunk this rank keeps: one copy, from its source straight into its place
+            recv.narrow(0, recv_displs[rank], recv_counts[rank]).view(recv_shapes[rank]).copy_(
+                tensor.narrow(split_dim, sum(splits[rank][:rank]), splits[rank][rank]))
+            recv_counts[rank] = 0
             plans.append((send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv))
         self._buffers_ready(rank, "all_to_all_v")
         keepalive = []

@@ -136,6 +136,27 @@ def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
     return flat
 
 
+def pack_peer_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int, rank: int,
+                     workspace: dict | None = None, key=None) -> tuple[torch.Tensor, list[int], list[int]]:
+    """What an all-to-all library call sends: the chunks of `tensor` along `dim` for every rank
+    but `rank` in one dense flat buffer, and their (counts, displacements) in elements; `rank`'s
+    own count is 0 (its chunk is copied straight into its place instead of going through the
+    library). One copy per peer chunk at most; none when the chunks already lie back to back
+    (the own chunk's elements then sit unused between the others)."""
+    counts = [numel(chunk_shape(tensor.shape, dim, n)) for n in sizes]
+    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+        displs = displacements(counts)
+        counts[rank] = 0
+        return tensor.view(-1), counts, displs
+    counts[rank] = 0
+    displs = displacements(counts)
+    flat = scratch(workspace, key, sum(counts), tensor.dtype, tensor.device)
+    for j, chunk in enumerate(tensor.split(list(sizes), dim)):
+        if counts[j]:
+            flat.narrow(0, displs[j], counts[j]).view(chunk.shape).copy_(chunk)
+    return flat, counts, displs
+
+
 def sequence_major(tensor: torch.Tensor, dim: int, workspace: dict | None = None, key=None) -> torch.Tensor:
     """`tensor` with its concat dim moved to the front, dense: what an all-gather-V sends so
     that the gathered flat buffer, rank after rank, is the concat itself (no cat on unpack).
