@@ -172,6 +172,22 @@ def stuck_rank_worker(comm):
     return _wait_in_exchange(comm)
 
 
+def stuck_rank_all_to_all_worker(comm):
+    """As stuck_rank_worker, inside all_to_all_v (its point-to-point receives) with a known plan."""
+    W = comm.world_size
+    x = torch.ones(W, 2)
+    comm.all_to_all_v(x, [1] * W, 0, recv_splits=[1] * W)  # the plan's shapes travel here
+    if comm.rank == 1:
+        time.sleep(3.5)  # longer than the 2 s collective timeout
+        return {"error_type": None}
+    start = time.monotonic()
+    try:
+        comm.all_to_all_v(x, [1] * W, 0, recv_splits=[1] * W)
+    except Exception as exc:  # noqa: BLE001 - the type and text are the point of the test
+        return {"error_type": type(exc).__name__, "error": str(exc), "after_s": time.monotonic() - start}
+    return {"error_type": None}
+
+
 def _wait_in_exchange(comm):
     start = time.monotonic()
     try:
@@ -425,6 +441,17 @@ def test_a_stuck_process_makes_the_others_time_out(tmp_path):
         assert status == "ok", res
         assert res["error_type"] == "CollectiveError", res
         assert f"rank {rank}/3: exchange failed" in res["error"]
+        assert 1.5 < res["after_s"] < 20, res
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_process_makes_the_others_time_out_in_all_to_all(tmp_path):
+    out = run_ranks(3, "stuck_rank_all_to_all_worker", tmp_path, dist_timeout_s=2)
+    for rank in (0, 2):
+        status, res = out[rank]
+        assert status == "ok", res
+        assert res["error_type"] == "CollectiveError", res
+        assert f"rank {rank}/3: all_to_all_v failed" in res["error"]
         assert 1.5 < res["after_s"] < 20, res
 
 
