@@ -38,7 +38,7 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           check_recv_splits, chunk_shape, CollectiveAborted,
                                           CollectiveError, CollectiveTimeout, concat_received,
                                           exchange_traffic, normalize_dims, numel, pack_chunks,
-                                          planned_metas, ShardMeta,
+                                          planned_chunk_shapes, planned_metas, ShardMeta,
                                           TrafficCounter, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
@@ -432,15 +432,27 @@ class SequenceParallelCoordinator:
         if self.world_size == 1:
             return tensors[0] if single else tensors
         plan = check_recv_splits(recv_splits, self.world_size)
+        native = getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v"))
+        options = {}
+        if plan is not None and native and hasattr(self.backend, "prepare_all_to_all_v"):
+            # the shapes are known from the plan: a library backend makes its buffers before
+            # the ranks meet, and they meet once (the plan is checked before any library call;
+            # one that does not even fit this rank's own chunk is left to that check)
+            received = planned_chunk_shapes([t.shape for t in tensors], splits, plan, split_dim, cat_dim, rank)
+            own = [chunk_shape(t.shape, split_dim, splits[rank]) for t in tensors]
+            if all(numel(r[rank]) == numel(o) and (not numel(o) or tuple(r[rank]) == o)
+                   for r, o in zip(received, own)):
+                options["prepared"] = self.backend.prepare_all_to_all_v(rank, tensors, splits, received,
+                                                                         split_dim, workspace)
         meta_slot, data_slot = self._enter(
             rank, "all_to_all_v", ([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits, plan), tensors)
         metas = [m[0] for m in meta_slot]
         all_splits = [m[1] for m in meta_slot]
         check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
         check_all_to_all_plans(metas, all_splits, [m[2] for m in meta_slot], split_dim, cat_dim)
-        if getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v")):
+        if native:
             out = self.backend.all_to_all_v(rank, tensors, metas, all_splits, split_dim, cat_dim,
-                                            data_slot, workspace)
+                                            data_slot, workspace, **options)
         else:
             out = self._all_to_all_v_by_gather(rank, tensors, metas, all_splits, split_dim, cat_dim,
                                                data_slot)
