@@ -10,8 +10,10 @@ fused qkv rows [S_r, 3 x 7168], as H3's attention makes them):
                                exchange of K and V with the shard plan and the forward's
                                buffers, as the SP adapter drives it) / two raw
                                `all_gather_into_tensor` of the same bytes, sequence-major and dense
-  ulysses_vs_raw_all_to_all    the Ulysses exchange (q, k, v in, the attention output back; the
-                               attention itself replaced by a ready output) / four raw
+  ulysses_vs_raw_all_to_all    the Ulysses exchange of one block as the SP adapter drives it
+                               (q, k, v in, the attention output back as the [1, S_r, H x D]
+                               tensor the caller gets; the shard plan known, the forward's
+                               buffers; the attention replaced by a ready output) / four raw
                                `all_to_all_single` of the same tensors, packed in advance
   ulysses_vs_yunchang          the same against yunchang's all_to_all_4D, when yunchang is
                                installed (else reported skipped, not faked)
@@ -107,14 +109,15 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
         for out, send in zip(gathered, (raw_k, raw_v)):
             dist.all_gather_into_tensor(out, send)
 
-    # Ulysses in + out; the attention is replaced by a ready output of its shape
+    # Ulysses in + out as the SP adapter drives it (the shard plan known, the forward's buffers
+    # kept); the attention is replaced by a ready output of its shape
     heads_mine = HEADS // world
     ready = torch.empty(1, seq, heads_mine * HEAD_DIM, dtype=torch.bfloat16)
     ulysses = UlyssesKV()
     ulysses.begin_forward()
 
     def ours_ulysses():
-        ulysses.attend(comm, lambda *a, **kw: ready, q, k, v, HEADS, skip_reshape=True)
+        ulysses.attend(comm, lambda *a, **kw: ready, q, k, v, HEADS, skip_reshape=True, shard_sizes=sizes)
 
     packed_in = [torch.empty(world, rows, heads_mine, HEAD_DIM, dtype=torch.bfloat16) for _ in range(3)]
     for packed, t in zip(packed_in, (q, k, v)):  # packed in advance: what the raw call is given

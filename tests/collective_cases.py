@@ -258,3 +258,27 @@ def test_one_host_sync_and_one_barrier_per_exchange_with_the_plan(backend, monke
         coord.run(job)
     assert barriers == [blocks] * world  # one meeting per exchange
     assert syncs == [blocks] * world  # one wait per exchange, for K and V together
+
+
+def test_one_host_sync_and_one_barrier_per_all_to_all_with_a_plan(backend, monkeypatch):
+    """Ulysses' q/k/v all-to-all with every rank's receive plan: the ranks meet once per call
+    (the buffers are made before they meet) and wait once, for all three tensors; the result
+    is the split/cat reference, bit for bit."""
+    world, calls, heads, seq = 3, 4, 6, 11
+    rows = uneven_lengths(world, seq)
+    blocks = uneven_lengths(world, heads)
+    full = [torch.randn(1, heads, seq, 4, generator=torch.Generator().manual_seed(t)) for t in range(3)]
+    shards = [[t.split(rows, 2)[r] for t in full] for r in range(world)]
+    with coordinator(backend, world) as coord:
+        syncs, barriers = count_host_syncs_and_barriers(coord, monkeypatch)
+
+        def job(rank, comm):
+            return [comm.all_to_all_v(shards[rank], blocks, 1, cat_dim=2, recv_splits=rows) for _ in range(calls)]
+        out = coord.run(job)
+    for rank, results in enumerate(out):
+        for got in results:
+            assert all(torch.equal(g, t.split(blocks, 1)[rank]) for g, t in zip(got, full))
+    assert barriers == [calls] * world  # one meeting per all-to-all
+    if backend != "peer":
+        assert syncs == [calls] * world  # one wait per all-to-all, for q, k and v together
+

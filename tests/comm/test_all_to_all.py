@@ -88,6 +88,38 @@ def test_ulysses_round_trip_with_uneven_sequence_shards(backend, world):
             assert torch.equal(back[t], shards[rank][t])
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_round_trip_with_a_receive_plan(backend, world):
+    # The same round trip, each rank naming what it receives (recv_splits): the same bits on
+    # every call; a plan that disagrees with what is sent is an error on every rank.
+    heads, seq, head_dim = 7, 13, 3
+    seq_rows, head_split = uneven(seq, world), uneven(heads, world)
+    gen = torch.Generator().manual_seed(world)
+    full = torch.randn(1, heads, seq, head_dim, generator=gen)
+    shards = list(full.split(seq_rows, 2))
+
+    def job(rank, comm, local):
+        out = []
+        for _ in range(2):
+            by_head = comm.all_to_all_v(local, head_split, split_dim=1, cat_dim=2, recv_splits=seq_rows)
+            back = comm.all_to_all_v(by_head, seq_rows, split_dim=2, cat_dim=1, recv_splits=head_split)
+            out.append((by_head, back))
+        return out
+
+    def wrong_plan(rank, comm, local):
+        return comm.all_to_all_v(local, head_split, split_dim=1, cat_dim=2, recv_splits=seq_rows[::-1])
+
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(job, shards)
+        if seq_rows != seq_rows[::-1]:
+            with pytest.raises(CollectiveError, match=r"recv_splits .* give chunks .* but the ranks send it"):
+                coord.run(wrong_plan, shards)
+    for rank, calls in enumerate(out):
+        for by_head, back in calls:
+            assert torch.equal(by_head, full.split(head_split, 1)[rank])
+            assert torch.equal(back, shards[rank])
+
+
 def test_non_contiguous_inputs_and_empty_ranks(backend):
     world = 3
     bases = [torch.randn(4, 2 + r) for r in range(world)]

@@ -25,7 +25,8 @@ from tests.collective_cases import (FakeFunction, make_shards, test_all_reduce_1
                                     test_non_contiguous_shards,
                                     test_exchange_with_the_shard_plan_matches_cat,
                                     test_a_shard_plan_that_does_not_fit_fails_on_every_rank,
-                                    test_one_host_sync_and_one_barrier_per_exchange_with_the_plan)
+                                    test_one_host_sync_and_one_barrier_per_exchange_with_the_plan,
+                                    test_one_host_sync_and_one_barrier_per_all_to_all_with_a_plan)
 
 
 @pytest.fixture
@@ -74,6 +75,31 @@ def test_all_gather_v_marshaling_for_uneven_shards():
     assert comm == 0x1000 + rank
     assert stream is None  # CPU: no stream handle
     del keepalive  # the host arrays lived until here, i.e. past the (here: no-op) sync
+
+
+def test_all_to_all_keeps_the_own_chunk_out_of_the_library(use_fake_hccl, monkeypatch):
+    """The chunk a rank keeps is copied straight into its place: HcclAlltoAllV gets a zero
+    count to and from the rank itself, and the result is still the split/cat reference."""
+    calls = []
+    real = HcclBackend._all_to_all_v_flat
+
+    def spy(self, rank, send, recv, send_counts, send_displs, recv_counts, recv_displs, stream):
+        calls.append((rank, list(send_counts), list(recv_counts), send.numel()))
+        return real(self, rank, send, recv, send_counts, send_displs, recv_counts, recv_displs, stream)
+
+    monkeypatch.setattr(HcclBackend, "_all_to_all_v_flat", spy)
+    world, heads = 3, [1, 2, 3]
+    full = torch.randn(1, 6, 7, 4)  # [B, H, S, D]; sequence shards -> head shards
+    rows = [2, 2, 3]
+    shards = list(full.split(rows, 2))
+    with SequenceParallelCoordinator(["cpu"] * world, backend="hccl", timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: comm.all_to_all_v(x, heads, 1, cat_dim=2), shards)
+    for rank, got in enumerate(out):
+        assert torch.equal(got, full.split(heads, 1)[rank])
+    for rank, send_counts, recv_counts, sent in calls:
+        assert send_counts[rank] == 0 and recv_counts[rank] == 0
+        assert sent == sum(send_counts)  # only the peers' chunks were packed
+    assert sorted(c[0] for c in calls) == list(range(world))
 
 
 def test_equal_shards_use_the_plain_all_gather():

@@ -29,7 +29,8 @@ from tests.collective_cases import (FakeFunction, test_all_reduce_16bit_within_r
                                     test_non_contiguous_shards,
                                     test_exchange_with_the_shard_plan_matches_cat,
                                     test_a_shard_plan_that_does_not_fit_fails_on_every_rank,
-                                    test_one_host_sync_and_one_barrier_per_exchange_with_the_plan)
+                                    test_one_host_sync_and_one_barrier_per_exchange_with_the_plan,
+                                    test_one_host_sync_and_one_barrier_per_all_to_all_with_a_plan)
 
 
 @pytest.fixture

@@ -82,6 +82,10 @@ def exactness_worker(comm):
     full = torch.randn(1, 5, 11, 3, generator=torch.Generator().manual_seed(9))
     by_head = comm.all_to_all_v(full.split(uneven, 2)[r], heads, 1, cat_dim=2)
     verdicts["all_to_all_v sequence -> heads"] = torch.equal(by_head, full.split(heads, 1)[r])
+    planned = [comm.all_to_all_v(full.split(uneven, 2)[r], heads, 1, cat_dim=2, recv_splits=uneven)
+               for _ in range(2)]
+    verdicts["all_to_all_v sequence -> heads with recv_splits"] = all(
+        torch.equal(p, full.split(heads, 1)[r]) for p in planned)
     # all_reduce
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(6, 9, generator=gen) for _ in range(W)]
@@ -168,6 +172,22 @@ def stuck_rank_worker(comm):
     return _wait_in_exchange(comm)
 
 
+def stuck_rank_all_to_all_worker(comm):
+    """As stuck_rank_worker, inside all_to_all_v (its point-to-point receives) with a known plan."""
+    W = comm.world_size
+    x = torch.ones(W, 2)
+    comm.all_to_all_v(x, [1] * W, 0, recv_splits=[1] * W)  # the plan's shapes travel here
+    if comm.rank == 1:
+        time.sleep(3.5)  # longer than the 2 s collective timeout
+        return {"error_type": None}
+    start = time.monotonic()
+    try:
+        comm.all_to_all_v(x, [1] * W, 0, recv_splits=[1] * W)
+    except Exception as exc:  # noqa: BLE001 - the type and text are the point of the test
+        return {"error_type": type(exc).__name__, "error": str(exc), "after_s": time.monotonic() - start}
+    return {"error_type": None}
+
+
 def _wait_in_exchange(comm):
     start = time.monotonic()
     try:
@@ -175,6 +195,116 @@ def _wait_in_exchange(comm):
     except Exception as exc:  # noqa: BLE001 - the type and text are the point of the test
         return {"error_type": type(exc).__name__, "error": str(exc), "after_s": time.monotonic() - start}
     return {"error_type": None}
+
+
+def _ulysses_case(world, rank, heads, dtype, seq=11, dim=8):
+    """This rank's q/k/v as H3's attention hands them over ([1, H, S_r, D] views of its fused
+    qkv rows; S = 11 is uneven for W = 2, 3, 4) and its rows of the single-process result of
+    `_exact_attention` (exact ops only, so the result must be bit-identical)."""
+    gen = torch.Generator().manual_seed(heads * 100 + world)
+    qkv = torch.randn(seq, 3 * heads * dim, generator=gen).to(dtype)  # the same on every rank
+    sizes = [seq * (r + 1) // world - seq * r // world for r in range(world)]
+    a = sum(sizes[:rank])
+    mine = qkv[a:a + sizes[rank]]
+    q, k, v = (mine[:, i * heads * dim:(i + 1) * heads * dim].view(sizes[rank], heads, dim).transpose(0, 1)
+               .unsqueeze(0) for i in range(3))
+    full = [qkv[:, i * heads * dim:(i + 1) * heads * dim].view(seq, heads, dim) for i in range(3)]
+    q_full, k_full, v_full = full  # [S, H, D]
+    want = q_full[a:a + sizes[rank]] + k_full.amax(0) - v_full.amin(0) + k_full[-1] * v_full[0]
+    return (q, k, v), sizes, want  # want: [S_r, H, D]
+
+
+def _exact_attention(q, k, v, heads, skip_reshape=False, **kwargs):
+    """Query rows x all K/V rows per head like attention, but exact in any layout and tiling
+    (max, min, elementwise): q + max_s k - min_s v + k[last row] * v[first row]."""
+    assert skip_reshape  # Ulysses hands over [B, h, S, D]
+    o = q + k.amax(2, keepdim=True) - v.amin(2, keepdim=True) + k[:, :, -1:] * v[:, :, :1]
+    return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)  # [B, S, h * D]
+
+
+def ulysses_worker(comm):
+    """UlyssesKV over DistributedComm against the single-process result, bit for bit: plain
+    Ulysses and the hybrid (6 heads at W = 4: 2 groups of 2; 4 heads at W = 3: degree 1), with
+    and without the shard plan, with head chunks, both output layouts, fp32 and bf16. With the
+    plan, the shapes travel on the first block of a forward only (counted)."""
+    from comfy.multidevice.sp.ulysses import UlyssesKV
+    W, r = comm.world_size, comm.rank
+    verdicts, rounds = {}, []
+    real_gather_metas = comm._gather_metas
+    comm._gather_metas = lambda *a: (rounds.append(a[1]), real_gather_metas(*a))[1]
+    try:
+        for heads in (4, 6):
+            for dtype in (torch.float32, torch.bfloat16):
+                (q, k, v), sizes, want = _ulysses_case(W, r, heads, dtype)
+                for chunks in (1, 2):
+                    for plan in (None, sizes):
+                        for heads_first in (False, True):
+                            strategy = UlyssesKV(overlap_chunks=chunks)
+                            strategy.begin_forward()  # the forward's buffers, as the SP adapter keeps them
+                            kwargs = {"skip_output_reshape": True} if heads_first else {}
+                            per_block = []
+                            for _ in range(3):  # three blocks of one forward
+                                before = len(rounds)
+                                out = strategy.attend(comm, _exact_attention, q, k, v, heads,
+                                                      skip_reshape=True, shard_sizes=plan, **kwargs)
+                                per_block.append(len(rounds) - before)
+                                got = out[0].transpose(0, 1) if heads_first else out[0].view(want.shape)
+                                name = f"H={heads} {dtype} chunks={chunks} plan={plan is not None} heads_first={heads_first}"
+                                verdicts[name] = verdicts.get(name, True) and got.dtype == want.dtype and \
+                                    torch.equal(got, want)
+                            strategy.end_forward()
+                            if plan is not None:  # a plan's shapes travel once (the first block
+                                # that uses it; the communicator remembers it), later blocks send none
+                                verdicts[name + ": shape rounds"] = per_block[1:] == [0, 0] and \
+                                    per_block[0] <= 2 * chunks
+                            else:  # without the rows of every rank, the inbound shapes travel each time
+                                verdicts[name + ": shape rounds"] = min(per_block) >= 1
+    finally:
+        comm._gather_metas = real_gather_metas
+    return {"verdicts": verdicts, "rank": r}
+
+
+def _collective_path(worker):
+    """`worker` with all_to_all_v on the path nccl/hccl take (one all_to_all_single per tensor)."""
+    def run(comm):
+        from comfy.multidevice.comm import torch_dist
+        torch_dist._POINT_TO_POINT_WIRES = ()  # this process only
+        return worker(comm)
+    return run
+
+
+def all_to_all_plan_worker(comm):
+    """recv_splits: a gather to one rank (the others receive nothing but send) with and without
+    them; a plan that disagrees with what is sent, and one that only some ranks pass: the same
+    clear error on every rank, and the group still in step afterwards."""
+    from comfy.multidevice.comm.types import CollectiveError
+    W, r = comm.world_size, comm.rank
+    out = {}
+    rows = torch.full((r + 1, 3), float(r))
+    to_root = [r + 1 if j == 0 else 0 for j in range(W)]
+    plan = [j + 1 for j in range(W)] if r == 0 else [0] * W
+    want = torch.cat([torch.full((j + 1, 3), float(j)) for j in range(W)]) if r == 0 else torch.zeros(0, 3)
+    for name, kwargs in (("gather to root", {}), ("gather to root with recv_splits", {"recv_splits": plan})):
+        got = [comm.all_to_all_v(rows, to_root, 0, **kwargs) for _ in range(2)]
+        out[name] = all(g.shape == want.shape and torch.equal(g, want) for g in got)
+    messages = []
+    x = torch.arange(2.0 * W).view(W, 2) + 10 * r
+    for bad in ([2] * W if r == 0 else [1] * W,  # rank 0 expects 2 rows from every rank, gets 1
+                [1] * W if r == 0 else None):    # only rank 0 passes a plan
+        try:
+            comm.all_to_all_v(x, [1] * W, 0, recv_splits=bad)
+            messages.append(None)
+        except CollectiveError as exc:
+            messages.append(str(exc))
+    out["messages"] = messages
+    after = comm.all_to_all_v(x, [1] * W, 0, recv_splits=[1] * W)
+    out["after_ok"] = torch.equal(after, torch.stack([torch.tensor([2.0 * r, 2.0 * r + 1]) + 10 * j for j in range(W)]))
+    return out
+
+
+ulysses_collective_worker = _collective_path(ulysses_worker)
+all_to_all_plan_collective_worker = _collective_path(all_to_all_plan_worker)
+exactness_collective_worker = _collective_path(exactness_worker)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -185,7 +315,7 @@ def check_exactness(results, world):
         assert res["backend"] == "gloo" and res["world"] == world
         failed = [name for name, ok in res["verdicts"].items() if not ok]
         assert not failed, f"rank {res['rank']}: {failed}"
-        assert len(res["verdicts"]) == 3 * 3 + 10
+        assert len(res["verdicts"]) == 3 * 3 + 11
         # Every rank holds the same all-reduce bits.
         assert res["sum_digest"] == first["sum_digest"] and res["bf16_digest"] == first["bf16_digest"]
 
@@ -226,6 +356,11 @@ def test_four_processes_exact(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_three_processes_exact_on_the_collective_path_of_nccl_and_hccl(tmp_path):
+    check_exactness(payloads(run_ranks(3, "exactness_collective_worker", tmp_path)), 3)
+
+
+@pytest.mark.timeout(120)
 def test_a_raising_process_makes_the_others_fail_instead_of_hanging(tmp_path):
     start = time.monotonic()
     out = run_ranks(3, "failing_rank_worker", tmp_path, dist_timeout_s=60)
@@ -240,6 +375,30 @@ def test_a_raising_process_makes_the_others_fail_instead_of_hanging(tmp_path):
         assert "another process probably failed" in res["error"]
         assert res["after_s"] < 30  # the peer's exit, not the 60 s collective timeout, ended it
     assert elapsed < 60
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["point_to_point", "collective"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_over_processes_is_bit_identical_and_sends_shapes_once_per_plan(tmp_path, world, path):
+    worker = "ulysses_worker" if path == "point_to_point" else "ulysses_collective_worker"
+    for res in payloads(run_ranks(world, worker, tmp_path)):
+        failed = [name for name, ok in res["verdicts"].items() if not ok]
+        assert not failed, f"rank {res['rank']}: {failed}"
+        assert len(res["verdicts"]) == 2 * 2 * 2 * 2 * 2 * 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("worker", ["all_to_all_plan_worker", "all_to_all_plan_collective_worker"])
+def test_all_to_all_plans_are_checked_on_their_first_call_everywhere(tmp_path, worker):
+    out = payloads(run_ranks(3, worker, tmp_path))
+    first, second = out[0]["messages"]
+    assert "rank 0's recv_splits [2, 2, 2] give chunks" in first and "the ranks send it" in first
+    assert "ranks [0] passed recv_splits and the others did not" in second
+    for res in out:
+        assert res["gather to root"] and res["gather to root with recv_splits"]
+        assert res["messages"] == [first, second]  # the same error on every rank
+        assert res["after_ok"]
 
 
 # ----------------------------------------------------------------------------- environment
@@ -282,6 +441,17 @@ def test_a_stuck_process_makes_the_others_time_out(tmp_path):
         assert status == "ok", res
         assert res["error_type"] == "CollectiveError", res
         assert f"rank {rank}/3: exchange failed" in res["error"]
+        assert 1.5 < res["after_s"] < 20, res
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_process_makes_the_others_time_out_in_all_to_all(tmp_path):
+    out = run_ranks(3, "stuck_rank_all_to_all_worker", tmp_path, dist_timeout_s=2)
+    for rank in (0, 2):
+        status, res = out[rank]
+        assert status == "ok", res
+        assert res["error_type"] == "CollectiveError", res
+        assert f"rank {rank}/3: all_to_all_v failed" in res["error"]
         assert 1.5 < res["after_s"] < 20, res
 
 

@@ -23,9 +23,9 @@ from typing import Any, Sequence
 
 import torch
 
-from comfy.multidevice.comm.types import (BackendUnavailable, chunk_shape, CollectiveError,
-                                          displacements, numel, pack_chunks, scratch, sequence_major,
-                                          unflatten_gathered, unpack_received)
+from comfy.multidevice.comm.types import (BackendUnavailable, CollectiveError, displacements, numel,
+                                          pack_peer_chunks, received_chunk_shapes, scratch,
+                                          sequence_major, unflatten_gathered, unpack_received)
 from comfy.multidevice.devices import current_stream_handle, synchronize
 
 log = logging.getLogger(__name__)
@@ -183,21 +183,37 @@ class FlatCollectiveBackend:
         """
         self.coordinator.barrier(rank, f"{what} (buffers ready)")
 
-    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None):
+    def prepare_all_to_all_v(self, rank, tensors, send_splits, received, split_dim, workspace=None):
+        """The buffers of an all-to-all-V (`received`: per tensor, the chunk shape from each
+        source), made before any library call; the chunk this rank keeps is copied straight
+        into its place in the receive buffer and does not go through the library."""
         device = self.coordinator.devices[rank]
-        world = len(splits)
         plans = []
         for t, tensor in enumerate(tensors):
-            send = pack_chunks(tensor, splits[rank], split_dim, workspace, ("send", t))  # one copy at most
-            send_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits[rank]]
-            send_displs = displacements(send_counts)
-            recv_shapes = [chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
-                           for src in range(world)]
+            send, send_counts, send_displs = pack_peer_chunks(tensor, send_splits, split_dim, rank,
+                                                              workspace, ("send", t))
+            recv_shapes = received[t]
             recv_counts = [numel(shape) for shape in recv_shapes]
             recv_displs = displacements(recv_counts)
-            recv = self._empty(sum(recv_counts), send.dtype, device, workspace, ("recv", t))
+            recv = self._empty(sum(recv_counts), tensor.dtype, device, workspace, ("recv", t))
+            if recv_counts[rank]:
+                recv.narrow(0, recv_displs[rank], recv_counts[rank]).view(recv_shapes[rank]).copy_(
+                    tensor.narrow(split_dim, sum(send_splits[:rank]), send_splits[rank]))
+                recv_counts[rank] = 0
             plans.append((send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv))
-        self._buffers_ready(rank, "all_to_all_v")
+        return plans
+
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None,
+                     prepared=None):
+        """`prepared`: the buffers from `prepare_all_to_all_v`, made before the ranks met (the
+        coordinator knew the shapes from the caller's plan): then no second barrier is needed."""
+        device = self.coordinator.devices[rank]
+        plans = prepared
+        if plans is None:
+            plans = self.prepare_all_to_all_v(rank, tensors, splits[rank],
+                                              received_chunk_shapes(metas, splits, split_dim, rank),
+                                              split_dim, workspace)
+            self._buffers_ready(rank, "all_to_all_v")
         keepalive = []
         for send, send_counts, send_displs, _, recv_counts, recv_displs, recv in plans:
             stream = current_stream_handle(device)  # read right before the call

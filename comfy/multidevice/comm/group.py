@@ -34,10 +34,11 @@ from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, chec
 from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
                                           all_to_all_traffic, BackendUnavailable,
                                           check_all_reduce_metadata, check_all_to_all_metadata,
-                                          check_exchange_metadata, chunk_shape, CollectiveAborted,
+                                          check_all_to_all_plans, check_exchange_metadata,
+                                          check_recv_splits, chunk_shape, CollectiveAborted,
                                           CollectiveError, CollectiveTimeout, concat_received,
                                           exchange_traffic, normalize_dims, numel, pack_chunks,
-                                          planned_metas, ShardMeta,
+                                          planned_chunk_shapes, planned_metas, ShardMeta,
                                           TrafficCounter, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
@@ -113,8 +114,9 @@ class RankComm:
     def exchange(self, tensors, cat_dims, shard_sizes=None, workspace=None):
         return self.coordinator.exchange(self.rank, tensors, cat_dims, shard_sizes, workspace)
 
-    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None, workspace=None):
-        return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim, workspace)
+    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None, workspace=None, recv_splits=None):
+        return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim, workspace,
+                                             recv_splits)
 
     def all_reduce(self, tensor, op="sum"):
         return self.coordinator.all_reduce(self.rank, tensor, op)
@@ -413,7 +415,8 @@ class SequenceParallelCoordinator:
 
     def all_to_all_v(self, rank: int, tensors: torch.Tensor | Sequence[torch.Tensor],
                      send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
-                     workspace: dict | None = None) -> torch.Tensor | list[torch.Tensor]:
+                     workspace: dict | None = None,
+                     recv_splits: Sequence[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """All-to-all with per-rank sizes: split each tensor along `split_dim` into
         `send_splits[j]`-long chunks, send chunk j to rank j, and return the chunks this rank
         received, in source-rank order, concatenated along `cat_dim` (default `split_dim`).
@@ -421,20 +424,35 @@ class SequenceParallelCoordinator:
         Ranks may hold different shapes along `cat_dim` and send different sizes; the chunks
         arriving at one rank must agree outside `cat_dim`, except that a zero split sends
         nothing and its chunk is left out (a sub-group exchange through one call). A single
-        tensor in, a single out.
+        tensor in, a single out. `recv_splits`: see `Communicator.all_to_all_v`; the shapes
+        travel with every call here anyway, so they are only checked against them.
         """
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
             return tensors[0] if single else tensors
+        plan = check_recv_splits(recv_splits, self.world_size)
+        native = getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v"))
+        options = {}
+        if plan is not None and native and hasattr(self.backend, "prepare_all_to_all_v"):
+            # the shapes are known from the plan: a library backend makes its buffers before
+            # the ranks meet, and they meet once (the plan is checked before any library call;
+            # one that does not even fit this rank's own chunk is left to that check)
+            received = planned_chunk_shapes([t.shape for t in tensors], splits, plan, split_dim, cat_dim, rank)
+            own = [chunk_shape(t.shape, split_dim, splits[rank]) for t in tensors]
+            if all(numel(r[rank]) == numel(o) and (not numel(o) or tuple(r[rank]) == o)
+                   for r, o in zip(received, own)):
+                options["prepared"] = self.backend.prepare_all_to_all_v(rank, tensors, splits, received,
+                                                                         split_dim, workspace)
         meta_slot, data_slot = self._enter(
-            rank, "all_to_all_v", ([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits), tensors)
+            rank, "all_to_all_v", ([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits, plan), tensors)
         metas = [m[0] for m in meta_slot]
         all_splits = [m[1] for m in meta_slot]
         check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
-        if getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v")):
+        check_all_to_all_plans(metas, all_splits, [m[2] for m in meta_slot], split_dim, cat_dim)
+        if native:
             out = self.backend.all_to_all_v(rank, tensors, metas, all_splits, split_dim, cat_dim,
-                                            data_slot, workspace)
+                                            data_slot, workspace, **options)
         else:
             out = self._all_to_all_v_by_gather(rank, tensors, metas, all_splits, split_dim, cat_dim,
                                                data_slot)

@@ -30,13 +30,13 @@ from typing import Mapping, Sequence
 import torch
 
 from comfy.multidevice.comm.settings import check_timeout, SettingError, timeout_from_env
-from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
-                                          all_to_all_traffic, check_all_reduce_metadata,
-                                          check_all_to_all_metadata, check_exchange_metadata,
-                                          chunk_shape, CollectiveError, displacements,
-                                          exchange_traffic, normalize_dims, numel, pack_chunks,
-                                          planned_metas, scratch, sequence_major, ShardMeta, TrafficCounter,
-                                          unflatten_gathered, unpack_received, VALID_REDUCE_OPS)
+from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments, all_to_all_bytes,
+                                          check_all_reduce_metadata, check_all_to_all_metadata,
+                                          check_all_to_all_plans, check_exchange_metadata,
+                                          check_recv_splits, CollectiveError, displacements,
+                                          exchange_traffic, normalize_dims, numel, planned_chunk_shapes,
+                                          planned_metas, received_chunk_shapes, scratch, sequence_major,
+                                          ShardMeta, TrafficCounter, unflatten_gathered, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, resolve_device,
                                        set_thread_device)
 
@@ -209,43 +209,54 @@ class DistributedComm:
         return planned
 
     def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
-                     workspace: dict | None = None):
+                     workspace: dict | None = None, recv_splits: Sequence[int] | None = None):
         """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
         the chunks received are concatenated in source-rank order along cat_dim.
 
-        One copy to pack each tensor (none when its chunks lie back to back), one to unpack
-        (none when cat_dim is 0: the received chunks then are the concat); every tensor's
-        collective is issued before any is awaited. `workspace`: see `Communicator.exchange`."""
+        Straight into the result (see `_AllToAllTransfers`): the chunk a rank keeps is copied
+        once from its source into its place, a peer's chunk is packed once (not when dense) and
+        lands in its place (via one buffer and a copy where that place is strided, as a head
+        block along cat_dim is). Every tensor's transfers start before any is awaited.
+        `recv_splits`: see `Communicator.all_to_all_v`; with them the shapes are exchanged on
+        a plan's first call only. `workspace`: see `Communicator.exchange`."""
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
             return tensors[0] if single else tensors
-        metas = self._gather_metas(tensors, "all_to_all_v", splits)
-        all_splits = [s for _, s in metas]
-        check_all_to_all_metadata([m for m, _ in metas], all_splits, split_dim, cat_dim)
-        pending = []
-        for t, tensor in enumerate(tensors):
-            wire = tensor.detach().to(self._wire_device)
-            send = pack_chunks(wire, splits, split_dim, workspace, ("send", t))
-            out_counts = [numel(chunk_shape(tensor.shape, split_dim, n)) for n in splits]
-            in_shapes = [chunk_shape(metas[src][0][t].shape, split_dim, all_splits[src][self.rank])
-                         for src in range(self.world_size)]
-            in_counts = [numel(s) for s in in_shapes]
-            recv = scratch(workspace, ("recv", t), sum(in_counts), tensor.dtype, self._wire_device)
-            work = self._call("all_to_all_v", self._dist.all_to_all_single, recv, send,
-                              output_split_sizes=in_counts, input_split_sizes=out_counts,
-                              group=self.group, async_op=True)
-            pending.append((work, recv, in_shapes))
-        out = []
-        for t, (work, recv, in_shapes) in enumerate(pending):
-            self._call("all_to_all_v", work.wait)
-            unpacked = None if workspace is None or cat_dim == 0 else \
-                scratch(workspace, ("out", t), recv.numel(), recv.dtype, self._wire_device)
-            out.append(unpack_received(recv, in_shapes, [s[self.rank] for s in all_splits],
-                                       cat_dim, unpacked).to(self.device))
-        sent, received = all_to_all_traffic([m for m, _ in metas], all_splits, split_dim, self.rank)
-        self._count("all_to_all_v", sent=sent, received=received)
+        received = self._all_to_all_shapes(tensors, splits, split_dim, cat_dim,
+                                           check_recv_splits(recv_splits, self.world_size))
+        transfers = _AllToAllTransfers(self, workspace)
+        wires = [tensor.detach().to(self._wire_device) for tensor in tensors]
+        posted = [transfers.receive(t, wire, cat_dim, received[t]) for t, wire in enumerate(wires)]
+        for t, (wire, (_, places)) in enumerate(zip(wires, posted)):
+            transfers.send(t, wire, splits, split_dim, places)
+        transfers.finish()
+        sent, got = all_to_all_bytes([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits, received,
+                                     split_dim, self.rank)
+        self._count("all_to_all_v", sent=sent, received=got)
+        out = [result.to(self.device) for result, _ in posted]
         return out[0] if single else out
+
+    def _all_to_all_shapes(self, tensors, splits, split_dim, cat_dim, recv_splits):
+        """Per tensor, per source: the chunk shapes this rank receives; gathered and checked on
+        every rank, or known from a plan (`recv_splits`) every rank confirmed before."""
+        key = None
+        if recv_splits is not None:
+            key = (tuple((tuple(t.shape), t.dtype) for t in tensors), splits, recv_splits, split_dim, cat_dim)
+            if key in self._verified_plans:
+                return planned_chunk_shapes([t.shape for t in tensors], splits, recv_splits, split_dim,
+                                            cat_dim, self.rank)
+        world = self.world_size
+        # The plan travels with the shapes (-1: none), so every rank checks every rank's.
+        gathered = self._gather_metas(tensors, "all_to_all_v", [*splits, *(recv_splits or [-1] * world)])
+        metas = [m for m, _ in gathered]
+        all_splits = [s[:world] for _, s in gathered]
+        plans = [None if s[world] < 0 else s[world:] for _, s in gathered]
+        check_all_to_all_metadata(metas, all_splits, split_dim, cat_dim)
+        check_all_to_all_plans(metas, all_splits, plans, split_dim, cat_dim)
+        if key is not None:
+            self._verified_plans.add(key)
+        return received_chunk_shapes(metas, all_splits, split_dim, self.rank)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op not in VALID_REDUCE_OPS:
@@ -349,6 +360,108 @@ class DistributedComm:
 
     def _count(self, op: str, sent: int, received: int) -> None:
         self._traffic.add(op, sent, received)
+
+
+# Wire devices whose all-to-all goes point to point (gloo's host memory); the others take the
+# all_to_all_single path (tests run that path over gloo by emptying this).
+_POINT_TO_POINT_WIRES = ("cpu",)
+
+
+class _AllToAllTransfers:
+    """The transfers of one all_to_all_v call, straight into each tensor's result: the chunk a
+    rank keeps is copied once from its source into its place and never crosses the wire.
+
+    gloo (host memory): point to point. Every receive is posted into its place first (via one
+    dense buffer when the place is strided), then per tensor each peer's chunk is packed (one
+    copy, none when dense) and sent at once, so gloo's threads move it while this one copies
+    the next; the own chunk is copied meanwhile. nccl/hccl: one `all_to_all_single` per tensor
+    with no bytes to self (a collective every such backend has, stream-ordered like the
+    copies around it): peers' chunks packed back to back, received back to back, then copied
+    into their places."""
+
+    def __init__(self, comm: DistributedComm, workspace: dict | None):
+        self.comm, self.workspace = comm, workspace
+        self.rank, self.world = comm.rank, comm.world_size
+        self.point_to_point = comm._wire_device.type in _POINT_TO_POINT_WIRES
+        self.started = []  # (works, [(received buffer, its place)]): awaited in order, then copied
+
+    def receive(self, t, like, cat_dim, shapes):
+        """Tensor `t`'s result (`shapes`: the chunk from each source), complete after `finish`,
+        and its places per source; on gloo the receives are posted."""
+        sizes = [s[cat_dim] if numel(s) else 0 for s in shapes]
+        kept = [src for src, n in enumerate(sizes) if n]
+        if not kept:  # nothing comes from anyone: the concat of the empty chunks
+            return torch.cat([like.new_empty(s) for s in shapes], dim=cat_dim), {}
+        shape = list(shapes[kept[0]])
+        shape[cat_dim] = sum(sizes)
+        result = scratch(self.workspace, ("out", t), numel(shape), like.dtype, like.device).view(shape)
+        places = dict(zip(kept, result.split([sizes[src] for src in kept], cat_dim)))
+        if self.point_to_point:
+            for src in kept:
+                if src != self.rank:
+                    self._receive(t, src, places[src])
+        return result, places
+
+    def send(self, t, wire, splits, split_dim, places):
+        """Send tensor `t`'s chunks to the peers, then copy the chunk kept into its place."""
+        offsets = displacements(splits)
+        chunks = [wire.narrow(split_dim, offsets[j], splits[j]) for j in range(self.world)]
+        if self.point_to_point:
+            for step in range(1, self.world):  # ring order: each rank serves a different peer first
+                dst = (self.rank + step) % self.world
+                if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
+                    self._start([("send", self._dense(("send", t, dst), chunks[dst]), dst, t)], [])
+        else:
+            self._collective(t, chunks, places)
+        if self.rank in places:  # one copy, from its source to its place
+            places[self.rank].copy_(chunks[self.rank])
+
+    def finish(self):
+        """Wait for every transfer; a chunk received off its place is copied there on arrival."""
+        for works, copies in self.started:
+            for work in works:
+                self.comm._call("all_to_all_v", work.wait)
+            for buf, place in copies:
+                place.copy_(buf)
+
+    def _receive(self, t, src, place):
+        if place.is_contiguous():
+            self._start([("recv", place, src, t)], [])
+        else:  # a strided place (e.g. a head block of every row): received densely, copied on arrival
+            buf = scratch(self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device)
+            buf = buf.view(place.shape)
+            self._start([("recv", buf, src, t)], [(buf, place)])
+
+    def _dense(self, key, chunk):
+        """`chunk` as the wire takes it: itself when dense, else packed into a buffer (one copy)."""
+        if chunk.is_contiguous():
+            return chunk
+        return scratch(self.workspace, key, chunk.numel(), chunk.dtype, chunk.device).view(chunk.shape).copy_(chunk)
+
+    def _start(self, ops, copies):
+        """Start point-to-point `ops` (kind, tensor, peer, tag). The tag is the tensor's index:
+        the same on both ends of a transfer, and unique per pair and direction in one call."""
+        dist, comm = self.comm._dist, self.comm
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, comm._global_rank(peer),
+                          group=comm.group, tag=tag) for kind, tensor, peer, tag in ops]
+        self.started.append((comm._call("all_to_all_v", dist.batch_isend_irecv, p2p), copies))
+
+    def _collective(self, t, chunks, places):
+        """One all_to_all_single of tensor `t` without bytes to self; arrivals copied to their places."""
+        ref = chunks[self.rank]  # dtype and device
+        out_counts = [0 if j == self.rank else c.numel() for j, c in enumerate(chunks)]
+        in_counts = [0 if j == self.rank or j not in places else places[j].numel() for j in range(self.world)]
+        send = scratch(self.workspace, ("send", t), sum(out_counts), ref.dtype, ref.device)
+        for chunk, offset, n in zip(chunks, displacements(out_counts), out_counts):
+            if n:
+                send.narrow(0, offset, n).view(chunk.shape).copy_(chunk)
+        recv = scratch(self.workspace, ("recv", t), sum(in_counts), ref.dtype, ref.device)
+        work = self.comm._call("all_to_all_v", self.comm._dist.all_to_all_single, recv, send,
+                               output_split_sizes=in_counts, input_split_sizes=out_counts,
+                               group=self.comm.group, async_op=True)
+        copies = [(recv.narrow(0, offset, n).view(places[j].shape), places[j])
+                  for j, (offset, n) in enumerate(zip(displacements(in_counts), in_counts)) if n]
+        self.started.append(([work], copies))
 
 
 def _decode_metas(row: list[int], n_tensors: int, n_splits: int):

@@ -136,6 +136,27 @@ def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
     return flat
 
 
+def pack_peer_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int, rank: int,
+                     workspace: dict | None = None, key=None) -> tuple[torch.Tensor, list[int], list[int]]:
+    """What an all-to-all library call sends: the chunks of `tensor` along `dim` for every rank
+    but `rank` in one dense flat buffer, and their (counts, displacements) in elements; `rank`'s
+    own count is 0 (its chunk is copied straight into its place instead of going through the
+    library). One copy per peer chunk at most; none when the chunks already lie back to back
+    (the own chunk's elements then sit unused between the others)."""
+    counts = [numel(chunk_shape(tensor.shape, dim, n)) for n in sizes]
+    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+        displs = displacements(counts)
+        counts[rank] = 0
+        return tensor.view(-1), counts, displs
+    counts[rank] = 0
+    displs = displacements(counts)
+    flat = scratch(workspace, key, sum(counts), tensor.dtype, tensor.device)
+    for j, chunk in enumerate(tensor.split(list(sizes), dim)):
+        if counts[j]:
+            flat.narrow(0, displs[j], counts[j]).view(chunk.shape).copy_(chunk)
+    return flat, counts, displs
+
+
 def sequence_major(tensor: torch.Tensor, dim: int, workspace: dict | None = None, key=None) -> torch.Tensor:
     """`tensor` with its concat dim moved to the front, dense: what an all-gather-V sends so
     that the gathered flat buffer, rank after rank, is the concat itself (no cat on unpack).
@@ -172,14 +193,21 @@ def all_to_all_traffic(metas: Sequence[Sequence[ShardMeta]], splits: Sequence[Se
                        split_dim: int, rank: int) -> tuple[int, int]:
     """(bytes sent, bytes received) by `rank` in an all-to-all: its chunks to every other rank,
     and every other rank's chunk for it (`splits[src][dst]` rows along `split_dim`)."""
-    sent = received = 0
-    for t, meta in enumerate(metas[rank]):
-        for other in range(len(metas)):
+    return all_to_all_bytes(metas[rank], splits[rank], received_chunk_shapes(metas, splits, split_dim, rank),
+                            split_dim, rank)
+
+
+def all_to_all_bytes(mine: Sequence[ShardMeta], send_splits: Sequence[int],
+                     received: Sequence[Sequence[Sequence[int]]], split_dim: int, rank: int) -> tuple[int, int]:
+    """`all_to_all_traffic` from what `rank` knows itself: its tensors and splits, and the
+    shapes of the chunks it receives (per tensor, per source)."""
+    sent = received_bytes = 0
+    for meta, shapes in zip(mine, received):
+        for other, n in enumerate(send_splits):
             if other != rank:
-                sent += numel(chunk_shape(meta.shape, split_dim, splits[rank][other])) * meta.dtype.itemsize
-                theirs = metas[other][t]
-                received += numel(chunk_shape(theirs.shape, split_dim, splits[other][rank])) * theirs.dtype.itemsize
-    return sent, received
+                sent += numel(chunk_shape(meta.shape, split_dim, n)) * meta.dtype.itemsize
+                received_bytes += numel(shapes[other]) * meta.dtype.itemsize
+    return sent, received_bytes
 
 
 def all_reduce_traffic(meta_or_tensor, world_size: int) -> int:
@@ -273,6 +301,62 @@ def check_all_to_all_metadata(per_rank: Sequence[Sequence[ShardMeta]], splits: S
                         f"{cat_dim}")
 
 
+def received_chunk_shapes(metas: Sequence[Sequence[ShardMeta]], splits: Sequence[Sequence[int]],
+                          split_dim: int, rank: int) -> list[list[tuple[int, ...]]]:
+    """Per tensor, per source rank: the shape of the chunk `rank` receives in an all-to-all
+    (from every rank's shard metadata and send splits)."""
+    return [[chunk_shape(metas[src][t].shape, split_dim, splits[src][rank]) for src in range(len(metas))]
+            for t in range(len(metas[rank]))]
+
+
+def check_recv_splits(recv_splits, world_size: int) -> tuple[int, ...] | None:
+    """Validate one rank's all_to_all_v `recv_splits` locally (None: not given)."""
+    if recv_splits is None:
+        return None
+    try:
+        sizes = tuple(int(n) for n in recv_splits)
+    except (TypeError, ValueError):
+        raise ValueError(f"all_to_all_v recv_splits must be {world_size} integers, got {recv_splits!r}") from None
+    if len(sizes) != world_size or any(n < 0 for n in sizes):
+        raise ValueError(f"all_to_all_v recv_splits {list(sizes)} must give one size >= 0 per rank "
+                         f"({world_size}): the length along cat_dim of the chunk each rank sends this one")
+    return sizes
+
+
+def planned_chunk_shapes(shapes: Sequence[Sequence[int]], send_splits: Sequence[int],
+                         recv_splits: Sequence[int], split_dim: int, cat_dim: int,
+                         rank: int) -> list[list[tuple[int, ...]]]:
+    """`received_chunk_shapes` as `rank`'s plan says, without asking the others: the chunk from
+    rank j is like this rank's own chunk (`send_splits[rank]` along split_dim) except along
+    cat_dim, where it has `recv_splits[j]`; a source that sends nothing has an empty chunk."""
+    out = []
+    for shape in shapes:
+        own = chunk_shape(shape, split_dim, send_splits[rank])
+        out.append([chunk_shape(own, cat_dim, n) if n else chunk_shape(own, split_dim, 0)
+                    for n in recv_splits])
+    return out
+
+
+def check_all_to_all_plans(per_rank: Sequence[Sequence[ShardMeta]], splits: Sequence[Sequence[int]],
+                           recv_splits: Sequence[Sequence[int] | None], split_dim: int, cat_dim: int) -> None:
+    """Raise the same clear error on every rank when a rank's `recv_splits` disagree with what
+    the ranks send it (every rank checks every rank's plan), or only some ranks passed one."""
+    given = [r for r, p in enumerate(recv_splits) if p is not None]
+    if given and len(given) != len(per_rank):
+        raise CollectiveError(f"all_to_all_v: ranks {given} passed recv_splits and the others did not; "
+                              "every rank must pass them, or none")
+    for r in given:
+        want = received_chunk_shapes(per_rank, splits, split_dim, r)
+        got = planned_chunk_shapes([m.shape for m in per_rank[r]], splits[r], recv_splits[r], split_dim,
+                                   cat_dim, r)
+        for t, (w, g) in enumerate(zip(want, got)):
+            if any(numel(a) != numel(b) or (numel(a) and tuple(a) != tuple(b)) for a, b in zip(w, g)):
+                raise CollectiveError(
+                    f"all_to_all_v tensor {t}: rank {r}'s recv_splits {list(recv_splits[r])} give chunks "
+                    f"{[tuple(s) for s in g]}, but the ranks send it {[tuple(s) for s in w]}; pass, per "
+                    f"source rank, the length along cat_dim {cat_dim} of the chunk it sends (0 for none)")
+
+
 def all_to_all_arguments(tensors, send_splits, split_dim, cat_dim, world_size):
     """Check one rank's all_to_all_v call locally, before anything is sent.
 
@@ -359,8 +443,11 @@ class Communicator(Protocol):
         call site (the results of the last call from it must be dead by then)."""
 
     def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
-                     workspace: dict | None = None):
-        """Chunk j of each tensor along split_dim goes to rank j; the received chunks, in source order."""
+                     workspace: dict | None = None, recv_splits: Sequence[int] | None = None):
+        """Chunk j of each tensor along split_dim goes to rank j; the received chunks, in source order.
+        `recv_splits`: per source rank, the length along cat_dim of the chunk it sends this rank
+        (0 for none), when a plan every rank shares fixes them; the first call with a plan
+        checks it, later ones need not exchange the shapes again."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Elementwise sum or max over the ranks, bit-identical on every rank."""

@@ -106,7 +106,8 @@ class UlyssesKV:
 
     # -- the strategy interface of comfy/multidevice/sp/
     def attend(self, comm, attention_fn, q, k, v, heads, *args, shard_sizes=None, **kwargs):
-        # shard_sizes: unused; every rank's rows come from the shard plan check in _member_rows
+        # shard_sizes: every rank's rows, when the caller knows them; then the all-to-alls
+        # exchange shapes on a plan's first call only (the rows are checked in _member_rows)
         if kwargs.get("mask") is not None:
             raise SequenceParallelError(
                 "sequence-parallel attention got an attention mask; the ulysses exchange only "
@@ -115,7 +116,7 @@ class UlyssesKV:
         q, k, v = (self._heads_first(t, heads, kwargs.get("skip_reshape", False)) for t in (q, k, v))
         kwargs["skip_reshape"] = True
         layout = self._layout(comm, heads, q)
-        out = self._run(comm, layout, attention_fn, q, k, v, args, kwargs)  # [B, S_r, H, D]
+        out = self._run(comm, layout, attention_fn, q, k, v, shard_sizes, args, kwargs)  # [B, S_r, H, D]
         if heads_first_out:
             return out.permute(0, 2, 1, 3)
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -140,10 +141,10 @@ class UlyssesKV:
         chunks = min(self.overlap_chunks, heads // degree)
         return _Layout(world, comm.rank, heads, degree, chunks)
 
-    def _run(self, comm, layout, attention_fn, q, k, v, args, kwargs):
+    def _run(self, comm, layout, attention_fn, q, k, v, shard_sizes, args, kwargs):
         lane = _CommLane(comm, layout.chunks > 1)
         try:
-            pending = [lane.submit(self._exchange_in, comm, layout, c, q, k, v)
+            pending = [lane.submit(self._exchange_in, comm, layout, c, q, k, v, shard_sizes)
                        for c in range(min(2, layout.chunks))]
             outs = []
             for c in range(layout.chunks):
@@ -154,18 +155,19 @@ class UlyssesKV:
                 o = o.view(o.shape[0], o.shape[1], my_heads, -1)
                 outs.append(lane.submit(self._exchange_out, comm, layout, rows, o, c))
                 if c + 2 < layout.chunks:  # keep one chunk in flight ahead of the attention
-                    pending.append(lane.submit(self._exchange_in, comm, layout, c + 2, q, k, v))
+                    pending.append(lane.submit(self._exchange_in, comm, layout, c + 2, q, k, v, shard_sizes))
             chunk_outs = [lane.result(f) for f in outs]
         finally:
             lane.close()
         return self._assemble(layout, chunk_outs)
 
-    def _exchange_in(self, comm, layout, chunk, q, k, v):
+    def _exchange_in(self, comm, layout, chunk, q, k, v, rows=None):
         """Sequence shards -> (q rows of my group, k/v rows of everyone) for my head chunk.
 
         Sent sequence-major, [S_r, B, H, D] (how H3's q/k/v lie in memory): packing a head
         block of every row is one copy, and the received rows, rank after rank, already are
         the sequence in order (no copy). Returned as [B, heads, S, D] views for the attention.
+        `rows`: every rank's rows, when known (then the shapes need not travel every call).
         """
         world, members = layout.world, layout.members
         to_group = [len(layout.chunk_heads(layout.block_of(j), chunk)) if j in members else 0
@@ -177,11 +179,17 @@ class UlyssesKV:
         q_send = _select_heads(q.permute(2, 0, 1, 3), q_heads, 2)
         k_send = _select_heads(k.permute(2, 0, 1, 3), kv_heads, 2)
         v_send = _select_heads(v.permute(2, 0, 1, 3), kv_heads, 2)
+        from_group = from_all = None  # the rows each rank sends me, if known
+        if rows is not None:
+            from_all = list(rows)
+            from_group = [n if j in members else 0 for j, n in enumerate(rows)]
         if to_group == to_all:  # plain Ulysses: one call for all three
-            received = _all_to_all(comm, [q_send, k_send, v_send], to_all, 2, 0, self._workspace(("qkv", chunk)))
+            received = _all_to_all(comm, [q_send, k_send, v_send], to_all, 2, 0, self._workspace(("qkv", chunk)),
+                                   from_all)
         else:
-            received = (*_all_to_all(comm, [q_send], to_group, 2, 0, self._workspace(("q", chunk))),
-                        *_all_to_all(comm, [k_send, v_send], to_all, 2, 0, self._workspace(("kv", chunk))))
+            received = (*_all_to_all(comm, [q_send], to_group, 2, 0, self._workspace(("q", chunk)), from_group),
+                        *_all_to_all(comm, [k_send, v_send], to_all, 2, 0, self._workspace(("kv", chunk)),
+                                     from_all))
         return tuple(t.permute(1, 2, 0, 3) for t in received)  # [S, B, h, D] -> [B, h, S, D]
 
     @staticmethod
@@ -204,8 +212,10 @@ class UlyssesKV:
         rows lie back to back, so nothing is packed; unpacking puts the heads side by side,
         one copy."""
         to_member = [rows[j] if j in layout.members else 0 for j in range(layout.world)]
+        from_member = [len(layout.chunk_heads(layout.block_of(j), chunk)) if j in layout.members else 0
+                       for j in range(layout.world)]  # the heads each member sends me
         mine = _all_to_all(comm, [o.transpose(0, 1)], to_member, 0, 2,
-                           self._workspace(("out", chunk)))[0]  # [S_r, B, heads, D]
+                           self._workspace(("out", chunk)), from_member)[0]  # [S_r, B, heads, D]
         return mine.transpose(0, 1)  # [B, S_r, group chunk heads, D]
 
     @staticmethod
@@ -221,10 +231,12 @@ class UlyssesKV:
         return torch.cat(pieces, dim=2)
 
 
-def _all_to_all(comm, tensors, splits, split_dim, cat_dim, workspace):
-    if workspace is None:  # any Communicator; a workspace only where the adapter keeps one
-        return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim)
-    return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim, workspace=workspace)
+def _all_to_all(comm, tensors, splits, split_dim, cat_dim, workspace, recv_splits=None):
+    # any Communicator: a workspace only where the adapter keeps one, the plan where it is known
+    options = {} if workspace is None else {"workspace": workspace}
+    if recv_splits is not None:
+        options["recv_splits"] = recv_splits
+    return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim, **options)
 
 
 class _CommLane:
