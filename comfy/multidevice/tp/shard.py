@@ -52,6 +52,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+from comfy.multidevice.comm.types import numel
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.progress import CardProgress
 from comfy.multidevice.tp.layers import (_frozen, _plain, check_head_split, ColumnParallelLinear,
@@ -327,10 +328,7 @@ def _whole_tensors(module: nn.Module, prefix: str, skip: set[str]):
 
 
 def _nbytes(shape, dtype) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count * dtype.itemsize
+    return numel(shape) * dtype.itemsize
 
 
 def planned_shard_bytes(decoder: nn.Module, world_size: int) -> list[int]:
