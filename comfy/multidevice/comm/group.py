@@ -38,7 +38,7 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           check_recv_splits, chunk_shape, CollectiveAborted,
                                           CollectiveError, CollectiveTimeout, concat_received,
                                           exchange_traffic, normalize_dims, numel, pack_chunks,
-                                          planned_chunk_shapes, planned_metas, ShardMeta,
+                                          planned_chunk_shapes, planned_metas, same_chunk_shape, ShardMeta,
                                           TrafficCounter, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
@@ -440,8 +440,7 @@ class SequenceParallelCoordinator:
             # one that does not even fit this rank's own chunk is left to that check)
             received = planned_chunk_shapes([t.shape for t in tensors], splits, plan, split_dim, cat_dim, rank)
             own = [chunk_shape(t.shape, split_dim, splits[rank]) for t in tensors]
-            if all(numel(r[rank]) == numel(o) and (not numel(o) or tuple(r[rank]) == o)
-                   for r, o in zip(received, own)):
+            if all(same_chunk_shape(r[rank], o) for r, o in zip(received, own)):
                 options["prepared"] = self.backend.prepare_all_to_all_v(rank, tensors, splits, received,
                                                                          split_dim, workspace)
         meta_slot, data_slot = self._enter(

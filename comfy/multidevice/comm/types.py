@@ -337,6 +337,12 @@ def planned_chunk_shapes(shapes: Sequence[Sequence[int]], send_splits: Sequence[
     return out
 
 
+def same_chunk_shape(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Two all-to-all chunk shapes that describe the same chunk: equal, or both empty (an empty
+    chunk's other dims do not matter: nothing is sent)."""
+    return numel(a) == numel(b) and (not numel(a) or tuple(a) == tuple(b))
+
+
 def check_all_to_all_plans(per_rank: Sequence[Sequence[ShardMeta]], splits: Sequence[Sequence[int]],
                            recv_splits: Sequence[Sequence[int] | None], split_dim: int, cat_dim: int) -> None:
     """Raise the same clear error on every rank when a rank's `recv_splits` disagree with what
@@ -350,7 +356,7 @@ def check_all_to_all_plans(per_rank: Sequence[Sequence[ShardMeta]], splits: Sequ
         got = planned_chunk_shapes([m.shape for m in per_rank[r]], splits[r], recv_splits[r], split_dim,
                                    cat_dim, r)
         for t, (w, g) in enumerate(zip(want, got)):
-            if any(numel(a) != numel(b) or (numel(a) and tuple(a) != tuple(b)) for a, b in zip(w, g)):
+            if not all(same_chunk_shape(a, b) for a, b in zip(w, g)):
                 raise CollectiveError(
                     f"all_to_all_v tensor {t}: rank {r}'s recv_splits {list(recv_splits[r])} give chunks "
                     f"{[tuple(s) for s in g]}, but the ranks send it {[tuple(s) for s in w]}; pass, per "
