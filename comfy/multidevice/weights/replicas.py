@@ -320,6 +320,11 @@ class RankReplica:
         """Tensor names of this replica (module state-dict names; tied names included)."""
         return [n for names in self._groups.values() for n in names]
 
+    @functools.cached_property
+    def _source_of(self) -> dict[str, str]:
+        """name -> the source name its group is bound by (tied names share one source)."""
+        return {n: source for source, names in self._groups.items() for n in names}
+
     @property
     def resident(self) -> bool:
         return self._resident
@@ -404,7 +409,7 @@ class RankReplica:
                 layer._buffers[leaf] = value
             self._layer_patched[name] = _nbytes(value)
             # the unpatched device copy served only as the patch's input: rebind the base view
-            source = name if name in self._groups else next(s for s, g in self._groups.items() if name in g)
+            source = self._source_of[name]
             if source in self._owned:
                 self._owned.discard(source)
                 for n in self._groups[source]:
@@ -433,8 +438,9 @@ class RankReplica:
         with self._lock:
             if self._resident and self._patch_version == self.patches.version and names is None:
                 return self
-            sources = list(self._groups) if names is None or not (self._resident or only) else [
-                s for s, group in self._groups.items() if any(n in group for n in names)]
+            wanted = None if names is None else set(names)
+            sources = list(self._groups) if wanted is None or not (self._resident or only) else [
+                s for s, group in self._groups.items() if any(n in wanted for n in group)]
             self._bind({s: self._materialize(s) for s in sources})
             for owner, leaf, buf in self._extra_buffers.values():
                 owner._buffers[leaf] = buf.to(self.device)
