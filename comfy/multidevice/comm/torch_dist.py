@@ -34,7 +34,7 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           check_all_reduce_metadata, check_all_to_all_metadata,
                                           check_all_to_all_plans, check_exchange_metadata,
                                           check_recv_splits, CollectiveError, displacements,
-                                          exchange_traffic, normalize_dims, numel, planned_chunk_shapes,
+                                          exchange_traffic, normalize_dims, numel, pack_peer_chunks, planned_chunk_shapes,
                                           planned_metas, received_chunk_shapes, scratch, sequence_major,
                                           ShardMeta, TrafficCounter, unflatten_gathered, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, resolve_device,
@@ -412,7 +412,7 @@ class _AllToAllTransfers:
                 if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
                     self._start([("send", self._dense(("send", t, dst), chunks[dst]), dst, t)], [])
         else:
-            self._collective(t, chunks, places)
+            self._collective(t, wire, splits, split_dim, places)
         if self.rank in places:  # one copy, from its source to its place
             places[self.rank].copy_(chunks[self.rank])
 
@@ -446,16 +446,12 @@ class _AllToAllTransfers:
                           group=comm.group, tag=tag) for kind, tensor, peer, tag in ops]
         self.started.append((comm._call("all_to_all_v", dist.batch_isend_irecv, p2p), copies))
 
-    def _collective(self, t, chunks, places):
+    def _collective(self, t, wire, splits, split_dim, places):
         """One all_to_all_single of tensor `t` without bytes to self; arrivals copied to their places."""
-        ref = chunks[self.rank]  # dtype and device
-        out_counts = [0 if j == self.rank else c.numel() for j, c in enumerate(chunks)]
+        send, out_counts, _ = pack_peer_chunks(wire, splits, split_dim, self.rank, self.workspace, ("send", t),
+                                               back_to_back=True)
         in_counts = [0 if j == self.rank or j not in places else places[j].numel() for j in range(self.world)]
-        send = scratch(self.workspace, ("send", t), sum(out_counts), ref.dtype, ref.device)
-        for chunk, offset, n in zip(chunks, displacements(out_counts), out_counts):
-            if n:
-                send.narrow(0, offset, n).view(chunk.shape).copy_(chunk)
-        recv = scratch(self.workspace, ("recv", t), sum(in_counts), ref.dtype, ref.device)
+        recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
         work = self.comm._call("all_to_all_v", self.comm._dist.all_to_all_single, recv, send,
                                output_split_sizes=in_counts, input_split_sizes=out_counts,
                                group=self.comm.group, async_op=True)

@@ -137,14 +137,17 @@ def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
 
 
 def pack_peer_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int, rank: int,
-                     workspace: dict | None = None, key=None) -> tuple[torch.Tensor, list[int], list[int]]:
+                     workspace: dict | None = None, key=None,
+                     back_to_back: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
     """What an all-to-all library call sends: the chunks of `tensor` along `dim` for every rank
     but `rank` in one dense flat buffer, and their (counts, displacements) in elements; `rank`'s
     own count is 0 (its chunk is copied straight into its place instead of going through the
     library). One copy per peer chunk at most; none when the chunks already lie back to back
-    (the own chunk's elements then sit unused between the others)."""
+    (the own chunk's elements then sit unused between the others), unless `back_to_back`: then
+    the peers' chunks are always packed without that gap (for a call that takes counts but no
+    displacements, as torch.distributed's all_to_all_single)."""
     counts = [numel(chunk_shape(tensor.shape, dim, n)) for n in sizes]
-    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+    if not back_to_back and tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
         displs = displacements(counts)
         counts[rank] = 0
         return tensor.view(-1), counts, displs
