@@ -10,11 +10,18 @@ fused qkv rows [S_r, 3 x 7168], as H3's attention makes them):
                                exchange of K and V with the shard plan and the forward's
                                buffers, as the SP adapter drives it) / two raw
                                `all_gather_into_tensor` of the same bytes, sequence-major and dense
+  h3_layout_allgather_vs_raw_p2p   the same / raw isend-irecv of those dense bytes straight into
+                               place (the transport's own best; ours goes point to point on gloo)
   ulysses_vs_raw_all_to_all    the Ulysses exchange of one block as the SP adapter drives it
                                (q, k, v in, the attention output back as the [1, S_r, H x D]
                                tensor the caller gets; the shard plan known, the forward's
                                buffers; the attention replaced by a ready output) / four raw
                                `all_to_all_single` of the same tensors, packed in advance
+  ulysses_vs_raw_p2p           the same / raw isend-irecv of those packed tensors
+  ulysses_vs_raw_p2p_plus_layout_copies   the same / (raw isend-irecv + the copies H3's layout
+                               forces on any Ulysses over transports that take dense buffers:
+                               q/k/v's peer head blocks packed, the output's peer heads put
+                               back in place; timed alone): how far ours is from that floor
   ulysses_vs_yunchang          the same against yunchang's all_to_all_4D, when yunchang is
                                installed (else reported skipped, not faked)
 In-process rank threads (W = 2 and 4, the peer backend and the fake HCCL library):
@@ -109,6 +116,18 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
         for out, send in zip(gathered, (raw_k, raw_v)):
             dist.all_gather_into_tensor(out, send)
 
+    peers = [(rank + step) % world for step in range(1, world)]  # ring order
+    offsets = [sum(sizes[:j]) for j in range(world)]
+
+    def raw_p2p_allgather():  # the same dense bytes by isend/irecv straight into place
+        works = [dist.irecv(out[offsets[j]:offsets[j] + sizes[j]], j, tag=i)
+                 for i, out in enumerate(gathered) for j in peers]
+        for i, (out, send) in enumerate(zip(gathered, (raw_k, raw_v))):
+            out[offsets[rank]:offsets[rank] + rows].copy_(send)  # the own part, as the collective copies it
+            works += [dist.isend(send, j, tag=i) for j in peers]
+        for work in works:
+            work.wait()
+
     # Ulysses in + out as the SP adapter drives it (the shard plan known, the forward's buffers
     # kept); the attention is replaced by a ready output of its shape
     heads_mine = HEADS // world
@@ -134,8 +153,44 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
         dist.all_to_all_single(recv_out, out_send, output_split_sizes=[rows * heads_mine * HEAD_DIM] * world,
                                input_split_sizes=in_splits)
 
+    chunk = rows * heads_mine * HEAD_DIM  # elements of one packed chunk (every shard is `rows` long here)
+    by_chunk = [(j * chunk, chunk) for j in range(world)]        # (offset, count) per rank
+    by_rows = [(offsets[j] * heads_mine * HEAD_DIM, n) for j, n in enumerate(in_splits)]
+
+    def p2p_all_to_all(send, send_parts, recv, recv_parts, tag):
+        """Start one all-to-all by isend/irecv straight into place; the own part is copied."""
+        def part(t, parts, j):
+            return t.narrow(0, *parts[j])
+        works = [dist.irecv(part(recv, recv_parts, j), j, tag=tag) for j in peers]
+        works += [dist.isend(part(send, send_parts, j), j, tag=tag) for j in peers]
+        part(recv, recv_parts, rank).copy_(part(send, send_parts, rank))
+        return works
+
+    def raw_p2p_ulysses():  # the same packed tensors, q/k/v back to back, then the output
+        works = [w for t, (packed, recv) in enumerate(zip(packed_in, recv_in))
+                 for w in p2p_all_to_all(packed.view(-1), by_chunk, recv, by_rows, t)]
+        for work in works:
+            work.wait()
+        for work in p2p_all_to_all(out_send, by_rows, recv_out, by_chunk, 3):
+            work.wait()
+
+    # the copies H3's layout forces on any Ulysses over dense-buffer transports: each peer's
+    # head block of q, k, v packed (strided rows), and the peers' heads of the output put
+    # back into their strided place; timed alone
+    layout_bufs = [torch.empty(rows, heads_mine, HEAD_DIM, dtype=torch.bfloat16) for _ in range(4)]
+    layout_out = torch.empty(1, rows, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+
+    def layout_copies():
+        for j in peers:
+            heads_j = slice(j * heads_mine, (j + 1) * heads_mine)
+            for buf, t in zip(layout_bufs, (q, k, v)):
+                buf.copy_(t[0, heads_j].transpose(0, 1))
+            layout_out[0, :, heads_j].copy_(layout_bufs[3])
+
     runs = {"ours_allgather": ours_allgather, "raw_allgather": raw_allgather,
-            "ours_ulysses": ours_ulysses, "raw_ulysses": raw_ulysses}
+            "raw_p2p_allgather": raw_p2p_allgather, "ours_ulysses": ours_ulysses,
+            "raw_ulysses": raw_ulysses, "raw_p2p_ulysses": raw_p2p_ulysses,
+            "ulysses_layout_copies": layout_copies}
     yunchang = importlib.util.find_spec("yunchang") is not None
     if yunchang:
         from yunchang.comm.all_to_all import all_to_all_4D  # optional comparison
@@ -172,7 +227,14 @@ def measure_processes(seq: int, iters: int, rounds: int, world: int = 2) -> dict
         "processes": world, "seq": seq, "seconds": {k: round(v, 4) for k, v in t.items() if k != "yunchang"},
         "h3_layout_allgather_vs_raw": round(t["ours_allgather"] / t["raw_allgather"], 3),
         "raw_allgather_gbps": round(kv_bytes / t["raw_allgather"] / 1e9, 3),
+        "h3_layout_allgather_vs_raw_p2p": round(t["ours_allgather"] / t["raw_p2p_allgather"], 3),
         "ulysses_vs_raw_all_to_all": round(t["ours_ulysses"] / t["raw_ulysses"], 3),
+        "ulysses_vs_raw_p2p": round(t["ours_ulysses"] / t["raw_p2p_ulysses"], 3),
+        # the floor for H3's layout on dense-buffer transports: raw p2p plus the forced copies
+        "ulysses_vs_raw_p2p_plus_layout_copies": round(
+            t["ours_ulysses"] / (t["raw_p2p_ulysses"] + t["ulysses_layout_copies"]), 3),
+        "raw_all_to_all_vs_raw_p2p_plus_layout_copies": round(
+            t["raw_ulysses"] / (t["raw_p2p_ulysses"] + t["ulysses_layout_copies"]), 3),
     }
     result["ulysses_vs_yunchang"] = (round(t["ours_ulysses"] / t["yunchang_ulysses"], 3) if t["yunchang"]
                                      else "skipped: yunchang is not installed")

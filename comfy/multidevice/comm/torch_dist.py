@@ -6,13 +6,13 @@
 its own process, e.g. launched by `torchrun` across machines. The process-group backend
 follows the device kind: hccl on Ascend NPUs, nccl on CUDA GPUs, gloo on CPU.
 
-Exactness: gloo has no uneven all-gather, and padding shards to a common length would
-have to be cut off again everywhere. So `exchange` first all-gathers every rank's shard
-shapes (two tiny collectives, which also let every rank raise the same clear error when
-the shapes disagree), then moves each tensor into one flat buffer of exactly the
-gathered size: `all_gather_into_tensor` when all shards are equally long, otherwise one
-broadcast per root rank into that root's slice (issued asynchronously, then awaited).
-No padding exists at any point.
+Exactness: no shard is ever padded. `exchange` first all-gathers every rank's shard shapes
+(two tiny collectives, which also let every rank raise the same clear error when the shapes
+disagree; with a shard plan only on the plan's first call), then moves each tensor into one
+flat buffer of exactly the gathered size. On gloo (host memory) every part goes point to
+point straight into its place, uneven or not; on nccl/hccl `all_gather_into_tensor` when all
+shards are equally long, otherwise one broadcast per root rank into that root's slice
+(issued asynchronously, then awaited).
 
 Failures: every collective has the process group's timeout (COMFYUI_MULTI_DEVICE_TIMEOUT_S);
 a peer process that dies closes its connections, so the others fail at their next
@@ -166,22 +166,24 @@ class DistributedComm:
         if self.world_size == 1:
             return tensors
         metas = self._exchange_metas(tensors, dims, shard_sizes)
-        # Every tensor's collective is issued before any is awaited (K and V back to back).
-        pending = []
+        gathers = []
         for i, dim in enumerate(dims):
             shard_metas = [m[i] for m in metas]
             counts = [numel(m.shape) for m in shard_metas]
-            displs = displacements(counts)
             tensor = tensors[i].detach().to(self._wire_device)
-            send = sequence_major(tensor, dim, workspace, ("send", i))
             flat = scratch(workspace, ("recv", i), sum(counts), tensor.dtype, self._wire_device)
-            works = self._issue_all_gather(send, flat, counts, displs)
-            pending.append((flat, works, shard_metas, counts, displs, dim))
+            gathers.append(_Gather(tensor, dim, flat, shard_metas, counts, displacements(counts)))
+        # Every tensor's transfers are issued before any is awaited (K and V back to back).
+        if self._wire_device.type in _POINT_TO_POINT_WIRES:
+            works = self._gather_point_to_point(gathers)
+        else:
+            works = [self._issue_all_gather(sequence_major(g.tensor, g.dim, workspace, ("send", i)), g.flat,
+                                            g.counts, g.displs) for i, g in enumerate(gathers)]
         out = []
-        for flat, works, shard_metas, counts, displs, dim in pending:
-            for work in works:
+        for g, tensor_works in zip(gathers, works):
+            for work in tensor_works:
                 self._call("exchange", work.wait)
-            out.append(unflatten_gathered(flat, shard_metas, counts, displs, dim).to(self.device))
+            out.append(unflatten_gathered(g.flat, g.metas, g.counts, g.displs, g.dim).to(self.device))
         sent, received = exchange_traffic(metas, self.rank)
         self._count("exchange", sent=sent, received=received)
         return out
@@ -340,6 +342,27 @@ class DistributedComm:
         rows = everyone.view(self.world_size, length).tolist()
         return [_decode_metas(row, len(tensors), len(splits)) for row in rows]
 
+    def _gather_point_to_point(self, gathers) -> list[list]:
+        """The all-gather on gloo: every peer's part received straight into its place, this
+        rank's shard copied once into its own place (sequence-major) and sent from there.
+        One copy per tensor, as a packed send buffer would cost, but no second copy of the
+        own part by the collective, and gloo's point to point moves big messages several
+        times faster than its all_gather (bench/bench_exchange.py). Receives are posted first,
+        so a peer's send never waits for this rank to be ready."""
+        works = []
+        for tag, g in enumerate(gathers):
+            works.append(_start_point_to_point(self, "exchange", [
+                ("recv", g.part(src), src, tag) for src in range(self.world_size)
+                if src != self.rank and g.counts[src]]))
+        for tag, g in enumerate(gathers):
+            if not g.counts[self.rank]:
+                continue  # every rank skips the same empty shards
+            moved = g.tensor.movedim(g.dim, 0)
+            own = g.part(self.rank).view(moved.shape).copy_(moved)
+            peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
+            works[tag] += _start_point_to_point(self, "exchange", [("send", own, dst, tag) for dst in peers])
+        return works
+
     def _issue_all_gather(self, send: torch.Tensor, flat: torch.Tensor, counts, displs) -> list:
         """Start gathering every rank's dense `send` into the flat buffer `flat`; the works."""
         if len(set(counts)) == 1:
@@ -362,9 +385,37 @@ class DistributedComm:
         self._traffic.add(op, sent, received)
 
 
-# Wire devices whose all-to-all goes point to point (gloo's host memory); the others take the
-# all_to_all_single path (tests run that path over gloo by emptying this).
+# Wire devices whose all-gather and all-to-all go point to point (gloo's host memory); the
+# others take all_gather_into_tensor / all_to_all_single (tests run those over gloo by
+# emptying this).
 _POINT_TO_POINT_WIRES = ("cpu",)
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """One tensor of an exchange: its shard, and the flat rank-major buffer it is gathered into."""
+
+    tensor: torch.Tensor
+    dim: int
+    flat: torch.Tensor
+    metas: list
+    counts: list[int]
+    displs: list[int]
+
+    def part(self, rank: int) -> torch.Tensor:
+        return self.flat.narrow(0, self.displs[rank], self.counts[rank])
+
+
+def _start_point_to_point(comm: DistributedComm, what: str, ops) -> list:
+    """Start point-to-point `ops` (kind "send"/"recv", dense tensor, group rank of the peer,
+    tag); their works. The tag is the tensor's index in the call: the same on both ends of a
+    transfer, and unique per pair and direction in one call."""
+    if not ops:
+        return []
+    dist = comm._dist
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, comm._global_rank(peer),
+                      group=comm.group, tag=tag) for kind, tensor, peer, tag in ops]
+    return list(comm._call(what, dist.batch_isend_irecv, p2p))
 
 
 class _AllToAllTransfers:
@@ -373,17 +424,18 @@ class _AllToAllTransfers:
 
     gloo (host memory): point to point. Every receive is posted into its place first (via one
     dense buffer when the place is strided), then per tensor each peer's chunk is packed (one
-    copy, none when dense) and sent at once, so gloo's threads move it while this one copies
-    the next; the own chunk is copied meanwhile. nccl/hccl: one `all_to_all_single` per tensor
-    with no bytes to self (a collective every such backend has, stream-ordered like the
-    copies around it): peers' chunks packed back to back, received back to back, then copied
-    into their places."""
+    copy, none when dense) and sent at once, so gloo's threads move it while this one packs
+    the next; the kept chunks are copied after the last send starts, while the wire is busy.
+    nccl/hccl: one `all_to_all_single` per tensor with no bytes to self (a collective every
+    such backend has, stream-ordered like the copies around it): peers' chunks packed back to
+    back, received back to back, then copied into their places."""
 
     def __init__(self, comm: DistributedComm, workspace: dict | None):
         self.comm, self.workspace = comm, workspace
         self.rank, self.world = comm.rank, comm.world_size
         self.point_to_point = comm._wire_device.type in _POINT_TO_POINT_WIRES
         self.started = []  # (works, [(received buffer, its place)]): awaited in order, then copied
+        self.kept = []  # (the chunk this rank keeps, its place)
 
     def receive(self, t, like, cat_dim, shapes):
         """Tensor `t`'s result (`shapes`: the chunk from each source), complete after `finish`,
@@ -413,11 +465,14 @@ class _AllToAllTransfers:
                     self._start([("send", self._dense(("send", t, dst), chunks[dst]), dst, t)], [])
         else:
             self._collective(t, wire, splits, split_dim, places)
-        if self.rank in places:  # one copy, from its source to its place
-            places[self.rank].copy_(chunks[self.rank])
+        if self.rank in places:  # copied in `finish`, once every tensor's sends are under way
+            self.kept.append((chunks[self.rank], places[self.rank]))
 
     def finish(self):
-        """Wait for every transfer; a chunk received off its place is copied there on arrival."""
+        """Copy the kept chunks into their places while the wire moves the others, then wait
+        for every transfer; a chunk received off its place is copied there on arrival."""
+        for chunk, place in self.kept:  # one copy, from its source to its place
+            place.copy_(chunk)
         for works, copies in self.started:
             for work in works:
                 self.comm._call("all_to_all_v", work.wait)
@@ -439,12 +494,7 @@ class _AllToAllTransfers:
         return scratch(self.workspace, key, chunk.numel(), chunk.dtype, chunk.device).view(chunk.shape).copy_(chunk)
 
     def _start(self, ops, copies):
-        """Start point-to-point `ops` (kind, tensor, peer, tag). The tag is the tensor's index:
-        the same on both ends of a transfer, and unique per pair and direction in one call."""
-        dist, comm = self.comm._dist, self.comm
-        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, comm._global_rank(peer),
-                          group=comm.group, tag=tag) for kind, tensor, peer, tag in ops]
-        self.started.append((comm._call("all_to_all_v", dist.batch_isend_irecv, p2p), copies))
+        self.started.append((_start_point_to_point(self.comm, "all_to_all_v", ops), copies))
 
     def _collective(self, t, wire, splits, split_dim, places):
         """One all_to_all_single of tensor `t` without bytes to self; arrivals copied to their places."""
