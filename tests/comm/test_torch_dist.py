@@ -188,6 +188,26 @@ def stuck_rank_all_to_all_worker(comm):
     return {"error_type": None}
 
 
+def diverging_after_plans_worker(comm):
+    """Once a plan is verified no shapes travel. Rank 0 then exchanges while the others run an
+    all-to-all whose messages have the very same sizes: nobody may take the other
+    collective's data for its own; every rank fails with a CollectiveError instead."""
+    W = comm.world_size
+    shard, chunks = torch.full((2, 4), float(comm.rank)), torch.full((2 * W, 4), float(comm.rank))
+    for _ in range(2):  # the plans' shapes travel on the first call only
+        comm.exchange([shard], 0, shard_sizes=[2] * W)
+        comm.all_to_all_v(chunks, [2] * W, 0, recv_splits=[2] * W)
+    start = time.monotonic()
+    try:
+        if comm.rank == 0:
+            got = comm.exchange([shard], 0, shard_sizes=[2] * W)[0]
+        else:
+            got = comm.all_to_all_v(chunks, [2] * W, 0, recv_splits=[2] * W)
+    except Exception as exc:  # noqa: BLE001 - the type and text are the point of the test
+        return {"error_type": type(exc).__name__, "error": str(exc), "after_s": time.monotonic() - start}
+    return {"error_type": None, "got": got.tolist()}
+
+
 def _wait_in_exchange(comm):
     start = time.monotonic()
     try:
@@ -444,6 +464,16 @@ def test_a_stuck_process_makes_the_others_time_out(tmp_path, worker, op):
         assert res["error_type"] == "CollectiveError", res
         assert f"rank {rank}/3: {op} failed" in res["error"]
         assert 1.5 < res["after_s"] < 20, res
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_diverge_after_a_verified_plan_fail_instead_of_mixing_collectives(tmp_path):
+    out = run_ranks(2, "diverging_after_plans_worker", tmp_path, dist_timeout_s=2)
+    for rank, op in ((0, "exchange"), (1, "all_to_all_v")):
+        status, res = out[rank]
+        assert status == "ok", res
+        assert res["error_type"] == "CollectiveError", res
+        assert f"rank {rank}/2: {op} failed" in res["error"]
 
 
 def test_torchrun_variables_take_ascii_digits_only_and_read_as_variables():

@@ -406,15 +406,21 @@ class _Gather:
         return self.flat.narrow(0, self.displs[rank], self.counts[rank])
 
 
+# Each collective's point-to-point tags in their own range: after a shard plan is verified no
+# shapes travel, so ranks that (wrongly) enter different collectives must not match each
+# other's messages; a receive then waits for its own kind and times out with a clear error.
+_TAG_BASE = {"exchange": 0, "all_to_all_v": 1 << 16}
+
+
 def _start_point_to_point(comm: DistributedComm, what: str, ops) -> list:
     """Start point-to-point `ops` (kind "send"/"recv", dense tensor, group rank of the peer,
-    tag); their works. The tag is the tensor's index in the call: the same on both ends of a
-    transfer, and unique per pair and direction in one call."""
+    tag) of collective `what`; their works. The tag is the tensor's index in the call: the
+    same on both ends of a transfer, and unique per pair and direction in one call."""
     if not ops:
         return []
     dist = comm._dist
     p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, comm._global_rank(peer),
-                      group=comm.group, tag=tag) for kind, tensor, peer, tag in ops]
+                      group=comm.group, tag=_TAG_BASE[what] + tag) for kind, tensor, peer, tag in ops]
     return list(comm._call(what, dist.batch_isend_irecv, p2p))
 
 
