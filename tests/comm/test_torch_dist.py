@@ -322,7 +322,42 @@ def all_to_all_plan_worker(comm):
     return out
 
 
+def collective_buffers_worker(comm):
+    """On the nccl/hccl path: the all_to_all_single call sends straight from the tensor when
+    its chunks lie back to back, and receives straight into the result when the places do;
+    the values are those of the reference concat either way."""
+    import torch.distributed as dist
+    W, r = comm.world_size, comm.rank
+    calls = []
+    real = dist.all_to_all_single
+
+    def spy(output, input, *args, **kwargs):
+        calls.append((output.data_ptr(), input.data_ptr()))
+        return real(output, input, *args, **kwargs)
+
+    def held(src, split_dim):  # what rank `src` holds: chunk j along split_dim is for rank j
+        shape = [W * 2, 3, 4] if split_dim == 0 else [2, W * 3, 4]
+        return torch.arange(float(2 * 3 * 4 * W)).view(shape) + 1000 * src
+
+    verdicts = {}
+    dist.all_to_all_single = spy
+    try:
+        for name, split_dim, cat_dim in (("rows to rows", 0, 0), ("heads to rows", 1, 0), ("rows to heads", 0, 1)):
+            x = held(r, split_dim)
+            splits = [x.shape[split_dim] // W] * W
+            got = comm.all_to_all_v(x, splits, split_dim, cat_dim=cat_dim)
+            want = torch.cat([held(j, split_dim).split(splits, split_dim)[r] for j in range(W)], dim=cat_dim)
+            out_ptr, in_ptr = calls[-1]
+            verdicts[name + ": exact"] = torch.equal(got, want)
+            verdicts[name + ": sent from the tensor"] = (in_ptr == x.data_ptr()) == (split_dim == 0)
+            verdicts[name + ": received into the result"] = (out_ptr == got.data_ptr()) == (cat_dim == 0)
+    finally:
+        dist.all_to_all_single = real
+    return {"verdicts": verdicts, "rank": r}
+
+
 ulysses_collective_worker = _collective_path(ulysses_worker)
+collective_buffers_collective_worker = _collective_path(collective_buffers_worker)
 all_to_all_plan_collective_worker = _collective_path(all_to_all_plan_worker)
 exactness_collective_worker = _collective_path(exactness_worker)
 
@@ -406,6 +441,14 @@ def test_ulysses_over_processes_is_bit_identical_and_sends_shapes_once_per_plan(
         failed = [name for name, ok in res["verdicts"].items() if not ok]
         assert not failed, f"rank {res['rank']}: {failed}"
         assert len(res["verdicts"]) == 2 * 2 * 2 * 2 * 2 * 2
+
+
+@pytest.mark.timeout(120)
+def test_the_collective_path_sends_from_the_tensor_and_receives_into_the_result_where_it_can(tmp_path):
+    for res in payloads(run_ranks(3, "collective_buffers_collective_worker", tmp_path)):
+        failed = [name for name, ok in res["verdicts"].items() if not ok]
+        assert not failed, f"rank {res['rank']}: {failed}"
+        assert len(res["verdicts"]) == 9
 
 
 @pytest.mark.timeout(120)

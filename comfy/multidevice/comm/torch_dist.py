@@ -33,8 +33,9 @@ from comfy.multidevice.comm.settings import check_timeout, SettingError, timeout
 from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments, all_to_all_bytes,
                                           check_all_reduce_metadata, check_all_to_all_metadata,
                                           check_all_to_all_plans, check_exchange_metadata,
-                                          check_recv_splits, CollectiveError, displacements,
-                                          exchange_traffic, normalize_dims, numel, pack_peer_chunks, planned_chunk_shapes,
+                                          check_recv_splits, chunk_shape, chunks_back_to_back,
+                                          CollectiveError, displacements, exchange_traffic, normalize_dims,
+                                          numel, pack_chunks, pack_peer_chunks, planned_chunk_shapes,
                                           planned_metas, received_chunk_shapes, scratch, sequence_major,
                                           ShardMeta, TrafficCounter, unflatten_gathered, VALID_REDUCE_OPS)
 from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, resolve_device,
@@ -432,9 +433,10 @@ class _AllToAllTransfers:
     dense buffer when the place is strided), then per tensor each peer's chunk is packed (one
     copy, none when dense) and sent at once, so gloo's threads move it while this one packs
     the next; the kept chunks are copied after the last send starts, while the wire is busy.
-    nccl/hccl: one `all_to_all_single` per tensor with no bytes to self (a collective every
-    such backend has, stream-ordered like the copies around it): peers' chunks packed back to
-    back, received back to back, then copied into their places."""
+    nccl/hccl: one `all_to_all_single` per tensor (a collective every such backend has,
+    stream-ordered like the copies around it), straight from the tensor or into the result
+    where their chunks lie back to back (see `_collective`): a byte is copied at most once on
+    each side, besides what the call itself moves."""
 
     def __init__(self, comm: DistributedComm, workspace: dict | None):
         self.comm, self.workspace = comm, workspace
@@ -442,6 +444,7 @@ class _AllToAllTransfers:
         self.point_to_point = comm._wire_device.type in _POINT_TO_POINT_WIRES
         self.started = []  # (works, [(received buffer, its place)]): awaited in order, then copied
         self.kept = []  # (the chunk this rank keeps, its place)
+        self.dense_results = {}  # tensor -> its result, where its places lie back to back in it
 
     def receive(self, t, like, cat_dim, shapes):
         """Tensor `t`'s result (`shapes`: the chunk from each source), complete after `finish`,
@@ -454,6 +457,8 @@ class _AllToAllTransfers:
         shape[cat_dim] = sum(sizes)
         result = scratch(self.workspace, ("out", t), numel(shape), like.dtype, like.device).view(shape)
         places = dict(zip(kept, result.split([sizes[src] for src in kept], cat_dim)))
+        if chunks_back_to_back(result, cat_dim):  # the places, in source order, are the result itself
+            self.dense_results[t] = result
         if self.point_to_point:
             for src in kept:
                 if src != self.rank:
@@ -469,8 +474,8 @@ class _AllToAllTransfers:
                 dst = (self.rank + step) % self.world
                 if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
                     self._start([("send", self._dense(("send", t, dst), chunks[dst]), dst, t)], [])
-        else:
-            self._collective(t, wire, splits, split_dim, places)
+        elif self._collective(t, wire, splits, split_dim, places):
+            return  # the kept chunk went through the collective
         if self.rank in places:  # copied in `finish`, once every tensor's sends are under way
             self.kept.append((chunks[self.rank], places[self.rank]))
 
@@ -502,17 +507,40 @@ class _AllToAllTransfers:
     def _start(self, ops, copies):
         self.started.append((_start_point_to_point(self.comm, "all_to_all_v", ops), copies))
 
-    def _collective(self, t, wire, splits, split_dim, places):
-        """One all_to_all_single of tensor `t` without bytes to self; arrivals copied to their places."""
+    def _collective(self, t, wire, splits, split_dim, places) -> bool:
+        """One all_to_all_single of tensor `t`; True when the kept chunk went through it.
+
+        The call takes counts but no displacements: its buffers hold the chunks back to back in
+        rank order. Where the wire's chunks already lie that way (split along its outermost
+        dim), the wire is the send buffer; where the places do (concat along the result's), the
+        result is the receive buffer. Then the kept chunk travels through the call as well (a
+        copy inside the device) so that side needs no copy at all. Otherwise no bytes go to
+        self: the peers' chunks are packed, received back to back, and copied to their places."""
+        result = self.dense_results.get(t)
+        if result is not None or chunks_back_to_back(wire, split_dim):
+            send = pack_chunks(wire, splits, split_dim, self.workspace, ("send", t))  # a view when back to back
+            out_counts = [numel(chunk_shape(wire.shape, split_dim, n)) for n in splits]
+            in_counts = [places[j].numel() if j in places else 0 for j in range(self.world)]
+            if result is not None:
+                self._all_to_all_single(result.view(-1), send, in_counts, out_counts, {})
+            else:
+                recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
+                self._all_to_all_single(recv, send, in_counts, out_counts, places)
+            return True
         send, out_counts, _ = pack_peer_chunks(wire, splits, split_dim, self.rank, self.workspace, ("send", t),
                                                back_to_back=True)
         in_counts = [0 if j == self.rank or j not in places else places[j].numel() for j in range(self.world)]
         recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
+        self._all_to_all_single(recv, send, in_counts, out_counts, places)
+        return False
+
+    def _all_to_all_single(self, recv, send, in_counts, out_counts, places):
+        """Start the call; arrivals in `places` are copied there from `recv` once it completes."""
         work = self.comm._call("all_to_all_v", self.comm._dist.all_to_all_single, recv, send,
                                output_split_sizes=in_counts, input_split_sizes=out_counts,
                                group=self.comm.group, async_op=True)
         copies = [(recv.narrow(0, offset, n).view(places[j].shape), places[j])
-                  for j, (offset, n) in enumerate(zip(displacements(in_counts), in_counts)) if n]
+                  for j, (offset, n) in enumerate(zip(displacements(in_counts), in_counts)) if n and j in places]
         self.started.append(([work], copies))
 
 

@@ -119,6 +119,12 @@ def displacements(counts: Sequence[int]) -> list[int]:
     return out
 
 
+def chunks_back_to_back(tensor: torch.Tensor, dim: int) -> bool:
+    """Whether `tensor`'s chunks along `dim` lie back to back in its memory, in order (dense,
+    and `dim` is its outermost dim of more than one element)."""
+    return tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim])
+
+
 def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
                 workspace: dict | None = None, key=None) -> torch.Tensor:
     """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer.
@@ -126,7 +132,7 @@ def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
     One copy at most: each chunk is copied straight into its slot of the buffer (new, or
     `workspace[key]`, see `scratch`); none when the chunks already lie back to back in memory.
     """
-    if tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+    if chunks_back_to_back(tensor, dim):
         return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
     flat = scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device)
     offset = 0
@@ -147,7 +153,7 @@ def pack_peer_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int, rank:
     the peers' chunks are always packed without that gap (for a call that takes counts but no
     displacements, as torch.distributed's all_to_all_single)."""
     counts = [numel(chunk_shape(tensor.shape, dim, n)) for n in sizes]
-    if not back_to_back and tensor.is_contiguous() and all(s == 1 for s in tensor.shape[:dim]):
+    if not back_to_back and chunks_back_to_back(tensor, dim):
         displs = displacements(counts)
         counts[rank] = 0
         return tensor.view(-1), counts, displs
