@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
+from comfy.multidevice.comm.types import displacements  # noqa: E402
 from comfy.multidevice.sp.cost_model import (DiTShape, final_layer_traffic, h3_targets,  # noqa: E402
                                              hidden_gather_traffic)
 from comfy.multidevice.sp.plan import shard_sizes  # noqa: E402
@@ -117,7 +118,7 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
             dist.all_gather_into_tensor(out, send)
 
     peers = [(rank + step) % world for step in range(1, world)]  # ring order
-    offsets = [sum(sizes[:j]) for j in range(world)]
+    offsets = displacements(sizes)
 
     def raw_p2p_allgather():  # the same dense bytes by isend/irecv straight into place
         works = [dist.irecv(out[offsets[j]:offsets[j] + sizes[j]], j, tag=i)

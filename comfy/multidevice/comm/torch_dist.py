@@ -355,12 +355,12 @@ class DistributedComm:
             works.append(_start_point_to_point(self, "exchange", [
                 ("recv", g.part(src), src, tag) for src in range(self.world_size)
                 if src != self.rank and g.counts[src]]))
+        peers = _ring_peers(self.rank, self.world_size)
         for tag, g in enumerate(gathers):
             if not g.counts[self.rank]:
                 continue  # every rank skips the same empty shards
             moved = g.tensor.movedim(g.dim, 0)
             own = g.part(self.rank).view(moved.shape).copy_(moved)
-            peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
             works[tag] += _start_point_to_point(self, "exchange", [("send", own, dst, tag) for dst in peers])
         return works
 
@@ -405,6 +405,11 @@ class _Gather:
 
     def part(self, rank: int) -> torch.Tensor:
         return self.flat.narrow(0, self.displs[rank], self.counts[rank])
+
+
+def _ring_peers(rank: int, world: int) -> list[int]:
+    """Every other rank, starting after `rank`: each rank serves a different peer first."""
+    return [(rank + step) % world for step in range(1, world)]
 
 
 # Each collective's point-to-point tags in their own range: after a shard plan is verified no
@@ -470,8 +475,7 @@ class _AllToAllTransfers:
         offsets = displacements(splits)
         chunks = [wire.narrow(split_dim, offsets[j], splits[j]) for j in range(self.world)]
         if self.point_to_point:
-            for step in range(1, self.world):  # ring order: each rank serves a different peer first
-                dst = (self.rank + step) % self.world
+            for dst in _ring_peers(self.rank, self.world):
                 if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
                     self._start([("send", self._dense(("send", t, dst), chunks[dst]), dst, t)], [])
         elif self._collective(t, wire, splits, split_dim, places):
