@@ -458,8 +458,7 @@ class _AllToAllTransfers:
         kept = [src for src, n in enumerate(sizes) if n]
         if not kept:  # nothing comes from anyone: the concat of the empty chunks
             return torch.cat([like.new_empty(s) for s in shapes], dim=cat_dim), {}
-        shape = list(shapes[kept[0]])
-        shape[cat_dim] = sum(sizes)
+        shape = chunk_shape(shapes[kept[0]], cat_dim, sum(sizes))
         result = scratch(self.workspace, ("out", t), numel(shape), like.dtype, like.device).view(shape)
         places = dict(zip(kept, result.split([sizes[src] for src in kept], cat_dim)))
         if chunks_back_to_back(result, cat_dim):  # the places, in source order, are the result itself

@@ -64,15 +64,7 @@ def planned_metas(tensors: Sequence[torch.Tensor], dims: Sequence[int], shard_si
                 f"exchange: rank {rank}'s tensor of shape {tuple(t.shape)} has {t.shape[dim]} rows "
                 f"along dim {dim}, but shard_sizes {sizes} gives it {sizes[rank]}; pass the shard "
                 "plan the tensors were cut by")
-    out = []
-    for n in sizes:
-        metas = []
-        for t, dim in zip(tensors, dims):
-            shape = list(t.shape)
-            shape[dim] = n
-            metas.append(ShardMeta(tuple(shape), t.dtype))
-        out.append(metas)
-    return out
+    return [[ShardMeta(chunk_shape(t.shape, dim, n), t.dtype) for t, dim in zip(tensors, dims)] for n in sizes]
 
 
 def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Sequence[int]) -> None:
