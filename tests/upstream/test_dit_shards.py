@@ -1,8 +1,10 @@
 """dit_weights="shard" on upstream's own MiniMax-H3: a tiny H3 file loaded by
 `comfy.sd.load_diffusion_model`, sampled by `comfy.sample.sample` through the node's DiT role
 with every card (card 0 included) holding 1/W of the block weights. Compared with the same
-role and `replicate`: bit-identical (torch.equal), with and without a LoRA loaded before the
-node by upstream's `comfy.sd.load_lora_for_models`.
+role and `replicate`, with and without a LoRA loaded before the node by upstream's
+`comfy.sd.load_lora_for_models`: within fp32 rounding through the node's path on CPU ranks
+(`like_replicate` says why not bit for bit), bit for bit where both modes compute on the same
+operand layouts (`test_quantized_block_weights_travel_whole_and_stay_bit_identical`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.roles.plan import RolePlanError
+from tests.sp_cases import rel_diff
+from tests.upstream.test_h3_dit import FP32_TOL
 from tests.upstream.test_lora import lora, with_lora  # noqa: F401  (fixture)
 from tests.upstream.test_sampling import patcher, sample, tiny_file  # noqa: F401  (fixtures)
 
@@ -29,12 +33,36 @@ def _needs_the_hook(upstream):
 
 
 def identical(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def misaligned_block_tensors(module) -> list[str]:
+    """The block tensors (inner tensors of a QuantizedTensor included) not on a 64-byte line."""
+    from comfy.multidevice.weights.block_shards import _leaves, block_tensors
+    return [f"{i}.{name}" for i, block in enumerate(module.blocks) for name, t in block_tensors(block).items()
+            if any(leaf.numel() and leaf.data_ptr() % 64 for leaf in _leaves(t))]
+
+
+def like_replicate(out, reference) -> bool:
+    """`shard` (or `replicate` set up another way) against `replicate` through the node's MODEL
+    path on CPU ranks: within fp32 rounding (FP32_TOL of max |reference|, as SP against one
+    card), not bit for bit. Why: the gathered tensors are the owners' bytes (checked byte for
+    byte below and in tests/weights/test_block_shards.py), but the two modes compute on operands
+    at other addresses. Under `replicate` card 0 computes with ComfyUI's own copy of each weight
+    (an allocator block: 64-byte aligned) and cards 1..W-1 with views of the mapped file (where
+    the file put each tensor: in the tiny file 56 bytes into a 64-byte line); under `shard`
+    every card computes with views of the file and gathered copies (64-byte aligned). Some CPU
+    kernels choose their summation order by operand alignment: MKL's one-row GEMV on AVX-512
+    (the adaLN projection of the timestep, M = 1) sums differently when the weight is not
+    16-byte aligned, so the same values can round differently in the last bits (measured on an
+    AVX-512 EPYC: at most 2.5e-7 of max |reference|). On cards every operand is an allocator block in both
+    modes."""
+    return len(out) == len(reference) and rel_diff(out, reference) <= FP32_TOL
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("with_a_lora", [False, True])
-def test_shard_samples_exactly_like_replicate(patcher, lora, world, with_a_lora):  # noqa: F811
+def test_shard_samples_like_replicate(patcher, lora, world, with_a_lora):  # noqa: F811
     model = with_lora(patcher, lora) if with_a_lora else patcher
     coord, replicated = node_dit(model, world, "replicate")
     with coord:
@@ -48,7 +76,7 @@ def test_shard_samples_exactly_like_replicate(patcher, lora, world, with_a_lora)
         resident = [sum(t.nbytes for t in shards.module(r).state_dict().values()) for r in range(world)]
         gathered = shards.family.gathered_bytes
         shards.family.close()
-    assert identical(out, reference)
+    assert like_replicate(out, reference)
     blocks = sum(t.nbytes for n, t in patcher.model.diffusion_model.state_dict().items() if n.startswith("blocks."))
     assert sum(resident) == world * (full - blocks) + blocks  # every block tensor on exactly one rank
     assert all(g > 0 for g in gathered)
@@ -77,10 +105,10 @@ def test_a_lora_is_patched_in_comfyuis_lora_compute_dtype(patcher, lora, world, 
     with coord:
         out = sample(sharded)
         sharded.multinpu_dit_shards.family.close()
-    assert identical(out, reference)
+    assert like_replicate(out, reference)
     coord, replicated = node_dit(with_lora(patcher, lora), world, "replicate")  # cards 1..W-1 from the base
     with coord:
-        assert identical(sample(replicated), reference)
+        assert like_replicate(sample(replicated), reference)
         assert replicated.multinpu_dit_replicas.uses_base()
 
 
@@ -95,7 +123,10 @@ def test_a_lora_added_after_the_node_is_refused(patcher, lora):  # noqa: F811
 def test_quantized_block_weights_travel_whole_and_stay_bit_identical(upstream, tmp_path, fmt, world):
     """A file quantized by upstream's own layouts, loaded by comfy.sd: its block linears hold
     QuantizedTensors. Sharded, they are gathered as their inner tensors and rebuilt, and the
-    forward equals `replicate` over the same loaded weights bit for bit."""
+    forward equals `replicate` over the same loaded weights bit for bit. That is structural here:
+    every rank's module is a copy (`replica_on`: allocator blocks) and the gathered tensors sit
+    in 64-byte-aligned slots, so both modes run the same kernels on equally aligned operands
+    (the precondition is asserted; `like_replicate` says what differs through the file base)."""
     from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
     from comfy.multidevice.weights.replicas import replica_on
     from tests.upstream.test_h3_dit import inputs
@@ -107,6 +138,7 @@ def test_quantized_block_weights_travel_whole_and_stay_bit_identical(upstream, t
     outs = {}
     for mode in ("replicate", "shard"):
         models = [replica_on(dit, "cpu") for _ in range(world)]  # the node's copy path for such files
+        assert all(misaligned_block_tensors(m) == [] for m in models)
         with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
             sp = enable_sequence_parallel(models, coord, dit_weights=mode)
             with torch.inference_mode():
@@ -140,11 +172,12 @@ class SimpleVAE:
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("node_in_inference_mode", [True, False])
-def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world,
+def test_shard_with_a_quantized_file_samples_like_replicate(upstream, tmp_path, fmt, world,
                                                                    node_in_inference_mode):
     """The node's MODEL path (comfy.sd's loader, comfy.sample.sample) with a DiT file made by
     upstream's own quantizers: every card's shard is built from the shared base with the
-    quantized layers as QuantizedTensors, and the latents equal `replicate`'s bit for bit.
+    quantized layers as QuantizedTensors, and the latents equal `replicate`'s within fp32
+    rounding (`like_replicate`).
     The file is loaded in inference mode, as ComfyUI runs its loaders; the node is set up in it
     too (a prompt) or outside it (a script): the shards follow the loaded weights' mode, which
     ComfyUI's move of card 0's shard needs for quantized layers."""
@@ -163,7 +196,7 @@ def test_shard_with_a_quantized_file_samples_exactly_like_replicate(upstream, tm
         kept = [type(shards.module(r).blocks[0].attn.qkv_proj.weight).__name__ for r in range(world)]
         gathered = shards.family.gathered_bytes
         shards.family.close()
-    assert identical(out, reference)
+    assert like_replicate(out, reference)
     assert all(g > 0 for g in gathered)
     # the layer that owns blocks.0's qkv weight holds it quantized; on the others it is released
     assert "QuantizedTensor" in kept
@@ -194,7 +227,7 @@ QUANTIZED_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"]
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_shard_with_a_lora_on_a_quantized_file_samples_exactly_like_replicate(upstream, tmp_path, fmt, world,
+def test_shard_with_a_lora_on_a_quantized_file_samples_like_replicate(upstream, tmp_path, fmt, world,
                                                                             monkeypatch):
     check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, world, monkeypatch)
 
@@ -213,8 +246,8 @@ def check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, world, monkeypatch
     keeps it, with ComfyUI's patch_weight_to_device (dequantize, patch, requantize with the
     key's seeded rounding); the reference is `replicate` with the same LoRA after the node, where
     every rank runs a copy of card 0's weights as ComfyUI itself loaded and patched them. The
-    latents are bit-identical, every kept quantized tensor equals ComfyUI's patched one byte for
-    byte, and the base stays unpatched."""
+    latents agree within fp32 rounding (`like_replicate`), every kept quantized tensor equals
+    ComfyUI's patched one byte for byte, and the base stays unpatched."""
     import comfy.model_management
     from tests.upstream.test_quantized_files import convrot_state_dict, load, quantized_state_dict
     state = convrot_state_dict("int8") if fmt == "convrot_int8" else quantized_state_dict(upstream, fmt)
@@ -253,7 +286,7 @@ def check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, world, monkeypatch
                     kept.setdefault(name, []).append(layer_tensors(layer))
         base = shards.replicas[0].base
         shards.family.close()
-    assert identical(out, reference)
+    assert like_replicate(out, reference)
     assert sorted(kept) == sorted(loaded) and all(len(v) == 1 for v in kept.values())  # one owner each
     for name, (tensors,) in kept.items():
         assert len(tensors) == len(loaded[name]) and all(torch.equal(a, b) for a, b in zip(tensors, loaded[name])), name
@@ -261,9 +294,9 @@ def check_a_lora_on_a_quantized_file(upstream, tmp_path, fmt, world, monkeypatch
     for name in state:
         if name.startswith("blocks.") and not name.endswith("comfy_quant"):
             assert torch.equal(base[name], state[name]), name
-    assert not identical(out, sample(model))  # the LoRA acts
+    assert rel_diff(out, sample(model)) > 1e-3  # the LoRA acts (far beyond any rounding)
     # replicate with the LoRA before the node now builds cards 1..W-1 from the base the same way
     coord, replicated = node_dit(with_lora(model, turbo), world, "replicate")
     with coord:
-        assert identical(sample(replicated), reference)
+        assert like_replicate(sample(replicated), reference)
         assert replicated.multinpu_dit_replicas.uses_base()

@@ -397,13 +397,14 @@ def test_sharded_dit_two_prompts_with_an_eviction_between_read_nothing_from_disk
     """dit_weights=shard: the shards of cards 1..W-1 are the MODEL's additional models (card 0's
     shard is the MODEL itself), loaded by ComfyUI with it, evicted by unload_all_models and by
     free_memory on their card, and brought back from RAM by the next prompt: 0 bytes from disk,
-    latents bit-identical to the first prompt's and to replicate's. Loaded as bf16 the shard
+    latents bit-identical to the first prompt's (the same bytes at the same places) and within
+    fp32 rounding of replicate's (test_dit_shards.like_replicate says why). Loaded as bf16 the shard
     holds its own copies of its tensors, so the eviction frees a measurable amount."""
     import comfy.model_management as mm
     import comfy.sd
     from comfy.multidevice.roles.model_management import ADDITIONAL_MODELS_KEY
     from comfy.multidevice.weights.checkpoint import shared_checkpoint_sources, total_bytes_read
-    from tests.upstream.test_dit_shards import node_dit as node_dit_with
+    from tests.upstream.test_dit_shards import like_replicate, node_dit as node_dit_with
 
     model = comfy.sd.load_diffusion_model(str(h3_file), model_options={} if dtype is None else {"dtype": dtype})
     coord, replicated = node_dit_with(model, world, "replicate")
@@ -443,4 +444,4 @@ def test_sharded_dit_two_prompts_with_an_eviction_between_read_nothing_from_disk
         assert total_bytes_read() == before
         assert all(torch.equal(a, b) for a, b in zip(first, third))
         shards.family.close()
-    assert all(torch.equal(a, b) for a, b in zip(first, reference))
+    assert like_replicate(first, reference)

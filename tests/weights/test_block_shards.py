@@ -1,8 +1,13 @@
 """Sharded DiT block weights (`dit_weights="shard"`) against full replicas of the same model.
 
 Tolerance: none. `shard` runs the same sequence-parallel computation as `replicate` with the
-same tensors (gathered byte for byte from their owners), so the outputs must be bit-identical
-(`torch.equal`), at W 2/3/4, fp32 and bf16, with and without prefetch, and with a LoRA.
+same tensors (gathered byte for byte from their owners) on equally aligned operands: here every
+rank's weights are allocator blocks or a base packed on 64-byte lines, and a gathered tensor
+sits in a 64-byte-aligned slot of the block's buffer (asserted: `all_on_64_byte_lines`). So the
+same kernels run on the same layouts and the outputs must be bit-identical (`torch.equal`),
+at W 2/3/4, fp32 and bf16, with and without prefetch, and with a LoRA, on any CPU. (Where the
+two modes' operands sit at other alignments, e.g. views of a file whose tensors are not on
+64-byte lines, some CPU kernels round differently: tests/upstream/test_dit_shards.py.)
 """
 
 from __future__ import annotations
@@ -38,12 +43,26 @@ def identical(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
+def all_on_64_byte_lines(models) -> bool:
+    """Every weight of every rank's module starts on a 64-byte line (the bit-identity premise)."""
+    return all(t.numel() == 0 or t.data_ptr() % 64 == 0 for m in models for t in m.state_dict().values())
+
+
+def gathered_on_64_byte_lines(sp, rank=0, index=0) -> bool:
+    family = sp.block_weights
+    with SequenceParallelCoordinator(["cpu"] * family.world_size, backend="peer", timeout_s=30) as coord:
+        gathered = coord.run(lambda r, comm: family.gather(r, comm, index)[0])[rank]
+    return bool(gathered) and all(t.data_ptr() % 64 == 0 for t in gathered.values())
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shard_is_bit_identical_to_replicate(world, dtype):
     model = tiny_model(dtype, seed=2)
-    ref, _ = run(replicas(model, world), world, "replicate")
+    ranks = replicas(model, world)
+    assert all_on_64_byte_lines(ranks)
+    ref, _ = run(ranks, world, "replicate")
     for prefetch in (True, False):
         out, sp = run(replicas(model, world), world, "shard", prefetch=prefetch)
         assert identical(out, ref), f"W={world} {dtype} prefetch={prefetch}"
@@ -52,6 +71,7 @@ def test_shard_is_bit_identical_to_replicate(world, dtype):
         # every rank received exactly the block bytes it does not own, in every forward
         forwards = 3 * 2
         assert family.gathered_bytes == [forwards * (total - family.resident_bytes(r)) for r in range(world)]
+        assert gathered_on_64_byte_lines(sp)
 
 
 def test_shard_over_the_fake_hccl_backend(use_fake_hccl):
@@ -79,7 +99,9 @@ def test_shard_with_a_lora_on_replicas_from_the_base(world):
         if lora:
             reps.add_patches(deltas, strength=0.8)
         reps.load()
-        return [r.module for r in reps]
+        modules = [r.module for r in reps]
+        assert all_on_64_byte_lines(modules)
+        return modules
 
     plain, _ = run(family(False), world, "replicate", cases=("plain",))
     ref, _ = run(family(True), world, "replicate", cases=("plain",))
