@@ -445,3 +445,21 @@ def test_sharded_dit_two_prompts_with_an_eviction_between_read_nothing_from_disk
         assert all(torch.equal(a, b) for a, b in zip(first, third))
         shards.family.close()
     assert like_replicate(first, reference)
+
+
+def test_a_stand_in_patcher_is_not_registered_where_comfyui_imports(upstream):
+    """In a process that can import ComfyUI (this suite, a script beside a server), a MODEL or
+    CLIP whose patcher is a stand-in with the same methods is not ComfyUI's to manage: nothing
+    is registered on it (the unit suite's fakes, run after this suite in one process, failed
+    here before)."""
+    from comfy.multidevice.roles.model_management import (is_managed_by_comfyui, manage_tensor_parallel_shards,
+                                                          register_with_model)
+
+    class StandIn:
+        def set_additional_models(self, *args):
+            raise AssertionError("a stand-in patcher was registered with ComfyUI")
+        set_model_patch = set_additional_models
+
+    assert not is_managed_by_comfyui(StandIn())
+    assert register_with_model(StandIn(), []) == []
+    assert manage_tensor_parallel_shards(type("Clip", (), {"patcher": StandIn()})()) == []

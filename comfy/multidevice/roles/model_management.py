@@ -138,10 +138,20 @@ def card_patcher(copy: CardCopy):
     return _card_patcher_class()(copy)
 
 
+def is_managed_by_comfyui(patcher) -> bool:
+    """True for upstream's ModelPatcher (subclasses included): what ComfyUI's model management
+    loads and evicts. A stand-in with a patcher's interface (a test's, a script's) has no
+    manager behind it, even in a process where ComfyUI can be imported."""
+    import comfy.model_patcher
+    return isinstance(patcher, comfy.model_patcher.ModelPatcher)
+
+
 def register_with_model(model_patcher, copies: Sequence[CardCopy]) -> list:
     """List `copies` among the MODEL's additional models, as upstream lists its multi-GPU
     clones: ComfyUI loads them with the MODEL at every prompt and may evict them between
-    prompts. Returns their patchers."""
+    prompts. Returns their patchers (none for a MODEL that ComfyUI does not manage)."""
+    if not is_managed_by_comfyui(model_patcher):
+        return []
     patchers = [card_patcher(c) for c in copies]
     model_patcher.set_additional_models(ADDITIONAL_MODELS_KEY, patchers)
     return patchers
@@ -228,8 +238,10 @@ def manage_tensor_parallel_shards(clip) -> list:
     encode, counts each on its card and may evict them between encodes (an evicted shard is
     sliced again from the kept decoder, 0 bytes from disk). `clip` must be a CLIP of its own,
     not one sharing its patcher with another CLIP (tensor_parallel_clip makes such a copy).
-    Returns the patchers (ranks 0..W-1)."""
+    Returns the patchers (ranks 0..W-1; none for a CLIP that ComfyUI does not manage)."""
     from comfy.multidevice.tp.clip import language_model_of
+    if not is_managed_by_comfyui(clip.patcher):
+        return []
     decoder = language_model_of(clip)
     patchers = [card_patcher(ShardCopy(decoder, r)) for r in range(decoder.world_size)]
     clip.patcher.set_model_patch(LoadedWith(patchers), ADDITIONAL_MODELS_KEY)
