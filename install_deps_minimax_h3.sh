@@ -32,7 +32,7 @@ that DIR is one (main.py, comfy/, comfy_extras/, custom_nodes/), warns when DIR'
 commit is not the pinned upstream.commit, applies comfy-ui-changes.patch (new files
 only) after `git apply --check`, copies the node pack's example workflows to
 user/default/workflows/minimax-h3/ (an edited workflow is kept, ours goes beside it) and
-additional_files/ (sample inputs to input/minimax-h3/, the service scripts to runtime/),
+additional_files/ (sample inputs to input/, the service scripts to runtime/),
 and records every file it wrote in DIR/.minimax-h3-install.json. Running it again finds
 it installed and changes nothing; running a newer checkout's copy upgrades: the earlier
 install's unedited files are replaced. Every failure leaves DIR as it was.

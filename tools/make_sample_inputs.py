@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Draw the sample input images of the MiniMax-H3 workflows (additional_files/input/minimax-h3/).
+"""Draw the sample input images of the MiniMax-H3 workflows (additional_files/input/minimax_h3_*.png).
 
 Small flat-colour PNGs drawn here with Pillow, so the workflows run out of the box without
 anyone else's pictures. 16:9 at half of 768p; the H3 nodes rescale them to 1344x768.
@@ -16,7 +16,9 @@ from pathlib import Path
 
 from PIL import Image, ImageChops, ImageDraw
 
-OUT_DIR = Path(__file__).resolve().parent.parent / "additional_files" / "input" / "minimax-h3"
+# Top level of input/: upstream's LoadImage lists only the files directly in input/, so a
+# workflow naming a file in a subfolder opens with "Missing Inputs" errors on the canvas.
+OUT_DIR = Path(__file__).resolve().parent.parent / "additional_files" / "input"
 SIZE = (672, 384)
 
 
@@ -72,10 +74,10 @@ def ref_scene() -> Image.Image:
 
 
 SAMPLES = {
-    "first_frame.png": first_frame,
-    "last_frame.png": last_frame,
-    "ref_character.png": ref_character,
-    "ref_scene.png": ref_scene,
+    "minimax_h3_first_frame.png": first_frame,
+    "minimax_h3_last_frame.png": last_frame,
+    "minimax_h3_ref_character.png": ref_character,
+    "minimax_h3_ref_scene.png": ref_scene,
 }
 
 

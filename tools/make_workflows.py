@@ -41,7 +41,8 @@ sys.path.insert(0, str(REPO_DIR))
 WIDTH, HEIGHT, FPS, SECONDS = 1344, 768, 24, 15
 NPU_COUNT = 4
 SEED = 20260101
-SAMPLE_INPUT_DIR = "minimax-h3"  # below ComfyUI's input/ folder
+# Sample images sit at the top of ComfyUI's input/ (its LoadImage lists no subfolders).
+SAMPLE_INPUT_PREFIX = "minimax_h3_"
 
 # --- The MultiNPUParallelConfig interface -------------------------------------------------
 # comfy_extras/nodes_multinpu.py publishes it as plain data (NODE_SCHEMA). This copy is
@@ -383,9 +384,9 @@ def set_prompt(graph: Graph, h3: dict, text: str) -> None:
 
 def set_images(graph: Graph, h3: dict, task: str) -> None:
     if task == "ref2va":
-        names = {"ref_images.ref_image_0": "ref_character.png", "ref_images.ref_image_1": "ref_scene.png"}
+        names = {"ref_images.ref_image_0": "ref_character", "ref_images.ref_image_1": "ref_scene"}
     else:
-        names = {"first_frame": "first_frame.png", "last_frame": "last_frame.png"}
+        names = {"first_frame": "first_frame", "last_frame": "last_frame"}
     loaders = [n for n in graph.of_type("LoadImage")]
     if not loaders:
         raise TemplateChanged("the template has no LoadImage node")
@@ -398,7 +399,7 @@ def set_images(graph: Graph, h3: dict, task: str) -> None:
             graph.connect(node, 0, h3, input_name)
         else:
             node = graph.nodes[link.origin]
-        set_widget(node, "image", f"{SAMPLE_INPUT_DIR}/{file_name}")
+        set_widget(node, "image", f"{SAMPLE_INPUT_PREFIX}{file_name}.png")
 
 
 def insert_parallel_node(graph: Graph) -> dict:
@@ -438,26 +439,60 @@ def insert_parallel_node(graph: Graph) -> dict:
                 if target["type"] not in LOADER_TYPES:
                     graph.connect(node, out_slot, target, target["inputs"][link.target_slot]["name"])
         graph.connect(source, 0, node, socket["name"])
-    _grow_group_around(graph, loaders, node)
+    group = next((g for g in graph.groups if all(_holds(g, n["pos"]) for n in loaders)), None)
+    moved = _make_room_below(graph, node)  # before the group grows: membership by old place
+    if group is not None:
+        _grow_group_around(graph, group, [node] + [n for n, old in moved if _holds(group, old)])
     return node
 
 
 GROUP_MARGIN = 40  # pixels between a node and its group's edge
+TITLE_HEIGHT = 40  # the canvas draws a node's title bar above its `pos`
+MIN_HEIGHT = 60    # a node stored with height 0 is laid out by the frontend at about this
 
 
-def _grow_group_around(graph: "Graph", members: list[dict], node: dict) -> None:
-    """Put the node inside the group that holds the loaders (the templates' "Models" group):
-    its bounding box grows down and out to cover the node, and a group right below it (with
-    its nodes) moves down by as much, so no two groups overlap. No group holds them: nothing."""
-    def holds(group, n):
-        x, y, w, h = group["bounding"]
-        return x <= n["pos"][0] <= x + w and y <= n["pos"][1] <= y + h
-    group = next((g for g in graph.groups if all(holds(g, n) for n in members)), None)
-    if group is None:
-        return
+def node_box(n: dict) -> tuple[float, float, float, float]:
+    """(left, top, right, bottom) of a node as the canvas draws it, title bar included."""
+    x, y = n["pos"]
+    w, h = n["size"]
+    return x, y - TITLE_HEIGHT, x + w, y + max(h, MIN_HEIGHT)
+
+
+def boxes_overlap(a: tuple, b: tuple) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _holds(group: dict, pos) -> bool:
     x, y, w, h = group["bounding"]
-    right = max(x + w, node["pos"][0] + node["size"][0] + GROUP_MARGIN)
-    bottom = max(y + h, node["pos"][1] + node["size"][1] + GROUP_MARGIN)
+    return x <= pos[0] <= x + w and y <= pos[1] <= y + h
+
+
+def _make_room_below(graph: "Graph", node: dict) -> list[tuple[dict, list]]:
+    """Move down every node the new node would cover, and in turn those they would then cover,
+    so no node hides another; [(moved node, its position before)]. Nothing else moves."""
+    moved, pushers = {}, [node]
+    while pushers:
+        pusher = pushers.pop()
+        for other in graph.nodes.values():
+            if other is node or other is pusher or other["pos"][1] < pusher["pos"][1]:
+                continue
+            if boxes_overlap(node_box(pusher), node_box(other)):
+                moved.setdefault(id(other), (other, list(other["pos"])))
+                other["pos"] = [other["pos"][0], node_box(pusher)[3] + GROUP_MARGIN + TITLE_HEIGHT]
+                pushers.append(other)
+    return list(moved.values())
+
+
+def _grow_group_around(graph: "Graph", group: dict, covered: list[dict]) -> None:
+    """Grow the group that holds the loaders (the templates' "Models" group) down and out to
+    cover `covered` (the new node and what moved within the group); a group right below it
+    (with its nodes) moves down by as much, so no two groups overlap."""
+    def holds(g, n):
+        return _holds(g, n["pos"])
+    node = covered[0]
+    x, y, w, h = group["bounding"]
+    right = max([x + w] + [n["pos"][0] + n["size"][0] + GROUP_MARGIN for n in covered])
+    bottom = max([y + h] + [node_box(n)[3] + GROUP_MARGIN for n in covered])
     group["bounding"] = [x, y, right - x, bottom - y]
     grown = bottom - (y + h)
     for other in graph.groups:
