@@ -1,0 +1,158 @@
+"""Tiny MiniMax-H3 model files under the released names, made from upstream's own classes.
+
+Seeded random weights in the small configs of `shrink.py` (the test-only custom
+node makes upstream's loaders build the same configs). Forms, against the released files:
+- the two DiTs: pruned (adaLN curve table instead of the time embedder) with their block
+  linears in comfy-kitchen's ConvRot int8 layout, made by upstream's quantization registry;
+- the text encoder: bf16, where the released file is NVFP4 AWQ (comfy-kitchen's NVFP4 needs a
+  card: it has no CPU kernel to run it);
+- the video VAE: fp32, where the released one is int8 ConvRot (its tiny decoder is narrower
+  than one ConvRot group of 256);
+- the audio VAE: fp32, as released; weights at std 0.1, so it decodes audible noise (at 0.02
+  it decodes near silence and an audio comparison would say nothing);
+- the two Turbo LoRAs: `<module>.lora_up.weight` / `.lora_down.weight` on every block linear.
+
+    python -m tests.e2e.tiny_models COMFYUI_DIR MODELS_DIR     # what the suite does itself
+
+Built at test time into a folder outside the repository; never committed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from tests.e2e.shrink import TEXT_ENCODER, restore_upstream, shrink_upstream
+
+PINS = Path(__file__).resolve().parents[2] / "source_deps_info.json"
+# The tiny DiT: ConvRot quantizes in groups of 256 input features, so the block linears' inputs
+# (hidden, ffn) are 256 wide; text_dim is the tiny text encoder's hidden size.
+DIT = dict(hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attention_heads=16,
+           attention_head_dim=16, ffn_hidden_size=256, text_dim=TEXT_ENCODER["hidden_size"],
+           timestep_input_dim=16, time_embed_hidden_size=256, time_embed_dim=16, rope_inv_freq_len=2,
+           adaln_curve_grid=32)
+LORA_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+LORA_RANK = 4
+
+
+def released_names() -> dict[str, tuple[str, str]]:
+    """role -> (models/ folder, file name), from source_deps_info.json."""
+    files = json.loads(PINS.read_text())["model_files"]["files"]
+    return {f["role"]: (f["folder"], f["file"]) for f in files}
+
+
+def _random_like(state: dict, seed: int, scale: float) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, value in state.items():
+        if not value.is_floating_point():
+            out[name] = value.clone()
+        elif name in ("latents_mean", "latents_std"):
+            out[name] = value.clone()
+        else:
+            out[name] = torch.randn(value.shape, generator=g) * scale + (1.0 if "norm" in name else 0.0)
+    return out
+
+
+def dit_state_dict(seed: int) -> dict:
+    import comfy.ldm.minimax.model as h3
+    import comfy.ops
+    import comfy.quant_ops
+    from comfy_kitchen.tensor.base import get_layout_class
+    shell = h3.MiniMaxH3Model(**DIT, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    layout = get_layout_class(comfy.quant_ops.QUANT_ALGOS["convrot_w4a4"]["comfy_tensor_layout"])
+    conf = json.dumps({"format": "convrot_w4a4", "convrot": True, "convrot_groupsize": 256, "linear_dtype": "int8"})
+    state = {}
+    for name, value in _random_like(shell.state_dict(), seed, 0.05).items():
+        if name.startswith("blocks.") and name.endswith(".weight") and value.dim() == 2 and "adaln" not in name:
+            prefix = name[:-len("weight")]
+            qdata, params = layout.quantize(value, linear_dtype="int8")
+            for suffix, tensor in layout.state_dict_tensors(qdata, params).items():
+                state[f"{prefix}weight{suffix}"] = tensor
+            state[f"{prefix}comfy_quant"] = torch.tensor(list(conf.encode()), dtype=torch.uint8)
+        else:
+            state[name] = value
+    state["rope.inv_freq"] = torch.tensor([1.0, 0.3])
+    return state
+
+
+def text_encoder_state_dict(seed: int) -> dict:
+    import comfy.sd
+    from comfy.text_encoders import minimax
+    target = types.SimpleNamespace(clip=minimax.MiniMaxH3TEModel, tokenizer=minimax.MiniMaxH3Tokenizer, params={})
+    clip = comfy.sd.CLIP(target=target, model_options={"dtype": torch.float32})
+    state = clip.cond_stage_model.qwen3vl_32b.transformer.state_dict()
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _random_like(state, seed, 0.05).items()}
+
+
+def video_vae_state_dict(seed: int) -> dict:
+    from comfy.ldm.minimax import vae
+    return _random_like(vae.MiniMaxH3VideoVAE().state_dict(), seed, 0.1)
+
+
+def audio_vae_state_dict(seed: int) -> dict:
+    from comfy.ldm.minimax import audio_vae
+    return _random_like(audio_vae.MiniMaxH3AudioVAE().state_dict(), seed, 0.1)
+
+
+def lora_state_dict(seed: int) -> dict:
+    """A rank-4 LoRA on every block linear of the tiny DiT (shapes from upstream's own module)."""
+    import comfy.ldm.minimax.model as h3
+    import comfy.ops
+    shell = h3.MiniMaxH3Model(**DIT, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, block in enumerate(shell.blocks):
+        for target in LORA_TARGETS:
+            rows, cols = block.get_submodule(target).weight.shape
+            key = f"diffusion_model.blocks.{i}.{target}"
+            out[f"{key}.lora_up.weight"] = (torch.randn(rows, LORA_RANK, generator=g) * 0.1).to(torch.bfloat16)
+            out[f"{key}.lora_down.weight"] = (torch.randn(LORA_RANK, cols, generator=g) * 0.1).to(torch.bfloat16)
+    return out
+
+
+def make_models(models_dir: Path) -> dict[str, Path]:
+    """Write every tiny file into models_dir/<folder>/<released name>; role -> path.
+
+    Needs upstream ComfyUI importable (COMFYUI_DIR on sys.path, `comfy.cli_args.args.cpu` set)."""
+    import safetensors.torch
+    names = released_names()
+    shrink_upstream()
+    try:
+        states = {"diffusion_model_ref2va": dit_state_dict(1), "diffusion_model_fl2va": dit_state_dict(2)}
+        states["text_encoder"] = text_encoder_state_dict(3)
+        states["video_vae"] = video_vae_state_dict(4)
+        states["audio_vae"] = audio_vae_state_dict(5)
+        states["turbo_lora_ref2va"] = lora_state_dict(6)
+        states["turbo_lora_fl2va"] = lora_state_dict(7)
+    finally:
+        restore_upstream()
+    paths = {}
+    for role, state in states.items():
+        folder, name = names[role]
+        path = models_dir / folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+        paths[role] = path
+    return paths
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__)
+        return 2
+    tree, models = Path(argv[0]).resolve(), Path(argv[1]).resolve()
+    sys.path.append(str(tree))
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = True
+    for role, path in make_models(models).items():
+        print(f"{role}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
