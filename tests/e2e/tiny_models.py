@@ -8,8 +8,10 @@ node makes upstream's loaders build the same configs). Forms, against the releas
   card: it has no CPU kernel to run it);
 - the video VAE: fp32, where the released one is int8 ConvRot (its tiny decoder is narrower
   than one ConvRot group of 256);
-- the audio VAE: fp32, as released; weights at std 0.1, so it decodes audible noise (at 0.02
-  it decodes near silence and an audio comparison would say nothing);
+- the audio VAE: fp32, as released; random weights at std 0.08, its buffers (anti-aliasing
+  filters) as the module computes them and its Snake activations in range, so it decodes
+  audible noise in its linear range (at 0.02 near silence, at 0.1 clipped: either way an audio
+  comparison would say nothing);
 - the two Turbo LoRAs: `<module>.lora_up.weight` / `.lora_down.weight` on every block linear.
 
     python -m tests.e2e.tiny_models COMFYUI_DIR MODELS_DIR     # what the suite does itself
@@ -36,6 +38,7 @@ DIT = dict(hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attent
            timestep_input_dim=16, time_embed_hidden_size=256, time_embed_dim=16, rope_inv_freq_len=2,
            adaln_curve_grid=32)
 LORA_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+AUDIO_SCALE = 0.08  # audible (raw rms ~0.04) and linear; from 0.09 on its tanh output clips
 LORA_RANK = 4
 
 
@@ -46,16 +49,32 @@ def released_names() -> dict[str, tuple[str, str]]:
 
 
 def _random_like(state: dict, seed: int, scale: float) -> dict:
+    """Seeded random floats in the shape of `state` (norm weights around 1); other dtypes kept."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, value in state.items():
-        if not value.is_floating_point():
-            out[name] = value.clone()
-        elif name in ("latents_mean", "latents_std"):
+        if not value.is_floating_point() or name in ("latents_mean", "latents_std"):
             out[name] = value.clone()
         else:
             out[name] = torch.randn(value.shape, generator=g) * scale + (1.0 if "norm" in name else 0.0)
     return out
+
+
+def _random_weights(module: torch.nn.Module, seed: int, scale: float) -> dict:
+    """Seeded random parameters for `module`; its buffers as the module computed them (the audio
+    VAE's anti-aliasing filters, the video VAE's latent statistics). Snake activations get their trained
+    range: upstream's Snake1d divides by alpha (linear scale, kept near 1), SnakeBeta stores
+    alpha and beta in log scale (kept near 0); at random values near 0 the division explodes
+    and the decoder returns clipped noise or NaN."""
+    params = _random_like(dict(module.named_parameters()), seed, scale)
+    g = torch.Generator().manual_seed(seed + 1)
+    for path, sub in module.named_modules():
+        for leaf in ("alpha", "beta"):
+            if isinstance(getattr(sub, leaf, None), torch.nn.Parameter):
+                log_scale = type(sub).__name__ == "SnakeBeta"
+                shape = getattr(sub, leaf).shape
+                params[f"{path}.{leaf}"] = torch.randn(shape, generator=g) * 0.05 + (0.0 if log_scale else 1.0)
+    return {**{k: v.detach().clone() for k, v in module.state_dict().items() if k not in params}, **params}
 
 
 def dit_state_dict(seed: int) -> dict:
@@ -91,12 +110,17 @@ def text_encoder_state_dict(seed: int) -> dict:
 
 def video_vae_state_dict(seed: int) -> dict:
     from comfy.ldm.minimax import vae
-    return _random_like(vae.MiniMaxH3VideoVAE().state_dict(), seed, 0.1)
+    return _random_weights(vae.MiniMaxH3VideoVAE(), seed, 0.1)
 
 
 def audio_vae_state_dict(seed: int) -> dict:
     from comfy.ldm.minimax import audio_vae
-    return _random_like(audio_vae.MiniMaxH3AudioVAE().state_dict(), seed, 0.1)
+    state = _random_weights(audio_vae.MiniMaxH3AudioVAE(), seed, AUDIO_SCALE)
+    # upstream allocates these with torch.empty for the checkpoint to fill: kept as they were,
+    # they are whatever the memory held (at times NaN, and the AAC encoder then refuses the audio)
+    state["latents_mean"] = torch.zeros_like(state["latents_mean"])
+    state["latents_std"] = torch.ones_like(state["latents_std"])
+    return state
 
 
 def lora_state_dict(seed: int) -> dict:
