@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# tests/upstream against real upstream ComfyUI trees, the way a user installs this project.
+# tests/upstream and tests/e2e against real upstream ComfyUI trees, the way a user installs this project.
 #
 #   bash tools/upstream_suite.sh [TREE ...]        TREE: v0.33.0 | newest-h3 (default: both)
 #
 # Per tree: a fresh ComfyUI tree from ../shared/upstream-comfyui (make-tree), a CPU Python for it
 # from that folder's cpu-requirements-<tree>.txt plus this repository's pinned test packages
 # (cached outside the checkout, keyed by what went into it), this project installed into the
-# tree and that Python by install_deps_minimax_h3.sh, then `pytest tests/upstream` with
-# COMFYUI_DIR set. Prints each tree's counts, skip reasons and wall time; exits non-zero when
-# any tree fails (pytest's "no tests collected" included).
+# tree and that Python by install_deps_minimax_h3.sh, then `pytest tests/upstream tests/e2e`
+# with COMFYUI_DIR set (e2e needs Debian's chromium on PATH: .ci/run installs it). Prints each
+# tree's counts, skip reasons and wall time; exits non-zero when any tree fails (pytest's "no
+# tests collected" included).
 #
 # Where ../shared/upstream-comfyui is absent (a clone without the team's shared folder), says
 # so in one line and exits 0: run the suite against your own ComfyUI as the README says
@@ -37,7 +38,7 @@ test_pins() {
     "$BASE_PYTHON" - "$REPO_DIR/source_deps_info.json" <<'PY'
 import json, sys
 test = json.load(open(sys.argv[1]))["python_dependencies"]["test"]
-print("\n".join(f"{name}=={test[name]}" for name in ("pytest", "pytest-timeout", "hypothesis")))
+print("\n".join(f"{name}=={test[name]}" for name in ("pytest", "pytest-timeout", "hypothesis", "playwright")))
 PY
 }
 
@@ -71,7 +72,8 @@ suite_on_tree() {
     if ! bash "$REPO_DIR/install_deps_minimax_h3.sh" --comfyui "$work/ComfyUI" --python "$python" >"$work/install.log" 2>&1; then
         cat "$work/install.log"; say "$tree: FAILED to install the project into the tree"; return 1
     fi
-    (cd "$REPO_DIR" && COMFYUI_DIR="$work/ComfyUI" "$python" -m pytest -q -rs tests/upstream)
+    # tests/e2e drives the real canvas in the system's chromium; here a missing browser fails
+    (cd "$REPO_DIR" && COMFYUI_DIR="$work/ComfyUI" E2E_REQUIRED=1 "$python" -m pytest -q -rs tests/upstream tests/e2e)
     status=$?
     if [ "$status" -eq 5 ]; then
         say "$tree: pytest collected no tests; that is a failure"; status=1
