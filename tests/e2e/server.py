@@ -97,8 +97,11 @@ def start(tree: Path, root: Path) -> Server:
     port = free_port()
     log = root / "comfyui.log"
     with open(log, "w") as out:
+        # --cache-classic: ComfyUI keeps the last prompt's node outputs only. Its default (RAM
+        # pressure caching) keeps every earlier prompt's outputs until RAM runs short, so the
+        # server's RSS would grow with each prompt by design and hide a leak of ours.
         process = subprocess.Popen([sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-                                    "--disable-auto-launch"], cwd=tree, env=env, stdout=out,
+                                    "--disable-auto-launch", "--cache-classic"], cwd=tree, env=env, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", tree, log, process)
     deadline = time.monotonic() + START_TIMEOUT_S
