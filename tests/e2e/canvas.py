@@ -97,6 +97,18 @@ class Canvas:
     def events(self) -> list:
         return self.page.evaluate("window.__events")
 
-    def screenshot(self, path) -> None:
-        self.page.evaluate("() => { app.canvas.ds.scale = 0.5; app.graph.setDirtyCanvas(true, true); }")
+    def screenshot(self, path, around: str = "MultiNPUParallelConfig", scale: float = 0.8) -> None:
+        """The canvas around the first node of type `around`, at a scale where its widgets read."""
+        self.page.evaluate("""([type, scale]) => {
+            const node = app.graph.nodes.find(n => n.type === type);
+            const ds = app.canvas.ds;
+            ds.scale = scale;
+            if (node) {
+                const [w, h] = [app.canvas.canvas.width / scale, app.canvas.canvas.height / scale];
+                ds.offset[0] = -node.pos[0] + w / 2 - node.size[0] / 2;
+                ds.offset[1] = -node.pos[1] + h / 2 - node.size[1] / 2;
+            }
+            app.graph.setDirtyCanvas(true, true);
+        }""", [around, scale])
+        time.sleep(0.5)
         self.page.screenshot(path=str(path))
