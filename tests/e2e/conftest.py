@@ -9,11 +9,13 @@ video and canvas screenshot, and session.json, in DIR.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import canvas, server
+from tests import comfyui_server
+from tests.e2e import canvas
 from tests.upstream.conftest import upstream  # noqa: F401  (fixture: upstream importable, on the CPU)
 
 HERE = Path(__file__).resolve().parent
@@ -52,13 +54,24 @@ def artifacts(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def comfyui(upstream, tmp_path_factory):  # noqa: F811
+    """One server for the session: this project installed, the tiny models under the released
+    names, the test-only node in custom_nodes/. With ComfyUI's classic cache (the last prompt's
+    node outputs only): its default RAM-pressure cache keeps every earlier prompt's outputs
+    until RAM runs short, so the server's RSS would grow with each prompt by design and hide a
+    leak of ours."""
+    from tests.e2e.tiny_models import make_models
     root = tmp_path_factory.mktemp("e2e-server")
-    tree = server.prepare_tree(upstream.tree, root)
-    running = server.start(tree, root)
+    tree = comfyui_server.installed_copy(upstream.tree, root)
+    node = tree / "custom_nodes" / "tiny_loaders"
+    node.mkdir()
+    shutil.copy(HERE / "tiny_loaders" / "__init__.py", node / "__init__.py")
+    shutil.copy(HERE / "shrink.py", node / "shrink.py")
+    make_models(tree / "models")
+    running = comfyui_server.start(tree, root, args=("--cache-classic",))
     try:
         yield running
     finally:
-        server.stop(running)
+        comfyui_server.stop(running)
 
 
 @pytest.fixture(scope="session")

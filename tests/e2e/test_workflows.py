@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.e2e.server import get_json
+from tests.comfyui_server import request
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO / "custom_nodes" / "ComfyUI-MultiNPU" / "example_workflows"
@@ -66,14 +66,17 @@ def workflow(name: str) -> dict:
     return json.loads((WORKFLOWS / f"{name}.json").read_text())
 
 
-def make_small(page, cards: int) -> None:
-    """What a user changes on the canvas to try a workflow quickly on CPU cards."""
+def make_small(page, cards: int, steps: int = STEPS, seed: int | None = None) -> None:
+    """What a user changes on the canvas to try a workflow quickly on CPU cards (`seed`: another
+    noise seed than the workflow's, so that ComfyUI runs the prompt again)."""
     assert page.set_widgets("PrimitiveFloat", {"value": SECONDS}) == 1  # the clip length, in seconds
     h3 = [n["type"] for n in page.nodes() if n["type"] in ("MiniMaxH3ReferenceToVideo", "MiniMaxH3ImageToVideo")]
     assert len(h3) == 1
     page.set_widgets(h3[0], {"width": SIZE, "height": SIZE})
-    assert page.set_widgets("BasicScheduler", {"steps": STEPS}) == 1
+    assert page.set_widgets("BasicScheduler", {"steps": steps}) == 1
     assert page.set_widgets("MultiNPUParallelConfig", {"npu_count": cards, "device_kind": "cpu"}) == 1
+    if seed is not None:
+        assert page.set_widgets("RandomNoise", {"noise_seed": seed}) == 1
 
 
 def run_and_wait(page, comfyui) -> Run:
@@ -84,7 +87,7 @@ def run_and_wait(page, comfyui) -> Run:
         ended = [e for e in events if e[0] in ("execution_success", "execution_error", "execution_interrupted")]
         if ended:
             prompt_id = ended[-1][1]["prompt_id"]
-            history = get_json(f"{comfyui.url}/history/{prompt_id}")[prompt_id]
+            history = request(f"{comfyui.url}/history/{prompt_id}")[1][prompt_id]
             return Run(prompt_id, ended[-1][0], history["outputs"], events, time.monotonic() - start)
         time.sleep(0.25)
     pytest.fail(f"the prompt did not end in {RUN_TIMEOUT_S} s; server log:\n{comfyui.log_text()[-3000:]}")
@@ -133,9 +136,9 @@ def band_difference_db(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return float(db.mean()), float(db.max())
 
 
-def run_small(page, comfyui, name: str, cards: int) -> Run:
+def run_small(page, comfyui, name: str, cards: int, **small) -> Run:
     page.load(workflow(name))
-    make_small(page, cards)
+    make_small(page, cards, **small)
     return run_and_wait(page, comfyui)
 
 

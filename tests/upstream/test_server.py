@@ -11,96 +11,26 @@ node drives are covered with upstream's own classes in the other files of this s
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def request(url, data=None, timeout=10):
-    body = None if data is None else json.dumps(data).encode()
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
-
-
-def fetch_bytes(url, timeout=10) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+from tests import comfyui_server
+from tests.comfyui_server import REPO, fetch_bytes, request
 
 
 @pytest.fixture(scope="module")
 def server(upstream, tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
-    tree = root / "ComfyUI"
-    shutil.copytree(upstream.tree, tree, ignore=shutil.ignore_patterns("__pycache__", ".git"))
-    install = subprocess.run(["bash", str(REPO / "install_deps_minimax_h3.sh"), "--comfyui", str(tree), "--no-deps"],
-                             capture_output=True, text=True, timeout=300)
-    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    tree = comfyui_server.installed_copy(upstream.tree, root)
     assert (tree / "comfy" / "multidevice" / "__init__.py").is_file()
-    # torchvision/torchaudio stand-ins for the server process too, loaded by file path so that
-    # nothing of this repository but what the installer put into the tree is importable there
-    site = root / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('_standins', {str(Path(__file__).with_name('standins.py'))!r})\n"
-        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod); mod.install()\n")
     models = root / "h3-models"
     (models / "diffusion_models").mkdir(parents=True)
     (models / "diffusion_models" / "from_the_variable.safetensors").write_bytes(b"")
-    env = dict(os.environ, MINIMAX_H3_MODELS=str(models))
-    env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    port = free_port()
-    log = open(root / "comfyui.log", "w")
-    proc = subprocess.Popen([sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-                             "--disable-auto-launch"], cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    running = comfyui_server.start(tree, root, env={"MINIMAX_H3_MODELS": str(models)})
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ComfyUI exited with {proc.returncode}:\n{(root / 'comfyui.log').read_text()[-3000:]}")
-            try:
-                if request(f"{base}/system_stats", timeout=2)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError, socket.timeout):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"ComfyUI did not answer in {START_TIMEOUT_S}s:\n{(root / 'comfyui.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield base
+        yield running.url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        comfyui_server.stop(running)
 
 
 def test_the_server_lists_the_node_with_its_schema(server):
