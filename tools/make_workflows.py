@@ -473,12 +473,13 @@ def _make_room_below(graph: "Graph", node: dict) -> list[tuple[dict, list]]:
     moved, pushers = {}, [node]
     while pushers:
         pusher = pushers.pop()
+        box = node_box(pusher)  # a pusher does not move while it pushes
         for other in graph.nodes.values():
             if other is node or other is pusher or other["pos"][1] < pusher["pos"][1]:
                 continue
-            if boxes_overlap(node_box(pusher), node_box(other)):
+            if boxes_overlap(box, node_box(other)):
                 moved.setdefault(id(other), (other, list(other["pos"])))
-                other["pos"] = [other["pos"][0], node_box(pusher)[3] + GROUP_MARGIN + TITLE_HEIGHT]
+                other["pos"] = [other["pos"][0], box[3] + GROUP_MARGIN + TITLE_HEIGHT]
                 pushers.append(other)
     return list(moved.values())
 
@@ -487,8 +488,6 @@ def _grow_group_around(graph: "Graph", group: dict, covered: list[dict]) -> None
     """Grow the group that holds the loaders (the templates' "Models" group) down and out to
     cover `covered` (the new node and what moved within the group); a group right below it
     (with its nodes) moves down by as much, so no two groups overlap."""
-    def holds(g, n):
-        return _holds(g, n["pos"])
     node = covered[0]
     x, y, w, h = group["bounding"]
     right = max([x + w] + [n["pos"][0] + n["size"][0] + GROUP_MARGIN for n in covered])
@@ -500,7 +499,7 @@ def _grow_group_around(graph: "Graph", group: dict, covered: list[dict]) -> None
         if other is group or oy < y + h or ox >= right or ox + ow <= x or grown <= 0:
             continue
         for n in graph.nodes.values():
-            if n is not node and holds(other, n):
+            if n is not node and _holds(other, n["pos"]):
                 n["pos"] = [n["pos"][0], n["pos"][1] + grown]
         other["bounding"] = [ox, oy + grown, ow, oh]
 

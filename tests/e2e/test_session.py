@@ -10,7 +10,7 @@ fill) the server must not grow: RSS within 5 % of the first round's largest (a p
 of the cards' copies, ~10 MB a prompt with these files, would add up over the seven prompts
 after it), no more threads or file descriptors than then (a coordinator or rank thread left
 behind would show), and no byte read from disk again. The server runs with ComfyUI's classic
-cache (server.py says why). session.json in the artifacts folder has every figure.
+cache (conftest.py's `comfyui` says why). session.json in the artifacts folder has every figure.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tests.e2e.test_workflows import CARDS, make_small, read_video, run_and_wait, saved_video, workflow
+from tests.e2e.test_workflows import CARDS, make_small, read_video, run_and_wait, run_small, saved_video, workflow
 
 # the six workflows once (the first round: every model and model + LoRA pair loaded), then again
 PLAN = ["ref2va_8steps_lora", "fl2va_8steps_lora", "ref2va_21steps", "fl2va_21steps", "ref2va_50steps",
@@ -38,15 +38,6 @@ def measure(pid: int) -> dict:
     io = p.io_counters()
     return {"rss_mb": p.memory_info().rss / 2**20, "threads": p.num_threads(), "fds": p.num_fds(),
             "read_bytes": io.read_bytes, "read_chars": io.read_chars}
-
-
-def prompt(page, comfyui, name: str, seed: int, cards: int = CARDS, steps: int | None = None):
-    page.load(workflow(name))
-    make_small(page, cards)
-    page.set_widgets("RandomNoise", {"noise_seed": seed})  # a new prompt: ComfyUI reruns it
-    if steps is not None:
-        page.set_widgets("BasicScheduler", {"steps": steps})
-    return run_and_wait(page, comfyui)
 
 
 def interrupt_when_sampling(page, comfyui, timeout_s: float = 120) -> None:
@@ -67,7 +58,7 @@ def test_a_session_of_ten_prompts_a_cancel_and_a_refusal(page, comfyui, upstream
         pytest.skip("this ComfyUI refuses sequence parallel: test_workflows checks the refusal and one card")
     records = []
     for i, name in enumerate(PLAN):
-        run = prompt(page, comfyui, name, seed=1000 + i)
+        run = run_small(page, comfyui, name, CARDS, seed=1000 + i)
         assert run.status == "execution_success", (name, run.error(), comfyui.log_text()[-3000:])
         records.append({"prompt": i, "workflow": name, "seconds": round(run.seconds, 2), "outcome": run.status,
                         **measure(comfyui.pid)})
@@ -78,14 +69,12 @@ def test_a_session_of_ten_prompts_a_cancel_and_a_refusal(page, comfyui, upstream
     # and audio going into the encoders, and so the file's decoded frames, are equal). The
     # cancelled prompt differs from the clean one only in plan_tokens (the memory plan's
     # estimate, no effect on the result), so ComfyUI runs it instead of taking its cache.
-    clean = prompt(page, comfyui, "ref2va_8steps_lora", seed=77, steps=CANCEL_STEPS)
+    clean = run_small(page, comfyui, "ref2va_8steps_lora", CARDS, steps=CANCEL_STEPS, seed=77)
     assert clean.status == "execution_success", clean.error()
 
     def cancelled_prompt():
         page.load(workflow("ref2va_8steps_lora"))
-        make_small(page, CARDS)
-        page.set_widgets("RandomNoise", {"noise_seed": 77})
-        page.set_widgets("BasicScheduler", {"steps": CANCEL_STEPS})
+        make_small(page, CARDS, steps=CANCEL_STEPS, seed=77)
         page.set_widgets("MultiNPUParallelConfig", {"plan_tokens": 50_000})
 
     cancelled_prompt()
@@ -111,16 +100,15 @@ def test_a_session_of_ten_prompts_a_cancel_and_a_refusal(page, comfyui, upstream
     # More cards than there are: device_kind auto finds no accelerator here; the page shows the
     # node's message naming the fix, and the next prompt runs
     page.load(workflow("fl2va_8steps_lora"))
-    make_small(page, CARDS)
+    make_small(page, CARDS, seed=99)
     page.set_widgets("MultiNPUParallelConfig", {"npu_count": 8, "device_kind": "auto"})
-    page.set_widgets("RandomNoise", {"noise_seed": 99})
     refused = run_and_wait(page, comfyui)
     assert refused.status == "execution_error"
     message = refused.error().get("exception_message", "")
     assert "8" in message and "card" in message, message
     assert message.splitlines()[0][:40] in page.shown_error(), "the page does not show the node's message"
     page.page.keyboard.press("Escape")
-    after = prompt(page, comfyui, "fl2va_8steps_lora", seed=100)
+    after = run_small(page, comfyui, "fl2va_8steps_lora", CARDS, seed=100)
     assert after.status == "execution_success", after.error()
     records.append({"prompt": len(records), "workflow": "fl2va_8steps_lora (npu_count 8 refused, then run)",
                     "outcome": after.status, "refusal": message[:300], **measure(comfyui.pid)})

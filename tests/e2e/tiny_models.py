@@ -53,7 +53,7 @@ def _random_like(state: dict, seed: int, scale: float) -> dict:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, value in state.items():
-        if not value.is_floating_point() or name in ("latents_mean", "latents_std"):
+        if not value.is_floating_point():
             out[name] = value.clone()
         else:
             out[name] = torch.randn(value.shape, generator=g) * scale + (1.0 if "norm" in name else 0.0)
