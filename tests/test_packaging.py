@@ -29,7 +29,7 @@ import make_workflows  # noqa: E402
 
 RUN_TIMEOUT_S = 120
 PINS = json.loads((REPO / "source_deps_info.json").read_text())
-WORKFLOW_DIR = REPO / "custom_nodes" / "ComfyUI-MultiNPU" / "example_workflows"
+WORKFLOW_DIR = REPO / "example_workflows"
 WORKFLOW_NAMES = ("ref2va_8steps_lora", "fl2va_8steps_lora", "ref2va_21steps", "fl2va_21steps",
                   "ref2va_50steps", "fl2va_50steps")
 LOADER_FOLDERS = {"UNETLoader": ("unet_name", "diffusion_models"),
@@ -584,31 +584,32 @@ def test_model_files_match_the_workflows_loaders():
         assert set(entry["used_by"]) == used.get(file_name, set()), file_name
 
 
-def _load_shim(monkeypatch, environ):
-    """The node pack's loader shim, imported with a stand-in for ComfyUI's folder_paths."""
+def _load_shim(monkeypatch, environ, input_dir):
+    """The node pack's loader, imported with a stand-in for ComfyUI's folder_paths."""
     import importlib.util
     import types
     added = []
     fake = types.ModuleType("folder_paths")
     fake.add_model_folder_path = lambda folder, path, is_default=False: added.append((folder, path))
+    fake.get_input_directory = lambda: str(input_dir)
     monkeypatch.setitem(sys.modules, "folder_paths", fake)
     for key in ("MINIMAX_H3_MODELS",):
         monkeypatch.delenv(key, raising=False)
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
     spec = importlib.util.spec_from_file_location("multinpu_shim_under_test",
-                                                  REPO / "custom_nodes/ComfyUI-MultiNPU/__init__.py")
+                                                  REPO / "__init__.py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     return added
 
 
 def test_model_folders_from_the_variable_and_nothing_without_it(monkeypatch, tmp_path):
     folders = {f["folder"] for f in PINS["model_files"]["files"]}
-    added = _load_shim(monkeypatch, {"MINIMAX_H3_MODELS": str(tmp_path / "models")})
+    added = _load_shim(monkeypatch, {"MINIMAX_H3_MODELS": str(tmp_path / "models")}, tmp_path / "input")
     assert {folder for folder, _ in added} == folders  # every folder the H3 files use
     assert all(path == str(tmp_path / "models" / folder) for folder, path in added)
-    assert _load_shim(monkeypatch, {}) == []  # unset: ComfyUI's own models/<folder>/, no literal path
-    assert _load_shim(monkeypatch, {"MINIMAX_H3_MODELS": ""}) == []
+    assert _load_shim(monkeypatch, {}, tmp_path / "input") == []  # unset: ComfyUI's own models/<folder>/, no literal path
+    assert _load_shim(monkeypatch, {"MINIMAX_H3_MODELS": ""}, tmp_path / "input") == []
     assert "MINIMAX_H3_MODELS" in (REPO / "additional_files/runtime/restart-v1.sh").read_text()
 
 
@@ -827,7 +828,7 @@ def test_the_node_sits_inside_the_workflows_models_group(name):
 
 # ----------------------------------------------------------------------------- the node pack
 
-PACK_DIR = REPO / "custom_nodes" / "ComfyUI-MultiNPU"
+PACK_DIR = REPO  # the repository root is the node pack (the patch puts it in custom_nodes/ComfyUI-MultiNPU/)
 
 
 def pack_project() -> dict:
@@ -851,7 +852,8 @@ def test_the_packs_pyproject_follows_the_registrys_rules():
 def test_the_whole_project_and_the_pack_carry_the_same_gpl3_license():
     text = (REPO / "LICENSE").read_text(encoding="utf-8")
     assert text.lstrip().startswith("GNU GENERAL PUBLIC LICENSE") and "Version 3, 29 June 2007" in text
-    assert (PACK_DIR / "LICENSE").read_bytes() == (REPO / "LICENSE").read_bytes()
+    overlay = committed_overlay(REPO)  # the patch's copy of the pack carries it too
+    assert overlay["custom_nodes/ComfyUI-MultiNPU/LICENSE"][0] == (REPO / "LICENSE").read_bytes()
 
 
 def test_the_help_page_is_where_web_directory_serves_it_and_names_every_input_and_output():

@@ -9,8 +9,9 @@ Called by `install_deps_minimax_h3.sh --comfyui DIR [--uninstall]`; usable on it
 
 What it installs:
 - comfy-ui-changes.patch (new files only) through `git apply`, after `git apply --check`: the
-  package comfy/multidevice/, the node and the node pack custom_nodes/ComfyUI-MultiNPU/ (with
-  its example_workflows/, which ComfyUI's Templates browser lists);
+  package comfy/multidevice/, the node and the node pack (the repository root's pack files)
+  as custom_nodes/ComfyUI-MultiNPU/ (with its example_workflows/, which ComfyUI's Templates
+  browser lists);
 - the pack's workflows again into DIR/user/default/workflows/minimax-h3/ (ComfyUI versions
   without that browser; a workflow the user saved over ours is kept, ours goes beside it),
   additional_files/: sample inputs into DIR/input/, the service scripts into DIR/runtime/.
@@ -44,11 +45,12 @@ EXTRA_DESTINATIONS = {
     "input": Path("input"),
     "runtime": Path("runtime"),
 }
-# The workflows live in the node pack (ComfyUI's Templates browser lists its example_workflows/);
+# The workflows live in the node pack at the repository root (ComfyUI's Templates browser lists
+# its example_workflows/);
 # they are copied too where ComfyUI versions without that browser look: the default user's
 # folder. A workflow the user saved over ours (Ctrl+S) is theirs: kept, and this version of
 # ours goes beside it under a name that carries its content hash.
-PACK_WORKFLOWS = Path("custom_nodes/ComfyUI-MultiNPU/example_workflows")
+PACK_WORKFLOWS = Path("example_workflows")
 WORKFLOWS_DIR = Path("user/default/workflows")
 WORKFLOWS_TARGET = WORKFLOWS_DIR / "minimax-h3"
 # What an install wrote, with content hashes: an upgrade replaces exactly the earlier install's

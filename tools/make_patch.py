@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Generate comfy-ui-changes.patch: every overlay file as a purely additive "new file" hunk.
 
-The overlay is what lands in a ComfyUI checkout at the same path: the files git tracks under
-comfy/, comfy_extras/, custom_nodes/, plus minimax_h3_parallel.py. All of them are read from
+The overlay is what lands in a ComfyUI checkout: the files git tracks under comfy/ and
+comfy_extras/, plus minimax_h3_parallel.py, at the same path, and the node pack at the
+repository root (__init__.py, pyproject.toml, LICENSE, example_workflows/, web/) under
+custom_nodes/ComfyUI-MultiNPU/: one copy of each file in the repository, whichever way it is
+installed (cloned into custom_nodes/, or patched into ComfyUI). All of them are read from
 ONE commit (HEAD unless --rev says otherwise), never from the working tree, so the patch
 always matches something that was committed, even while files are being edited.
 
@@ -25,7 +28,10 @@ from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 PATCH_NAME = "comfy-ui-changes.patch"
-OVERLAY_PATHSPECS = ("comfy", "comfy_extras", "custom_nodes", "minimax_h3_parallel.py")
+OVERLAY_PATHSPECS = ("comfy", "comfy_extras", "minimax_h3_parallel.py")
+# The node pack: these root entries land in ComfyUI under PACK_HOME.
+PACK_PATHSPECS = ("__init__.py", "pyproject.toml", "LICENSE", "example_workflows", "web")
+PACK_HOME = "custom_nodes/ComfyUI-MultiNPU"
 # ComfyUI's comfy/ and comfy_extras/ are namespace-style trees without these files; adding
 # one would shadow or clash with upstream modules, so the generator refuses.
 FORBIDDEN_PATHS = frozenset({"comfy/__init__.py", "comfy_extras/__init__.py",
@@ -67,13 +73,16 @@ def resolve_commit(repo: Path, rev: str = "HEAD") -> str:
 
 def read_overlay(repo: Path, commit: str) -> list[OverlayFile]:
     """The overlay files of `commit`, sorted by path, with their content from that commit."""
-    listing = _git(repo, "ls-tree", "-r", "-z", "--full-tree", commit, "--", *OVERLAY_PATHSPECS)
+    listing = _git(repo, "ls-tree", "-r", "-z", "--full-tree", commit, "--",
+                   *OVERLAY_PATHSPECS, *PACK_PATHSPECS)
     entries = []
     for record in listing.split(b"\0"):
         if not record:
             continue
         meta, path = record.decode().split("\t", 1)
         mode, kind, blob = meta.split()
+        if path.split("/", 1)[0] in PACK_PATHSPECS:
+            path = f"{PACK_HOME}/{path}"
         if path in FORBIDDEN_PATHS:
             raise PatchError(f"{path} must not exist: ComfyUI has no such file and adding one would "
                              f"shadow its modules; remove it with `git rm {path}`")

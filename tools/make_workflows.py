@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parent.parent
-PACK_DIR = REPO_DIR / "custom_nodes" / "ComfyUI-MultiNPU"
+PACK_DIR = REPO_DIR  # the repository root is the node pack
 OUT_DIR = PACK_DIR / "example_workflows"
 PINS_FILE = REPO_DIR / "source_deps_info.json"
 sys.path.insert(0, str(REPO_DIR))

@@ -37,7 +37,7 @@ import pytest
 from tests.comfyui_server import request
 
 REPO = Path(__file__).resolve().parents[2]
-WORKFLOWS = REPO / "custom_nodes" / "ComfyUI-MultiNPU" / "example_workflows"
+WORKFLOWS = REPO / "example_workflows"
 NAMES = ("ref2va_8steps_lora", "fl2va_8steps_lora", "ref2va_21steps", "fl2va_21steps", "ref2va_50steps",
          "fl2va_50steps")
 CARDS = 4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PACK = Path(__file__).resolve().parents[2] / "custom_nodes" / "ComfyUI-MultiNPU"
+PACK = Path(__file__).resolve().parents[2]  # the repository root is the node pack
 
 
 def test_upstreams_parser_reads_every_field_of_the_packs_pyproject(upstream):
