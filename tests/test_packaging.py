@@ -145,13 +145,14 @@ def test_patch_keeps_edge_cases_exact(tmp_path):
         "comfy/crlf.py": b"a = 1\r\nb = 2\r\n",
         "comfy/unicode.py": "name = 'Ω ü 中'\n\n\n".encode(),
         "comfy_extras/nodes_x.py": b"# blank lines\n\n\n",
-        "custom_nodes/Pack/__init__.py": b"from .x import *\n",
+        "__init__.py": b"from .x import *\n",  # the pack's: lands in custom_nodes/ComfyUI-MultiNPU/
         "minimax_h3_parallel.py": b"#!/usr/bin/env python3\nprint('hi')\n",
         "tests/not_overlay.py": b"ignored\n",
     }
     repo = _overlay_repo(tmp_path, files, executable=("minimax_h3_parallel.py",))
     expected = committed_overlay(repo)
     assert "tests/not_overlay.py" not in expected and len(expected) == len(files) - 1
+    assert "custom_nodes/ComfyUI-MultiNPU/__init__.py" in expected and "__init__.py" not in expected
     assert_applies_identically(make_patch.generate(repo), expected, tmp_path)
 
 
@@ -320,7 +321,7 @@ def next_version(tmp: Path) -> tuple[Path, dict[str, str]]:
     """A project copy whose overlay differs from this one as a release would: one module changed,
     one removed, one added, a workflow and a service script changed. Returns it and the changes."""
     project = project_copy(tmp)
-    files = {rel: data for rel, (data, _) in committed_overlay(REPO).items()}
+    files = {make_patch.repository_path(rel): data for rel, (data, _) in committed_overlay(REPO).items()}
     changed, dropped, added = "comfy/multidevice/devices.py", "comfy/multidevice/comfy_objects.py", \
         "comfy/multidevice/added_in_next_version.py"
     workflow = WORKFLOW_DIR.relative_to(REPO) / "fl2va_21steps.json"
@@ -331,8 +332,8 @@ def next_version(tmp: Path) -> tuple[Path, dict[str, str]]:
     (project / workflow).write_bytes(files[str(workflow)])
     script = project / "additional_files/runtime/restart-v1.sh"
     script.write_bytes(script.read_bytes() + b"# changed in the next version\n")
-    repo = _overlay_repo(tmp / "next", files, executable=[p for p, (_, m) in committed_overlay(REPO).items()
-                                                          if m == "100755"])
+    repo = _overlay_repo(tmp / "next", files, executable=[make_patch.repository_path(p) for p, (_, m)
+                                                          in committed_overlay(REPO).items() if m == "100755"])
     (project / make_patch.PATCH_NAME).write_text(make_patch.generate(repo), newline="")
     return project, {"changed": changed, "dropped": dropped, "added": added, "workflow": str(workflow)}
 

@@ -16,6 +16,8 @@ import re
 import sys
 from pathlib import Path
 
+from make_patch import repository_path  # tools/ is first on sys.path when this runs as a script
+
 REPO_DIR = Path(__file__).resolve().parent.parent
 PATCH = REPO_DIR / "comfy-ui-changes.patch"
 README = REPO_DIR / "README.md"
@@ -51,7 +53,7 @@ def describe(path: Path) -> str:
 
 
 def table(patch_text: str) -> str:
-    rows = [f"| `{name}` | {describe(REPO_DIR / name)} |" for name in patched_files(patch_text)]
+    rows = [f"| `{name}` | {describe(REPO_DIR / repository_path(name))} |" for name in patched_files(patch_text)]
     return TABLE_HEAD + "\n".join(rows) + "\n"
 
 

@@ -105,6 +105,12 @@ def read_overlay(repo: Path, commit: str) -> list[OverlayFile]:
     return sorted(files, key=lambda f: f.path)
 
 
+def repository_path(overlay_path: str) -> str:
+    """Where an overlay file lives in this repository (the pack's files sit at its root)."""
+    prefix = PACK_HOME + "/"
+    return overlay_path[len(prefix):] if overlay_path.startswith(prefix) else overlay_path
+
+
 def file_hunk(f: OverlayFile) -> str:
     """One file as a `git diff` "new file" section."""
     if b"\0" in f.data:
