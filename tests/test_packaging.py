@@ -358,7 +358,7 @@ def test_a_newer_version_upgrades_the_install_it_recorded(tmp_path):
     assert os.access(comfy / "runtime/restart-v1.sh", os.X_OK)
     copied = comfy / "user/default/workflows/minimax-h3/fl2va_21steps.json"
     assert copied.read_bytes() == (new / change["workflow"]).read_bytes() == \
-        (comfy / change["workflow"]).read_bytes()
+        (comfy / make_patch.PACK_HOME / change["workflow"]).read_bytes()
     assert saved.read_text() == '{"the user": "saved this"}\n'  # theirs, kept over the upgrade
     assert install(new, "--comfyui", str(comfy), "--no-deps").stdout.count("nothing changed") == 1
 
