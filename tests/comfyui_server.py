@@ -86,9 +86,23 @@ def _sitecustomize(root: Path) -> Path:
     return site
 
 
+PORT_TAKEN = "is already in use"  # main.py's words when another process bound the port first
+START_ATTEMPTS = 3
+
+
 def start(tree: Path, root: Path, env: dict | None = None, args: tuple = ()) -> Server:
     """`main.py --cpu` of `tree` on a free port (its log in root/comfyui.log), once it answers;
-    `env` adds variables, `args` adds options."""
+    `env` adds variables, `args` adds options. A port taken between our pick and the server's
+    bind (another job on the machine) is retried with a new one."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start_once(tree, root, env, args)
+        except RuntimeError as exc:
+            if PORT_TAKEN not in str(exc) or attempt == START_ATTEMPTS:
+                raise
+
+
+def _start_once(tree: Path, root: Path, env: dict | None, args: tuple) -> Server:
     site = _sitecustomize(root)
     env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

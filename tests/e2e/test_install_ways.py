@@ -18,17 +18,18 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
 from tests import comfyui_server
 from tests.comfyui_server import REPO, request
 
 HERE = Path(__file__).resolve().parent
 CLONE = "minimax-h3-multinpu"  # the folder name the README tells users to clone into
-# The latents of 4 cards against 1: the DiT's rows are structurally identical, but the tensor
-# parallel text encoder sums its split layers in another order (2.3e-7 relative measured).
-LATENT_RTOL = 1e-5
+# The decoded frames (8-bit PNGs) of 4 cards against 1: the DiT's rows are structurally
+# identical, but the tensor-parallel text encoder sums its split layers in another order (the
+# latents differ by ~2e-7 relative), which can move a pixel across a rounding step, no further.
+MAX_LEVELS = 1
 PROMPT_TIMEOUT_S = 240
 
 
@@ -41,11 +42,12 @@ def tiny_models(upstream, tmp_path_factory):  # noqa: F811
 
 
 def make_tree(upstream, root: Path, way: str, models: Path) -> Path:
-    if way == "clone":
-        tree = root / "ComfyUI"
-        shutil.copytree(upstream.tree, tree, ignore=shutil.ignore_patterns("__pycache__", ".git"))
-    else:
-        tree = comfyui_server.installed_copy(upstream.tree, root)
+    tree = comfyui_server.installed_copy(upstream.tree, root)
+    if way == "clone":  # COMFYUI_DIR may carry the patch (CI installs it): take it off again
+        removed = subprocess.run(["bash", str(REPO / "install_deps_minimax_h3.sh"), "--comfyui", str(tree),
+                                  "--uninstall"], capture_output=True, text=True, timeout=300)
+        assert removed.returncode == 0, removed.stdout + removed.stderr
+        assert not (tree / "comfy" / "multidevice").exists()
     if way in ("clone", "both"):
         subprocess.run(["git", "clone", "-q", str(REPO), str(tree / "custom_nodes" / CLONE)], check=True,
                        capture_output=True, timeout=120)
@@ -77,7 +79,8 @@ def t2va_prompt(cards: int, prefix: str) -> dict:
               "inputs": {"model": ["5", 0], "seed": 7, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
                          "scheduler": "simple", "positive": ["6", 0], "negative": ["6", 0],
                          "latent_image": ["7", 0], "denoise": 1.0}},
-        "9": {"class_type": "SaveLatent", "inputs": {"samples": ["8", 0], "filename_prefix": prefix}},
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["5", 2]}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": prefix}},
     }
 
 
@@ -97,10 +100,11 @@ def run_prompt(server, prompt: dict) -> dict:
     raise AssertionError(f"the prompt did not end in {PROMPT_TIMEOUT_S} s:\n{server.log_text()[-3000:]}")
 
 
-def saved_latent(tree: Path, prefix: str) -> torch.Tensor:
-    import safetensors.torch
-    (path,) = (tree / "output").glob(f"{prefix}_*.latent")
-    return safetensors.torch.load_file(str(path))["latent_tensor"]
+def saved_frames(tree: Path, prefix: str) -> np.ndarray:
+    from PIL import Image
+    paths = sorted((tree / "output").glob(f"{prefix}_*.png"))
+    assert paths, f"no {prefix}_*.png in {tree / 'output'}"
+    return np.stack([np.asarray(Image.open(p), dtype=np.int16) for p in paths])
 
 
 def error_text(entry: dict) -> str:
@@ -120,7 +124,8 @@ def test_each_install_way_lists_the_node_once_and_samples_exactly(upstream, tiny
         assert f"MiniMax-H3 pack: MultiNPUParallelConfig from {used.resolve()}" in log
         assert log.count("MiniMax-H3 pack: MultiNPUParallelConfig from") == 1
         assert log.count("not used, the node is already installed") == (1 if way == "both" else 0)
-        assert "Cannot import" not in log or f"custom_nodes/{CLONE}" not in log
+        assert not [line for line in log.splitlines() if "Cannot import" in line
+                    and (CLONE in line or "ComfyUI-MultiNPU" in line)]
         if way == "clone":  # first use: the sample images the workflows name
             samples = {p.name for p in (REPO / "additional_files" / "input").iterdir()}
             assert samples <= {p.name for p in (tree / "input").iterdir()}
@@ -134,9 +139,9 @@ def test_each_install_way_lists_the_node_once_and_samples_exactly(upstream, tiny
             assert four["status"]["status_str"] == "error" and "update ComfyUI" in error_text(four)
             return
         assert four["status"]["status_str"] == "success", error_text(four)
-        a, b = saved_latent(tree, "four_cards"), saved_latent(tree, "one_card")
-        assert a.shape == b.shape and torch.isfinite(a).all()
-        rel = ((a - b).norm() / b.norm()).item()
-        assert rel <= LATENT_RTOL, rel
+        a, b = saved_frames(tree, "four_cards"), saved_frames(tree, "one_card")
+        assert a.shape == b.shape and a.shape[1:3] == (128, 128), a.shape
+        assert b.std() > 1, "the frames are flat: the comparison would say nothing"
+        assert np.abs(a - b).max() <= MAX_LEVELS, np.abs(a - b).max()
     finally:
         comfyui_server.stop(server)
