@@ -86,6 +86,22 @@ def free_memory_bytes(device) -> int | None:
     return int(free + max(cached, 0))
 
 
+def available_memory_bytes() -> int | None:
+    """Host memory a new allocation can get now (MemAvailable), else the total RAM: what CPU
+    ranks, which share it, can still use."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def current_stream_handle(device: torch.device) -> int | None:
     """The raw stream handle of the calling thread's current stream (None on CPU)."""
     api = accelerator_api(device.type)

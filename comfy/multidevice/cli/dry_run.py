@@ -29,12 +29,13 @@ from typing import Callable
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.cli.options import (available_memory_bytes, finite_number, folder,
+from comfy.multidevice.cli.options import (finite_number, folder,
                                            folder_problem, integer, max_cpu_ranks)
 from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, SettingError,
                                              VALID_BACKENDS)
 from comfy.multidevice.comm.types import BackendUnavailable
-from comfy.multidevice.devices import auto_kind, copy_for_rank, probe_devices, visible_device_names
+from comfy.multidevice.devices import (auto_kind, available_memory_bytes, copy_for_rank, probe_devices,
+                                       visible_device_names)
 from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
                                             read_miniature_config, save_miniature)
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel

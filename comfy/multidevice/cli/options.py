@@ -73,21 +73,6 @@ def folder_problem(path: Path, files: tuple[str, ...] = ()) -> str | None:
     return None
 
 
-def available_memory_bytes() -> int | None:
-    """Memory this machine can give a new allocation now (MemAvailable), else its total RAM."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def max_cpu_ranks() -> int:
     """CPU ranks are threads sharing the cores: beyond twice the cores they only take turns."""
     return max(8, 2 * (os.cpu_count() or 1))

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from comfy.multidevice.sp.attention_budget import attend_within_budget
 from comfy.multidevice.sp.cost_model import choose_sp_mode, ulysses_degree
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.sp.ulysses import UlyssesKV
@@ -28,7 +29,8 @@ class AllGatherKV:
 
     Each rank's attention then covers its own query rows against all key rows, so the output
     rows equal the single-device rows exactly (no softmax merging). Traffic per call and rank:
-    (W-1)/W of K and V.
+    (W-1)/W of K and V. Ranks that share one memory (CPU) attend in row pieces
+    (attention_budget.py), so that together they hold one card's attention working set.
     """
 
     name = "allgather"
@@ -60,7 +62,7 @@ class AllGatherKV:
             # K/V are dead when the next one gathers, so they share one pair of buffers
             k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim], shard_sizes=shard_sizes,
                                            workspace=self.workspace)
-        return attention_fn(q, k_full, v_full, heads, *args, **kwargs)
+        return attend_within_budget(comm, attention_fn, q, k_full, v_full, heads, *args, **kwargs)
 
 
 DEFAULT_SP_MODE = "allgather"

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from comfy.multidevice.devices import accelerator_api, set_thread_device
+from comfy.multidevice.sp.attention_budget import attend_within_budget
 from comfy.multidevice.sp.cost_model import ulysses_degree
 from comfy.multidevice.sp.plan import SequenceParallelError, shard_sizes, ShardPlan
 
@@ -151,7 +152,8 @@ class UlyssesKV:
                 q_c, k_c, v_c = lane.result(pending[c])
                 rows = self._member_rows(comm, layout, q.shape[2], q_c, k_c)
                 my_heads = q_c.shape[1]
-                o = attention_fn(q_c, k_c, v_c, my_heads, *args, **kwargs)  # [B, group rows, h*D]
+                o = attend_within_budget(comm, attention_fn, q_c, k_c, v_c, my_heads, *args,
+                                         **kwargs)  # [B, group rows, h*D]
                 o = o.view(o.shape[0], o.shape[1], my_heads, -1)
                 outs.append(lane.submit(self._exchange_out, comm, layout, rows, o, c))
                 if c + 2 < layout.chunks:  # keep one chunk in flight ahead of the attention
