@@ -218,8 +218,8 @@ def _ctypes(t):
     ctypes.memset(t.data_ptr(), 0, t.nbytes)
 
 
-# The list of unguarded ways in docs/weights.md ("Not guarded"), each shown to write: if a torch
-# release starts refusing one, this test fails and that list must shrink.
+# The unguarded ways that the "Not guarded" item of docs/weights.md lists, each shown to write:
+# if a torch release starts refusing one, this test fails and that list must shrink.
 UNGUARDED = {
     "untyped_storage().fill_": lambda t: t.untyped_storage().fill_(0),
     "storage()._untyped_storage": lambda t: t.storage()._typed._untyped_storage.fill_(0),
@@ -231,13 +231,13 @@ UNGUARDED = {
 }
 
 
-# How each way of UNGUARDED is named in docs/weights.md's "Not guarded" item.
+# How each way of UNGUARDED is named in the "Not guarded" item of docs/weights.md.
 UNGUARDED_IN_DOCS = ("untyped_storage()", "`.storage()`", "DLPack", "torch.from_numpy", "torch.frombuffer",
                      "`plain.data = w`", "data_ptr()")
 
 
 def test_the_docs_name_every_unguarded_way():
-    """docs/weights.md, "Not guarded", is the list UNGUARDED tests: each way is named there."""
+    """The "Not guarded" item of docs/weights.md is the list UNGUARDED tests: each way is named there."""
     text = (REPO / "docs" / "weights.md").read_text(encoding="utf-8")
     item = text.split("- **Not guarded**", 1)[1].split("\n- ", 1)[0]
     missing = [way for way in UNGUARDED_IN_DOCS if way not in item]
