@@ -107,17 +107,16 @@ def test_committed_patch_is_up_to_date():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_readme_manual_lists_every_file_the_patch_adds():
-    # The manual's "What the patch adds" names the overlay file by file: a new overlay file
+def test_docs_list_every_file_the_patch_adds():
+    # docs/patch.md, "What the patch adds", names the overlay file by file: a new overlay file
     # needs its row there.
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    manual = text.split("<!-- section:manual -->", 1)[1].split("<!-- /section:manual -->", 1)[0]
-    table = manual.split("### What the patch adds", 1)[1].split("\n### ", 1)[0]
+    text = (REPO / "docs" / "patch.md").read_text(encoding="utf-8")
+    table = text.split("\n## What the patch adds\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
-    assert listed == set(committed_overlay(REPO)), "add/remove rows in README 'What the patch adds'"
+    assert listed == set(committed_overlay(REPO)), "add/remove rows in docs/patch.md 'What the patch adds'"
 
 
-def test_readme_file_table_is_generated_from_the_patch():
+def test_docs_file_table_is_generated_from_the_patch():
     # The rows come from the patch's file list and each file's docstring: regenerate them with
     # `.venv/bin/python tools/make_file_table.py` after adding, removing or re-describing a file.
     result = subprocess.run([sys.executable, str(REPO / "tools" / "make_file_table.py"), "--check"],
@@ -877,16 +876,94 @@ def test_workflows_name_the_pack_for_comfyui_manager(name):
     assert node["properties"]["ver"] == project["version"]
 
 
-def test_every_import_in_the_readmes_python_examples_exists():
-    # The README's examples name our modules; a module that moved must not leave them stale.
+def test_every_import_in_the_docs_python_examples_exists():
+    # The examples in README.md and docs/*.md name our modules; a module that moved must not
+    # leave them stale.
     import importlib
-    import re
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    imports = [m for block in blocks for m in re.findall(r"^from (comfy[\w.]*|comfy_extras[\w.]*) import ([\w, ]+)$",
-                                                         block, re.M)]
-    assert imports, "the README's Python examples import nothing of ours"
-    for module, names in imports:
+    imports = []
+    for doc in user_docs():
+        blocks = re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)
+        imports += [(doc.relative_to(REPO), *m) for block in blocks
+                    for m in re.findall(r"^from (comfy[\w.]*|comfy_extras[\w.]*) import ([\w, ]+)$", block, re.M)]
+    assert imports, "the Python examples of README.md and docs/ import nothing of ours"
+    for doc, module, names in imports:
         loaded = importlib.import_module(module)
         for name in (n.strip() for n in names.split(",")):
-            assert hasattr(loaded, name), f"README: from {module} import {name}"
+            assert hasattr(loaded, name), f"{doc}: from {module} import {name}"
+
+
+def user_docs() -> list[Path]:
+    """README.md and every docs/*.md: where the project's prose lives."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def doc_headings(doc: Path) -> list[str]:
+    """A Markdown file's headings as written, outside code blocks (a `# comment` in a bash
+    block is not a heading)."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return [m.strip() for m in re.findall(r"^#{1,6} (.+)$", text, re.M)]
+
+
+def _section_name(heading: str) -> str:
+    # "3. The upstream contract" is cited as "The upstream contract"; backticks are markup
+    return re.sub(r"^\d+\.\s+", "", heading.replace("`", ""))
+
+
+# A section cited by name: README (or README.md, README's) or docs/X.md, then the name in
+# quotes, e.g. (README, "Supported ComfyUI"), README 'What the patch adds', docs/ARCHITECTURE.md,
+# "The upstream contract". Quotes may be escaped (the workflows' JSON notes).
+SECTION_CITATION = re.compile(r"""(?:README(?:\.md)?(?:'s)?|docs/[\w.-]+\.md),?\s+(?:section\s+)?\\?["']([A-Z][^"'\\\n]{2,80})\\?["']""")
+CITING_PLACES = ("tests", "tools", "bench", "docs", "comfy", "comfy_extras", "custom_nodes", "additional_files",
+                 "example_workflows", "web")
+CITING_FILES = ("README.md", "install_deps_minimax_h3.sh", "minimax_h3_parallel.py", "__init__.py", "pyproject.toml", ".ci/run")
+
+
+def section_citations() -> list[tuple[str, str]]:
+    """Every (file, section name) that code and data of this repository cite by name."""
+    paths = [REPO / f for f in CITING_FILES if (REPO / f).is_file()]
+    for place in CITING_PLACES:
+        if (REPO / place).is_dir():
+            paths += [p for p in (REPO / place).rglob("*")
+                      if p.is_file() and p.suffix in (".py", ".sh", ".json", ".md", ".toml", "")
+                      and "__pycache__" not in p.parts]
+    found = []
+    for path in paths:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [(str(path.relative_to(REPO)), name) for name in SECTION_CITATION.findall(text)]
+    return found
+
+
+def test_every_section_cited_by_name_is_a_heading():
+    # Code, tests and workflows send readers to sections by name (README, "Supported ComfyUI"):
+    # moving or renaming a section must not leave such a pointer dangling.
+    names = {_section_name(h) for doc in user_docs() for h in doc_headings(doc)}
+    cited = section_citations()
+    assert {name for _, name in cited} >= {"Supported ComfyUI", "What the patch adds", "Weight placement"}
+    dangling = sorted({(where, name) for where, name in cited if name not in names})
+    assert not dangling, f"cited sections that are no heading of README.md or docs/*.md: {dangling}"
+
+
+def _anchor(heading: str) -> str:
+    # GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens
+    return re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower()).replace(" ", "-")
+
+
+def test_relative_links_in_the_docs_point_at_what_exists():
+    # [text](path) and [text](path#anchor) in README.md and docs/*.md: the file must exist, and
+    # an anchor must be a heading of that file.
+    broken = []
+    for doc in user_docs():
+        text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue  # http(s), mailto: not checked here
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in {_anchor(h) for h in doc_headings(dest)}:
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Regenerate the README's "What the patch adds" table from comfy-ui-changes.patch.
+"""Regenerate the "What the patch adds" table of docs/patch.md from comfy-ui-changes.patch.
 
 One row per file the patch adds, described by the first line of that file's module docstring,
 so the table can only name files the patch really adds, with the words the file itself uses.
 
-  tools/make_file_table.py           rewrite the table in README.md
-  tools/make_file_table.py --check   exit 1 when README.md's table differs (and say what to run)
+  tools/make_file_table.py           rewrite the table in docs/patch.md
+  tools/make_file_table.py --check   exit 1 when docs/patch.md's table differs (and say what to run)
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from make_patch import repository_path  # tools/ is first on sys.path when this 
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 PATCH = REPO_DIR / "comfy-ui-changes.patch"
-README = REPO_DIR / "README.md"
+TARGET = REPO_DIR / "docs" / "patch.md"
 TABLE_HEAD = "| file | what it is |\n|---|---|\n"
-SECTION = "### What the patch adds"
+SECTION = "## What the patch adds"
 
 
 def patched_files(patch_text: str) -> list[str]:
@@ -48,7 +48,7 @@ def describe(path: Path) -> str:
         doc = None
     if not doc:
         raise SystemExit(f"{path.relative_to(REPO_DIR)} has no description; give it a module "
-                         "docstring / a first comment (its first line is the file's row in the README)")
+                         "docstring / a first comment (its first line is the file's row in docs/patch.md)")
     return doc.strip().splitlines()[0].rstrip(".").replace("|", "\\|")
 
 
@@ -57,25 +57,25 @@ def table(patch_text: str) -> str:
     return TABLE_HEAD + "\n".join(rows) + "\n"
 
 
-def with_table(readme: str, new_table: str) -> str:
-    start = readme.index(SECTION)
-    head = readme.index(TABLE_HEAD, start)
-    end = readme.index("\n\n", head) + 1
-    return readme[:head] + new_table + readme[end:]
+def with_table(doc: str, new_table: str) -> str:
+    start = doc.index(SECTION)
+    head = doc.index(TABLE_HEAD, start)
+    end = doc.index("\n\n", head) + 1
+    return doc[:head] + new_table + doc[end:]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only compare, change nothing")
     args = parser.parse_args(argv)
-    readme = README.read_text(encoding="utf-8")
-    wanted = with_table(readme, table(PATCH.read_text(encoding="utf-8")))
+    doc = TARGET.read_text(encoding="utf-8")
+    wanted = with_table(doc, table(PATCH.read_text(encoding="utf-8")))
     if args.check:
-        if wanted != readme:
-            print("README.md's file table is stale: run tools/make_file_table.py", file=sys.stderr)
+        if wanted != doc:
+            print("docs/patch.md's file table is stale: run tools/make_file_table.py", file=sys.stderr)
             return 1
         return 0
-    README.write_text(wanted, encoding="utf-8")
+    TARGET.write_text(wanted, encoding="utf-8")
     return 0
 
 

@@ -167,7 +167,7 @@ def test_a_raw_write_into_the_mapped_base_faults_instead_of_changing_it(tmp_path
 
 
 def test_reads_copies_and_documented_behaviour(tmp_path):
-    """What the README promises beside the refused writes."""
+    """What docs/weights.md promises beside the refused writes."""
     tensors = _tensors()
     path = tmp_path / "w.safetensors"
     save_file(tensors, str(path))
@@ -218,8 +218,8 @@ def _ctypes(t):
     ctypes.memset(t.data_ptr(), 0, t.nbytes)
 
 
-# The README's list of unguarded ways, each shown to write: if a torch release starts refusing
-# one, this test fails and the README's list must shrink.
+# The unguarded ways that the "Not guarded" item of docs/weights.md lists, each shown to write:
+# if a torch release starts refusing one, this test fails and that list must shrink.
 UNGUARDED = {
     "untyped_storage().fill_": lambda t: t.untyped_storage().fill_(0),
     "storage()._untyped_storage": lambda t: t.storage()._typed._untyped_storage.fill_(0),
@@ -231,9 +231,22 @@ UNGUARDED = {
 }
 
 
+# How each way of UNGUARDED is named in the "Not guarded" item of docs/weights.md.
+UNGUARDED_IN_DOCS = ("untyped_storage()", "`.storage()`", "DLPack", "torch.from_numpy", "torch.frombuffer",
+                     "`plain.data = w`", "data_ptr()")
+
+
+def test_the_docs_name_every_unguarded_way():
+    """The "Not guarded" item of docs/weights.md is the list UNGUARDED tests: each way is named there."""
+    text = (REPO / "docs" / "weights.md").read_text(encoding="utf-8")
+    item = text.split("- **Not guarded**", 1)[1].split("\n- ", 1)[0]
+    missing = [way for way in UNGUARDED_IN_DOCS if way not in item]
+    assert not missing and len(UNGUARDED_IN_DOCS) == len(UNGUARDED), missing
+
+
 @pytest.mark.parametrize("way", sorted(UNGUARDED))
 def test_the_documented_unguarded_ways_do_write_an_in_memory_base(way):
-    """On an in-memory (or pin) base these raw ways go through, as the README says; on the
+    """On an in-memory (or pin) base these raw ways go through, as docs/weights.md says; on the
     mapped base they fault instead (test_a_raw_write_into_the_mapped_base_faults_...)."""
     base = SharedCheckpoint.from_state_dict({"w": torch.ones(4)})
     UNGUARDED[way](base["w"])
