@@ -208,3 +208,27 @@ def test_the_prefetch_lane_is_one_shared_coordinator_across_node_runs(fake_patch
         assert not family.lane.closed
     assert lanes[0] is lanes[1]
     assert sorted(key[2] for key in roles_apply._COORDINATORS) == ["block weights", "roles"]
+
+
+def test_cpu_cards_are_checked_together_against_the_hosts_memory(fake_patcher_extension):  # noqa: F811
+    model, clip, video, audio = inputs()
+    dit = model.model.diffusion_model
+    act = activation_bytes(dit_shape_of(dit), TOKENS, 4)
+    host = 64 * 2 ** 20
+    memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="replicate", tokens=TOKENS,
+                         free={"host": host})
+    # the weights once (the ranks share the base), the activations per rank, the attention's budget
+    assert memory.host.items == {"weights": nbytes(dit), "activations": 4 * act, "attention scores": host // 4}
+    assert not memory.host_problem() and "the 4 CPU cards share this machine's memory" in memory.table()
+    before = {n: t.clone() for n, t in dit.state_dict().items()}
+    too_small = nbytes(dit) + 4 * act  # the attention's quarter does not fit beside them
+    with pytest.raises(MemoryPlanError) as err:
+        configure_parallel(model, clip, video, audio, npu_count=4, device_kind="cpu", dit_weights="replicate",
+                           plan_tokens=TOKENS, free_memory={"host": too_small})
+    text = str(err.value)
+    assert "the 4 CPU cards share this machine's memory" in text and "is available" in text
+    assert f"plan_tokens {TOKENS}" in text and "npu_count" in text
+    assert model.wrappers == {} and all(torch.equal(before[n], t) for n, t in dit.state_dict().items())
+    assert roles_apply._COORDINATORS == {}  # refused before any rank started
+    one = plan_memory(plan_roles(1), CPU4[:1], model, clip, video, audio, tokens=TOKENS)
+    assert one.host is None  # one rank: upstream's own sizing, nothing shared

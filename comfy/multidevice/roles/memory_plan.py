@@ -14,8 +14,11 @@ can evict one stage's models before the next loads):
   VAE decode     a video VAE copy on every chunk card, the audio VAE on its card
 
 Sizes are counted from the objects themselves (bytes of their tensors). Free memory is the
-card's (cards only: CPU ranks are not checked). `auto` picks `shard` when sequence parallel
-is planned and a full replica plus the activations does not fit on some card.
+card's. CPU "cards" share the host's RAM: their DiT stage is checked together against the
+host's available memory (weights once, as the ranks share the base; activations per rank; the
+attention's score blocks, which sp/attention_budget.py holds to 1/FREE_SHARE of the free memory
+for all ranks together). `auto` picks `shard` when sequence parallel is planned and a full
+replica plus the activations does not fit on some card.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import logging
 from dataclasses import dataclass, field
 
 from comfy.multidevice.comfy_objects import dit_module
-from comfy.multidevice.devices import free_memory_bytes
+from comfy.multidevice.devices import available_memory_bytes, free_memory_bytes
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
+from comfy.multidevice.sp.attention_budget import FREE_SHARE, shares_host_memory
 from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
 from comfy.multidevice.weights.block_shards import (BlockShardPlan, DIT_WEIGHT_MODES, block_tensors,
                                                     tensor_nbytes)
@@ -107,10 +111,23 @@ class CardMemory:
 
 
 @dataclass
+class SharedHost:
+    """The DiT stage of the CPU cards, which draw on one RAM: {item: bytes} for all of them."""
+    cards: int
+    items: dict
+    free: int | None  # the host's available bytes; None: not known, not checked
+
+    @property
+    def need(self) -> int:
+        return sum(self.items.values())
+
+
+@dataclass
 class MemoryPlan:
     dit_weights: str
     tokens: int
     cards: list
+    host: SharedHost | None = None  # set when several DiT ranks run on the CPU
 
     def table(self) -> str:
         """One line per card: each stage's GiB and the free GiB."""
@@ -121,6 +138,10 @@ class MemoryPlan:
                 for s, items in c.stages.items() if sum(items.values()))
             free = "free unknown (not checked)" if c.free is None else f"free {c.free / GIB:.2f} GiB"
             lines.append(f"  {c.device}: {stages or 'nothing'}; {free}")
+        if self.host is not None:
+            free = "unknown" if self.host.free is None else f"{self.host.free / GIB:.2f} GiB"
+            lines.append(f"  the {self.host.cards} CPU cards share this machine's memory: DiT together "
+                         f"{self.host.need / GIB:.2f} GiB ({_items(self.host.items)}); available {free}")
         return "\n".join(lines)
 
     @staticmethod
@@ -139,8 +160,17 @@ class MemoryPlan:
                     out.append((c, stage, need))
         return out
 
+    def host_problem(self) -> bool:
+        return self.host is not None and self.host.free is not None and self.host.need > self.host.free
+
     def check(self) -> None:
         """Raise MemoryPlanError naming the first card and stage that do not fit, and the fixes."""
+        if self.host_problem():
+            raise MemoryPlanError(
+                f"the {self.host.cards} CPU cards share this machine's memory: their DiT stage needs "
+                f"{self.host.need / GIB:.2f} GiB together ({_items(self.host.items)}) and "
+                f"{self.host.free / GIB:.2f} GiB is available. Fix: fewer frames or a lower resolution "
+                f"(plan_tokens {self.tokens}), fewer cards (npu_count), or free memory.\n{self.table()}")
         problems = self.problems()
         if not problems:
             return
@@ -158,6 +188,26 @@ class MemoryPlan:
             f"({', '.join(f'{k} {v / GIB:.2f} GiB' for k, v in card.stages[stage].items() if v)}) "
             f"and has {card.free / GIB:.2f} GiB free. Fix: {fixes.get(stage, 'free the card')}.\n"
             f"{self.table()}")
+
+
+def _items(items: dict) -> str:
+    return ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in items.items() if v)
+
+
+def _shared_host(cards, dit_cards, free) -> SharedHost | None:
+    """The CPU DiT ranks' stage together: weights once (the ranks share the base), activations
+    and gathered blocks per rank, and the attention's budget of the available memory."""
+    on_host = [cards[c] for c in dit_cards if shares_host_memory(cards[c].device)]
+    if len(on_host) < 2:
+        return None
+    available = free["host"] if free is not None and "host" in free else available_memory_bytes()
+    items = {}
+    for card in on_host:
+        for item, n in card.stages["DiT"].items():
+            shared = item in ("weights", "non-block weights")
+            items[item] = n if shared else items.get(item, 0) + n
+    items["attention scores"] = 0 if available is None else available // FREE_SHARE
+    return SharedHost(len(on_host), items, available)
 
 
 def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: str = "auto",
@@ -224,4 +274,4 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
         cards[c].stages.setdefault("VAE decode", {})["video VAE"] = video
     for c in plan.audio_vae.cards:
         cards[c].stages.setdefault("VAE decode", {})["audio VAE"] = audio
-    return MemoryPlan(dit_weights, int(tokens), cards)
+    return MemoryPlan(dit_weights, int(tokens), cards, _shared_host(cards, dit_cards, free))
