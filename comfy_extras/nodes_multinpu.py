@@ -127,7 +127,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
         asked = f"backend is {backend}" if backend != "default" else \
             f"backend is default and {BACKEND_ENV} asks for {backend_from_env(None)}"
         raise BackendUnavailable(
-            f"{asked}, which cannot start on {', '.join(map(str, selected))} ({exc}): set backend to "
+            f"{asked}, which cannot start on the {len(selected)} {str(selected[0]).split(':')[0]} cards "
+            f"({exc}): set backend to "
             f"auto (it falls back to peer copies between the cards), or fix what stops it.") from exc
 
 

@@ -88,7 +88,7 @@ CASES = {
     "npu_count not in the table": (
         dict(npu_count=3, inventory=ascend(3)), ("npu_count=3",), "set npu_count to 2"),
     "device_kind unknown": (
-        dict(npu_count=4, device_kind="tpu", inventory=ascend(4)), ("device_kind='tpu'",), "use one of auto"),
+        dict(npu_count=4, device_kind="tpu", inventory=ascend(4)), ("device_kind='tpu'",), "set device_kind to one of auto"),
     "device_kind auto with two kinds": (
         dict(npu_count=4, inventory=inventory(npu=4, cuda=4)), ("device_kind is auto",), "set device_kind to npu or cuda"),
     "device_kind against devices": (

@@ -301,7 +301,8 @@ def select_devices(n_cards, kind: str = "auto", devices: str | Sequence | None =
         raise UnsupportedCardCount(f"npu_count={n_cards!r} is not supported: {fix} "
                                    f"({inventory.describe()}).") from None
     if kind not in DEVICE_KINDS:
-        raise DeviceSelectionError(f"device_kind={kind!r} is unknown: use one of {', '.join(DEVICE_KINDS)}.")
+        raise DeviceSelectionError(f"device_kind={kind!r} is unknown: set device_kind to one of "
+                                   f"{', '.join(DEVICE_KINDS)}.")
     explicit = [] if devices is None or devices == "" else parse_device_list(devices)
     if kind == "cpu" or (explicit and _kinds_found(explicit) == ["cpu"]):
         if explicit and _kinds_found(explicit) != ["cpu"]:
