@@ -101,23 +101,66 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     the inputs are never modified. `free_memory` overrides the probed free bytes per device
     name (tests).
     """
+    from comfy.multidevice.comm.types import BackendUnavailable
     from comfy.multidevice.devices import select_devices
     from comfy.multidevice.roles import apply as roles_apply
     from comfy.multidevice.roles.memory_plan import plan_memory
 
     if backend not in BACKEND_CHOICES:
-        raise ValueError(f"backend={backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}.")
+        raise ValueError(f"backend={backend!r} is unknown: set backend to one of {', '.join(BACKEND_CHOICES)}.")
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
     plan = plan_roles(npu_count)
+    if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
+        check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
     memory = plan_memory(plan, selected, model, clip, video_vae, audio_vae, dit_weights=dit_weights,
                          tokens=plan_tokens, free=free_memory)
     log.info("%s: %d card(s) %s; %s\n%s", NODE_ID, npu_count, ", ".join(map(str, selected)),
              plan.describe(), memory.table())
     memory.check()
-    return roles_apply.apply_role_plan(
-        plan, selected, model, clip, video_vae, audio_vae,
-        backend=None if backend == "default" else backend, dit_weights=memory.dit_weights)
+    try:
+        return roles_apply.apply_role_plan(
+            plan, selected, model, clip, video_vae, audio_vae,
+            backend=None if backend == "default" else backend, dit_weights=memory.dit_weights)
+    except BackendUnavailable as exc:  # a forced backend (the input or the variable) did not start
+        from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env
+        asked = f"backend is {backend}" if backend != "default" else \
+            f"backend is default and {BACKEND_ENV} asks for {backend_from_env(None)}"
+        raise BackendUnavailable(
+            f"{asked}, which cannot start on the {len(selected)} {str(selected[0]).split(':')[0]} cards "
+            f"({exc}): set backend to "
+            f"auto (it falls back to peer copies between the cards), or fix what stops it.") from exc
+
+
+def check_multi_device_environment(backend: str = "default") -> None:
+    """The variables the cards' coordinator will read (comm/settings.py), checked before anything
+    starts, in the node's words: the backend variable only counts while backend is default."""
+    from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env, SettingError, timeout_from_env
+
+    try:
+        timeout_from_env()
+    except SettingError as exc:
+        raise SettingError(f"{exc}, then restart ComfyUI.") from None
+    if backend == "default":
+        try:
+            backend_from_env(None)
+        except SettingError as exc:
+            raise SettingError(f"{exc} (then restart ComfyUI), or set this node's backend input to auto, "
+                               f"hccl, nccl or peer, so that {BACKEND_ENV} is not read.") from None
+
+
+def shown_error(exc: Exception) -> Exception | None:
+    """What ComfyUI shows for an error of configure_parallel: ComfyUI puts str(error) and the
+    error's qualified class name in its execution_error, so this package's own error types
+    ("comfy.multidevice.devices.TooFewDevices") become a plain ValueError / RuntimeError with
+    the same one-sentence message. None: not ours (a Cancel, torch's own errors), raise as is."""
+    module = type(exc).__module__ or ""
+    if not (module == "comfy.multidevice" or module.startswith("comfy.multidevice.") or module == __name__):
+        return None
+    for plain in (ValueError, RuntimeError):
+        if isinstance(exc, plain):
+            return plain(str(exc))
+    return None
 
 
 # ----------------------------------------------------------------------------- ComfyUI node
@@ -187,10 +230,19 @@ def node_class():
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                     device_kind="auto", devices="", dit_weights="auto", plan_tokens=109952) -> io.NodeOutput:
-            return io.NodeOutput(*configure_parallel(
-                model, clip, video_vae, audio_vae, npu_count=int(npu_count), backend=backend,
-                device_kind=device_kind, devices=devices, dit_weights=dit_weights,
-                plan_tokens=int(plan_tokens)))
+            try:
+                outputs = configure_parallel(
+                    model, clip, video_vae, audio_vae, npu_count=int(npu_count), backend=backend,
+                    device_kind=device_kind, devices=devices, dit_weights=dit_weights,
+                    plan_tokens=int(plan_tokens))
+            except Exception as exc:
+                shown = shown_error(exc)
+                if shown is None:
+                    raise
+                # the internal type stays in the server log (and as the shown error's cause)
+                log.info("%s refused the inputs (%s.%s)", NODE_ID, type(exc).__module__, type(exc).__qualname__)
+                raise shown from exc
+            return io.NodeOutput(*outputs)
 
     _NODE_CLASS = MultiNPUParallelConfig
     return _NODE_CLASS

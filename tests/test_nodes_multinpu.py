@@ -383,7 +383,7 @@ def test_unsupported_count_names_the_visible_cards():
     with pytest.raises(UnsupportedCardCount) as info:
         select_devices(3, inventory=inventory(npu=3, ASCEND_RT_VISIBLE_DEVICES="0,1,2"))
     msg = str(info.value)
-    assert "npu_count=3" in msg and "npu: 3 (ASCEND_RT_VISIBLE_DEVICES=0,1,2)" in msg and "use 2" in msg
+    assert "npu_count=3" in msg and "npu: 3 (ASCEND_RT_VISIBLE_DEVICES=0,1,2)" in msg and "set npu_count to 2" in msg
 
 
 def test_too_few_devices_says_asked_found_variable_and_fix():
@@ -391,10 +391,10 @@ def test_too_few_devices_says_asked_found_variable_and_fix():
     with pytest.raises(TooFewDevices) as info:
         select_devices(4, inventory=inv)
     msg = str(info.value)
-    for part in ("asked for 4 npu", "found 2 npu", "ASCEND_RT_VISIBLE_DEVICES=0,1", "set npu_count to 2",
+    for part in ("npu_count is 4", "2 npu card(s) are visible", "ASCEND_RT_VISIBLE_DEVICES=0,1", "set npu_count to 2",
                  "ASCEND_RT_VISIBLE_DEVICES=0,1,2,3"):
         assert part in msg, msg
-    with pytest.raises(TooFewDevices, match=r"found 3 cuda card\(s\) \(CUDA_VISIBLE_DEVICES unset\)"):
+    with pytest.raises(TooFewDevices, match=r"npu_count is 8 but 3 cuda card\(s\) are visible \(CUDA_VISIBLE_DEVICES unset\)"):
         select_devices(8, kind="cuda", inventory=inventory(cuda=3))
 
 
@@ -402,7 +402,7 @@ def test_no_accelerator_at_all():
     with pytest.raises(TooFewDevices) as info:
         select_devices(4, inventory=inventory())
     msg = str(info.value)
-    assert "found no NPU or CUDA card" in msg and "device_kind to cpu" in msg and "doctor" in msg
+    assert "npu_count is 4 but this server sees no NPU or CUDA card" in msg and "device_kind to cpu" in msg and "doctor" in msg
 
 
 def test_mixed_kinds_visible_or_listed():
@@ -459,7 +459,7 @@ def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, mo
     assert (inv.count("npu"), inv.count("cuda"), inv.notes) == (4, 0, ())
     assert inv.env_text("npu") == "ASCEND_RT_VISIBLE_DEVICES=4,5,6,7"
     assert select_devices(4) == ["npu:0", "npu:1", "npu:2", "npu:3"]  # probed, not given
-    with pytest.raises(TooFewDevices, match=r"asked for 8 npu.*found 4 npu.*ASCEND_RT_VISIBLE_DEVICES=4,5,6,7"):
+    with pytest.raises(TooFewDevices, match=r"npu_count is 8 but 4 npu card\(s\) are visible \(ASCEND_RT_VISIBLE_DEVICES=4,5,6,7\)"):
         select_devices(8)
 
 
@@ -473,7 +473,7 @@ def test_probe_survives_a_broken_npu_stack_and_says_why(tmp_path, monkeypatch):
     assert inv.notes == ("npu probe failed: RuntimeError: libascendcl.so: cannot open shared object file",)
     assert "npu probe failed" in inv.describe()
     assert select_devices(2) == ["cuda:0", "cuda:1"]  # auto: the one kind that is visible
-    with pytest.raises(TooFewDevices, match=r"found 0 npu.*npu probe failed: RuntimeError: libascendcl"):
+    with pytest.raises(TooFewDevices, match=r"npu_count is 4 but 0 npu card.*npu probe failed: RuntimeError: libascendcl"):
         select_devices(4, kind="npu")  # the cause of "0 NPUs" reaches the user
 
 
@@ -519,9 +519,9 @@ def with_inputs(**change):
 ERROR_CASES = {
     "unsupported count": (with_inputs(npu_count=3), UnsupportedCardCount, "npu_count=3"),
     "too few": (with_inputs(device_kind="npu", inventory=inventory(npu=2, ASCEND_RT_VISIBLE_DEVICES="0,1")),
-                TooFewDevices, "found 2 npu"),
+                TooFewDevices, "npu_count is 4 but 2 npu"),
     "mixed visible": (with_inputs(device_kind="auto", inventory=inventory(npu=4, cuda=4)),
-                      MixedDeviceKinds, "more than one kind"),
+                      MixedDeviceKinds, "more than one kind of card"),
     "mixed list": (with_inputs(device_kind="auto", devices="npu:0,npu:1,cuda:0,npu:2",
                                inventory=inventory(npu=4, cuda=4)), MixedDeviceKinds, "mixes kinds"),
     "bad backend": (with_inputs(backend="mpi"), ValueError, "backend='mpi'"),
@@ -547,7 +547,7 @@ def test_role_errors_leave_everything_untouched(fake_patcher_extension):
     model, clip, vv, av = objs
     before = snapshot(*objs)
     cases = [
-        ((FakeModelPatcher(torch.nn.Linear(2, 2)), clip, vv, av), RolePlanError, "cannot run sequence parallel"),
+        ((FakeModelPatcher(torch.nn.Linear(2, 2)), clip, vv, av), RolePlanError, "is not a MiniMax-H3 DiT"),
         ((model, clip, vv, vv), RolePlanError, "same VAE"),
         ((model, clip, None, av), RolePlanError, "video_vae input is not connected"),
         ((model, clip, vv, object()), RolePlanError, "not a VAE"),
@@ -861,7 +861,7 @@ def test_a_comfyui_without_the_attention_hook_is_refused_by_the_node_before_anyt
     for block in objs[0].model.diffusion_model.blocks:
         block.__class__ = _BlockWithoutAttentionArgument
     before, threads = snapshot(*objs), rank_threads()
-    with pytest.raises(RolePlanError, match=r"takes no `attention` argument.*update ComfyUI"):
+    with pytest.raises(RolePlanError, match=r"attention hook.*update ComfyUI.*npu_count to 1 or 2"):
         configure_parallel(*objs, npu_count=4, device_kind="cpu")
     assert_same(before, snapshot(*objs))
     assert rank_threads() == threads and roles_apply._COORDINATORS == {}
@@ -873,7 +873,7 @@ def test_a_control_patch_it_cannot_drive_is_refused_by_the_node_before_anything_
     objs[0].model_options = {"transformer_options": {"patches_replace": {"dit": {
         ("double_block", 0): FunControlBlockPatchStandIn(0)}}}}
     before, threads = snapshot(*objs), rank_threads()
-    with pytest.raises(RolePlanError, match=r"FunControlBlockPatchStandIn \(0\).*ControlNet-style.*npu_count to 1 or 2"):
+    with pytest.raises(RolePlanError, match=r"ControlNet-style.*FunControlBlockPatchStandIn \(0\).*npu_count to 1 or 2"):
         configure_parallel(*objs, npu_count=4, device_kind="cpu")
     assert_same(before, snapshot(*objs))
     assert rank_threads() == threads and roles_apply._COORDINATORS == {}

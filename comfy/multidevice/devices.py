@@ -213,9 +213,9 @@ def check_card_count(n_cards) -> int:
     """The count itself: an int in SUPPORTED_CARD_COUNTS (bool and float are refused, not cast)."""
     if isinstance(n_cards, bool) or not isinstance(n_cards, int) or n_cards not in SUPPORTED_CARD_COUNTS:
         raise UnsupportedCardCount(
-            f"npu_count={n_cards!r} is not supported: the role plan exists for "
-            f"{', '.join(map(str, SUPPORTED_CARD_COUNTS))} cards. Set npu_count to one of these "
-            f"(the largest one not above the number of cards you have).")
+            f"npu_count={n_cards!r} is not supported: set npu_count to one of "
+            f"{', '.join(map(str, SUPPORTED_CARD_COUNTS))}, the largest one not above the number of "
+            f"cards you have.")
     return n_cards
 
 
@@ -227,8 +227,8 @@ def largest_supported_at_most(available: int) -> int | None:
 def _too_few(n_cards: int, kind: str, found: int, inventory: DeviceInventory) -> TooFewDevices:
     fit = largest_supported_at_most(found)
     env_name = VISIBLE_DEVICES_ENV[kind]
-    fixes = [f"make {n_cards} {kind} cards visible to this process "
-             f"(e.g. {env_name}={','.join(str(i) for i in range(n_cards))})"]
+    fixes = [f"make {n_cards} {kind} cards visible to ComfyUI "
+             f"(start it with e.g. {env_name}={','.join(str(i) for i in range(n_cards))})"]
     if fit is not None:
         fixes.insert(0, f"set npu_count to {fit}")
     other = [k for k in ACCELERATOR_KINDS if k != kind and inventory.count(k) >= n_cards]
@@ -241,8 +241,8 @@ def _too_few(n_cards: int, kind: str, found: int, inventory: DeviceInventory) ->
         fixes.insert(0, f"repair the {kind} software stack ({'; '.join(failed)}; "
                         f"run minimax_h3_parallel.py doctor)")
     return TooFewDevices(
-        f"asked for {n_cards} {kind} card(s), found {found} {kind} card(s) "
-        f"({inventory.env_text(kind)}). Fix: " + "; or ".join(fixes) + ".")
+        f"npu_count is {n_cards} but {found} {kind} card(s) are visible ({inventory.env_text(kind)}): "
+        + ", or ".join(fixes) + ".")
 
 
 _DEVICE_LIST_HELP = ("write 'npu:i', 'cuda:i' or 'cpu' (i = 0, 1, ... in the digits 0-9), separated "
@@ -305,16 +305,20 @@ def select_devices(n_cards, kind: str = "auto", devices: str | Sequence | None =
     """
     try:
         n_cards = check_card_count(n_cards)
-    except UnsupportedCardCount as exc:
+    except UnsupportedCardCount:
         if kind == "cpu":
             raise
         inventory = inventory if inventory is not None else probe_devices()
         visible = max((inventory.count(k) for k in ACCELERATOR_KINDS), default=0)
         fit = largest_supported_at_most(visible)
-        hint = f" With {visible} card(s) visible, use {fit}." if fit is not None else ""
-        raise UnsupportedCardCount(f"{exc} Visible now: {inventory.describe()}.{hint}") from None
+        counts = ", ".join(map(str, SUPPORTED_CARD_COUNTS))
+        fix = (f"set npu_count to {fit}, the largest of {counts} not above the {visible} card(s) visible"
+               if fit is not None else f"set npu_count to one of {counts}; no card is visible")
+        raise UnsupportedCardCount(f"npu_count={n_cards!r} is not supported: {fix} "
+                                   f"({inventory.describe()}).") from None
     if kind not in DEVICE_KINDS:
-        raise DeviceSelectionError(f"device_kind={kind!r} is unknown: use one of {', '.join(DEVICE_KINDS)}.")
+        raise DeviceSelectionError(f"device_kind={kind!r} is unknown: set device_kind to one of "
+                                   f"{', '.join(DEVICE_KINDS)}.")
     explicit = [] if devices is None or devices == "" else parse_device_list(devices)
     if kind == "cpu" or (explicit and _kinds_found(explicit) == ["cpu"]):
         if explicit and _kinds_found(explicit) != ["cpu"]:
@@ -334,15 +338,15 @@ def select_devices(n_cards, kind: str = "auto", devices: str | Sequence | None =
         present = [k for k in ACCELERATOR_KINDS if inventory.count(k) > 0]
         if len(present) > 1:
             raise MixedDeviceKinds(
-                f"asked for {n_cards} card(s) with device_kind auto, but more than one kind is "
-                f"visible: {inventory.describe()}. Ranks must all be one kind: set device_kind "
-                f"to {' or '.join(present)}.")
+                f"device_kind is auto but more than one kind of card is visible "
+                f"({inventory.describe()}): set device_kind to {' or '.join(present)}, since all "
+                f"{n_cards} cards of a run must be of one kind.")
         if not present:
             raise TooFewDevices(
-                f"asked for {n_cards} card(s), found no NPU or CUDA card ({inventory.describe()}). "
-                f"Fix: check the driver and that torch_npu (Ascend) or a CUDA build of torch is "
-                f"installed (run minimax_h3_parallel.py doctor); for a CPU-only test run set "
-                f"device_kind to cpu.")
+                f"npu_count is {n_cards} but this server sees no NPU or CUDA card "
+                f"({inventory.describe()}): check the driver and that torch_npu (Ascend) or a CUDA "
+                f"build of torch is installed (python minimax_h3_parallel.py doctor says which), or "
+                f"set device_kind to cpu for a CPU-only test run.")
         kind = present[0]
     found = inventory.count(kind)
     if found < n_cards:
@@ -370,8 +374,8 @@ def _check_explicit(n_cards: int, kind: str, explicit: list[tuple],
     if missing:
         raise TooFewDevices(
             f"devices asks for {', '.join(missing)}, but only {found} {kind} card(s) are visible "
-            f"({inventory.env_text(kind)}; indices count from 0 among the visible cards). "
-            f"Fix: list cards below {kind}:{found}, or make more cards visible.")
+            f"({inventory.env_text(kind)}; indices count from 0 among the visible cards): list "
+            f"cards below {kind}:{found}, or make more cards visible to ComfyUI.")
     return [_name(d) for d in explicit]
 
 

@@ -104,7 +104,7 @@ def test_the_clip_load_card_is_refused_first_and_the_message_names_the_fix():
         memory.check()
     text = str(err.value)
     assert "cannot hold the text encoder stage" in text and "CLIP module" in text and "shard" in text
-    assert "NVFP4 text encoder file or more cards (npu_count)" in text
+    assert "NVFP4 text encoder file or raise npu_count" in text
 
 
 def test_text_encoder_share_and_vae_copies_follow_what_apply_will_do():
@@ -148,8 +148,9 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_is_touched(fake_pat
                            dit_weights="replicate", plan_tokens=TOKENS, free_memory={"cpu": nbytes(dit) // 2})
     text = str(err.value)
     assert "cpu cannot hold the DiT stage" in text and "GiB free" in text
-    assert "INT8 DiT file" in text and "dit_weights=shard" in text and f"plan_tokens {TOKENS}" in text
-    assert "memory plan (dit_weights=replicate" in text  # the table comes with the error
+    assert "INT8 DiT file" in text and "set dit_weights to shard" in text and f"plan_tokens (now {TOKENS})" in text
+    assert "\n" not in text and "memory plan (dit_weights=replicate" in err.value.table  # the table: on the error
+    assert "memory plan (dit_weights=replicate" in caplog.text  # and in the log
     assert model.wrappers == {} and all(torch.equal(before[n], t) for n, t in dit.state_dict().items())
     assert roles_apply._COORDINATORS == {}  # no rank thread was started
 
@@ -158,7 +159,7 @@ def test_bad_values_are_clear_errors():
     model, clip, video, audio = inputs()
     with pytest.raises(ValueError, match="dit_weights='halves' is unknown"):
         plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="halves")
-    with pytest.raises(ValueError, match="needs the DiT sequence parallel.*npu_count 2"):
+    with pytest.raises(ValueError, match="dit_weights is shard.*npu_count 2 runs the DiT on one card"):
         plan_memory(plan_roles(2), CPU4[:2], model, clip, video, audio, dit_weights="shard")
     with pytest.raises(ValueError, match="plan_tokens=0"):
         plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=0)
@@ -227,7 +228,7 @@ def test_cpu_cards_are_checked_together_against_the_hosts_memory(fake_patcher_ex
                            plan_tokens=TOKENS, free_memory={"host": too_small})
     text = str(err.value)
     assert "the 4 CPU cards share this machine's memory" in text and "is available" in text
-    assert f"plan_tokens {TOKENS}" in text and "npu_count" in text
+    assert f"plan_tokens (now {TOKENS})" in text and "npu_count" in text and "\n" not in text
     assert model.wrappers == {} and all(torch.equal(before[n], t) for n, t in dit.state_dict().items())
     assert roles_apply._COORDINATORS == {}  # refused before any rank started
     one = plan_memory(plan_roles(1), CPU4[:1], model, clip, video, audio, tokens=TOKENS)

@@ -114,31 +114,59 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
     """Every check that can fail, before anything is cloned, moved or started."""
     for name, value in (("model", model), ("clip", clip), ("video_vae", video_vae), ("audio_vae", audio_vae)):
         if value is None:
-            raise RolePlanError(f"the {name} input is not connected: connect the loader's output to it")
+            raise RolePlanError(f"the {name} input is not connected: connect the loader's output to it.")
     for name, vae in (("video_vae", video_vae), ("audio_vae", audio_vae)):
         if getattr(vae, "first_stage_model", None) is None:
-            raise RolePlanError(f"the {name} input ({type(vae).__name__}) is not a VAE (no first_stage_model): "
-                                f"connect a VAELoader output")
+            raise RolePlanError(f"the {name} input is not a VAE: connect the output of a Load VAE node "
+                                f"(VAELoader) to it.")
     if video_vae is audio_vae:
         raise RolePlanError("video_vae and audio_vae are the same VAE: connect the video VAE loader to "
-                            "video_vae and the audio VAE loader to audio_vae")
+                            "video_vae and the audio VAE loader to audio_vae.")
     if plan.dit.mode == SEQUENCE_PARALLEL:
         from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
-        from comfy.multidevice.sp.minimax_h3 import contract_problems
+        from comfy.multidevice.sp.minimax_h3 import CHECKED_UPSTREAM, contract_problems, OLD_COMFYUI_PROBLEM
         problems = contract_problems(dit_module(model))
         blocked = unsupported_control_patches(block_patches_of(model))
         if blocked:
             raise RolePlanError(
-                f"the model input carries block patches that need the whole sequence on one card: "
-                f"{', '.join(blocked)} (a ControlNet-style patch this version cannot drive under "
-                f"sequence parallel). Set npu_count to 1 or 2 (the DiT on one card), or remove it")
-        if problems:
+                f"the model input carries a ControlNet-style patch that needs the whole sequence on "
+                f"one card ({', '.join(blocked)}), which this version cannot split over "
+                f"{plan.n_cards} cards: set npu_count to 1 or 2 (the DiT on one card), or remove "
+                f"that patch from the workflow.")
+        if problems == [OLD_COMFYUI_PROBLEM]:
             raise RolePlanError(
-                f"the model input ({type(dit_module(model)).__name__}) cannot run sequence parallel: "
-                f"{'; '.join(problems)}. Connect the MiniMax-H3 UNETLoader (or its LoRA loader) output, "
-                f"or set npu_count to 1 or 2")
+                f"this ComfyUI is too old for the model input to run on {plan.n_cards} cards (its "
+                f"MiniMax-H3 blocks lack the attention hook that sequence parallel needs, added "
+                f"after ComfyUI v0.33.0): update ComfyUI (git pull in the ComfyUI folder; this version "
+                f"is checked with upstream commit {CHECKED_UPSTREAM[:8]}), or set npu_count to 1 or 2 "
+                f"to run the DiT on one card.")
+        if problems:
+            log.info("model input (%s) cannot run sequence parallel: %s", type(dit_module(model)).__name__,
+                     "; ".join(problems))
+            raise RolePlanError(
+                f"the model input is not a MiniMax-H3 DiT that this node can split over {plan.n_cards} "
+                f"cards: connect the output of the UNETLoader that loads a MiniMax-H3 file (or of its "
+                f"LoRA loader), or set npu_count to 1 or 2.")
     if plan.text_encoder.mode == TENSOR_PARALLEL:
-        text_encoder_split_problem(clip, len(plan.text_encoder.cards))
+        _check_text_encoder_split(clip, len(plan.text_encoder.cards))
+
+
+def _check_text_encoder_split(clip, n: int) -> None:
+    """text_encoder_split_problem's refusals in the node's words (the same exception types)."""
+    from comfy.multidevice.tp.clip import language_model_patches
+    from comfy.multidevice.tp.layers import TensorParallelError
+
+    if _language_model(clip) is not None and language_model_patches(clip):
+        raise TensorParallelError(
+            f"the clip input carries a CLIP LoRA ({len(language_model_patches(clip))} patched "
+            f"weight(s) of its language model), which tensor parallel over {n} cards cannot apply: "
+            f"remove the CLIP LoRA (a LoRA on the model input only is fine), or set npu_count to 1 "
+            f"or 2 to keep the text encoder on one card.")
+    try:
+        text_encoder_split_problem(clip, n)
+    except TensorParallelError as exc:
+        raise type(exc)(f"the clip input's text encoder cannot be split over {n} cards ({exc}): set "
+                        f"npu_count to 1 or 2 to keep it on one card.") from None
 
 
 # ----------------------------------------------------------------------------- text encoder

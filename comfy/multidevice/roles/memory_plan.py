@@ -42,7 +42,12 @@ DEFAULT_PLAN_TOKENS = 109_952  # MiniMax-H3 at 768p, 15 s: the longest official 
 
 
 class MemoryPlanError(RolePlanError):
-    """A card cannot hold what the plan puts on it (the message names the card and the fixes)."""
+    """A card cannot hold what the plan puts on it (the message names the card and the fixes;
+    `table` is the whole plan, one line per card, for the log)."""
+
+    def __init__(self, message: str, table: str = ""):
+        super().__init__(message)
+        self.table = table
 
 
 def _bytes(module) -> int:
@@ -164,30 +169,32 @@ class MemoryPlan:
         return self.host is not None and self.host.free is not None and self.host.need > self.host.free
 
     def check(self) -> None:
-        """Raise MemoryPlanError naming the first card and stage that do not fit, and the fixes."""
+        """Raise MemoryPlanError naming the first card and stage that do not fit, and the fixes
+        (one sentence; the table is logged by the caller and kept on the error)."""
         if self.host_problem():
             raise MemoryPlanError(
                 f"the {self.host.cards} CPU cards share this machine's memory: their DiT stage needs "
                 f"{self.host.need / GIB:.2f} GiB together ({_items(self.host.items)}) and "
-                f"{self.host.free / GIB:.2f} GiB is available. Fix: fewer frames or a lower resolution "
-                f"(plan_tokens {self.tokens}), fewer cards (npu_count), or free memory.\n{self.table()}")
+                f"{self.host.free / GIB:.2f} GiB is available: sample fewer frames / a lower resolution "
+                f"and lower plan_tokens (now {self.tokens}), lower npu_count, or free memory.", self.table())
         problems = self.problems()
         if not problems:
             return
         card, stage, need = problems[0]
+        more_cards = "raise npu_count" if len(self.cards) < 8 else "free the cards"
         fixes = {
-            "DiT": ("use the INT8 DiT file"
-                    + (", dit_weights=shard" if self.dit_weights == "replicate" and len(self.cards) > 1 else "")
-                    + ", more cards (npu_count), or fewer frames / a lower resolution (plan_tokens "
-                      f"{self.tokens})"),
-            "text encoder": "use the NVFP4 text encoder file or more cards (npu_count)",
-            "VAE decode": "use the INT8 video VAE file or free the card",
+            "DiT": ("load the INT8 DiT file"
+                    + (", set dit_weights to shard" if self.dit_weights == "replicate" and len(self.cards) > 1
+                       else "")
+                    + f", {more_cards}, or sample fewer frames / a lower resolution and lower plan_tokens "
+                      f"(now {self.tokens})"),
+            "text encoder": f"load the NVFP4 text encoder file or {more_cards}",
+            "VAE decode": "load the INT8 video VAE file or free the card",
         }
         raise MemoryPlanError(
             f"{card.device} cannot hold the {stage} stage: it needs {need / GIB:.2f} GiB "
             f"({', '.join(f'{k} {v / GIB:.2f} GiB' for k, v in card.stages[stage].items() if v)}) "
-            f"and has {card.free / GIB:.2f} GiB free. Fix: {fixes.get(stage, 'free the card')}.\n"
-            f"{self.table()}")
+            f"and has {card.free / GIB:.2f} GiB free: {fixes.get(stage, 'free the card')}.", self.table())
 
 
 def _items(items: dict) -> str:
@@ -215,17 +222,19 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
     """The per-card memory plan for a role plan; `auto` resolved. `free` overrides the probed
     free bytes per device name (tests)."""
     if dit_weights not in DIT_WEIGHT_MODES:
-        raise ValueError(f"dit_weights={dit_weights!r} is unknown: use one of {', '.join(DIT_WEIGHT_MODES)}")
+        raise ValueError(f"dit_weights={dit_weights!r} is unknown: set dit_weights to one of "
+                         f"{', '.join(DIT_WEIGHT_MODES)}.")
     if int(tokens) < 1:
-        raise ValueError(f"plan_tokens={tokens} must be >= 1: the longest packed sequence you will sample "
-                         f"({DEFAULT_PLAN_TOKENS} = 768p 15 s)")
+        raise ValueError(f"plan_tokens={tokens} must be at least 1: set it to the longest packed sequence "
+                         f"you will sample ({DEFAULT_PLAN_TOKENS} = 768p 15 s).")
     sequence_parallel = plan.dit.mode == SEQUENCE_PARALLEL
     if dit_weights == "shard" and not sequence_parallel:
-        raise ValueError(f"dit_weights='shard' needs the DiT sequence parallel over several cards, but "
-                         f"npu_count {plan.n_cards} runs it on one card: use npu_count 4 or 8, or "
-                         "dit_weights replicate/auto")
+        raise ValueError(f"dit_weights is shard, which splits the DiT over several cards, but npu_count "
+                         f"{plan.n_cards} runs the DiT on one card: set npu_count to 4 or 8, or dit_weights "
+                         f"to auto or replicate.")
     if dit_weights == "shard" and not hasattr(dit_module(model), "blocks"):
-        raise ValueError("dit_weights='shard' needs a DiT with transformer blocks at .blocks: use replicate")
+        raise ValueError("dit_weights is shard but the model input has no transformer blocks to split: "
+                         "set dit_weights to replicate.")
     if dit_weights == "auto":
         chosen = "replicate"
         if sequence_parallel and plan.n_cards > 1:

@@ -59,6 +59,9 @@ FINAL_ROWS_TO = ("root", "all")  # who receives the final layer's projected rows
 CHECKED_UPSTREAM = "01a56b76bba3f32021fa846104baf2e500adc0da"  # docs/ARCHITECTURE.md, "The upstream contract"
 UPDATE_COMFYUI = (f"update ComfyUI (git pull in the ComfyUI folder; checked with upstream commit "
                   f"{CHECKED_UPSTREAM[:8]}) or run the DiT on one card (npu_count 1)")
+# What contract_problems says of a ComfyUI whose H3 blocks lack the `attention` argument (v0.33.0)
+OLD_COMFYUI_PROBLEM = (f"its blocks' forward() takes no `attention` argument: this ComfyUI predates the "
+                       f"hook sequence parallelism needs (ComfyUI v0.33.0 and older lack it); {UPDATE_COMFYUI}")
 
 
 # ----------------------------------------------------------------------------- support check
@@ -84,9 +87,7 @@ def contract_problems(model: Any) -> list[str]:
     # ComfyUI v0.33.0 ships H3 blocks without it: there every rank would silently attend to
     # its own rows only, so such a model is refused here, before anything is set up.
     elif not all(_takes_attention_argument(b) for b in blocks):
-        problems.append(f"its blocks' forward() takes no `attention` argument: this ComfyUI "
-                        f"predates the hook sequence parallelism needs (ComfyUI v0.33.0 and older "
-                        f"lack it); {UPDATE_COMFYUI}")
+        problems.append(OLD_COMFYUI_PROBLEM)
     return problems
 
 

@@ -81,8 +81,7 @@ def _checked_source(clip, coordinator) -> nn.Module:
     _, model, key_prefix = _locate_language_model(clip)
     if isinstance(model, TensorParallelDecoder):
         model = model.source_decoder  # re-split from the kept original
-    patcher = getattr(clip, "patcher", None)
-    patched = [k for k in (getattr(patcher, "patches", None) or {}) if k.startswith(key_prefix)]
+    patched = language_model_patches(clip)
     if patched:
         raise TensorParallelError(
             f"the CLIP carries {len(patched)} weight patch(es) on its language model (e.g. "
@@ -90,6 +89,13 @@ def _checked_source(clip, coordinator) -> nn.Module:
             "Remove the CLIP LoRA or keep the text encoder on one card")
     check_decoder_split(model, coordinator.world_size)
     return model
+
+
+def language_model_patches(clip) -> list[str]:
+    """The patched state-dict keys of the CLIP's language model (a CLIP LoRA's), in order."""
+    _, _, key_prefix = _locate_language_model(clip)
+    patcher = getattr(clip, "patcher", None)
+    return [k for k in (getattr(patcher, "patches", None) or {}) if k.startswith(key_prefix)]
 
 
 def language_model_of(clip) -> nn.Module:
