@@ -2,7 +2,9 @@
 
 The stand-in main.py (written below) is a tiny HTTP server on the loopback address that
 reports its environment; env STANDIN_MODE makes it crash at start, never open its port,
-ignore SIGTERM or log an out-of-memory error. It ends by itself after STANDIN_MAX_S seconds,
+ignore SIGTERM, log an out-of-memory error, or leave its listening socket open a moment after
+it exits (`linger`: a child in its own session holds it, as a worker process or the kernel's
+slow teardown of a big process can). It ends by itself after STANDIN_MAX_S seconds,
 and every test stops what it started, so nothing outlives the test.
 """
 
@@ -74,7 +76,17 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 
-HTTPServer((args.listen, args.port), Handler).serve_forever()
+server = HTTPServer((args.listen, args.port), Handler)
+if mode == "linger" and os.fork() == 0:
+    # The child: outside the server's process group (a stop waits for that group only), it
+    # keeps the inherited listening socket until 2 s after the server has gone, then ends.
+    os.setsid()
+    parent, start = os.getppid(), time.monotonic()
+    while os.getppid() == parent and time.monotonic() - start < 60:
+        time.sleep(0.05)
+    time.sleep(2)
+    os._exit(0)
+server.serve_forever()
 '''
 
 
@@ -304,3 +316,25 @@ def test_a_pid_file_without_start_time_is_never_trusted(home):
     finally:
         bystander.kill()
         bystander.wait(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_restart_waits_for_the_port_of_the_server_it_stopped(home):
+    # The stopped server's socket outlives its process by 2 s: the restart waits for the port
+    # to be free instead of refusing it as "already in use".
+    assert home.run("restart-v1.sh", STANDIN_MODE="linger").returncode == 0
+    old_pid = home.pid()
+    result = home.run("restart-v1.sh", STANDIN_MODE="linger")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "waiting for port" in result.stdout
+    assert home.pid() != old_pid and home.get()["pid"] == home.pid()
+
+
+@pytest.mark.timeout(120)
+def test_a_port_still_held_after_the_wait_names_the_wait(home):
+    assert home.run("restart-v1.sh", STANDIN_MODE="linger").returncode == 0
+    result = home.run("restart-v1.sh", COMFYUI_PORT_FREE_TIMEOUT_S="1")
+    assert result.returncode != 0
+    assert f"port {home.port} on 127.0.0.1 is still in use" in result.stderr
+    assert "COMFYUI_PORT_FREE_TIMEOUT_S=1" in result.stderr
+    assert not home.pid_file.exists()

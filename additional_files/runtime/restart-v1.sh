@@ -4,7 +4,9 @@
 #   runtime/restart-v1.sh [extra main.py arguments...]
 #
 # 1. Stops the server this script started before (runtime/stop-v1.sh: by its pid file,
-#    never by process name) and waits until it is gone, so its device memory is free.
+#    never by process name) and waits until it is gone, so its device memory is free; then
+#    waits until its port is free too (a process that inherited the listening socket, or the
+#    kernel still tearing a large process down, can hold it a moment longer).
 # 2. Sets the environment (each only when not already set):
 #      ASCEND_RT_VISIBLE_DEVICES     0,1,2,3   the NPUs ComfyUI may use
 #      COMFYUI_MULTI_DEVICE_BACKEND  auto      auto | hccl | nccl | peer
@@ -23,7 +25,8 @@
 # (default: <ComfyUI>/venv/bin/python or <ComfyUI>/.venv/bin/python if present, else python3),
 # COMFYUI_HOST (127.0.0.1), COMFYUI_PORT (8188), COMFYUI_ARGS (more main.py arguments),
 # COMFYUI_START_TIMEOUT_S (900: loading weights onto 4 cards takes a while),
-# COMFYUI_STOP_TIMEOUT_S (60).
+# COMFYUI_STOP_TIMEOUT_S (60), COMFYUI_PORT_FREE_TIMEOUT_S (30: the wait for the stopped
+# server's port).
 set -euo pipefail
 
 RUNTIME_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,6 +34,7 @@ COMFYUI_DIR="${COMFYUI_DIR:-$(dirname "$RUNTIME_DIR")}"
 HOST="${COMFYUI_HOST:-127.0.0.1}"
 PORT="${COMFYUI_PORT:-8188}"
 START_TIMEOUT_S="${COMFYUI_START_TIMEOUT_S:-900}"
+PORT_FREE_TIMEOUT_S="${COMFYUI_PORT_FREE_TIMEOUT_S:-30}"
 PID_FILE="$RUNTIME_DIR/comfyui.pid"
 LOG_FILE="$RUNTIME_DIR/comfyui.log"
 
@@ -42,6 +46,7 @@ fail() {
 [ -f "$COMFYUI_DIR/main.py" ] || fail "no main.py in $COMFYUI_DIR; set COMFYUI_DIR to your ComfyUI checkout"
 case "$PORT" in ''|*[!0-9]*) fail "COMFYUI_PORT='$PORT' is not a port number" ;; esac
 case "$START_TIMEOUT_S" in ''|*[!0-9]*) fail "COMFYUI_START_TIMEOUT_S='$START_TIMEOUT_S' is not a whole number of seconds" ;; esac
+case "$PORT_FREE_TIMEOUT_S" in ''|*[!0-9]*) fail "COMFYUI_PORT_FREE_TIMEOUT_S='$PORT_FREE_TIMEOUT_S' is not a whole number of seconds" ;; esac
 
 if [ -n "${COMFYUI_PYTHON:-}" ]; then
     PYTHON="$COMFYUI_PYTHON"
@@ -53,16 +58,6 @@ else
     PYTHON="python3"
 fi
 command -v "$PYTHON" >/dev/null 2>&1 || fail "Python '$PYTHON' not found; set COMFYUI_PYTHON"
-
-# 1. A clean process: whatever ran before (an out-of-memory run included) is gone first.
-"$RUNTIME_DIR/stop-v1.sh" || fail "could not stop the running server (see above)"
-
-# 2. Environment.
-export ASCEND_RT_VISIBLE_DEVICES="${ASCEND_RT_VISIBLE_DEVICES:-0,1,2,3}"
-export COMFYUI_MULTI_DEVICE_BACKEND="${COMFYUI_MULTI_DEVICE_BACKEND:-auto}"
-export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}"
-export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-export MINIMAX_H3_MODELS="${MINIMAX_H3_MODELS:-$COMFYUI_DIR/models}"
 
 # The port must be free: another server there would answer the readiness probe for us.
 port_holder() {  # "pid command" of the process listening on PORT (Linux /proc), or nothing
@@ -102,10 +97,34 @@ except OSError:
     sys.exit(1)
 PY
 }
+
+# 1. A clean process: whatever ran before (an out-of-memory run included) is gone first, and
+#    so is its hold on the port.
+stopped_ours=0
+[ -f "$PID_FILE" ] && stopped_ours=1
+"$RUNTIME_DIR/stop-v1.sh" || fail "could not stop the running server (see above)"
+if [ "$stopped_ours" -eq 1 ] && port_in_use; then
+    echo "restart-v1.sh: waiting for port $PORT to be free (up to ${PORT_FREE_TIMEOUT_S}s, COMFYUI_PORT_FREE_TIMEOUT_S)"
+    until_free=$((SECONDS + PORT_FREE_TIMEOUT_S))
+    while port_in_use && [ "$SECONDS" -lt "$until_free" ]; do sleep 0.5; done
+fi
 if port_in_use; then
     holder="$(port_holder)"
-    fail "port $PORT on $HOST is already in use${holder:+ by pid $holder}; stop that process or set COMFYUI_PORT to a free port"
+    if [ -n "$holder" ]; then who="by pid $holder"
+    else who="and no process that holds it can be found (it may still be closing, or belong to another network namespace)"
+    fi
+    if [ "$stopped_ours" -eq 1 ]; then
+        fail "port $PORT on $HOST is still in use ${PORT_FREE_TIMEOUT_S}s after stopping our server (COMFYUI_PORT_FREE_TIMEOUT_S=$PORT_FREE_TIMEOUT_S) $who; stop that process, rerun later, or set COMFYUI_PORT to a free port"
+    fi
+    fail "port $PORT on $HOST is already in use $who; stop that process or set COMFYUI_PORT to a free port"
 fi
+
+# 2. Environment.
+export ASCEND_RT_VISIBLE_DEVICES="${ASCEND_RT_VISIBLE_DEVICES:-0,1,2,3}"
+export COMFYUI_MULTI_DEVICE_BACKEND="${COMFYUI_MULTI_DEVICE_BACKEND:-auto}"
+export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+export MINIMAX_H3_MODELS="${MINIMAX_H3_MODELS:-$COMFYUI_DIR/models}"
 
 # 3. Start in a new session (its own process group), detached from this terminal.
 [ -f "$LOG_FILE" ] && mv -f "$LOG_FILE" "$RUNTIME_DIR/comfyui.previous.log"
