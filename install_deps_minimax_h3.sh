@@ -98,7 +98,7 @@ overlay() {
 }
 if [ -n "$COMFYUI_DIR" ]; then
     if [ "$UNINSTALL" -eq 1 ]; then
-        overlay uninstall || die "uninstall from $COMFYUI_DIR stopped (see above); nothing was removed"
+        overlay uninstall || die "uninstall from $COMFYUI_DIR stopped (see above)"
         exit 0
     fi
     overlay check || die "$COMFYUI_DIR was left unchanged (see above)"
@@ -229,7 +229,7 @@ else
 fi
 
 if [ -n "$COMFYUI_DIR" ]; then
-    overlay apply --checked || die "$COMFYUI_DIR was left unchanged (see above)"
+    overlay apply --checked || die "installing into $COMFYUI_DIR stopped (see above)"
     [ -n "$TARGET_PYTHON" ] || [ "$NO_DEPS" -eq 1 ] \
         || echo "Note: ComfyUI runs with its own Python; pass --python PATH to install the dependencies there."
 fi

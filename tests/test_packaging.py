@@ -23,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
+import comfyui_overlay  # noqa: E402
 import make_patch  # noqa: E402
 import make_sample_inputs  # noqa: E402
 import make_workflows  # noqa: E402
@@ -408,6 +409,135 @@ def test_a_failure_while_copying_undoes_the_patch_and_the_copies(tmp_path):
     assert result.returncode != 0
     assert "failed" in result.stderr and "was removed again" in result.stderr
     assert snapshot(comfy) == before
+
+
+def overlay(project: Path, comfy: Path, command: str = "apply") -> int:
+    """The installer's ComfyUI part, in this process (so that a test can make a write fail)."""
+    return comfyui_overlay.main([command, "--comfyui", str(comfy), "--project", str(project)])
+
+
+def fail_at_write(monkeypatch, n: int | None, error: int) -> list:
+    """The n-th file copy (None: the install record's) writes 10 bytes and fails with `error`,
+    as a full disk (ENOSPC) or a folder made read-only (EPERM) does. Returns the copies made."""
+    real, calls = shutil.copyfile, []
+
+    def copy(src, dst, **kwargs):
+        calls.append(str(dst))
+        if len(calls) == n or (n is None and ".minimax-h3-install.json" in str(dst)):
+            Path(dst).write_bytes(Path(src).read_bytes()[:10])
+            raise OSError(error, os.strerror(error), str(dst))
+        return real(src, dst, **kwargs)
+    monkeypatch.setattr(shutil, "copyfile", copy)
+    return calls
+
+
+@pytest.mark.parametrize("n, error", [(1, 28), (30, 28), (70, 1), (None, 28)])
+def test_a_write_that_fails_leaves_the_checkout_exactly_as_it_was(tmp_path, monkeypatch, capsys, n, error):
+    project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
+    before = snapshot(comfy)
+    calls = fail_at_write(monkeypatch, n, error)
+    assert overlay(project, comfy) == 1
+    assert len(calls) == n or n is None
+    err = capsys.readouterr().err
+    assert os.strerror(error) in err and "is as it was" in err
+    assert snapshot(comfy) == before  # nothing created, nothing cut short, not a timestamp moved
+    monkeypatch.undo()
+    assert overlay(project, comfy) == 0  # and the next run installs
+    assert (comfy / ".minimax-h3-install.json").is_file()
+
+
+@pytest.mark.parametrize("n", [1, 3, None])
+def test_a_failed_upgrade_write_restores_every_file_it_replaced(tmp_path, monkeypatch, capsys, n):
+    old, comfy = project_copy(tmp_path / "old"), comfyui_checkout(tmp_path)
+    assert overlay(old, comfy) == 0
+    new, change = next_version(tmp_path / "new")
+    before = snapshot(comfy)
+    fail_at_write(monkeypatch, n, 28)
+    assert overlay(new, comfy) == 1
+    assert "is as it was" in capsys.readouterr().err
+    assert snapshot(comfy) == before
+    monkeypatch.undo()
+    assert overlay(new, comfy) == 0 and not (comfy / change["dropped"]).exists()
+
+
+def test_what_a_failed_install_cannot_undo_is_named_with_the_command_that_repairs_it(
+        tmp_path, monkeypatch, capsys):
+    project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
+    before = without_mtimes(snapshot(comfy))
+    fail_at_write(monkeypatch, 20, 1)
+    real_unlink = Path.unlink
+
+    def unlink(path, missing_ok=False):  # the undo may remove no file (the folder went read-only)
+        if comfy in path.parents and "minimax-h3-partial" not in path.name:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_unlink(path, missing_ok=missing_ok)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    assert overlay(project, comfy) == 1
+    err = capsys.readouterr().err
+    assert "could not be undone" in err and "as it was" not in err
+    left = [p for p in comfy.rglob("*") if p.is_file() and ".git" not in p.relative_to(comfy).parts
+            and str(p.relative_to(comfy)) not in before]
+    assert len(left) == 19 and all(str(p.relative_to(comfy)) in err for p in left)
+    assert f"--comfyui {comfy} --uninstall" in err
+    monkeypatch.undo()
+    assert overlay(project, comfy, "uninstall") == 0
+    assert without_mtimes(snapshot(comfy)) == before
+
+
+def test_an_immutable_checkout_is_left_as_it_was_and_a_later_install_works(tmp_path):
+    # A real failure, where the file system allows it: `chattr +i DIR` (root, ext4 and kin).
+    project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(comfy)],
+                                                        capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs root and a file system that has it)")
+    try:
+        before = snapshot(comfy)
+        result = install(project, "--comfyui", str(comfy), "--no-deps")
+        assert result.returncode != 0 and "Operation not permitted" in result.stderr
+        assert "is as it was" in result.stderr
+        assert snapshot(comfy) == before
+    finally:
+        subprocess.run(["chattr", "-i", str(comfy)], check=True)
+    assert install(project, "--comfyui", str(comfy), "--no-deps").returncode == 0
+
+
+KILLED_AT_WRITE = r"""
+import os, shutil, sys
+sys.path.insert(0, sys.argv[1])
+import comfyui_overlay
+n, calls, real = int(sys.argv[2]), [], shutil.copyfile
+def copy(src, dst, **kwargs):
+    calls.append(dst)
+    if len(calls) == n:  # killed in the middle of this write: no undo, no cleanup runs
+        with open(dst, "wb") as f:
+            f.write(open(src, "rb").read()[:10])
+        os._exit(9)
+    return real(src, dst, **kwargs)
+shutil.copyfile = copy
+sys.exit(comfyui_overlay.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("repair", ["--no-deps", "--uninstall"])
+def test_a_rerun_or_uninstall_repairs_a_checkout_left_by_a_killed_install(tmp_path, repair):
+    project, comfy = project_copy(tmp_path), comfyui_checkout(tmp_path)
+    before = without_mtimes(snapshot(comfy))
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_WRITE, str(project / "tools"), "66",
+                             "apply", "--comfyui", str(comfy)], capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert killed.returncode == 9, killed.stderr
+    overlay_files = committed_overlay(REPO)
+    for rel, (data, _) in overlay_files.items():  # no file cut short under a real name
+        assert not (comfy / rel).exists() or (comfy / rel).read_bytes() == data, rel
+    result = install(project, "--comfyui", str(comfy), repair)
+    assert result.returncode == 0, result.stdout + result.stderr
+    if repair == "--uninstall":
+        assert without_mtimes(snapshot(comfy)) == before
+    else:
+        assert all((comfy / rel).read_bytes() == data for rel, (data, _) in overlay_files.items())
+        assert not [p for p in comfy.rglob("*minimax-h3-partial")]
+        assert install(project, "--comfyui", str(comfy), "--uninstall").returncode == 0
+        assert without_mtimes(snapshot(comfy)) == before
 
 
 def test_uninstall_keeps_the_checkouts_own_folders_even_when_empty(tmp_path):

@@ -19,22 +19,29 @@ What it installs:
   itself when that variable is set;
 - DIR/.minimax-h3-install.json: every file it wrote, with its sha256.
 
-Every check runs before anything is written; a failure while writing undoes what this run
-wrote. A second `apply` finds everything in place and changes nothing. An `apply` over an
-earlier version replaces that version's files (the record says which are ours and unedited;
-an edited overlay file stops it, an edited workflow is kept). `uninstall` removes only files
-whose content is still ours, whichever version installed them.
+Every check runs before anything is written. The patch is applied into an empty staging
+folder; then each file goes into DIR under a temporary name and is renamed onto its own (no
+file is ever cut short under its real name), and a file it replaces or removes is renamed
+aside first. A failure while writing undoes all of it, leaving DIR exactly as it was found, or
+names what it could not undo. A run cut short by a kill leaves only files with our content: a
+rerun completes it and `uninstall` removes them. A second `apply` finds everything in place
+and changes nothing. An `apply` over an earlier version replaces that version's files (the
+record says which are ours and unedited; an edited overlay file stops it, an edited workflow
+is kept). `uninstall` removes only files whose content is still ours, whichever version
+installed them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +142,7 @@ def report_commit(comfyui: Path, pins_file: Path) -> None:
         say(f"{comfyui} is at the pinned ComfyUI commit {pinned}")
 
 
-# ----------------------------------------------------------------------------- the patch
+# ----------------------------------------------------------------------------- this version's files
 
 def patch_paths(patch: Path) -> list[str]:
     # "diff --git a/P b/P" heads every file, an empty one included (which has no "+++" line).
@@ -145,64 +152,6 @@ def patch_paths(patch: Path) -> list[str]:
         raise OverlayError(f"{patch} holds no files; regenerate it with tools/make_patch.py")
     return names
 
-
-def patch_state(comfyui: Path, patch: Path) -> str:
-    """'absent', 'applied', or 'conflict' (neither applies cleanly)."""
-    if _git(comfyui, "apply", "--check", str(patch)).returncode == 0:
-        return "absent"
-    if _git(comfyui, "apply", "--reverse", "--check", str(patch)).returncode == 0:
-        return "applied"
-    return "conflict"
-
-
-def explain_conflict(comfyui: Path, patch: Path, uninstalling: bool, paths=None) -> OverlayError:
-    detail = _git(comfyui, "apply", "--check", str(patch)).stderr.strip()
-    present = paths or [p for p in patch_paths(patch) if (comfyui / p).exists()]
-    if uninstalling:
-        return OverlayError(f"the overlay in {comfyui} is not the one in {patch.name} (files were "
-                            f"edited, or another version was installed): {', '.join(present) or detail}; "
-                            f"nothing was removed; restore or delete those files by hand")
-    where = (f"these overlay files already exist, edited or not written by this installer: "
-             f"{', '.join(present)}" if present else f"git apply --check says: {detail}")
-    return OverlayError(f"cannot apply {patch.name} to {comfyui}: {where}. Nothing was changed. "
-                        f"Restore or delete those files (an overlay installed before {RECORD} "
-                        f"existed: remove it with --uninstall from the checkout that installed "
-                        f"it), then rerun")
-
-
-def _git_apply(comfyui: Path, patch: Path, *flags: str) -> None:
-    result = _git(comfyui, "apply", *flags, str(patch))
-    if result.returncode != 0:
-        raise OverlayError(f"git apply {' '.join(flags)} {patch.name} failed in {comfyui}: "
-                           f"{result.stderr.strip()}")
-
-
-def _existing_folders(comfyui: Path, files: list[str]) -> frozenset:
-    """The folders (relative to DIR) above these files that exist right now."""
-    return frozenset(p.relative_to(comfyui) for rel in files for p in (comfyui / rel).parents
-                     if comfyui in p.parents and p.is_dir())
-
-
-def _remove_bytecode_and_empty_dirs(comfyui: Path, removed: list[str], keep=COMFYUI_FOLDERS) -> None:
-    """After removing files: their .pyc files, then folders left empty (rmdir never removes
-    content), except the folders in `keep` (relative to DIR)."""
-    folders = set()
-    for rel in removed:
-        path = comfyui / rel
-        for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
-            pyc.unlink()
-        folders.update([path.parent / "__pycache__", *[p for p in path.parents
-                                                      if comfyui in p.parents]])
-    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
-        if folder.relative_to(comfyui) in keep:
-            continue
-        try:
-            folder.rmdir()
-        except OSError:
-            pass  # not empty or not there: it holds something that is not ours
-
-
-# ----------------------------------------------------------------------------- additional files
 
 @dataclass(frozen=True)
 class ExtraFile:
@@ -246,10 +195,6 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _same_content(a: Path, b: Path) -> bool:
-    return a.is_file() and b.is_file() and _digest(a) == _digest(b)
-
-
 def beside(extra: ExtraFile) -> ExtraFile:
     """Where this version of a workflow goes when the user's edited copy holds its name."""
     digest = _digest(extra.source)[:8]
@@ -257,50 +202,41 @@ def beside(extra: ExtraFile) -> ExtraFile:
     return ExtraFile(extra.source, target)
 
 
-def is_workflow(extra: ExtraFile) -> bool:
-    return WORKFLOWS_DIR in extra.target.parents
+def is_workflow(rel) -> bool:
+    return WORKFLOWS_DIR in Path(rel).parents
 
 
-def plan_extras(comfyui: Path, extras: list[ExtraFile], gone: frozenset = frozenset()) -> list[ExtraFile]:
-    """The extra files to copy; raises, before anything is written, on a file DIR has with other
-    content (except a workflow the user edited: kept, ours goes beside it). Paths in `gone` are
-    files of an earlier install that will be removed first: they count as absent."""
-    def present(rel: Path) -> bool:
-        return str(rel) not in gone and (comfyui / rel).exists()
+@dataclass(frozen=True)
+class Version:
+    """This version's files, each with the file in a staging folder (or this checkout) that
+    holds its content. The patch is applied into that empty staging folder, never into DIR:
+    `git apply` writes file by file and leaves what it wrote when it fails."""
+    patch: dict[str, Path]       # path in DIR -> staged file
+    extras: tuple[ExtraFile, ...]
+    staging: Path
 
-    to_copy, clashes = [], []
-    for extra in extras:
-        if not present(extra.target):
-            to_copy.append(extra)
-        elif _same_content(extra.source, comfyui / extra.target):
-            continue
-        elif is_workflow(extra):
-            new = beside(extra)
-            if present(new.target) and _same_content(new.source, comfyui / new.target):
-                continue
-            if present(new.target):
-                clashes.append(str(new.target))
-                continue
-            say(f"kept your edited {extra.target}; this version's workflow is installed beside it "
-                f"as {new.target.name}")
-            to_copy.append(new)
-        else:
-            clashes.append(str(extra.target))
-    if clashes:
-        raise OverlayError(f"{comfyui} already has {', '.join(clashes)} with other content (your edits, "
-                           f"or a file this installer did not write); nothing was changed; move those "
-                           f"files away, then rerun")
-    return to_copy
+    def digests(self) -> dict[str, str]:
+        """{path in DIR: sha256} of every name this version may write (a beside name too)."""
+        files = {rel: _digest(source) for rel, source in self.patch.items()}
+        for extra in self.extras:
+            files[str(extra.target)] = files[str(beside(extra).target)] = _digest(extra.source)
+        return files
 
 
-def copy_extras(comfyui: Path, to_copy: list[ExtraFile], written: list[str]) -> None:
-    """Copy; `written` collects what was written, so a failure can be undone by the caller."""
-    for extra in to_copy:
-        target = comfyui / extra.target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(extra.source, target)
-        shutil.copymode(extra.source, target)
-        written.append(str(extra.target))
+@contextlib.contextmanager
+def staged(project: Project):
+    if not project.patch.is_file():
+        raise OverlayError(f"{project.patch} is missing; regenerate it with tools/make_patch.py")
+    extras = tuple(extra_files(project))
+    with tempfile.TemporaryDirectory(prefix="minimax-h3-staging-") as tmp:
+        staging = Path(tmp) / "patch"
+        staging.mkdir()
+        result = _git(staging, "apply", str(project.patch))
+        if result.returncode != 0:
+            raise OverlayError(f"cannot apply {project.patch.name} even to an empty folder "
+                               f"({result.stderr.strip()}); nothing was changed; regenerate it "
+                               f"with tools/make_patch.py (or free space in {tmp})")
+        yield Version({rel: staging / rel for rel in patch_paths(project.patch)}, extras, Path(tmp))
 
 
 # ----------------------------------------------------------------------------- the install record
@@ -323,24 +259,131 @@ def read_record(comfyui: Path) -> dict[str, str]:
     return files
 
 
-def unedited(comfyui: Path, record: dict[str, str]) -> set[str]:
-    """The recorded files that still hold what the install wrote (the user's edits are theirs)."""
-    return {rel for rel, digest in record.items()
-            if (comfyui / rel).is_file() and _digest(comfyui / rel) == digest}
+def recognise(comfyui: Path, record: dict[str, str], version: Version) -> tuple[set[str], list[str]]:
+    """(ours, edited). Ours: the files that hold what the record says an install wrote, or this
+    version's content (a run cut short, by a crash or a kill, wrote those without a record).
+    Edited: the recorded files and this version's names that hold something else."""
+    wanted = version.digests()
+    ours, edited = set(), []
+    for rel in sorted(set(record) | set(wanted)):
+        path = comfyui / rel
+        if path.is_file() and _digest(path) in (record.get(rel), wanted.get(rel)):
+            ours.add(rel)
+        elif path.exists() or path.is_symlink():
+            edited.append(rel)
+    return ours, edited
 
 
-def write_record(comfyui: Path, project: Project) -> None:
-    """Record every file of this version now in DIR with our content (a kept-beside workflow too)."""
-    files = {rel: _digest(comfyui / rel) for rel in patch_paths(project.patch)}
-    for extra in extra_files(project):
-        for candidate in (extra, beside(extra)):
-            if _same_content(candidate.source, comfyui / candidate.target):
-                files[str(candidate.target)] = _digest(candidate.source)
-    text = json.dumps({"format": RECORD_FORMAT, "tool": "install_deps_minimax_h3.sh --comfyui",
+def record_text(comfyui: Path, version: Version) -> str:
+    """The record of every file of this version now in DIR with our content (a beside workflow too)."""
+    files = {rel: digest for rel, digest in version.digests().items()
+             if (comfyui / rel).is_file() and _digest(comfyui / rel) == digest}
+    return json.dumps({"format": RECORD_FORMAT, "tool": "install_deps_minimax_h3.sh --comfyui",
                        "files": dict(sorted(files.items()))}, indent=1) + "\n"
-    path = comfyui / RECORD
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
+
+
+# ----------------------------------------------------------------------------- undoable writes
+
+PARTIAL, ASIDE = ".minimax-h3-partial", ".minimax-h3-old"
+
+
+def _temporary(path: Path, suffix: str) -> Path:
+    return path.with_name(f".{path.name}{suffix}")
+
+
+def remove_leftovers(comfyui: Path, paths) -> None:
+    """The temporary files a run that was killed can leave beside these paths."""
+    for rel in paths:
+        for suffix in (PARTIAL, ASIDE):
+            with contextlib.suppress(OSError):
+                _temporary(comfyui / rel, suffix).unlink(missing_ok=True)
+
+
+class Changes:
+    """The changes one install makes to DIR, each undoable. A file is written under a temporary
+    name and renamed onto its own, so no file is ever cut short under its real name; a file it
+    replaces or removes is first renamed aside (that needs no disk space), so undo can rename it
+    back; undo also removes every file and folder the run created."""
+
+    def __init__(self, comfyui: Path):
+        self.comfyui = comfyui
+        self.created: list[Path] = []                # files and folders, in order
+        self.aside: list[tuple[Path, Path]] = []     # (path, the name it waits under)
+
+    def _make_folders(self, folder: Path) -> None:
+        missing = [p for p in (folder, *folder.parents)
+                   if self.comfyui in p.parents and not p.exists() and not p.is_symlink()]
+        for path in reversed(missing):
+            path.mkdir()
+            self.created.append(path)
+
+    def write(self, source: Path, rel: str) -> None:
+        path = self.comfyui / rel
+        self._make_folders(path.parent)
+        partial = _temporary(path, PARTIAL)
+        try:
+            shutil.copyfile(source, partial)
+            shutil.copymode(source, partial)
+            if path.exists() or path.is_symlink():
+                self.set_aside(rel)
+            os.replace(partial, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            raise
+        self.created.append(path)
+
+    def set_aside(self, rel: str) -> None:
+        path = self.comfyui / rel
+        aside = _temporary(path, ASIDE)
+        os.replace(path, aside)
+        self.aside.append((path, aside))
+
+    def undo(self) -> list[str]:
+        """Undo everything; returns what could not be undone (empty: DIR is as it was)."""
+        left = []
+        for path in reversed(self.created):
+            try:
+                path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                left.append(f"{path.relative_to(self.comfyui)} ({exc.strerror})")
+        for path, aside in reversed(self.aside):
+            try:
+                os.replace(aside, path)
+            except OSError as exc:
+                left.append(f"{path.relative_to(self.comfyui)}, set aside as {aside.name} ({exc.strerror})")
+        return left
+
+    def finish(self) -> None:
+        """Drop what was set aside, its bytecode and the folders that left empty."""
+        for _, aside in self.aside:
+            with contextlib.suppress(OSError):
+                aside.unlink()
+        _remove_bytecode_and_empty_dirs(self.comfyui, [str(p.relative_to(self.comfyui))
+                                                       for p, _ in self.aside])
+
+
+def _remove_bytecode_and_empty_dirs(comfyui: Path, removed: list[str]) -> None:
+    """After removing files: their .pyc files, then folders left empty (rmdir never removes
+    content), except the checkout's own folders. Failures are left alone: only caches and
+    empty folders are at stake."""
+    folders = set()
+    for rel in removed:
+        path = comfyui / rel
+        for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+            with contextlib.suppress(OSError):
+                pyc.unlink()
+        folders.update([path.parent / "__pycache__", *[p for p in path.parents
+                                                      if comfyui in p.parents]])
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        if folder.relative_to(comfyui) in COMFYUI_FOLDERS:
+            continue
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # not empty or not there: it holds something that is not ours
 
 
 # ----------------------------------------------------------------------------- commands
@@ -358,173 +401,165 @@ def require_h3(comfyui: Path, pins: Path) -> None:
 
 @dataclass(frozen=True)
 class InstallPlan:
-    patch_state: str            # absent | applied | upgrade (an earlier version's files go first)
-    replaced: tuple[str, ...]   # files of the earlier install removed before this one goes in
-    to_copy: tuple[ExtraFile, ...]
+    writes: tuple[tuple[Path, str], ...]  # (content, path in DIR): absent there, or an earlier install's
+    replaced: tuple[str, ...]             # the written paths that hold an earlier install's file
+    removes: tuple[str, ...]              # an earlier install's files this version does not have
 
 
-def plan_install(comfyui: Path, project: Project, report: bool = True, force: bool = False) -> InstallPlan:
+def plan_install(comfyui: Path, project: Project, version: Version, report: bool = True,
+                 force: bool = False) -> InstallPlan:
     """Every check of an install, before anything is written."""
     comfyui = validate_checkout(comfyui)
     if not force:
         require_h3(comfyui, project.pins)
-    if not project.patch.is_file():
-        raise OverlayError(f"{project.patch} is missing; regenerate it with tools/make_patch.py")
     if report:
         report_commit(comfyui, project.pins)
     record = read_record(comfyui)
-    ours = unedited(comfyui, record)
-    extras = extra_files(project)
-    state = patch_state(comfyui, project.patch)
-    if state == "conflict":
-        present = [p for p in patch_paths(project.patch) if (comfyui / p).exists()]
-        foreign = [p for p in present if p not in ours]
-        if foreign or not record:
-            raise explain_conflict(comfyui, project.patch, uninstalling=False, paths=foreign)
-        replaced, state = sorted(ours), "upgrade"  # the earlier version as a whole, then this one
-    else:
-        # Same patch: an extra file of the earlier install that this version changed or dropped
-        # (a workflow kept beside the user's edit is wanted under its beside name).
-        wanted = {}
-        for extra in extras:
-            wanted[str(extra.target)] = wanted[str(beside(extra).target)] = _digest(extra.source)
-        patch_files = set(patch_paths(project.patch))
-        replaced = sorted(rel for rel in ours
-                          if rel not in patch_files and wanted.get(rel) != record[rel])
-    to_copy = plan_extras(comfyui, extras, gone=frozenset(replaced))
-    return InstallPlan(state, tuple(replaced), tuple(to_copy))
+    ours, edited = recognise(comfyui, record, version)
+    digests = version.digests()
+    writes, replaced, targets, clashes = [], [], set(), []
+
+    def place(source: Path, rel: str) -> bool:
+        """Plan rel (absent, or ours: written unless it holds this version already); False when
+        DIR holds something of its own there."""
+        path = comfyui / rel
+        present = path.exists() or path.is_symlink()
+        if present and rel not in ours:
+            return False
+        if not present or _digest(path) != digests[rel]:
+            writes.append((source, rel))
+            if present:
+                replaced.append(rel)
+        targets.add(rel)
+        return True
+
+    for rel, source in version.patch.items():
+        if not place(source, rel):
+            clashes.append(rel)
+    for extra in version.extras:
+        if place(extra.source, str(extra.target)):
+            continue
+        new = beside(extra)
+        if is_workflow(extra.target) and place(new.source, str(new.target)):
+            if writes and writes[-1][1] == str(new.target):
+                say(f"kept your edited {extra.target}; this version's workflow is installed beside it "
+                    f"as {new.target.name}")
+            continue
+        clashes.append(str(new.target if is_workflow(extra.target) else extra.target))
+    # An overlay file of the earlier install that the user edited stops it (removing the package
+    # around it would break it); an edited workflow is theirs, kept.
+    clashes += [rel for rel in edited if rel in record and rel not in clashes and not is_workflow(rel)]
+    if clashes:
+        raise OverlayError(f"cannot install into {comfyui}: these files already exist with other "
+                           f"content (your edits, or files this installer did not write): "
+                           f"{', '.join(clashes)}. Nothing was changed. Move those files away (an "
+                           f"overlay installed before {RECORD} existed: remove it with --uninstall "
+                           f"from the checkout that installed it), then rerun")
+    removes = sorted(rel for rel in ours if rel in record and rel not in targets)
+    return InstallPlan(tuple(writes), tuple(replaced), tuple(removes))
 
 
 def check(comfyui: Path, project: Project, uninstalling: bool, report: bool = True,
           force: bool = False) -> None:
-    if not uninstalling:
-        plan_install(comfyui, project, report=report, force=force)
-        return
-    comfyui = validate_checkout(comfyui)
-    record = read_record(comfyui)
-    if record:
-        edited_files(comfyui, record)  # raises on an edited overlay file
-        return
-    if not project.patch.is_file():
-        raise OverlayError(f"{project.patch} is missing; regenerate it with tools/make_patch.py")
-    if report:
-        report_commit(comfyui, project.pins)
-    if patch_state(comfyui, project.patch) == "conflict":
-        raise explain_conflict(comfyui, project.patch, uninstalling=True)
+    with staged(project) as version:
+        if uninstalling:
+            plan_uninstall(comfyui, project, version, report=report)
+        else:
+            plan_install(comfyui, project, version, report=report, force=force)
 
 
-def _backup(comfyui: Path, files) -> dict[str, tuple[bytes, int]]:
-    return {rel: ((comfyui / rel).read_bytes(), (comfyui / rel).stat().st_mode) for rel in files}
-
-
-def _restore(comfyui: Path, saved: dict[str, tuple[bytes, int]]) -> None:
-    for rel, (data, mode) in saved.items():
-        path = comfyui / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        path.chmod(mode)
+def repair_hint(comfyui: Path) -> str:
+    return (f"once the cause is fixed, rerun the install (it completes it) or run "
+            f"`install_deps_minimax_h3.sh --comfyui {comfyui} --uninstall` (it removes it): both "
+            f"recognise those files as ours")
 
 
 def apply(comfyui: Path, project: Project, report: bool = True, force: bool = False) -> None:
-    plan = plan_install(comfyui, project, report=report, force=force)
-    comfyui = comfyui.resolve()
-    patch = project.patch
-    if plan.patch_state == "applied" and not plan.to_copy and not plan.replaced:
+    with staged(project) as version:
+        plan = plan_install(comfyui, project, version, report=report, force=force)
+        comfyui = comfyui.resolve()
         had_record = (comfyui / RECORD).is_file()
-        write_record(comfyui, project)  # an install by an earlier tool gets its record now
+        changes = Changes(comfyui)
+        try:
+            for source, rel in plan.writes:
+                changes.write(source, rel)
+            for rel in plan.removes:
+                changes.set_aside(rel)
+            text = record_text(comfyui, version)  # an install by an earlier tool gets its record now
+            if not had_record or (comfyui / RECORD).read_text() != text:
+                (version.staging / RECORD.name).write_text(text)
+                changes.write(version.staging / RECORD.name, str(RECORD))
+        except (OSError, KeyboardInterrupt) as exc:
+            left = changes.undo()
+            why = f"installing into {comfyui} failed ({exc or type(exc).__name__})"
+            if left:
+                raise OverlayError(f"{why}, and these of its changes could not be undone: "
+                                   f"{'; '.join(left)}; {repair_hint(comfyui)}") from None
+            raise OverlayError(f"{why}; what this run wrote was removed again and the files it "
+                               f"replaced restored: {comfyui} is as it was") from None
+        changes.finish()
+        remove_leftovers(comfyui, [*version.digests(), *plan.removes, str(RECORD)])
+    if not plan.writes and not plan.removes:
         say(f"already installed in {comfyui}: the patch is applied and every additional file is in "
             f"place; nothing changed" + ("" if had_record else f" (recorded it in {RECORD})"))
         return
-    targets = [*patch_paths(patch), *(str(e.target) for e in plan.to_copy), *plan.replaced]
-    existing = _existing_folders(comfyui, targets)
-    saved = _backup(comfyui, plan.replaced)
-    record_before = (comfyui / RECORD).read_bytes() if (comfyui / RECORD).is_file() else None
-    written, patched = [], False
-    try:
-        for rel in plan.replaced:
-            (comfyui / rel).unlink()
-        _remove_bytecode_and_empty_dirs(comfyui, list(plan.replaced), keep=existing)
-        if plan.patch_state in ("absent", "upgrade"):
-            _git_apply(comfyui, patch)
-            patched = True
-        copy_extras(comfyui, list(plan.to_copy), written)
-        write_record(comfyui, project)
-    except (OSError, OverlayError) as exc:
-        for rel in written:
-            (comfyui / rel).unlink(missing_ok=True)
-        if patched:
-            _git_apply(comfyui, patch, "--reverse")
-        _restore(comfyui, saved)
-        if record_before is None:
-            (comfyui / RECORD).unlink(missing_ok=True)
-        else:
-            (comfyui / RECORD).write_bytes(record_before)
-        for folder in existing:  # git removes the folders it empties, earlier ones too
-            (comfyui / folder).mkdir(parents=True, exist_ok=True)
-        _remove_bytecode_and_empty_dirs(comfyui, [*written, *patch_paths(patch)], keep=existing)
-        raise OverlayError(f"installing into {comfyui} failed ({exc}); what this run wrote was "
-                           f"removed again and the earlier files restored") from None
-    if plan.patch_state == "upgrade":
-        say(f"upgraded {comfyui}: removed the {len(plan.replaced)} files of the earlier install "
-            f"(none of them edited) and applied {patch.name} ({len(patch_paths(patch))} files)")
-    elif plan.patch_state == "absent":
-        say(f"applied {patch.name} ({len(patch_paths(patch))} new files) to {comfyui}")
+    new = [rel for _, rel in plan.writes if rel not in plan.replaced]
+    if plan.replaced or plan.removes:
+        say(f"upgraded {comfyui}: replaced {len(plan.replaced)} files of the earlier install (none "
+            f"of them edited), removed {len(plan.removes)} it had and this version has not, "
+            f"added {len(new)}")
     else:
-        say(f"{patch.name} is already applied in {comfyui}")
-    if plan.patch_state != "upgrade":  # an upgrade replaces the whole earlier install: said above
-        for rel in plan.replaced:
-            say(f"replaced {rel} (an earlier version of ours)")
-    for rel in written:
-        say(f"installed {rel}")
+        say(f"installed {len(new)} files into {comfyui} "
+            f"({sum(rel in version.patch for rel in new)} of them from {project.patch.name})")
+    for rel in new:
+        if rel not in version.patch and rel != str(RECORD):
+            say(f"installed {rel}")
 
 
-def edited_files(comfyui: Path, record: dict[str, str]) -> list[str]:
-    """Recorded files the user changed, workflows aside (those are kept); raises for overlay
-    files: removing the overlay around an edited module would leave a broken package."""
-    ours = unedited(comfyui, record)
-    edited = [rel for rel in record if rel not in ours and (comfyui / rel).exists()]
-    blocking = [rel for rel in edited if WORKFLOWS_DIR not in Path(rel).parents]
+def plan_uninstall(comfyui: Path, project: Project, version: Version,
+                   report: bool = True) -> tuple[list[str], list[str]]:
+    """(to remove, kept): our files, and the edited ones that stay (a workflow, or an additional
+    file no record claims). Raises for an edited overlay file: removing the overlay around an
+    edited module would leave a broken package."""
+    comfyui = validate_checkout(comfyui)
+    record = read_record(comfyui)
+    if not record and report:
+        report_commit(comfyui, project.pins)
+    ours, edited = recognise(comfyui, record, version)
+    blocking = [rel for rel in edited
+                if not is_workflow(rel) and (rel in record or rel in version.patch)]
     if blocking:
-        raise OverlayError(f"these files of the install in {comfyui} were edited: {', '.join(blocking)}; "
-                           f"nothing was removed; restore or delete those files by hand, then rerun")
-    return edited
+        raise OverlayError(f"these files of the install in {comfyui} were edited, or are not the ones "
+                           f"in {project.patch.name}: {', '.join(blocking)}; nothing was removed; "
+                           f"restore or delete those files by hand, then rerun")
+    return sorted(ours), [rel for rel in edited if rel not in blocking]
 
 
 def uninstall(comfyui: Path, project: Project, report: bool = True) -> None:
-    check(comfyui, project, uninstalling=True, report=report)
-    comfyui = comfyui.resolve()
-    pid_file = comfyui / "runtime" / "comfyui.pid"
-    if pid_file.exists():
-        raise OverlayError(f"{pid_file} exists: the ComfyUI service may be running; stop it with "
-                           f"runtime/stop-v1.sh, then rerun --uninstall")
-    record = read_record(comfyui)
-    if record:
-        kept = edited_files(comfyui, record)
-        removed = sorted(unedited(comfyui, record))
-    else:  # installed by a version of this tool that kept no record: this version's files
-        kept, removed = _uninstall_unrecorded(comfyui, project)
-    for rel in removed:
-        (comfyui / rel).unlink()
-    (comfyui / RECORD).unlink(missing_ok=True)
+    with staged(project) as version:
+        to_remove, kept = plan_uninstall(comfyui, project, version, report=report)
+        comfyui = comfyui.resolve()
+        pid_file = comfyui / "runtime" / "comfyui.pid"
+        if pid_file.exists():
+            raise OverlayError(f"{pid_file} exists: the ComfyUI service may be running; stop it with "
+                               f"runtime/stop-v1.sh, then rerun --uninstall")
+        removed, left = [], []
+        for rel in to_remove:
+            try:
+                (comfyui / rel).unlink()
+                removed.append(rel)
+            except OSError as exc:
+                left.append(f"{rel} ({exc.strerror})")
+        remove_leftovers(comfyui, [*version.digests(), *read_record(comfyui), str(RECORD)])
     _remove_bytecode_and_empty_dirs(comfyui, removed)
     for rel in kept:
         say(f"kept {rel}: its content is no longer ours (edited?)")
+    if left:  # the record stays: a rerun still knows the earlier versions' files
+        raise OverlayError(f"removed {len(removed)} files of the MiniMax-H3 install from {comfyui}, "
+                           f"but could not remove {'; '.join(left)}; fix that, then rerun --uninstall")
+    with contextlib.suppress(FileNotFoundError):
+        (comfyui / RECORD).unlink()
     say(f"removed {len(removed)} files of the MiniMax-H3 install from {comfyui}")
-
-
-def _uninstall_unrecorded(comfyui: Path, project: Project) -> tuple[list[str], list[str]]:
-    patch = project.patch
-    removed, kept = [], []
-    if patch_state(comfyui, patch) == "applied":
-        removed += patch_paths(patch)
-    ours = extra_files(project)
-    ours += [b for b in (beside(e) for e in ours if is_workflow(e)) if (comfyui / b.target).exists()]
-    for extra in ours:
-        if _same_content(extra.source, comfyui / extra.target):
-            removed.append(str(extra.target))
-        elif (comfyui / extra.target).exists():
-            kept.append(str(extra.target))
-    return kept, removed
 
 
 def main(argv: list[str] | None = None) -> int:
