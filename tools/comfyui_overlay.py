@@ -450,9 +450,8 @@ def plan_install(comfyui: Path, project: Project, version: Version, report: bool
     # around it would break it); an edited workflow is theirs, kept.
     clashes += [rel for rel in edited if rel in record and rel not in clashes and not is_workflow(rel)]
     if clashes:
-        raise OverlayError(f"cannot install into {comfyui}: these files already exist with other "
-                           f"content (your edits, or files this installer did not write): "
-                           f"{', '.join(clashes)}. Nothing was changed. Move those files away (an "
+        raise OverlayError(f"cannot install into {comfyui}: these files already exist, edited or "
+                           f"not written by this installer: {', '.join(clashes)}. Nothing was changed. Move those files away (an "
                            f"overlay installed before {RECORD} existed: remove it with --uninstall "
                            f"from the checkout that installed it), then rerun")
     removes = sorted(rel for rel in ours if rel in record and rel not in targets)

@@ -21,10 +21,16 @@ stat_fields() {
     echo "${stat##*) }"
 }
 
-running() {  # a zombie has exited already: it only waits for its parent to read its status
+exited() {  # state $1 of process $2: a zombie has exited (it only waits for its parent to
+            # read its status), unless it leads threads that are still exiting: a process exits
+            # thread by thread, and its files (the listening socket) close with the last one
+    case "$1" in Z|X) [ "$(ls "/proc/$2/task" 2>/dev/null | wc -l)" -le 1 ] ;; *) return 1 ;; esac
+}
+
+running() {
     local fields
     fields="$(stat_fields "$1")" || return 1
-    case "${fields%% *}" in Z|X) return 1 ;; esac
+    ! exited "${fields%% *}" "$1"
 }
 
 group_running() {  # any live process left in process group $1
@@ -33,7 +39,7 @@ group_running() {  # any live process left in process group $1
         { read -r stat < "$f"; } 2>/dev/null || continue
         # shellcheck disable=SC2086
         set -- ${stat##*) }
-        [ "${3:-}" = "$GROUP" ] && [ "$1" != Z ] && [ "$1" != X ] && return 0
+        [ "${3:-}" = "$GROUP" ] && ! exited "$1" "${f//[!0-9]/}" && return 0
     done
     return 1
 }
