@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint, clear_shared_checkpoints
@@ -54,6 +55,44 @@ def _optimizer_step(p):
     torch.optim.SGD([p], lr=0.1).step()
 
 
+def _batch(channels=4):
+    return torch.randn(3, channels, generator=torch.Generator().manual_seed(5))
+
+
+def _batch_norm_module_step(t):
+    norm = torch.nn.BatchNorm1d(4).train()
+    norm.running_mean = t  # the base's running stats as the module's buffers (a frozen norm layer)
+    norm(_batch())
+
+
+def _gather_stats(op, t, *count):
+    # (input, mean, invstd, running_mean, running_var, momentum, eps, count): sync batch norm's update
+    op(_batch(), torch.zeros(1, 4), torch.ones(1, 4), t, torch.ones(4), 0.1, 1e-5, *count)
+
+
+# Ops that update batch norm's running stats without their schema marking the write (UNMARKED_WRITES
+# of read_only.py). The cuDNN, MIOpen and gather-stats ops have no CPU kernel: on CPU the guard's
+# refusal comes first (before it, torch said it has no such kernel); on a card they write.
+BATCH_NORM_WAYS = {
+    "F.batch_norm(training) running_mean": lambda t: F.batch_norm(_batch(), t, torch.ones(4), training=True),
+    "F.batch_norm(training) running_var": lambda t: F.batch_norm(_batch(), torch.zeros(4), t, training=True),
+    "BatchNorm1d.train() forward": _batch_norm_module_step,
+    "F.instance_norm(use_input_stats)": lambda t: F.instance_norm(_batch().view(1, 4, 3), t, torch.ones(4),
+                                                                   use_input_stats=True),
+    "aten.native_batch_norm": lambda t: torch.ops.aten.native_batch_norm(_batch(), None, None, t, torch.ones(4),
+                                                                         True, 0.1, 1e-5),
+    "aten.batch_norm_update_stats": lambda t: torch.ops.aten.batch_norm_update_stats(_batch(), t, torch.ones(4),
+                                                                                     0.1),
+    "aten.cudnn_batch_norm": lambda t: torch.ops.aten.cudnn_batch_norm(_batch(), torch.ones(4), None, t,
+                                                                       torch.ones(4), True, 0.1, 1e-5),
+    "aten.miopen_batch_norm": lambda t: torch.ops.aten.miopen_batch_norm(_batch(), torch.ones(4), None, t,
+                                                                         torch.ones(4), True, 0.1, 1e-5),
+    "aten.batch_norm_gather_stats": lambda t: _gather_stats(torch.ops.aten.batch_norm_gather_stats, t, 3),
+    "aten.batch_norm_gather_stats_with_counts": lambda t: _gather_stats(
+        torch.ops.aten.batch_norm_gather_stats_with_counts, t, torch.full((1,), 3.0)),
+}
+
+
 # name -> (write attempt, whether it takes the replica parameter rather than the view)
 WAYS = {
     "copy.copy(view)": (lambda t: copy.copy(t).add_(1), False),
@@ -77,6 +116,7 @@ WAYS = {
     "param.data.add_": (lambda p: p.data.add_(1), True),
     "optimizer step": (_optimizer_step, True),
     "apply_": (lambda t: t.apply_(lambda x: 0.0), False),
+    **{way: (fn, False) for way, fn in BATCH_NORM_WAYS.items()},
 }
 
 
@@ -142,6 +182,38 @@ def test_every_write_way_on_the_mapped_file_is_refused_before_it_faults(tmp_path
     assert lines[-1] == "base unchanged"
     results = dict(line.split(" => ", 1) for line in lines[:-1])
     assert results == {way: "refused" for way in WAYS}
+
+
+# Ops with a running_mean / running_var argument their schema leaves unmarked that only read it:
+# backward passes, inference variants, and functional variants (they return new running stats).
+RUNNING_STATS_READERS = {
+    "aten::_batch_norm_impl_index_backward", "aten::_batch_norm_no_update",
+    "aten::_batch_norm_with_update_functional", "aten::_native_batch_norm_legit_functional",
+    "aten::_native_batch_norm_legit_no_training", "aten::batch_norm_backward",
+    "aten::cudnn_batch_norm_backward", "aten::miopen_batch_norm_backward", "aten::native_batch_norm_backward",
+}
+
+
+def test_every_unmarked_running_stats_op_is_listed():
+    """The search that found UNMARKED_WRITES, repeated over this torch's schemas: an op that takes
+    running stats without marking them written is either refused on a base or known to only read."""
+    from comfy.multidevice.weights.read_only import UNMARKED_WRITES
+    found = {s.name for s in torch._C._jit_get_all_schemas()
+             for a in s.arguments
+             if a.name in ("running_mean", "running_var") and a.alias_info is None}
+    assert found - RUNNING_STATS_READERS - set(UNMARKED_WRITES) == set()
+    assert not RUNNING_STATS_READERS & set(UNMARKED_WRITES)
+
+
+def test_batch_norm_in_inference_reads_the_base_running_stats(tmp_path):
+    """Only a training step writes the running stats: inference (a frozen norm layer) reads them."""
+    base = _bases(tmp_path, {"mean": torch.full((4,), 0.5), "var": torch.full((4,), 2.0)})["pin"]()
+    expected = F.batch_norm(_batch(), torch.full((4,), 0.5), torch.full((4,), 2.0))
+    assert torch.equal(F.batch_norm(_batch(), base["mean"], base["var"]), expected)
+    norm = torch.nn.BatchNorm1d(4).eval()
+    norm.running_mean, norm.running_var = base["mean"], base["var"]
+    assert torch.allclose(norm(_batch()), expected)
+    assert torch.equal(base["mean"], torch.full((4,), 0.5)) and torch.equal(base["var"], torch.full((4,), 2.0))
 
 
 def test_torch_itself_refuses_a_parameter_alias_of_a_view(tmp_path):

@@ -10,7 +10,13 @@ ReadOnlyWeightError before they happen, on two levels:
   `Tensor._make_subclass`, which keeps the view's dispatch keys). It reads the op's schema
   and refuses any op that would write into a guarded storage (add_, copy_, index assignment,
   out=..., F.relu(inplace=True), set_, resize_ ...), also through a plain tensor aliasing it
-  that takes part in the same op, and `set_` that would make a plain tensor alias one.
+  that takes part in the same op, and `set_` that would make a plain tensor alias one. Some
+  kernels write an argument their schema does not mark: batch norm in training updates
+  running_mean / running_var in place (native_batch_norm, cudnn_batch_norm, miopen_batch_norm,
+  batch_norm_update_stats, batch_norm_gather_stats(_with_counts); and the composite batch_norm,
+  _batch_norm_impl_index, instance_norm with use_input_stats, _no_grad_embedding_renorm_).
+  UNMARKED_WRITES lists them (how they were found is written above it); in inference the
+  running stats are only read and pass.
 - `__torch_function__`: methods that change a tensor without a writing ATen op (names ending
   in `_` such as share_memory_), and the wrapping of results (views of a view are views).
 
@@ -155,14 +161,57 @@ def _leaves(value: Any):
         yield value
 
 
+# ATen ops whose kernels write arguments that their schema does not mark as written (a!), so the
+# schema check alone lets them through: op -> (the arguments written, the bool argument that must
+# be true for the write, None when the op always writes). Found by a search over every schema
+# (torch._C._jit_get_all_schemas()) for Tensor arguments without alias info named like state
+# (running_*, *_state, noise, scale, found_inf, ...) and in-place names (..._) that mark nothing;
+# each candidate checked (CPU ones run on a plain tensor, card-only ones from their kernels); the test
+# test_every_unmarked_running_stats_op_is_listed repeats the running_mean / running_var part.
+# batch_norm, _batch_norm_impl_index, instance_norm and _no_grad_embedding_renorm_ are composite
+# (they reach us as the ops they call, already checked) and are listed for when they do not.
+_RUNNING_STATS = ("running_mean", "running_var")
+UNMARKED_WRITES = {
+    "aten::native_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::cudnn_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::miopen_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::batch_norm": (_RUNNING_STATS, "training"),
+    "aten::_batch_norm_impl_index": (_RUNNING_STATS, "training"),
+    "aten::instance_norm": (_RUNNING_STATS, "use_input_stats"),
+    "aten::batch_norm_update_stats": (_RUNNING_STATS, None),
+    "aten::batch_norm_gather_stats": (_RUNNING_STATS, None),
+    "aten::batch_norm_gather_stats_with_counts": (_RUNNING_STATS, None),
+    "aten::_no_grad_embedding_renorm_": (("weight",), None),
+}
+
+
+class _Written(NamedTuple):
+    """An argument an op writes: where it is, and the bool argument that must be true for it."""
+    position: int
+    name: str
+    kwarg_only: bool
+    when: "_Written | None" = None  # (the condition is read with the same lookup)
+
+
 @functools.lru_cache(maxsize=None)
-def _written_arguments(op) -> tuple[tuple[int, str, bool], ...]:
-    """(position, name, keyword-only) of every argument the op's schema marks as written (a!)."""
+def _written_arguments(op) -> tuple[_Written, ...]:
+    """Every argument the op writes: those its schema marks (a!), and UNMARKED_WRITES."""
     schema = getattr(op, "_schema", None)
     if schema is None:
         return ()
-    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
+    arguments = {a.name: _Written(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)}
+    written = [arguments[a.name] for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    names, condition = UNMARKED_WRITES.get(schema.name, ((), None))
+    when = arguments.get(condition)
+    written += [arguments[n]._replace(when=when) for n in names if n in arguments]
+    return tuple(written)
+
+
+def _argument(argument: _Written, args, kwargs):
+    if argument.kwarg_only or argument.position >= len(args):
+        return kwargs.get(argument.name)
+    return args[argument.position]
 
 
 def _check_writes(func, args, kwargs) -> None:
@@ -177,13 +226,14 @@ def _check_writes(func, args, kwargs) -> None:
                 tag = None if memory is None else _Tag(memory, "(a storage of a read-only view)", None)
             if tag is not None:
                 _refuse(f"{func} onto it (it would make a writable alias)", tag)
-    for position, name, kwarg_only in _written_arguments(func):
-        value = kwargs.get(name) if kwarg_only or position >= len(args) else args[position]
-        for t in _leaves(value):
+    for written in _written_arguments(func):
+        if written.when is not None and not _argument(written.when, args, kwargs):
+            continue  # e.g. batch norm in inference: the running stats are only read
+        for t in _leaves(_argument(written, args, kwargs)):
             if isinstance(t, torch.Tensor):
                 tag = _tag_of(t)
                 if tag is not None:
-                    _refuse(f"in-place op {func}", tag)
+                    _refuse(f"in-place op {func} (its argument {written.name})", tag)
 
 
 def _refuse(what: str, tag: _Tag):
