@@ -6,16 +6,20 @@ shows up as a failed test (a segmentation fault there), not as a crashed test ru
 from __future__ import annotations
 
 import copy
+import os
+import pickle
 import signal
 import subprocess
 import sys
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from comfy.multidevice.weights.checkpoint import SharedCheckpoint, clear_shared_checkpoints
+from comfy.multidevice.weights.checkpoint import CheckpointError, SharedCheckpoint, clear_shared_checkpoints
 from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +58,61 @@ def _optimizer_step(p):
     torch.optim.SGD([p], lr=0.1).step()
 
 
+def _batch(channels=4):
+    return torch.randn(3, channels, generator=torch.Generator().manual_seed(5))
+
+
+def _batch_norm_module_step(t):
+    norm = torch.nn.BatchNorm1d(4).train()
+    norm.running_mean = t  # the base's running stats as the module's buffers (a frozen norm layer)
+    norm(_batch())
+
+
+def _gather_stats(op, t, *count):
+    # (input, mean, invstd, running_mean, running_var, momentum, eps, count): sync batch norm's update
+    op(_batch(), torch.zeros(1, 4), torch.ones(1, 4), t, torch.ones(4), 0.1, 1e-5, *count)
+
+
+def _reduce_tensor_rebuild(t):
+    from torch.multiprocessing.reductions import reduce_tensor
+    rebuild, args = reduce_tensor(t)  # what torch.multiprocessing sends, rebuilt here
+    rebuild(*args).zero_()
+
+
+# Sending a view to a process with multiprocessing's ForkingPickler (queues, pipes, spawn; loaded
+# here in the same process): torch's reduction moved the base's memory into writable shared memory.
+PROCESS_WAYS = {
+    "ForkingPickler round trip": (lambda t: pickle.loads(ForkingPickler.dumps(t)).zero_(), False),
+    "ForkingPickler round trip (param)": (lambda p: pickle.loads(ForkingPickler.dumps(p)).data.zero_(), True),
+    "ForkingPickler(storage())": (lambda t: pickle.loads(ForkingPickler.dumps(t.storage())).fill_(0), False),
+    "reduce_tensor + rebuild": (_reduce_tensor_rebuild, False),
+    "storage()._share_fd_cpu_": (lambda t: t.storage()._share_fd_cpu_(), False),
+}
+
+
+# Ops that update batch norm's running stats without their schema marking the write (UNMARKED_WRITES
+# of read_only.py). The cuDNN, MIOpen and gather-stats ops have no CPU kernel: on CPU the guard's
+# refusal comes first (before it, torch said it has no such kernel); on a card they write.
+BATCH_NORM_WAYS = {
+    "F.batch_norm(training) running_mean": lambda t: F.batch_norm(_batch(), t, torch.ones(4), training=True),
+    "F.batch_norm(training) running_var": lambda t: F.batch_norm(_batch(), torch.zeros(4), t, training=True),
+    "BatchNorm1d.train() forward": _batch_norm_module_step,
+    "F.instance_norm(use_input_stats)": lambda t: F.instance_norm(_batch().view(1, 4, 3), t, torch.ones(4),
+                                                                   use_input_stats=True),
+    "aten.native_batch_norm": lambda t: torch.ops.aten.native_batch_norm(_batch(), None, None, t, torch.ones(4),
+                                                                         True, 0.1, 1e-5),
+    "aten.batch_norm_update_stats": lambda t: torch.ops.aten.batch_norm_update_stats(_batch(), t, torch.ones(4),
+                                                                                     0.1),
+    "aten.cudnn_batch_norm": lambda t: torch.ops.aten.cudnn_batch_norm(_batch(), torch.ones(4), None, t,
+                                                                       torch.ones(4), True, 0.1, 1e-5),
+    "aten.miopen_batch_norm": lambda t: torch.ops.aten.miopen_batch_norm(_batch(), torch.ones(4), None, t,
+                                                                         torch.ones(4), True, 0.1, 1e-5),
+    "aten.batch_norm_gather_stats": lambda t: _gather_stats(torch.ops.aten.batch_norm_gather_stats, t, 3),
+    "aten.batch_norm_gather_stats_with_counts": lambda t: _gather_stats(
+        torch.ops.aten.batch_norm_gather_stats_with_counts, t, torch.full((1,), 3.0)),
+}
+
+
 # name -> (write attempt, whether it takes the replica parameter rather than the view)
 WAYS = {
     "copy.copy(view)": (lambda t: copy.copy(t).add_(1), False),
@@ -77,6 +136,8 @@ WAYS = {
     "param.data.add_": (lambda p: p.data.add_(1), True),
     "optimizer step": (_optimizer_step, True),
     "apply_": (lambda t: t.apply_(lambda x: 0.0), False),
+    **{way: (fn, False) for way, fn in BATCH_NORM_WAYS.items()},
+    **PROCESS_WAYS,
 }
 
 
@@ -142,6 +203,128 @@ def test_every_write_way_on_the_mapped_file_is_refused_before_it_faults(tmp_path
     assert lines[-1] == "base unchanged"
     results = dict(line.split(" => ", 1) for line in lines[:-1])
     assert results == {way: "refused" for way in WAYS}
+
+
+# Ops with a running_mean / running_var argument their schema leaves unmarked that only read it:
+# backward passes, inference variants, and functional variants (they return new running stats).
+RUNNING_STATS_READERS = {
+    "aten::_batch_norm_impl_index_backward", "aten::_batch_norm_no_update",
+    "aten::_batch_norm_with_update_functional", "aten::_native_batch_norm_legit_functional",
+    "aten::_native_batch_norm_legit_no_training", "aten::batch_norm_backward",
+    "aten::cudnn_batch_norm_backward", "aten::miopen_batch_norm_backward", "aten::native_batch_norm_backward",
+}
+
+
+def test_every_unmarked_running_stats_op_is_listed():
+    """The search that found UNMARKED_WRITES, repeated over this torch's schemas: an op that takes
+    running stats without marking them written is either refused on a base or known to only read."""
+    from comfy.multidevice.weights.read_only import UNMARKED_WRITES
+    found = {s.name for s in torch._C._jit_get_all_schemas()
+             for a in s.arguments
+             if a.name in ("running_mean", "running_var") and a.alias_info is None}
+    assert found - RUNNING_STATS_READERS - set(UNMARKED_WRITES) == set()
+    assert not RUNNING_STATS_READERS & set(UNMARKED_WRITES)
+
+
+def test_batch_norm_in_inference_reads_the_base_running_stats(tmp_path):
+    """Only a training step writes the running stats: inference (a frozen norm layer) reads them."""
+    base = _bases(tmp_path, {"mean": torch.full((4,), 0.5), "var": torch.full((4,), 2.0)})["pin"]()
+    expected = F.batch_norm(_batch(), torch.full((4,), 0.5), torch.full((4,), 2.0))
+    assert torch.equal(F.batch_norm(_batch(), base["mean"], base["var"]), expected)
+    norm = torch.nn.BatchNorm1d(4).eval()
+    norm.running_mean, norm.running_var = base["mean"], base["var"]
+    assert torch.allclose(norm(_batch()), expected)
+    assert torch.equal(base["mean"], torch.full((4,), 0.5)) and torch.equal(base["var"], torch.full((4,), 2.0))
+
+
+RECEIVER = r"""
+import ctypes, pickle, sys
+sys.path.insert(0, sys.argv[1])
+from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
+sent = pickle.loads(sys.stdin.buffer.read())
+view, param = sent["view"], sent["param"]
+print("read-only", is_read_only(view), is_read_only(param), type(param).__name__, param.requires_grad)
+print("values", view.tolist(), param.tolist())
+for t in (view, param):
+    try:
+        t.data.zero_()
+        print("written")
+    except ReadOnlyWeightError:
+        print("refused")
+print("raw write", flush=True)
+ctypes.memset(view.data_ptr(), 0, 4)  # the receiver's base is the file mapped read-only: faults
+print("raw write went through", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["map", "pin"])
+def test_a_view_sent_to_another_process_is_that_process_own_read_only_base(tmp_path, mode):
+    """ForkingPickler sends a view as a reference to its file: the receiver opens the file as its
+    own read-only base (mapped: a raw write faults there); the sender's base stays the file's
+    read-only mapping (torch's reduction would have moved it into writable shared memory)."""
+    clear_shared_checkpoints()
+    tensors = _tensors()
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    base = SharedCheckpoint.open(path, mode=mode)
+    view = base["other"].t()[1:]  # a derived view: (2, 3) -> its second row
+    param = torch.nn.Parameter(base["w"], requires_grad=True)
+    before = base["w"].data_ptr()
+    data = ForkingPickler.dumps({"view": view, "param": param})
+    assert base["w"].data_ptr() == before and is_read_only(base["w"])
+    done = subprocess.run([sys.executable, "-c", RECEIVER, str(REPO)], input=bytes(data),
+                          capture_output=True, timeout=120)
+    lines = done.stdout.decode().splitlines()
+    assert lines[:4] == ["read-only True True ReadOnlyTensor True",
+                         f"values {tensors['other'].t()[1:].tolist()} {tensors['w'].tolist()}",
+                         "refused", "refused"], (lines, done.stderr.decode()[-800:])
+    if mode == "map":
+        assert done.returncode == -signal.SIGSEGV and lines[4:] == ["raw write"], lines
+    else:  # the receiver's own pinned copy: a raw write changes that process's RAM only
+        assert done.returncode == 0, done.stderr.decode()[-800:]
+    for name, value in tensors.items():
+        assert torch.equal(base[name], value) and torch.equal(SharedCheckpoint.open(path)[name], value)
+
+
+def test_a_view_of_an_in_memory_base_refuses_to_be_sent_to_another_process():
+    base = SharedCheckpoint.from_state_dict(_tensors())
+    with pytest.raises(ReadOnlyWeightError, match=r"tensor 'w' of in-memory state dict.*t\.clone\(\)"):
+        ForkingPickler.dumps(base["w"])
+    assert torch.equal(base["w"], _tensors()["w"])
+
+
+def test_a_view_sent_before_its_file_was_replaced_is_refused_on_arrival(tmp_path):
+    clear_shared_checkpoints()
+    path = tmp_path / "w.safetensors"
+    save_file(_tensors(), str(path))
+    base = SharedCheckpoint.open(path)
+    data = ForkingPickler.dumps(base["w"])
+    save_file({"w": torch.zeros(4)}, str(tmp_path / "new.safetensors"))
+    os.replace(tmp_path / "new.safetensors", path)
+    with pytest.raises(CheckpointError, match="changed"):
+        pickle.loads(data)
+
+
+@pytest.mark.parametrize("kind", ["map", "pin", "memory"])
+def test_plain_pickle_torch_save_and_deepcopy_give_independent_writable_copies(tmp_path, kind):
+    """Not for another process's memory: each gives an ordinary tensor with its own memory."""
+    clear_shared_checkpoints()
+    tensors = _tensors()
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    base = (SharedCheckpoint.from_state_dict(tensors) if kind == "memory"
+            else SharedCheckpoint.open(path, mode=kind))
+    w = base["w"]
+    copies = {"pickle": pickle.loads(pickle.dumps(w)), "torch.save": torch.load(_saved(w, tmp_path)),
+              "deepcopy": copy.deepcopy(w)}
+    for how, c in copies.items():
+        assert type(c) is torch.Tensor and not is_read_only(c) and c.data_ptr() != w.data_ptr(), how
+        c.zero_()
+    storage = pickle.loads(pickle.dumps(w.storage()))
+    assert isinstance(storage, torch.TypedStorage)
+    storage.fill_(0)
+    for name, value in tensors.items():
+        assert torch.equal(base[name], value)
 
 
 def test_torch_itself_refuses_a_parameter_alias_of_a_view(tmp_path):
@@ -228,12 +411,13 @@ UNGUARDED = {
     "torch.frombuffer": _frombuffer,
     "plain.data = view": _assign_data,
     "data_ptr + ctypes": _ctypes,
+    "ForkingPickler(untyped_storage())": lambda t: pickle.loads(ForkingPickler.dumps(t.untyped_storage())).fill_(0),
 }
 
 
 # How each way of UNGUARDED is named in the "Not guarded" item of docs/weights.md.
 UNGUARDED_IN_DOCS = ("untyped_storage()", "`.storage()`", "DLPack", "torch.from_numpy", "torch.frombuffer",
-                     "`plain.data = w`", "data_ptr()")
+                     "`plain.data = w`", "data_ptr()", "`ForkingPickler` of `untyped_storage()`")
 
 
 def test_the_docs_name_every_unguarded_way():

@@ -23,6 +23,9 @@ Base
     SharedCheckpoint.from_state_dict(tensors)   the same over tensors already in memory.
     A SharedCheckpoint is a read-only Mapping name -> zero-copy CPU view (ReadOnlyTensor):
     in-place writes raise ReadOnlyWeightError; the memory lives as long as any view does.
+    Sent to another process (ForkingPickler: queues, pipes, spawn), a view of a file travels as
+    a reference (process_reference: path, file identity, name); the receiver's open_shared_view
+    opens the file as its own base there, read-only, and refuses a file replaced since.
     total_bytes_read() counts every byte read from disk by this module, process-wide: headers
                                      as read, a mapped file's data once when it is mapped (each
                                      page comes from disk at most once while the page cache
@@ -244,13 +247,14 @@ class SharedCheckpoint(Mapping):
     None), file_bytes (file size; 0 in memory), bytes_read (bytes this source read from disk),
     metadata (the header's __metadata__, {} when absent), header (SafetensorsHeader or None),
     mode ("map": a read-only mapping of the file, "pin": anonymous RAM, "memory": in memory),
-    mapped_by (None: the mapping is this module's own; "comfy-aimdo": the loader's, adopted).
+    mapped_by (None: the mapping is this module's own; "comfy-aimdo": the loader's, adopted),
+    file_identity ((device, inode, size, mtime_ns) of the file read; None in memory).
     """
 
     def __init__(self, label: str, views: dict[str, tuple[torch.Tensor, ReadOnlyMemory]], *,
                  key: tuple | None = None, header: SafetensorsHeader | None = None,
                  file_bytes: int = 0, bytes_read: int = 0, mode: str = "memory",
-                 mapped_by: str | None = None):
+                 mapped_by: str | None = None, file_identity: tuple | None = None):
         self.label = label
         self.key = key
         self.mode = mode
@@ -259,6 +263,7 @@ class SharedCheckpoint(Mapping):
         self.metadata: dict[str, str] = dict(header.metadata) if header is not None else {}
         self.file_bytes = file_bytes
         self.bytes_read = bytes_read
+        self.file_identity = file_identity
         # Plain views + their memory; read-only views are made per access and point back to
         # this object (views keep the source alive, the source never holds them: no cycle).
         self._views = views
@@ -296,6 +301,14 @@ class SharedCheckpoint(Mapping):
     def info(self, name: str) -> TensorInfo | None:
         """The header entry of a file-backed tensor (None for in-memory sources)."""
         return self.header.tensors.get(name) if self.header is not None else None
+
+    def process_reference(self, name: str) -> tuple | None:
+        """How another process on this machine gets tensor `name` (read_only.py sends views this
+        way): (function, arguments) returning it from that process's own base of the same file,
+        mapped read-only (read into RAM if this base is pinned). None for in-memory sources."""
+        if self.file_identity is None:
+            return None
+        return open_shared_view, (self.label, "pin" if self.mode == "pin" else "map", self.file_identity, name)
 
     def tensors(self, prefix: str = "") -> dict[str, ReadOnlyTensor]:
         """Views of the tensors whose names start with `prefix`, keyed without the prefix."""
@@ -408,7 +421,8 @@ class SharedCheckpoint(Mapping):
         log.info("Read shared checkpoint source %s: %d tensors, %d bytes %s [%s]",
                  real, len(views), read, how, threading.current_thread().name)
         return cls(real, views, key=key, header=header, file_bytes=st.st_size, bytes_read=read,
-                   mode=mode, mapped_by=OWNER_NAME if adopted else None)
+                   mode=mode, mapped_by=OWNER_NAME if adopted else None,
+                   file_identity=(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
     @classmethod
     def from_state_dict(cls, tensors: Mapping[str, torch.Tensor], *, label: str = "in-memory state dict",
@@ -447,3 +461,14 @@ class SharedCheckpoint(Mapping):
                 plain.copy_(t)
                 views[name] = (plain, memory)
         return cls(label, views)
+
+
+def open_shared_view(path: str, mode: str, file_identity: tuple, name: str) -> ReadOnlyTensor:
+    """Tensor `name` of the checkpoint at `path`, from this process's shared base of it, when the
+    file is still the one `file_identity` names (a view sent by another process refers to it)."""
+    base = SharedCheckpoint.open(path, mode=mode)
+    if base.file_identity != file_identity:
+        raise CheckpointError(f"{path}: tensor {name!r} was sent from another process, but the file "
+                              "changed (or was replaced) since it was opened there; open it again there "
+                              "and send the tensor again")
+    return base[name]

@@ -10,7 +10,13 @@ ReadOnlyWeightError before they happen, on two levels:
   `Tensor._make_subclass`, which keeps the view's dispatch keys). It reads the op's schema
   and refuses any op that would write into a guarded storage (add_, copy_, index assignment,
   out=..., F.relu(inplace=True), set_, resize_ ...), also through a plain tensor aliasing it
-  that takes part in the same op, and `set_` that would make a plain tensor alias one.
+  that takes part in the same op, and `set_` that would make a plain tensor alias one. Some
+  kernels write an argument their schema does not mark: batch norm in training updates
+  running_mean / running_var in place (native_batch_norm, cudnn_batch_norm, miopen_batch_norm,
+  batch_norm_update_stats, batch_norm_gather_stats(_with_counts); and the composite batch_norm,
+  _batch_norm_impl_index, instance_norm with use_input_stats, _no_grad_embedding_renorm_).
+  UNMARKED_WRITES lists them (how they were found is written above it); in inference the
+  running stats are only read and pass.
 - `__torch_function__`: methods that change a tensor without a writing ATen op (names ending
   in `_` such as share_memory_), and the wrapping of results (views of a view are views).
 
@@ -23,8 +29,17 @@ Whether a tensor is guarded is decided by its storage, not by an attribute that 
 deleted. Each view holds its ReadOnlyMemory, which holds the storage: the memory stays valid
 as long as any view is alive.
 
+Pickling: multiprocessing's ForkingPickler (queues, pipes, spawn; torch.multiprocessing adds its
+reductions there) would move a view's memory, in place, into writable shared memory. A view
+goes as a reference to its file instead (see "sending a view to another process" below): the
+receiver opens the same file as its own read-only base; a view of a base that no file backs
+refuses to be sent (ReadOnlyWeightError: send t.clone()), as does .storage(), and torch's
+reduce_tensor(view) called directly (it reaches for storage()._untyped_storage, refused). Plain
+pickle, torch.save and deepcopy copy by value: an independent, writable tensor.
+
 Raw access (data_ptr, untyped_storage(), DLPack, torch.from_numpy / frombuffer over the
-memory, ctypes, `plain.data = view`, whose setter checks only `plain`) bypasses the guard; model code does not write through those by accident. A
+memory, ctypes, `plain.data = view`, whose setter checks only `plain`, ForkingPickler of
+untyped_storage()) bypasses the guard; model code does not write through those by accident. A
 file-backed base maps the file read-only, so a raw write there is a segmentation fault rather
 than a silent change of every rank's weights.
 """
@@ -35,6 +50,7 @@ import contextlib
 import functools
 import threading
 import weakref
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import torch
@@ -155,14 +171,57 @@ def _leaves(value: Any):
         yield value
 
 
+# ATen ops whose kernels write arguments that their schema does not mark as written (a!), so the
+# schema check alone lets them through: op -> (the arguments written, the bool argument that must
+# be true for the write, None when the op always writes). Found by a search over every schema
+# (torch._C._jit_get_all_schemas()) for Tensor arguments without alias info named like state
+# (running_*, *_state, noise, scale, found_inf, ...) and in-place names (..._) that mark nothing;
+# each candidate checked (CPU ones run on a plain tensor, card-only ones from their kernels); the test
+# test_every_unmarked_running_stats_op_is_listed repeats the running_mean / running_var part.
+# batch_norm, _batch_norm_impl_index, instance_norm and _no_grad_embedding_renorm_ are composite
+# (they reach us as the ops they call, already checked) and are listed for when they do not.
+_RUNNING_STATS = ("running_mean", "running_var")
+UNMARKED_WRITES = {
+    "aten::native_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::cudnn_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::miopen_batch_norm": (_RUNNING_STATS, "training"),
+    "aten::batch_norm": (_RUNNING_STATS, "training"),
+    "aten::_batch_norm_impl_index": (_RUNNING_STATS, "training"),
+    "aten::instance_norm": (_RUNNING_STATS, "use_input_stats"),
+    "aten::batch_norm_update_stats": (_RUNNING_STATS, None),
+    "aten::batch_norm_gather_stats": (_RUNNING_STATS, None),
+    "aten::batch_norm_gather_stats_with_counts": (_RUNNING_STATS, None),
+    "aten::_no_grad_embedding_renorm_": (("weight",), None),
+}
+
+
+class _Written(NamedTuple):
+    """An argument an op writes: where it is, and the bool argument that must be true for it."""
+    position: int
+    name: str
+    kwarg_only: bool
+    when: "_Written | None" = None  # (the condition is read with the same lookup)
+
+
 @functools.lru_cache(maxsize=None)
-def _written_arguments(op) -> tuple[tuple[int, str, bool], ...]:
-    """(position, name, keyword-only) of every argument the op's schema marks as written (a!)."""
+def _written_arguments(op) -> tuple[_Written, ...]:
+    """Every argument the op writes: those its schema marks (a!), and UNMARKED_WRITES."""
     schema = getattr(op, "_schema", None)
     if schema is None:
         return ()
-    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
+    arguments = {a.name: _Written(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)}
+    written = [arguments[a.name] for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    names, condition = UNMARKED_WRITES.get(schema.name, ((), None))
+    when = arguments.get(condition)
+    written += [arguments[n]._replace(when=when) for n in names if n in arguments]
+    return tuple(written)
+
+
+def _argument(argument: _Written, args, kwargs):
+    if argument.kwarg_only or argument.position >= len(args):
+        return kwargs.get(argument.name)
+    return args[argument.position]
 
 
 def _check_writes(func, args, kwargs) -> None:
@@ -177,13 +236,14 @@ def _check_writes(func, args, kwargs) -> None:
                 tag = None if memory is None else _Tag(memory, "(a storage of a read-only view)", None)
             if tag is not None:
                 _refuse(f"{func} onto it (it would make a writable alias)", tag)
-    for position, name, kwarg_only in _written_arguments(func):
-        value = kwargs.get(name) if kwarg_only or position >= len(args) else args[position]
-        for t in _leaves(value):
+    for written in _written_arguments(func):
+        if written.when is not None and not _argument(written.when, args, kwargs):
+            continue  # e.g. batch norm in inference: the running stats are only read
+        for t in _leaves(_argument(written, args, kwargs)):
             if isinstance(t, torch.Tensor):
                 tag = _tag_of(t)
                 if tag is not None:
-                    _refuse(f"in-place op {func}", tag)
+                    _refuse(f"in-place op {func} (its argument {written.name})", tag)
 
 
 def _refuse(what: str, tag: _Tag):
@@ -291,10 +351,19 @@ class ReadOnlyTensor(torch.Tensor):
         return copy
 
     def __reduce_ex__(self, protocol):
-        # Pickle as a plain tensor: the memory record (locks, the checkpoint) is not picklable.
+        # Plain pickle (and torch.save) as a plain tensor, by value: the copy it loads as is
+        # independent and writable. (The memory record, with its locks, is not picklable.)
         with DisableTorchFunctionSubclass():
             plain = _plain_alias(self)
         return plain.__reduce_ex__(protocol)
+
+    def _typed_storage(self):
+        # torch's own helpers reach the memory through this (torch.multiprocessing's
+        # reduce_tensor, which would alias or share it writable): the guarded wrapper, as .storage().
+        with DisableTorchFunctionSubclass():
+            typed = torch.Tensor._typed_storage(self)
+        tag = self._guard()
+        return typed if tag is None else ReadOnlyTypedStorage(typed, tag)
 
 
 @contextlib.contextmanager
@@ -309,11 +378,70 @@ def _no_dispatch_modes():
 
 
 def _plain_alias(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor over t's memory, without its dispatch keys (for numpy and pickling only;
-    made outside any dispatch mode, so that no mode sees the alias being made)."""
+    """A plain tensor over t's memory, without its dispatch keys (for numpy and pickling only)."""
+    return _alias(torch.Tensor.untyped_storage(t), t.dtype, t.storage_offset(), t.size(), t.stride())
+
+
+def _alias(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, size, stride) -> torch.Tensor:
+    """A plain tensor over `storage`, made outside any dispatch mode (no mode sees the alias being made)."""
     with _no_dispatch_modes():
-        return torch.empty(0, dtype=t.dtype).set_(torch.Tensor.untyped_storage(t), t.storage_offset(),
-                                                  t.size(), t.stride())
+        return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+
+
+def _byte_start(t: torch.Tensor) -> int:
+    return t.storage_offset() * t.element_size()
+
+
+# ---------------------------------------------------------------- sending a view to another process
+# multiprocessing's ForkingPickler (queues, pipes, spawn arguments; torch.multiprocessing registers
+# its reductions there) would send a tensor by moving its storage into writable shared memory:
+# the base's memory itself, in place, under every replica. A view goes as a reference instead:
+# its owner (the SharedCheckpoint) says how the receiver gets the named tensor from its own
+# read-only base of the same file (owner.process_reference(name) -> (function, arguments), None
+# when there is no file); the view's place relative to that tensor travels beside it.
+
+def _refuse_sending(tag: _Tag, why: str):
+    raise ReadOnlyWeightError(
+        f"cannot send tensor {tag.name!r} of {tag.memory.label} to another process: {why}; "
+        "send a private copy (t.clone()) instead")
+
+
+def _reduce_for_process(view: "ReadOnlyTensor"):
+    tag = view._guard()
+    if tag is None:  # re-pointed at other memory (t.data = other): an ordinary tensor now
+        return view.__reduce_ex__(2)
+    reference = getattr(tag.owner, "process_reference", None)
+    rebuild = reference(tag.name) if reference is not None else None
+    if rebuild is None:
+        _refuse_sending(tag, "it is shared read-only memory that no file backs, so it cannot travel as a "
+                             "reference to the file, and torch would move it into writable shared memory")
+    with DisableTorchFunctionSubclass():
+        layout = (_byte_start(view) - _byte_start(tag.owner[tag.name]), view.dtype,
+                  tuple(view.size()), tuple(view.stride()))
+    return _rebuild_view, (rebuild, layout, view.requires_grad, view.__dict__.get("_is_param", False))
+
+
+def _rebuild_view(rebuild, layout, requires_grad: bool, is_param: bool):
+    """In the receiving process: the view that was sent, over this process's own read-only base."""
+    function, arguments = rebuild
+    named = function(*arguments)
+    tag = named._guard()
+    delta, dtype, size, stride = layout
+    with DisableTorchFunctionSubclass():
+        storage = torch.Tensor.untyped_storage(named)
+        start = _byte_start(named) + delta
+    extent = 0 if 0 in size else (1 + sum((n - 1) * st for n, st in zip(size, stride))) * dtype.itemsize
+    if start < 0 or start % dtype.itemsize or start + extent > storage.nbytes():
+        raise ReadOnlyWeightError(f"a view of tensor {tag.name!r} of {tag.memory.label} sent from another "
+                                  "process does not lie inside this process's memory of it; send a "
+                                  "private copy (t.clone()) instead")
+    view = _tagged_view(_alias(storage, dtype, start // dtype.itemsize, size, stride), tag)
+    return torch.nn.Parameter(view, requires_grad) if is_param else view.requires_grad_(requires_grad)
+
+
+def _reduce_storage_for_process(storage: "ReadOnlyTypedStorage"):
+    _refuse_sending(storage._ro_tag, "torch would move its storage() into writable shared memory; send "
+                                     "the tensor itself (a view of a file travels as a reference)")
 
 
 class ReadOnlyTypedStorage:
@@ -327,10 +455,19 @@ class ReadOnlyTypedStorage:
         object.__setattr__(self, "_ro_tag", tag)
 
     def __getattr__(self, name: str):
-        # fill_, copy_, resize_, share_memory_, ... : every public in-place method
-        if name.endswith("_") and not name.startswith("_"):
+        if name in ReadOnlyTypedStorage.__slots__:  # not set yet (an object being unpickled)
+            raise AttributeError(name)
+        # fill_, copy_, resize_, _resize_, _share_fd_cpu_ (moves the memory into writable shared
+        # memory) ...: every in-place method; and _untyped_storage, a writable handle that torch's
+        # helpers (reduce_tensor) alias. (Raw access stays possible through untyped_storage().)
+        if name == "_untyped_storage":
+            _refuse("storage()._untyped_storage (a writable alias, as reduce_tensor makes)", self._ro_tag)
+        if name.endswith("_") and not name.startswith("__"):
             _refuse(f"storage().{name}()", self._ro_tag)
         return getattr(self._typed, name)
+
+    def __reduce_ex__(self, protocol):
+        return self._typed.__reduce_ex__(protocol)  # by value: torch pickles a TypedStorage's bytes
 
     def __setattr__(self, name: str, value) -> None:
         _refuse(f"setting storage().{name}", self._ro_tag)
@@ -372,3 +509,7 @@ def _guard_outputs(out: Any, guarded: dict[int, _Tag]) -> Any:
         if any(tag.memory.contains_address(address) for tag in guarded.values()):
             out.flags.writeable = False
     return out
+
+
+ForkingPickler.register(ReadOnlyTensor, _reduce_for_process)
+ForkingPickler.register(ReadOnlyTypedStorage, _reduce_storage_for_process)
