@@ -328,7 +328,10 @@ def next_version(tmp: Path) -> tuple[Path, dict[str, str]]:
     files[changed] += b"# changed in the next version\n"
     del files[dropped]
     files[added] = b'"""A module the next version adds."""\n'
-    files[str(workflow)] = files[str(workflow)].replace(b'"seed', b'"seed_next', 1)
+    changed_workflow = json.loads(files[str(workflow)])
+    changed_workflow.setdefault("extra", {})["changed_in"] = "the next version"
+    files[str(workflow)] = json.dumps(changed_workflow, indent=2).encode() + b"\n"
+    assert files[str(workflow)] != (REPO / workflow).read_bytes()
     (project / workflow).write_bytes(files[str(workflow)])
     script = project / "additional_files/runtime/restart-v1.sh"
     script.write_bytes(script.read_bytes() + b"# changed in the next version\n")
