@@ -135,10 +135,10 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
 def check_multi_device_environment(backend: str = "default") -> None:
     """The variables the cards' coordinator will read (comm/settings.py), checked before anything
     starts, in the node's words: the backend variable only counts while backend is default."""
-    from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env, SettingError, timeout_from_env
+    from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env, check_environment, SettingError
 
     try:
-        timeout_from_env()
+        check_environment(backend=False)  # the timeouts and the weight base
     except SettingError as exc:
         raise SettingError(f"{exc}, then restart ComfyUI.") from None
     if backend == "default":

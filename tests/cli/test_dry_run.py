@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -297,3 +298,26 @@ def test_report_says_what_the_speedup_compares():
     text = minimax_h3_dry_run.speedup_baseline(["cpu"] * 4, 16)
     assert "4 CPU ranks sharing 16 cores" in text and "all 16 cores" in text and "not a scaling" in text
     assert minimax_h3_dry_run.speedup_baseline(["cuda:0", "cuda:1"], None).startswith("2 ranks vs")
+
+
+@pytest.mark.parametrize("variable, value, problem", [
+    ("COMFYUI_MULTI_DEVICE_WEIGHT_BASE", "bogus", "is not a weight base mode; set it to one of map, pin"),
+    ("COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S", "nan", NOT_SECONDS),
+    ("COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S", "0", "must be more than 0 seconds"),
+])
+def test_every_variable_is_refused_the_same_by_run_doctor_and_the_node(tmp_path, capsys, monkeypatch,
+                                                                        variable, value, problem):
+    from comfy.multidevice.cli import doctor
+    from comfy.multidevice.comm.settings import SettingError
+    from comfy_extras.nodes_multinpu import configure_parallel
+    from tests.test_nodes_multinpu import inputs
+    monkeypatch.setenv(variable, value)
+    expected = f"environment variable {variable}={value!r} {problem}"
+    run_err = _exit_2_before_anything(tmp_path, capsys, [], expected)
+    assert run_err.count("\n") == 1  # one line, no traceback
+    assert doctor.main(argparse_namespace(json=True, devices=None, device_kind="cpu", backend=None,
+                                          timeout=5.0)) == 2
+    doctor_err = capsys.readouterr().err
+    assert run_err.split(": ", 1)[1] == doctor_err.split(": ", 1)[1]  # word for word
+    with pytest.raises(SettingError, match="^" + re.escape(expected) + ".*restart ComfyUI"):
+        configure_parallel(*inputs(), npu_count=4, device_kind="cpu")
