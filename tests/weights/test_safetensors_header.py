@@ -336,7 +336,7 @@ EDITS = [edit_name, edit_unknown_field, edit_shape, edit_zero_element_huge, edit
 # the words of our message that mark each kind.
 REFUSED_ON_PURPOSE = {
     "a duplicate tensor name or metadata key": "bad JSON in the header: duplicate key",
-    "an entry in list form": "entry is a list",
+    "an entry in list form": "data_offsets, not a list",
     "the 4-bit dtype F4 (torch has it only packed two to a byte, with another shape)": "unknown dtype 'F4'",
 }
 

@@ -209,9 +209,9 @@ def _short(value: Any, limit: int = 80) -> str:
 def _parse_entry(name: str, entry: Any, data_size: int, source: str) -> TensorInfo:
     where = f"{source}: tensor {name!r}"
     if isinstance(entry, list):  # serde reads a struct from a list of its fields; no writer makes one
-        raise CheckpointError(f"{where}: entry is a list ({_short(entry)}), not an object with dtype, "
-                              "shape and data_offsets; this reader refuses the list form, re-save the "
-                              "file with safetensors' save_file to get the object form")
+        raise CheckpointError(f"{where}: entry must be an object with dtype, shape and data_offsets, "
+                              f"not a list ({_short(entry)}); re-save the file with safetensors' "
+                              "save_file to get the object form")
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: entry must be an object with dtype, shape and data_offsets, "
                               f"got {_short(entry)}")
