@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -57,15 +58,16 @@ RUN_DESCRIPTION = """\
 The dry run: a small model with H3's structure and random weights (written to --cache once)
 samples a short clip on W ranks and once on one device, and compares the two. Prints progress,
 then one JSON report on the last line (also in --out/report.json).
-Exit status: 0 the ranks match one device, 1 they do not (or, under torchrun, a rank failed:
-one line per rank, the traceback with --debug), 2 a bad option, environment variable or
-backend that cannot start (said before anything runs)."""
+Exit status: 0 the ranks match one device, 1 they do not (or a file could not be written, or,
+under torchrun, a rank failed: one line per rank, the traceback with --debug), 2 a bad option,
+environment variable or backend that cannot start (said before anything runs), 130 stopped by
+Ctrl-C, 143 stopped by SIGTERM (neither leaves a half-written file in --cache)."""
 
 DOCTOR_DESCRIPTION = """\
 Lists the visible NPUs/GPUs, which collective libraries load (HCCL, NCCL) and the settings in
 the environment, then runs one exchange between the selected devices and checks it.
 Exit status: 0 the selected set-up works, 1 it does not (the report says why), 2 a bad option
-or environment variable (said before the self-test runs)."""
+or environment variable (said before the self-test runs), 130 Ctrl-C, 143 SIGTERM."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,12 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every `finally` runs (temporary files go)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.handler is None:
         print(f"minimax_h3_parallel.py: {args.unavailable}", file=sys.stderr)
         return 2
-    return int(args.handler(args) or 0)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        print(f"minimax_h3_parallel.py {args.command}: stopped by Ctrl-C; run it again to start over",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Terminated:
+        print(f"minimax_h3_parallel.py {args.command}: stopped by SIGTERM; run it again to start over",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_process(code: int) -> None:

@@ -135,10 +135,10 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
 def check_multi_device_environment(backend: str = "default") -> None:
     """The variables the cards' coordinator will read (comm/settings.py), checked before anything
     starts, in the node's words: the backend variable only counts while backend is default."""
-    from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env, SettingError, timeout_from_env
+    from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env, check_environment, SettingError
 
     try:
-        timeout_from_env()
+        check_environment(backend=False)  # the timeouts and the weight base
     except SettingError as exc:
         raise SettingError(f"{exc}, then restart ComfyUI.") from None
     if backend == "default":
@@ -231,10 +231,12 @@ def node_class():
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                     device_kind="auto", devices="", dit_weights="auto", plan_tokens=109952) -> io.NodeOutput:
             try:
+                # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
+                # None) is refused by name instead of being cast
                 outputs = configure_parallel(
-                    model, clip, video_vae, audio_vae, npu_count=int(npu_count), backend=backend,
+                    model, clip, video_vae, audio_vae, npu_count=npu_count, backend=backend,
                     device_kind=device_kind, devices=devices, dit_weights=dit_weights,
-                    plan_tokens=int(plan_tokens))
+                    plan_tokens=plan_tokens)
             except Exception as exc:
                 shown = shown_error(exc)
                 if shown is None:

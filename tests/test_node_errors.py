@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import comfy.multidevice
-from comfy.multidevice.comm.settings import BACKEND_ENV, TIMEOUT_ENV
+from comfy.multidevice.comm.settings import BACKEND_ENV, RUN_TIMEOUT_ENV, TIMEOUT_ENV, WEIGHT_BASE_ENV
 from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import configure_parallel, shown_error
@@ -173,6 +173,8 @@ def test_text_encoder_refusals_name_the_clip_input(fake_patcher_extension):  # n
 @pytest.mark.parametrize("variable, value, fix", [
     (BACKEND_ENV, "gloo", "set this node's backend input to auto"),
     (TIMEOUT_ENV, "ten", "then restart ComfyUI"),
+    (RUN_TIMEOUT_ENV, "ten", "then restart ComfyUI"),
+    (WEIGHT_BASE_ENV, "bogus", "then restart ComfyUI"),
 ])
 def test_bad_environment_variables_are_refused_before_anything_starts(monkeypatch, fake_patcher_extension,  # noqa: F811
                                                                       variable, value, fix):
@@ -211,3 +213,33 @@ def test_the_node_raises_a_plain_error_with_the_cause_kept(monkeypatch, fake_pat
     assert_user_facing(str(info.value), ("npu_count is 4",), "set npu_count to 2")
     assert isinstance(info.value.__cause__, TooFewDevices)  # in the server log, not in the message
     assert "comfy.multidevice.devices.TooFewDevices" in caplog.text
+
+
+def _node(monkeypatch):
+    package, latest = make_fake_comfy_api(True)
+    monkeypatch.setitem(sys.modules, "comfy_api", package)
+    monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)
+    monkeypatch.setattr(nodes_multinpu, "_NODE_CLASS", None)
+    return nodes_multinpu.node_class()
+
+
+@pytest.mark.parametrize("value", [4.5, 4.0, "4", "\u0664", None, True, [4]])
+def test_the_node_refuses_a_card_count_that_is_not_an_int(monkeypatch, fake_patcher_extension, value):  # noqa: F811
+    with pytest.raises(ValueError) as info:
+        _node(monkeypatch).execute(*inputs(), npu_count=value, device_kind="cpu")
+    assert type(info.value) is ValueError
+    assert_user_facing(str(info.value), (f"npu_count={value!r} is not supported",),
+                       "set npu_count to one of 1, 2, 4, 8")
+
+
+@pytest.mark.parametrize("value", [4.5, "109952", "\u0664", None, True, 0, 10_000_001])
+def test_the_node_refuses_plan_tokens_that_are_not_an_int_in_range(monkeypatch, fake_patcher_extension,  # noqa: F811
+                                                                   value):
+    from comfy.multidevice.roles.memory_plan import MAX_PLAN_TOKENS
+    with pytest.raises(ValueError) as info:
+        _node(monkeypatch).execute(*inputs(), npu_count=1, device_kind="cpu", plan_tokens=value)
+    assert type(info.value) is ValueError
+    assert_user_facing(str(info.value), (f"plan_tokens={value!r} is not a whole number from 1 to 10000000",),
+                       "set it to the longest packed sequence")
+    spec = next(s for s in nodes_multinpu.NODE_SCHEMA["inputs"] if s["name"] == "plan_tokens")
+    assert spec["max"] == MAX_PLAN_TOKENS

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -297,3 +298,118 @@ def test_report_says_what_the_speedup_compares():
     text = minimax_h3_dry_run.speedup_baseline(["cpu"] * 4, 16)
     assert "4 CPU ranks sharing 16 cores" in text and "all 16 cores" in text and "not a scaling" in text
     assert minimax_h3_dry_run.speedup_baseline(["cuda:0", "cuda:1"], None).startswith("2 ranks vs")
+
+
+@pytest.mark.parametrize("variable, value, problem", [
+    ("COMFYUI_MULTI_DEVICE_WEIGHT_BASE", "bogus", "is not a weight base mode; set it to one of map, pin"),
+    ("COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S", "nan", NOT_SECONDS),
+    ("COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S", "0", "must be more than 0 seconds"),
+])
+def test_every_variable_is_refused_the_same_by_run_doctor_and_the_node(tmp_path, capsys, monkeypatch,
+                                                                        variable, value, problem):
+    from comfy.multidevice.cli import doctor
+    from comfy.multidevice.comm.settings import SettingError
+    from comfy_extras.nodes_multinpu import configure_parallel
+    from tests.test_nodes_multinpu import inputs
+    monkeypatch.setenv(variable, value)
+    expected = f"environment variable {variable}={value!r} {problem}"
+    run_err = _exit_2_before_anything(tmp_path, capsys, [], expected)
+    assert run_err.count("\n") == 1  # one line, no traceback
+    assert doctor.main(argparse_namespace(json=True, devices=None, device_kind="cpu", backend=None,
+                                          timeout=5.0)) == 2
+    doctor_err = capsys.readouterr().err
+    assert run_err.split(": ", 1)[1] == doctor_err.split(": ", 1)[1]  # word for word
+    with pytest.raises(SettingError, match="^" + re.escape(expected) + ".*restart ComfyUI"):
+        configure_parallel(*inputs(), npu_count=4, device_kind="cpu")
+
+
+# ----------------------------------------------------------------------------- files, Ctrl-C, SIGTERM
+
+def cli_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cli_under_test", REPO / "minimax_h3_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("option", ["out", "cache"])
+def test_a_folder_that_cannot_be_made_exits_2_naming_it(tmp_path, capsys, option):
+    err = _exit_2_before_anything(tmp_path, capsys, [], f"--{option} /proc/nope: cannot be written: "
+                                  "making a folder in /proc fails", **{option: Path("/proc/nope")})
+    assert err.count("\n") == 1 and "name another folder" in err
+
+
+def test_a_truncated_cached_checkpoint_is_rebuilt(tmp_path, caplog):
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    args = _parser().parse_args(TINY_ARGS + ["--cpu", "--devices", "2", "--no-reference",
+                                             "--cache", str(cache), "--out", str(out)])
+    path = minimax_h3_dry_run.checkpoint_path(minimax_h3_dry_run.make_settings(args))
+    assert minimax_h3_dry_run.run(args, out=io.StringIO()) == 0
+    whole = {k: v.clone() for k, v in load_file(str(path)).items()}
+    cut = path.read_bytes()
+    path.unlink()  # a new file: the first run's mapping of the old one stays as it was
+    path.write_bytes(cut[: len(cut) // 2])  # a write that was cut off
+    report = io.StringIO()
+    assert minimax_h3_dry_run.run(args, out=report) == 0
+    assert json.loads(report.getvalue().strip().splitlines()[-1])["checkpoint_reused"] is False
+    rebuilt = load_file(str(path))  # the same tensors (the header's key order may differ)
+    assert rebuilt.keys() == whole.keys() and all(torch.equal(rebuilt[k], whole[k]) for k in whole)
+    assert any(f"cached {path} cannot be read" in r.getMessage() and "rebuilding it" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_outputs_are_ordinary_files_honouring_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        minimax_h3_dry_run.write_outputs(tmp_path, [torch.ones(2), torch.ones(3)], None, {"parity": "ok"})
+    finally:
+        os.umask(old)
+    for name in minimax_h3_dry_run.OUTPUT_FILES:
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o640, name
+    assert load_file(str(tmp_path / "latents.safetensors"))["audio"].shape == (3,)
+
+
+def test_ctrl_c_while_the_checkpoint_is_written_exits_130_and_leaves_no_temporary_file(
+        tmp_path, capsys, monkeypatch):
+    def cut_off(model, path):
+        Path(path).write_bytes(b"half a checkpoint")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(minimax_h3_dry_run, "save_miniature", cut_off)
+    cache = tmp_path / "cache"
+    try:
+        code = cli_module().main(["run", *TINY_ARGS, "--cpu", "--devices", "2", "--cache", str(cache),
+                                  "--out", str(tmp_path / "out")])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main(): the user gets a traceback")
+    assert code == 130
+    assert capsys.readouterr().err == \
+        "minimax_h3_parallel.py run: stopped by Ctrl-C; run it again to start over\n"
+    assert list(cache.iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_the_checkpoint_is_written_exits_143_and_leaves_no_temporary_file(tmp_path):
+    import signal
+    import time
+    cache = tmp_path / "cache"
+    args = [*TINY_ARGS, "--hidden", "256", "--blocks", "6", "--heads", "6", "--head-dim", "64"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "minimax_h3_parallel.py"), "run", *args, "--cpu",
+                             "--devices", "2", "--cache", str(cache), "--out", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not (cache.is_dir() and any(cache.iterdir())) and time.monotonic() < deadline \
+                and proc.poll() is None:
+            time.sleep(0.005)  # the first file in the cache: the save has begun
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == \
+        "minimax_h3_parallel.py run: stopped by SIGTERM; run it again to start over"
+    assert "Traceback" not in err
+    left = [p.name for p in cache.iterdir()]
+    assert all(name.endswith(".safetensors") for name in left), left  # no temporary file

@@ -5,9 +5,13 @@ arrives must end every rank's collective quickly, whatever the backend.
 """
 
 import logging
+import os
+import subprocess
 import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -408,3 +412,122 @@ def test_a_bad_timeout_variable_is_refused_by_the_coordinator_too(monkeypatch, v
     monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", value)
     with pytest.raises(ValueError, match=f"environment variable COMFYUI_MULTI_DEVICE_TIMEOUT_S={value!r}"):
         SequenceParallelCoordinator(["cpu"] * 2, backend="peer")
+
+
+# ----------------------------------------------------------------------------- re-entry, the watchdog
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(code: str, env: dict | None = None, timeout: float = 40) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter: a hang there fails the test (TimeoutExpired) instead of
+    blocking the whole session on a thread that never returns."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(60)
+def test_run_called_from_inside_a_rank_fails_at_once():
+    done = run_script("""
+        import time
+        from comfy.multidevice.comm.group import SequenceParallelCoordinator
+        co = SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=1.5)
+        start = time.monotonic()
+        try:
+            co.run(lambda r, c: co.run(lambda r2, c2: r2))
+        except Exception as exc:
+            print(f"{type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}")
+        print("closed" if co.closed else "open", co.run(lambda r, c: r))
+        """)
+    assert done.returncode == 0, done.stderr
+    kind, rest = done.stdout.split(" after ", 1)
+    assert kind == "CollectiveError"
+    assert float(rest.split("s:", 1)[0]) < 1.0  # at once, not after a timeout
+    assert "run() was called from inside a function that this coordinator runs" in rest
+    assert "use the comm argument's collectives" in rest
+    assert done.stdout.strip().endswith("open [0, 1]")  # nothing was abandoned
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_all_sleep_are_ended_by_the_run_watchdog():
+    done = run_script("""
+        import time
+        from comfy.multidevice.comm.group import SequenceParallelCoordinator
+        co = SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=1.5)
+        start = time.monotonic()
+        try:
+            co.run(lambda r, c: time.sleep(600))
+        except Exception as exc:
+            print(f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}")
+        print("closed" if co.closed else "open")
+        """, env={"COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S": "1"})
+    assert done.returncode == 0, done.stderr
+    kind, rest = done.stdout.split(" after ", 1)
+    assert kind == "CollectiveTimeout", done.stdout
+    assert float(rest.split("s:", 1)[0]) < 1 + 1.5 + 5  # the watchdog, the grace, slack
+    assert "no rank returned or reached a collective for 1s" in rest
+    assert "raise COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S" in rest
+    assert done.stdout.strip().endswith("closed")
+
+
+def test_the_watchdog_names_no_rank_and_closes_the_coordinator():
+    release = threading.Event()
+    coord = SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=0.3, run_timeout_s=0.4)
+    try:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match=r"no rank returned or reached a collective for 0.4s "
+                                                    r"\(running .*<lambda>") as info:
+            coord.run(lambda rank, comm: _stuck_until(release))
+        assert time.monotonic() - start < 0.4 + 0.3 + 1.5
+        assert getattr(info.value, "rank", None) is None  # no rank is to blame more than another
+        assert coord.closed
+    finally:
+        release.set()
+
+
+def test_the_watchdog_leaves_a_long_run_with_steady_collectives_alone():
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=5, run_timeout_s=0.3) as coord:
+        def job(rank, comm):
+            for _ in range(8):  # 0.8 s in all, far past the watchdog's 0.3 s
+                time.sleep(0.1)
+                comm.barrier()
+            return rank
+        assert coord.run(job) == [0, 1]
+    with SequenceParallelCoordinator(["cpu"], backend="peer", run_timeout_s=0.3) as alone:
+        def single(rank, comm):  # one rank: its collectives return at once, still activity
+            for _ in range(8):
+                time.sleep(0.1)
+                comm.exchange([torch.ones(1)], 0)
+            return "done"
+        assert alone.run(single) == ["done"]
+
+
+def test_a_bad_run_timeout_is_refused(monkeypatch):
+    from comfy.multidevice.comm.settings import SettingError
+    with pytest.raises(SettingError, match=r"run_timeout_s=0: must be a number of seconds above 0"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="peer", run_timeout_s=0)
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S", "forever")
+    with pytest.raises(SettingError, match=r"COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S='forever' is not a number"):
+        SequenceParallelCoordinator(["cpu"] * 2, backend="peer")
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+def test_a_rank_error_whose_str_raises_is_reported_with_its_type_and_rank():
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=20) as coord:
+        def job(rank, comm):
+            if rank == 1:
+                raise _Unprintable()
+            comm.barrier()
+        start = time.monotonic()
+        with pytest.raises(_Unprintable) as info:
+            coord.run(job)
+        assert time.monotonic() - start < 5  # not the 20 s timeout of a lost rank
+        assert info.value.rank == 1 and "(raised on multi-device rank 1)" in info.value.__notes__
+        assert not coord.closed  # the rank thread survived
+        assert coord.run(lambda rank, comm: rank) == [0, 1, 2]
+    assert group.describe_error(_Unprintable()) == \
+        "_Unprintable: (its message could not be read: str() raised RuntimeError)"

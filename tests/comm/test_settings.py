@@ -58,3 +58,21 @@ def test_the_node_refuses_a_bad_variable_before_touching_anything(monkeypatch):
         configure_parallel(*objs, npu_count=4, device_kind="cpu")
     assert_same(before, snapshot(*objs))
     assert rank_threads() == threads and roles_apply._COORDINATORS == coords
+
+
+def test_the_run_watchdog_and_the_weight_base_variables(monkeypatch):
+    from comfy.multidevice.comm.settings import (check_environment, DEFAULT_RUN_TIMEOUT_S, run_timeout_from_env,
+                                                 weight_base_from_env)
+    monkeypatch.delenv("COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("COMFYUI_MULTI_DEVICE_WEIGHT_BASE", raising=False)
+    assert run_timeout_from_env() == DEFAULT_RUN_TIMEOUT_S == 3600 and weight_base_from_env() == "map"
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S", "7200")
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_WEIGHT_BASE", " PIN ")
+    assert run_timeout_from_env() == 7200.0 and weight_base_from_env() == "pin"
+    assert weight_base_from_env("map") == "map"  # an argument given wins over the variable
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_WEIGHT_BASE", "bogus")
+    with pytest.raises(SettingError, match=r"^environment variable COMFYUI_MULTI_DEVICE_WEIGHT_BASE='bogus' "
+                                           r"is not a weight base mode; set it to one of map, pin"):
+        check_environment()
+    with pytest.raises(SettingError, match=r"^mode=3 is not a weight base mode"):
+        weight_base_from_env(3)

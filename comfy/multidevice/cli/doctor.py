@@ -32,15 +32,15 @@ import torch
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.cli.options import integer, max_cpu_ranks, seconds
 from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_environment,
-                                             MAX_TIMEOUT_S, SettingError, VALID_BACKENDS)
+                                             MAX_TIMEOUT_S, MULTI_DEVICE_ENV_VARS, SettingError,
+                                             VALID_BACKENDS)
 from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, auto_kind, DEVICE_KINDS,
                                        DeviceInventory, visible_device_names, VISIBLE_DEVICES_ENV)
 
 CPU_SELF_TEST_RANKS = 2
 # Variables shown even when unset; every other HCCL_* / NCCL_* variable is shown when set.
-ENV_VARS = ("COMFYUI_MULTI_DEVICE_BACKEND", "COMFYUI_MULTI_DEVICE_TIMEOUT_S",
-            "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "HCCL_SO_PATH", "NCCL_SO_PATH",
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+ENV_VARS = (*MULTI_DEVICE_ENV_VARS, "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+            "HCCL_SO_PATH", "NCCL_SO_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 ENV_PREFIXES = ("HCCL_", "NCCL_", "ASCEND_", "GLOO_")
 
 

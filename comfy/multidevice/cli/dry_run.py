@@ -304,15 +304,22 @@ def ensure_checkpoint(settings: RunSettings) -> tuple[Path, bool]:
     """The seeded miniature as a safetensors file in the cache; (path, reused)."""
     path = checkpoint_path(settings)
     if path.exists():
-        config, dtype = read_miniature_config(path)
-        if config == settings.config and dtype == settings.dtype:
-            return path, True
-        log.warning("cached %s does not match the requested model; rebuilding it", path)
+        try:
+            config, dtype = read_miniature_config(path)
+        except Exception as exc:  # noqa: BLE001 - truncated or foreign: the cache is ours to rebuild
+            log.warning("cached %s cannot be read (%s); rebuilding it", path, exc)
+        else:
+            if config == settings.config and dtype == settings.dtype:
+                return path, True
+            log.warning("cached %s does not match the requested model; rebuilding it", path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = build_miniature(settings.config, seed=settings.args.seed, dtype=settings.dtype)
     tmp = path.with_suffix(".tmp")
-    save_miniature(model, tmp)
-    os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
+    try:
+        save_miniature(model, tmp)
+        os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
+    finally:  # also on Ctrl-C or SIGTERM (minimax_h3_parallel.py turns it into an exception)
+        tmp.unlink(missing_ok=True)
     return path, False
 
 
@@ -449,8 +456,18 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         return 2
     try:
         return _run_on(coord, settings, args, out)
+    except OSError as exc:  # a folder filled up or changed under the run
+        print(f"minimax_h3_parallel.py run: {file_problem(exc)}", file=sys.stderr)
+        return 1
     finally:
         coord.close()
+
+
+def file_problem(exc: OSError) -> str:
+    """One line for a file that could not be read or written, and what to do."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    return (f"{where}{exc.strerror or exc}; free space there or name another --out / --cache "
+            "folder")
 
 
 def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: argparse.Namespace, out) -> int:
@@ -607,10 +624,13 @@ def _steady(seconds: list[float]) -> float:
 
 
 def write_outputs(out_dir: Path, latents, ref_latents, report: dict) -> None:
-    from safetensors.torch import save_file
+    """latents.safetensors and report.json, both as ordinary files (0666 less the umask):
+    safetensors' save_file would make the latents 0600."""
+    from safetensors.torch import save
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {"video": latents[0], "audio": latents[1]}
     if ref_latents is not None:
         tensors.update(reference_video=ref_latents[0], reference_audio=ref_latents[1])
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out_dir / "latents.safetensors"))
+    (out_dir / "latents.safetensors").write_bytes(
+        save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from comfy.multidevice.comm.settings import MAX_TIMEOUT_S, seconds_problem
@@ -66,6 +67,11 @@ def folder_problem(path: Path, files: tuple[str, ...] = ()) -> str | None:
         return f"cannot be created: {existing} is a file; name another folder"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"is not writable ({existing} does not let this user write); name another folder"
+    try:  # what access() cannot tell (root, /proc, a read-only mount): try, leave nothing behind
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=existing))
+    except OSError as exc:
+        return f"cannot be written: making a folder in {existing} fails ({exc.strerror}); " \
+               "name another folder"
     for name in files:
         if (path / name).is_dir():
             return f"holds a folder named {name} where the run writes that file; remove it or " \

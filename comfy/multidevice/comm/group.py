@@ -10,6 +10,8 @@ Collectives (`exchange` = all-gather-V, `all_to_all_v`, `all_reduce`) go through
 Every collective first passes an abortable barrier that publishes each rank's
 tensor shapes. A rank that fails aborts the barrier, so no other rank blocks on
 it; a rank that never arrives makes the barrier time out with its rank named.
+A run in which no rank returns and none reaches a collective for `run_timeout_s`
+(COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S, default 3600) is ended by a watchdog.
 
 Every collective also adds to per-rank byte counters (`byte_counts()`), counted here from
 the shapes, whatever the backend: the logical bytes each rank sends to / receives from
@@ -30,7 +32,8 @@ import torch
 from comfy.multidevice.comm.barrier import AbortableBarrier
 from comfy.multidevice.comm.peer import PeerCopyBackend
 from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_timeout,
-                                             TIMEOUT_ENV, timeout_from_env, VALID_BACKENDS)
+                                             RUN_TIMEOUT_ENV, run_timeout_from_env, TIMEOUT_ENV,
+                                             timeout_from_env, VALID_BACKENDS)
 from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
                                           all_to_all_traffic, BackendUnavailable,
                                           check_all_reduce_metadata, check_all_to_all_metadata,
@@ -85,6 +88,15 @@ def _open_backend(name: str, coordinator: "SequenceParallelCoordinator"):
         from comfy.multidevice.comm.nccl import NcclBackend
         return NcclBackend(coordinator)
     raise ValueError(f"unknown backend {name!r}; valid values: {', '.join(VALID_BACKENDS)}")
+
+
+def describe_error(exc: BaseException) -> str:
+    """"TypeName: message", also for an exception whose __str__ itself raises."""
+    try:
+        text = str(exc)
+    except Exception as err:  # noqa: BLE001 - a broken __str__ must not kill a rank thread
+        text = f"(its message could not be read: str() raised {type(err).__name__})"
+    return f"{type(exc).__name__}: {text}"
 
 
 def native_backend_for(devices: Sequence[torch.device]) -> str | None:
@@ -171,12 +183,15 @@ class SequenceParallelCoordinator:
     """W rank threads over W devices plus the collectives between them."""
 
     def __init__(self, devices: Sequence[Any], backend: str | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, run_timeout_s: float | None = None):
         if not devices:
             raise ValueError("SequenceParallelCoordinator needs at least one device, got none")
         self.devices = [resolve_device(d) for d in devices]
         self.world_size = len(self.devices)
         self.timeout_s = check_timeout(timeout_s) if timeout_s is not None else timeout_from_env()
+        self.run_timeout_s = (check_timeout(run_timeout_s, "run_timeout_s") if run_timeout_s is not None
+                              else run_timeout_from_env())
+        self._last_activity = time.monotonic()  # a rank returned or reached a collective (watchdog)
         requested = backend_from_env(backend)
         self.requested_backend = requested
         self._barrier = AbortableBarrier(self.world_size, self.timeout_s)
@@ -236,13 +251,23 @@ class SequenceParallelCoordinator:
 
         This call never waits on a rank forever: once a rank has failed, or ComfyUI's Cancel was
         pressed, or a rank has finished while another has neither returned nor reached a
-        collective for `timeout_s`, the others get `abandon_grace_s` to stop. A rank that still
+        collective for `timeout_s`, or no rank has returned or reached a collective for
+        `run_timeout_s` (the watchdog), the others get `abandon_grace_s` to stop. A rank that still
         has not returned is abandoned (its daemon thread and its memory stay until it returns by
         itself), the coordinator is closed, and the error is raised; `closed` tells the next user
         to build a fresh coordinator. A Cancel that every rank obeyed leaves it usable and raises
         ComfyUI's own InterruptProcessingException.
+
+        fn must not call run() on this same coordinator (it would wait for itself): that raises
+        CollectiveError at once.
         """
         self._check_open()
+        caller = threading.current_thread()
+        if isinstance(caller, _RankWorker) and caller.coordinator is self:
+            raise CollectiveError(
+                f"run() was called from inside a function that this coordinator runs (on rank "
+                f"{caller.rank}'s thread); it would wait for itself forever. Inside a rank, use the "
+                "comm argument's collectives, or call the inner function directly")
         for i, arg in enumerate(per_rank_args):
             if len(arg) != self.world_size:
                 raise ValueError(f"run(): per-rank argument {i} has {len(arg)} items for "
@@ -262,19 +287,21 @@ class SequenceParallelCoordinator:
                 with finished:
                     if rank not in running:  # an abandoned rank came back after run() gave up
                         return
+                    self._last_activity = time.monotonic()
                     if exc is not None:
                         errors.append((time.monotonic(), rank, exc))
-                        self._barrier.abort(f"rank {rank} failed: {type(exc).__name__}: {exc}")
+                        self._barrier.abort(f"rank {rank} failed: {describe_error(exc)}")
                     else:
                         results[rank] = result
                     running.discard(rank)
                     finished.notify_all()
 
             grad_modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+            self._last_activity = time.monotonic()
             for r, worker in enumerate(self._workers):
                 worker.jobs.put((fn, tuple(a[r] for a in per_rank_args), grad_modes, done))
             with finished:
-                cancel = self._wait_for_ranks(finished, running, errors)
+                cancel = self._wait_for_ranks(finished, running, errors, fn)
                 stuck = sorted(running)
                 running.clear()  # from here on, a late rank's result is dropped
             for slots in (*self._meta_slots, *self._data_slots):  # don't pin the last tensors
@@ -291,7 +318,7 @@ class SequenceParallelCoordinator:
                 raise exc
             return results
 
-    def _wait_for_ranks(self, finished: threading.Condition, running: set, errors: list):
+    def _wait_for_ranks(self, finished: threading.Condition, running: set, errors: list, fn):
         """Wait (holding `finished`) until every rank has returned or the ones left must be
         abandoned. Polls ComfyUI's interrupt flag; returns (time, module) of a Cancel, else None.
         """
@@ -319,6 +346,15 @@ class SequenceParallelCoordinator:
                         errors.append((now, left[0], CollectiveTimeout(reason)))
                         self._barrier.abort(reason)
                         give_up_at = now + grace
+                if give_up_at is None and now - self._last_activity > self.run_timeout_s \
+                        and self._barrier.waiting == 0:  # a rank waiting has its own timeout
+                    reason = (f"no rank returned or reached a collective for {self.run_timeout_s:g}s "
+                              f"(running {getattr(fn, '__qualname__', repr(fn))}; raise "
+                              f"{RUN_TIMEOUT_ENV} if the work between two collectives is just "
+                              "that slow)")
+                    errors.append((now, None, CollectiveTimeout(reason)))
+                    self._barrier.abort(reason)
+                    give_up_at = now + grace
             if give_up_at is not None and now >= give_up_at:
                 return cancel
             finished.wait(_INTERRUPT_POLL_S if give_up_at is None
@@ -345,7 +381,7 @@ class SequenceParallelCoordinator:
         # The root cause beats the "cancelled because rank k failed" errors it triggered.
         errors.sort(key=lambda e: (isinstance(e[2], CollectiveAborted), e[0]))
         _, rank, exc = errors[0]
-        if getattr(exc, "rank", None) is None:
+        if rank is not None and getattr(exc, "rank", None) is None:
             try:
                 exc.rank = rank
                 exc.add_note(f"(raised on multi-device rank {rank})")
@@ -355,6 +391,7 @@ class SequenceParallelCoordinator:
 
     # -- collectives (called from rank threads)
     def barrier(self, rank: int, what: str = "barrier") -> None:
+        self._last_activity = time.monotonic()
         if self.world_size > 1:
             self._enter(rank, "barrier", None, None, what)
 
@@ -389,6 +426,7 @@ class SequenceParallelCoordinator:
         plan; then a library backend makes its buffers before the ranks meet and they meet once.
         `workspace`: buffers the backend may keep for this call site (see `Communicator`).
         """
+        self._last_activity = time.monotonic()
         tensors = list(tensors)
         dims = normalize_dims(tensors, cat_dims)
         if self.world_size == 1:
@@ -427,6 +465,7 @@ class SequenceParallelCoordinator:
         tensor in, a single out. `recv_splits`: see `Communicator.all_to_all_v`; the shapes
         travel with every call here anyway, so they are only checked against them.
         """
+        self._last_activity = time.monotonic()
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
@@ -485,6 +524,7 @@ class SequenceParallelCoordinator:
     def all_reduce(self, rank: int, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op not in VALID_REDUCE_OPS:
             raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
+        self._last_activity = time.monotonic()
         if self.world_size == 1:
             return tensor.clone()
         meta_slot, data_slot = self._enter(

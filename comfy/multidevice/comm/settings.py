@@ -1,7 +1,10 @@
-"""The environment variables that choose the collective backend and its timeout.
+"""The multi-device environment variables: the collective backend, its timeouts, the weight base.
 
-COMFYUI_MULTI_DEVICE_BACKEND   auto | hccl | nccl | peer (default auto)
-COMFYUI_MULTI_DEVICE_TIMEOUT_S seconds a rank waits for the others at a collective (default 600)
+COMFYUI_MULTI_DEVICE_BACKEND       auto | hccl | nccl | peer (default auto)
+COMFYUI_MULTI_DEVICE_TIMEOUT_S     seconds a rank waits for the others at a collective (default 600)
+COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S seconds a coordinator's run() lets pass with no rank returning
+                                   and none reaching a collective (default 3600)
+COMFYUI_MULTI_DEVICE_WEIGHT_BASE   map | pin: how a checkpoint's read-only base is held (default map)
 
 Every bad value raises SettingError worded as an environment-variable error: the variable, the
 value, what is wrong and what to set instead. The command line and the node call these same
@@ -19,11 +22,19 @@ log = logging.getLogger(__name__)
 
 BACKEND_ENV = "COMFYUI_MULTI_DEVICE_BACKEND"
 TIMEOUT_ENV = "COMFYUI_MULTI_DEVICE_TIMEOUT_S"
+RUN_TIMEOUT_ENV = "COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S"
+WEIGHT_BASE_ENV = "COMFYUI_MULTI_DEVICE_WEIGHT_BASE"
 VALID_BACKENDS = ("auto", "hccl", "nccl", "peer")
+MULTI_DEVICE_ENV_VARS = (BACKEND_ENV, TIMEOUT_ENV, RUN_TIMEOUT_ENV, WEIGHT_BASE_ENV)
+WEIGHT_BASE_MODES = ("map", "pin")  # read-only shared mapping (default) | anonymous RAM
 
 
 DEFAULT_TIMEOUT_S = 600.0  # a rank may load weights for minutes before its first collective
 MAX_TIMEOUT_S = 86_400.0   # one day: a rank that waits longer is stuck, not slow
+# The run watchdog: a sampling step calls a collective in every block (seconds apart even at
+# 768p 15 s), and weights load before the first one; an hour with no rank returning and none
+# reaching a collective is a stuck run, not a slow one.
+DEFAULT_RUN_TIMEOUT_S = 3600.0
 # Plain ASCII decimals only: float() also takes "nan", "inf", "1_0" and non-ASCII digits.
 _DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 
@@ -72,19 +83,49 @@ def check_timeout(value, where: str = "timeout_s") -> float:
     return float(value)
 
 
-def timeout_from_env() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
+def _seconds_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
-        return DEFAULT_TIMEOUT_S
+        return default
     value, problem = seconds_problem(raw)
     if problem:
-        raise env_error(TIMEOUT_ENV, raw, problem,
+        raise env_error(name, raw, problem,
                         f"set it to seconds above 0 and at most {MAX_TIMEOUT_S:g}, or unset it for "
-                        f"the default {DEFAULT_TIMEOUT_S:g}")
+                        f"the default {default:g}")
     return value
 
 
-def check_environment() -> None:
-    """Raise SettingError for the first bad multi-device variable (before anything is built)."""
-    backend_from_env()
+def timeout_from_env() -> float:
+    return _seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def run_timeout_from_env() -> float:
+    return _seconds_from_env(RUN_TIMEOUT_ENV, DEFAULT_RUN_TIMEOUT_S)
+
+
+def weight_base_from_env(value: str | None = None) -> str:
+    """The weight base mode: `value` if given, else COMFYUI_MULTI_DEVICE_WEIGHT_BASE, else "map"."""
+    meaning = "map: the file's page cache, read-only; pin: a private copy in RAM, for NFS"
+    if value is not None:
+        mode = value.strip().lower() if isinstance(value, str) else None
+        if mode not in WEIGHT_BASE_MODES:
+            raise SettingError(f"mode={value!r} is not a weight base mode; use one of "
+                               f"{', '.join(WEIGHT_BASE_MODES)} ({meaning})")
+        return mode
+    raw = os.environ.get(WEIGHT_BASE_ENV, "")
+    mode = raw.strip().lower() or "map"
+    if mode not in WEIGHT_BASE_MODES:
+        raise env_error(WEIGHT_BASE_ENV, raw, "is not a weight base mode",
+                        f"set it to one of {', '.join(WEIGHT_BASE_MODES)} ({meaning}), or unset it "
+                        "for map")
+    return mode
+
+
+def check_environment(backend: bool = True) -> None:
+    """Raise SettingError for the first bad multi-device variable (before anything is built).
+    `backend=False` leaves COMFYUI_MULTI_DEVICE_BACKEND out (an option given instead wins)."""
+    if backend:
+        backend_from_env()
     timeout_from_env()
+    run_timeout_from_env()
+    weight_base_from_env()

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 GIB = 2 ** 30
 IN_FLIGHT_BLOCKS = 2  # the block running now and the next one's prefetch
 DEFAULT_PLAN_TOKENS = 109_952  # MiniMax-H3 at 768p, 15 s: the longest official workflow
+MAX_PLAN_TOKENS = 10_000_000   # the node input's maximum: ~90x the longest official workflow
 
 
 class MemoryPlanError(RolePlanError):
@@ -224,9 +225,10 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
     if dit_weights not in DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown: set dit_weights to one of "
                          f"{', '.join(DIT_WEIGHT_MODES)}.")
-    if int(tokens) < 1:
-        raise ValueError(f"plan_tokens={tokens} must be at least 1: set it to the longest packed sequence "
-                         f"you will sample ({DEFAULT_PLAN_TOKENS} = 768p 15 s).")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_PLAN_TOKENS:
+        raise MemoryPlanError(f"plan_tokens={tokens!r} is not a whole number from 1 to {MAX_PLAN_TOKENS}: "
+                              f"set it to the longest packed sequence you will sample "
+                              f"({DEFAULT_PLAN_TOKENS} = 768p 15 s).")
     sequence_parallel = plan.dit.mode == SEQUENCE_PARALLEL
     if dit_weights == "shard" and not sequence_parallel:
         raise ValueError(f"dit_weights is shard, which splits the DiT over several cards, but npu_count "

@@ -65,6 +65,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from comfy.multidevice.comm.settings import WEIGHT_BASE_ENV, WEIGHT_BASE_MODES, weight_base_from_env
 from comfy.multidevice.weights.aimdo_mapping import (adopt, find_loader_mappings, LoaderMappingMismatch,
                                                      OWNER_NAME)
 from comfy.multidevice.weights.read_only import read_only_view, ReadOnlyMemory, ReadOnlyTensor
@@ -77,19 +78,14 @@ log = logging.getLogger(__name__)
 READ_CHUNK_BYTES = 64 << 20
 REUSE_MESSAGE = "Reusing shared checkpoint source"
 
-BASE_MODE_ENV = "COMFYUI_MULTI_DEVICE_WEIGHT_BASE"
-BASE_MODES = ("map", "pin")  # read-only shared mapping (default) | anonymous RAM
+BASE_MODE_ENV = WEIGHT_BASE_ENV  # parsed and checked in comm/settings.py, with the other variables
+BASE_MODES = WEIGHT_BASE_MODES
 
 
 def base_mode_from_env(value: str | None = None) -> str:
     """The base mode: `value` if given, else COMFYUI_MULTI_DEVICE_WEIGHT_BASE, else "map"."""
-    raw = value if value is not None else os.environ.get(BASE_MODE_ENV, "")
-    mode = raw.strip().lower() or "map"
-    if mode not in BASE_MODES:
-        where = f"{BASE_MODE_ENV}={raw!r}" if value is None else f"mode={raw!r}"
-        raise ValueError(f"{where} is not a weight base mode; use one of {', '.join(BASE_MODES)} "
-                         "(map: the file's page cache, read-only; pin: a private copy in RAM, for NFS)")
-    return mode
+    return weight_base_from_env(value)
+
 
 # ----------------------------------------------------------------------------- byte counter
 

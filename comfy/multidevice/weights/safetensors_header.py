@@ -13,8 +13,8 @@ reference's, the reference's rules are applied on top: at most 127 nested arrays
 no lone UTF-16 surrogate escape in any string, numbers within a double's range, `-0` and
 integers beyond 64 bits read as floats (so never a dimension or an offset), and the element
 count multiplied out dimension by dimension without passing 2**64. A dimension must also fit
-torch's int64 sizes. tests/weights/test_safetensors_header.py checks this against the
-reference on generated files.
+torch's int64 sizes, and an empty tensor's shape must be one torch can view (its strides fit).
+tests/weights/test_safetensors_header.py checks this against the reference on generated files.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ _DTYPE_NAMES = {
     "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
     "C64": "complex64",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, tname) for name, tname in _DTYPE_NAMES.items() if hasattr(torch, tname)}
@@ -207,6 +208,10 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def _parse_entry(name: str, entry: Any, data_size: int, source: str) -> TensorInfo:
     where = f"{source}: tensor {name!r}"
+    if isinstance(entry, list):  # serde reads a struct from a list of its fields; no writer makes one
+        raise CheckpointError(f"{where}: entry must be an object with dtype, shape and data_offsets, "
+                              f"not a list ({_short(entry)}); re-save the file with safetensors' "
+                              "save_file to get the object form")
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: entry must be an object with dtype, shape and data_offsets, "
                               f"got {_short(entry)}")
@@ -233,6 +238,12 @@ def _parse_entry(name: str, entry: Any, data_size: int, source: str) -> TensorIn
         if elements >= U64_LIMIT:
             raise CheckpointError(f"{where}: shape {_short(shape)}: the element count overflows "
                                   "64 bits")
+    if elements == 0:  # huge dimensions pass the byte count: ask torch, as the loader's .view() will
+        try:
+            torch.empty(0, dtype=dtype).view(shape)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{where}: shape {_short(shape)}: torch cannot make an empty tensor "
+                                  f"of this shape ({exc})") from None
 
     offsets = entry["data_offsets"]
     if (not isinstance(offsets, list) or len(offsets) != 2
