@@ -6,8 +6,11 @@ node makes upstream's loaders build the same configs). Forms, against the releas
   linears in comfy-kitchen's ConvRot int8 layout, made by upstream's quantization registry;
 - the text encoder: bf16, where the released file is NVFP4 AWQ (comfy-kitchen's NVFP4 needs a
   card: it has no CPU kernel to run it);
-- the video VAE: fp32, where the released one is int8 ConvRot (its tiny decoder is narrower
-  than one ConvRot group of 256);
+- the video VAE: fp32, where the released one is int8 ConvRot. Its decode at 4 cards is
+  bit-identical to 1 card in that form too (tests/upstream/test_video_vae.py), but int8
+  activations amplify a 1e-7 change of the latent to a few pixel levels, and the e2e text
+  encoder (bf16, split over the cards) differs from one card by ~2e-7: the workflow comparison
+  would then measure the rounding, not the pipeline;
 - the audio VAE: fp32, as released; random weights at std 0.08, its buffers (anti-aliasing
   filters) as the module computes them and its Snake activations in range, so it decodes
   audible noise in its linear range (at 0.02 near silence, at 0.1 clipped: either way an audio
@@ -77,24 +80,32 @@ def _random_weights(module: torch.nn.Module, seed: int, scale: float) -> dict:
     return {**{k: v.detach().clone() for k, v in module.state_dict().items() if k not in params}, **params}
 
 
-def dit_state_dict(seed: int) -> dict:
-    import comfy.ldm.minimax.model as h3
-    import comfy.ops
+def convrot_int8(state: dict, quantized) -> dict:
+    """`state` with the 2-D weights that `quantized(name)` picks in comfy-kitchen's ConvRot int8
+    layout (the released DiT and video VAE files' form), made by upstream's quantization registry."""
     import comfy.quant_ops
     from comfy_kitchen.tensor.base import get_layout_class
-    shell = h3.MiniMaxH3Model(**DIT, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
     layout = get_layout_class(comfy.quant_ops.QUANT_ALGOS["convrot_w4a4"]["comfy_tensor_layout"])
     conf = json.dumps({"format": "convrot_w4a4", "convrot": True, "convrot_groupsize": 256, "linear_dtype": "int8"})
-    state = {}
-    for name, value in _random_like(shell.state_dict(), seed, 0.05).items():
-        if name.startswith("blocks.") and name.endswith(".weight") and value.dim() == 2 and "adaln" not in name:
+    out = {}
+    for name, value in state.items():
+        if name.endswith(".weight") and value.dim() == 2 and quantized(name):
             prefix = name[:-len("weight")]
             qdata, params = layout.quantize(value, linear_dtype="int8")
             for suffix, tensor in layout.state_dict_tensors(qdata, params).items():
-                state[f"{prefix}weight{suffix}"] = tensor
-            state[f"{prefix}comfy_quant"] = torch.tensor(list(conf.encode()), dtype=torch.uint8)
+                out[f"{prefix}weight{suffix}"] = tensor
+            out[f"{prefix}comfy_quant"] = torch.tensor(list(conf.encode()), dtype=torch.uint8)
         else:
-            state[name] = value
+            out[name] = value
+    return out
+
+
+def dit_state_dict(seed: int) -> dict:
+    import comfy.ldm.minimax.model as h3
+    import comfy.ops
+    shell = h3.MiniMaxH3Model(**DIT, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    state = convrot_int8(_random_like(shell.state_dict(), seed, 0.05),
+                         lambda name: name.startswith("blocks.") and "adaln" not in name)
     state["rope.inv_freq"] = torch.tensor([1.0, 0.3])
     return state
 

@@ -70,3 +70,41 @@ def test_chunked_decode_with_upstreams_spatial_tiles_is_bit_identical(upstream, 
     with coord, torch.inference_mode():
         out = parallel.decode(z)
     assert torch.equal(out, reference)
+
+
+@pytest.fixture(scope="module")
+def convrot_vae(upstream):
+    """The released form: the decoder's transformer-block linears in comfy-kitchen's ConvRot int8
+    (upstream loads such a file with its mixed-precision ops), 256 wide (one ConvRot group)."""
+    pytest.importorskip("comfy_kitchen", reason="ConvRot int8 needs comfy-kitchen (the tree's requirements)")
+    import comfy.sd
+    from comfy.ldm.minimax import vae as h3_vae
+    from tests.e2e.tiny_models import _random_weights, convrot_int8
+    small = {"ch": 32, "ch_mult": (1, 1, 1, 1, 1, 1), "num_res_blocks": 1}
+    decoder = {"num_layers": 1, "heads": 2, "dim_head": 128, "num_register_tokens": 1}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(h3_vae, "ViT3DDecoder", functools.partial(h3_vae.ViT3DDecoder, **decoder))
+    mp.setattr(h3_vae, "MiniMaxH3VideoVAE", functools.partial(h3_vae.MiniMaxH3VideoVAE, **small))
+    try:
+        state = convrot_int8(_random_weights(h3_vae.MiniMaxH3VideoVAE(), 4, 0.1),
+                             lambda name: name.startswith("decoder.transformer_blocks."))
+        vae = comfy.sd.VAE(sd=state)
+    finally:
+        mp.undo()
+    qkv = vae.first_stage_model.decoder.transformer_blocks[0].attn.to_qkv
+    assert "MixedPrecisionOps" in type(qkv).__qualname__  # upstream took the file as quantized
+    return vae
+
+
+@pytest.mark.parametrize("latent_frames", [2, 7])
+def test_chunked_decode_of_a_convrot_int8_vae_is_bit_identical(upstream, convrot_vae, latent_frames):
+    """Each chunk goes through the same quantized linears on its rank as on one card, with the
+    same inputs: torch.equal."""
+    z = torch.randn(1, 24, latent_frames, 8, 8, generator=torch.Generator().manual_seed(latent_frames))
+    with torch.no_grad():  # as ComfyUI decodes (inference mode cannot move the quantized weights)
+        reference = convrot_vae.decode(z)
+    coord, parallel = parallel_vae(convrot_vae, 4)
+    with coord, torch.no_grad():
+        out = parallel.decode(z)
+    assert out.shape == reference.shape
+    assert torch.equal(out, reference)
