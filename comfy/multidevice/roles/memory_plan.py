@@ -169,17 +169,21 @@ class MemoryPlan:
     def host_problem(self) -> bool:
         return self.host is not None and self.host.free is not None and self.host.need > self.host.free
 
+    def _host_refusal(self) -> MemoryPlanError:
+        host = self.host
+        return MemoryPlanError(
+            f"the {host.cards} CPU cards share this machine's memory: their DiT stage needs "
+            f"{host.need / GIB:.2f} GiB together ({_items(host.items)}) and {host.free / GIB:.2f} GiB "
+            f"is available: sample fewer frames / a lower resolution and lower plan_tokens (now "
+            f"{self.tokens}), lower npu_count, or free memory.", self.table())
+
     def check(self) -> None:
         """Raise MemoryPlanError naming the first card and stage that do not fit, and the fixes
         (one sentence; the table is logged by the caller and kept on the error)."""
-        if self.host_problem():
-            raise MemoryPlanError(
-                f"the {self.host.cards} CPU cards share this machine's memory: their DiT stage needs "
-                f"{self.host.need / GIB:.2f} GiB together ({_items(self.host.items)}) and "
-                f"{self.host.free / GIB:.2f} GiB is available: sample fewer frames / a lower resolution "
-                f"and lower plan_tokens (now {self.tokens}), lower npu_count, or free memory.", self.table())
         problems = self.problems()
         if not problems:
+            if self.host_problem():  # every card fits (or has no figure), the shared RAM does not
+                raise self._host_refusal()
             return
         card, stage, need = problems[0]
         more_cards = "raise npu_count" if len(self.cards) < 8 else "free the cards"
