@@ -29,7 +29,7 @@ from comfy.multidevice.miniature.h3 import build_miniature
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
-from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.sp.plan import SequenceParallelError, shard_sizes
 from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic, ulysses_degree
 from comfy.multidevice.sp.strategies import AutoKV, SPMode
 from comfy.multidevice.sp.ulysses import UlyssesKV
@@ -386,3 +386,59 @@ def test_dry_run_options(tmp_path):
     bad = subprocess.run(cmd[:cmd.index("--sp-mode")] + ["--sp-mode", "allgather", "--sp-overlap", "2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "overlap applies to the ulysses exchange" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- collectives per block
+
+def _library_calls(monkeypatch, backend_class):
+    """Every `_all_to_all_v_flat` library call, by rank (one per tensor the backend sends)."""
+    calls = []
+    original = backend_class._all_to_all_v_flat
+
+    def counted(self, rank, *args):
+        calls.append(rank)
+        return original(self, rank, *args)
+    monkeypatch.setattr(backend_class, "_all_to_all_v_flat", counted)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["nccl", "hccl"])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("world,heads,want_calls", [(2, 4, 2), (4, 8, 2), (4, 6, 3)])
+def test_one_library_call_for_qkv_and_one_for_the_output(request, monkeypatch, backend, fused, world, heads,
+                                                         want_calls):
+    """Plain Ulysses sends q, k and v of a block in one all-to-all and the output in one more:
+    2 library calls per rank and block, whether q/k/v are views of one fused qkv buffer (as
+    H3's are) or three tensors. The hybrid (6 heads over 4 ranks: groups of 2) sends q to its
+    group and k/v to everyone: 3. The output is SDPA's on the whole sequence."""
+    from comfy.multidevice.comm.hccl import HcclBackend
+    from comfy.multidevice.comm.nccl import NcclBackend
+
+    request.getfixturevalue(f"use_fake_{backend}")
+    calls = _library_calls(monkeypatch, {"nccl": NcclBackend, "hccl": HcclBackend}[backend])
+    dim, seq = 8, 5 * world + 3
+    rows = shard_sizes(seq, world)  # uneven, by the SP shard plan
+    gen = torch.Generator().manual_seed(world + heads)
+    if fused:  # [S, 3 x H x D] rows, q/k/v as [1, H, S, D] views, the way H3 hands them over
+        qkv = torch.randn(seq, 3 * heads * dim, generator=gen)
+        q, k, v = (qkv[:, i * heads * dim:(i + 1) * heads * dim].view(seq, heads, dim).transpose(0, 1).unsqueeze(0)
+                   for i in range(3))
+    else:
+        q, k, v = (torch.randn(1, heads, seq, dim, generator=gen) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v)
+    starts = [sum(rows[:r]) for r in range(world)]
+
+    def attention_fn(q, k, v, heads, skip_reshape=False, **kwargs):
+        o = F.scaled_dot_product_attention(q, k, v)
+        return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+
+    def job(rank, comm):
+        local = [t[:, :, starts[rank]:starts[rank] + rows[rank]] for t in (q, k, v)]
+        return UlyssesKV().attend(comm, attention_fn, *local, heads, skip_reshape=True, shard_sizes=rows)
+
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(job)
+    assert sorted(calls) == sorted(list(range(world)) * want_calls)
+    for r, o in enumerate(out):
+        rank_want = want[:, :, starts[r]:starts[r] + rows[r]].transpose(1, 2).reshape(1, rows[r], heads * dim)
+        assert torch.allclose(o, rank_want, rtol=0, atol=1e-6)

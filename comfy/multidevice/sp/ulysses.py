@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from comfy.multidevice.comm.types import scratch
 from comfy.multidevice.devices import accelerator_api, set_thread_device
 from comfy.multidevice.sp.attention_budget import attend_within_budget
 from comfy.multidevice.sp.cost_model import ulysses_degree
@@ -72,13 +73,6 @@ class _Layout:
         sizes = shard_sizes(len(heads), self.chunks)
         start = heads.start + sum(sizes[:chunk])
         return range(start, start + sizes[chunk])
-
-
-def _select_heads(t: torch.Tensor, heads: list[int], dim: int) -> torch.Tensor:
-    """t's `heads` along `dim`, without a copy when `heads` is every head in order."""
-    if heads == list(range(t.shape[dim])):
-        return t
-    return t.index_select(dim, torch.tensor(heads, device=t.device))
 
 
 class UlyssesKV:
@@ -166,33 +160,53 @@ class UlyssesKV:
     def _exchange_in(self, comm, layout, chunk, q, k, v, rows=None):
         """Sequence shards -> (q rows of my group, k/v rows of everyone) for my head chunk.
 
-        Sent sequence-major, [S_r, B, H, D] (how H3's q/k/v lie in memory): packing a head
-        block of every row is one copy, and the received rows, rank after rank, already are
-        the sequence in order (no copy). Returned as [B, heads, S, D] views for the attention.
+        Plain Ulysses (U = W) sends q, k and v in one all-to-all; the hybrid sends q to its
+        group and k, v to every rank (two). Each is one tensor packed once, peer-major (see
+        `_pack_peer_major`): the transport sends each peer's chunk without packing again, and
+        what arrives, source after source, is [S, B, n, h, D], the sequence in order with the
+        n tensors side by side in each row; q, k, v are returned as [B, h, S, D] views of it.
         `rows`: every rank's rows, when known (then the shapes need not travel every call).
         """
         world, members = layout.world, layout.members
-        to_group = [len(layout.chunk_heads(layout.block_of(j), chunk)) if j in members else 0
-                    for j in range(world)]
-        to_all = [len(layout.chunk_heads(layout.block_of(j), chunk)) for j in range(world)]
-        q_heads = [h for j in members for h in layout.chunk_heads(layout.block_of(j), chunk)]
-        kv_heads = [h for j in range(world) for h in layout.chunk_heads(layout.block_of(j), chunk)]
-        # [B, H, S_r, D] -> [S_r, B, H, D] views
-        q_send = _select_heads(q.permute(2, 0, 1, 3), q_heads, 2)
-        k_send = _select_heads(k.permute(2, 0, 1, 3), kv_heads, 2)
-        v_send = _select_heads(v.permute(2, 0, 1, 3), kv_heads, 2)
-        from_group = from_all = None  # the rows each rank sends me, if known
-        if rows is not None:
-            from_all = list(rows)
-            from_group = [n if j in members else 0 for j, n in enumerate(rows)]
-        if to_group == to_all:  # plain Ulysses: one call for all three
-            received = _all_to_all(comm, [q_send, k_send, v_send], to_all, 2, 0, self._workspace(("qkv", chunk)),
-                                   from_all)
+        groups = world // layout.degree
+        mine = q.shape[2]
+        from_all = None if rows is None else list(rows)
+        if groups == 1:
+            send = self._pack_peer_major((q, k, v), layout, chunk, groups, ("qkv-pack", chunk))
+            got = _all_to_all(comm, [send], [mine] * world, 0, 0, self._workspace(("qkv", chunk)), from_all)[0]
+            return tuple(got.select(2, i).permute(1, 2, 0, 3) for i in range(3))  # [B, h, S, D]
+        to_group = [mine if j in members else 0 for j in range(world)]
+        from_group = None if rows is None else [n if j in members else 0 for j, n in enumerate(rows)]
+        q_send = self._pack_peer_major((q,), layout, chunk, 1, ("q-pack", chunk))
+        kv_send = self._pack_peer_major((k, v), layout, chunk, groups, ("kv-pack", chunk))
+        q_got = _all_to_all(comm, [q_send], to_group, 0, 0, self._workspace(("q", chunk)), from_group)[0]
+        kv_got = _all_to_all(comm, [kv_send], [mine] * world, 0, 0, self._workspace(("kv", chunk)), from_all)[0]
+        return (q_got.select(2, 0).permute(1, 2, 0, 3),
+                *(kv_got.select(2, i).permute(1, 2, 0, 3) for i in range(2)))
+
+    def _pack_peer_major(self, tensors, layout, chunk, groups, key) -> torch.Tensor:
+        """[G x U x S_r, B, n, h, D]: for each of G groups' U ranks in rank order, its head
+        block's chunk `chunk` of the n tensors ([B, H, S_r, D] each) for my S_r rows. One copy
+        when the tensors are views of one fused buffer (H3's q/k/v are), else one per tensor."""
+        batch, heads, mine, dim = tensors[0].shape
+        chunk_heads = layout.chunk_heads(0, chunk)
+        first, count = chunk_heads.start, len(chunk_heads)  # the same offset inside every head block
+        n = len(tensors)
+        flat = scratch(self._workspace(key), "send", groups * layout.degree * mine * batch * n * count * dim,
+                       tensors[0].dtype, tensors[0].device)
+        out = flat.view(groups, layout.degree, mine, batch, n, count, dim)
+
+        def peer_major(stacked):  # [B, m, H, S_r, D] -> [G, U, S_r, B, m, h, D], a view
+            blocks = stacked.unflatten(2, (layout.degree, heads // layout.degree)).narrow(3, first, count)
+            return blocks.unsqueeze(0).expand(groups, *blocks.shape).permute(0, 3, 5, 1, 2, 4, 6)
+
+        fused = stacked_view(tensors)
+        if fused is not None:
+            out.copy_(peer_major(fused))
         else:
-            received = (*_all_to_all(comm, [q_send], to_group, 2, 0, self._workspace(("q", chunk)), from_group),
-                        *_all_to_all(comm, [k_send, v_send], to_all, 2, 0, self._workspace(("kv", chunk)),
-                                     from_all))
-        return tuple(t.permute(1, 2, 0, 3) for t in received)  # [S, B, h, D] -> [B, h, S, D]
+            for i, t in enumerate(tensors):
+                out.narrow(4, i, 1).copy_(peer_major(t.unsqueeze(1)))
+        return flat.view(groups * layout.degree * mine, batch, n, count, dim)
 
     @staticmethod
     def _member_rows(comm, layout, local_rows, q_c, k_c) -> list[int]:
@@ -231,6 +245,24 @@ class UlyssesKV:
                 sizes = [len(layout.chunk_heads(b, c)) for b in range(layout.degree)]
                 pieces.append(out.narrow(2, sum(sizes[:member]), sizes[member]))
         return torch.cat(pieces, dim=2)
+
+
+def stacked_view(tensors) -> torch.Tensor | None:
+    """[B, n, H, S, D]: the n tensors ([B, H, S, D] each) as one view when they lie in one
+    buffer at equal spacing (e.g. views of fused qkv rows); None otherwise. The view reads
+    exactly the elements the tensors do."""
+    first = tensors[0]
+    if any(t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+           or t.device != first.device or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+           for t in tensors):
+        return None
+    offsets = [t.storage_offset() for t in tensors]
+    step = offsets[1] - offsets[0] if len(tensors) > 1 else 0
+    if len(tensors) > 1 and (step <= 0 or any(b - a != step for a, b in zip(offsets, offsets[1:]))):
+        return None
+    b, h, s, d = first.shape
+    sb, sh, ss, sd = first.stride()
+    return first.as_strided((b, len(tensors), h, s, d), (sb, step, sh, ss, sd), offsets[0])
 
 
 def _all_to_all(comm, tensors, splits, split_dim, cat_dim, workspace, recv_splits=None):
