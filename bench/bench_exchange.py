@@ -15,8 +15,14 @@ fused qkv rows [S_r, 3 x 7168], as H3's attention makes them):
   ulysses_vs_raw_all_to_all    the Ulysses exchange of one block as the SP adapter drives it
                                (q, k, v in, the attention output back as the [1, S_r, H x D]
                                tensor the caller gets; the shard plan known, the forward's
-                               buffers; the attention replaced by a ready output) / four raw
-                               `all_to_all_single` of the same tensors, packed in advance
+                               buffers; the attention replaced by a ready output) / two raw
+                               `all_to_all_single` of the same bytes, packed in advance (q, k, v
+                               in one, the output in the other): median of the per-round ratios,
+                               with their interquartile range in `..._spread`; `..._per_tensor`
+                               against four raw calls (q, k, v and the output apart)
+  ulysses_collectives_per_block   collectives ours runs per block (one per tensor of each
+                               all_to_all_v: a library call on NCCL/HCCL, a set of point-to-point
+                               transfers on gloo); target 2
   ulysses_vs_raw_p2p           the same / raw isend-irecv of those packed tensors
   ulysses_vs_raw_p2p_plus_layout_copies   the same / (raw isend-irecv + the copies H3's layout
                                forces on any Ulysses over transports that take dense buffers:
@@ -65,8 +71,8 @@ from tests.fakes.build import build_fake  # noqa: E402
 
 HEADS, HEAD_DIM = 56, 128
 WIDTH = HEADS * HEAD_DIM
-TARGETS = {"h3_layout_allgather_vs_raw": 1.10, "ulysses_vs_raw_all_to_all": 1.20,
-           "final_gather_bytes_ratio": 1 / 40}
+TARGETS = {"h3_layout_allgather_vs_raw": 1.10, "ulysses_vs_raw_all_to_all": 1.15,
+           "ulysses_collectives_per_block": 2, "final_gather_bytes_ratio": 1 / 40}
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -94,6 +100,12 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
     from comfy.multidevice.sp.strategies import AllGatherKV
     from comfy.multidevice.sp.ulysses import UlyssesKV
 
+    from comfy.multidevice.sp import attention_budget
+
+    # The attention is replaced by a ready output here, so the CPU ranks' attention budget
+    # (row pieces sized from the free RAM, joined by a copy) has nothing to bound: the
+    # exchange alone is timed, as on a card.
+    attention_budget.available_memory_bytes = lambda: None
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     comm = init_process_group(rank, world, "cpu", init_method=f"file://{init_file}", backend="gloo")
     sizes = shard_sizes(seq, world)
@@ -147,10 +159,21 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
     out_send = ready.view(-1)
     recv_out = torch.empty(rows * HEADS * HEAD_DIM, dtype=torch.bfloat16)
 
-    def raw_ulysses():
+    def raw_ulysses_per_tensor():  # q, k, v and the output: four calls
         for packed, recv in zip(packed_in, recv_in):
             dist.all_to_all_single(recv, packed.view(-1), output_split_sizes=in_splits,
                                    input_split_sizes=[rows * heads_mine * HEAD_DIM] * world)
+        dist.all_to_all_single(recv_out, out_send, output_split_sizes=[rows * heads_mine * HEAD_DIM] * world,
+                               input_split_sizes=in_splits)
+
+    # the same bytes in as few calls as ours makes: q/k/v packed together in advance, one call
+    # in, one out
+    packed_qkv = torch.stack(packed_in, dim=2).contiguous()  # [W, S_r, 3, h, D]
+    recv_qkv = torch.empty(3 * seq * heads_mine * HEAD_DIM, dtype=torch.bfloat16)
+
+    def raw_ulysses():
+        dist.all_to_all_single(recv_qkv, packed_qkv.view(-1), output_split_sizes=[3 * n for n in in_splits],
+                               input_split_sizes=[3 * rows * heads_mine * HEAD_DIM] * world)
         dist.all_to_all_single(recv_out, out_send, output_split_sizes=[rows * heads_mine * HEAD_DIM] * world,
                                input_split_sizes=in_splits)
 
@@ -190,8 +213,8 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
 
     runs = {"ours_allgather": ours_allgather, "raw_allgather": raw_allgather,
             "raw_p2p_allgather": raw_p2p_allgather, "ours_ulysses": ours_ulysses,
-            "raw_ulysses": raw_ulysses, "raw_p2p_ulysses": raw_p2p_ulysses,
-            "ulysses_layout_copies": layout_copies}
+            "raw_ulysses": raw_ulysses, "raw_ulysses_per_tensor": raw_ulysses_per_tensor,
+            "raw_p2p_ulysses": raw_p2p_ulysses, "ulysses_layout_copies": layout_copies}
     yunchang = importlib.util.find_spec("yunchang") is not None
     if yunchang:
         from yunchang.comm.all_to_all import all_to_all_4D  # optional comparison
@@ -205,14 +228,37 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
 
     for fn in runs.values():  # warm-up (allocator, gloo pairs, the shape round of the plan)
         fn()
+    counting = _CollectiveCounter(comm)  # one more block, counted
+    ulysses.attend(counting, lambda *a, **kw: ready, q, k, v, HEADS, skip_reshape=True, shard_sizes=sizes)
     times = {name: [] for name in runs}
-    for _ in range(rounds):
+    for _ in range(rounds):  # the methods alternate inside every round
         for name, fn in runs.items():
             times[name].append(_timed(dist, lambda: [fn() for _ in range(iters)]) / iters)
     if rank == 0:
-        Path(out_file).write_text(json.dumps({name: statistics.median(t) for name, t in times.items()}
-                                             | {"yunchang": yunchang}))
+        Path(out_file).write_text(json.dumps({"times": times, "yunchang": yunchang,
+                                              "ulysses_collectives_per_block": counting.collectives}))
     comm.close()
+
+
+class _CollectiveCounter:
+    """A rank's comm that counts the collectives the transport runs: one per tensor of an
+    all_to_all_v (one library call on NCCL/HCCL, one set of point-to-point transfers on gloo)."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.world_size, self.device = comm, comm.rank, comm.world_size, comm.device
+        self.collectives = 0
+
+    def all_to_all_v(self, tensors, *args, **kwargs):
+        self.collectives += 1 if torch.is_tensor(tensors) else len(tensors)
+        return self.comm.all_to_all_v(tensors, *args, **kwargs)
+
+
+def _ratio_spread(times: dict, ours: str, baseline: str) -> dict:
+    """Per-round ratios (both timed in the same round): median and interquartile range."""
+    ratios = sorted(a / b for a, b in zip(times[ours], times[baseline]))
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"median": round(statistics.median(ratios), 3),
+            "iqr": [round(quartiles[0], 3), round(quartiles[2], 3)], "rounds": len(ratios)}
 
 
 def measure_processes(seq: int, iters: int, rounds: int, world: int = 2) -> dict:
@@ -222,14 +268,20 @@ def measure_processes(seq: int, iters: int, rounds: int, world: int = 2) -> dict
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
         mp.start_processes(_process, args=(world, init_file, seq, iters, rounds, out_file),
                            nprocs=world, join=True, start_method="spawn")
-        t = json.loads(Path(out_file).read_text())
+        recorded = json.loads(Path(out_file).read_text())
+    times = recorded["times"]
+    t = {name: statistics.median(values) for name, values in times.items()}
     kv_bytes = 2 * seq * WIDTH * 2  # K and V gathered, bf16, per rank
+    ulysses_spread = _ratio_spread(times, "ours_ulysses", "raw_ulysses")
     result = {
-        "processes": world, "seq": seq, "seconds": {k: round(v, 4) for k, v in t.items() if k != "yunchang"},
+        "processes": world, "seq": seq, "seconds": {k: round(v, 4) for k, v in t.items()},
         "h3_layout_allgather_vs_raw": round(t["ours_allgather"] / t["raw_allgather"], 3),
         "raw_allgather_gbps": round(kv_bytes / t["raw_allgather"] / 1e9, 3),
         "h3_layout_allgather_vs_raw_p2p": round(t["ours_allgather"] / t["raw_p2p_allgather"], 3),
-        "ulysses_vs_raw_all_to_all": round(t["ours_ulysses"] / t["raw_ulysses"], 3),
+        "ulysses_vs_raw_all_to_all": ulysses_spread["median"],
+        "ulysses_vs_raw_all_to_all_spread": ulysses_spread,
+        "ulysses_vs_raw_all_to_all_per_tensor": _ratio_spread(times, "ours_ulysses", "raw_ulysses_per_tensor"),
+        "ulysses_collectives_per_block": recorded["ulysses_collectives_per_block"],
         "ulysses_vs_raw_p2p": round(t["ours_ulysses"] / t["raw_p2p_ulysses"], 3),
         # the floor for H3's layout on dense-buffer transports: raw p2p plus the forced copies
         "ulysses_vs_raw_p2p_plus_layout_copies": round(
@@ -237,7 +289,7 @@ def measure_processes(seq: int, iters: int, rounds: int, world: int = 2) -> dict
         "raw_all_to_all_vs_raw_p2p_plus_layout_copies": round(
             t["raw_ulysses"] / (t["raw_p2p_ulysses"] + t["ulysses_layout_copies"]), 3),
     }
-    result["ulysses_vs_yunchang"] = (round(t["ours_ulysses"] / t["yunchang_ulysses"], 3) if t["yunchang"]
+    result["ulysses_vs_yunchang"] = (round(t["ours_ulysses"] / t["yunchang_ulysses"], 3) if recorded["yunchang"]
                                      else "skipped: yunchang is not installed")
     return result
 
