@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from comfy.multidevice.cli.machine_load import LoadMeter
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.cli.options import (finite_number, folder,
                                            folder_problem, integer, max_cpu_ranks)
@@ -68,7 +70,7 @@ REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_
                "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
                "weights_source", "checkpoint_bytes_read", "out", "sp_overlap", "sp_mode_used",
                "byte_counts", "model_bytes_per_step", "dit_weights", "dit_weight_bytes_per_rank",
-               "dit_gathered_bytes_per_step", "speedup_baseline")
+               "dit_gathered_bytes_per_step", "speedup_baseline", "machine_load")
 
 
 class DryRunError(ValueError):
@@ -533,7 +535,9 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
                 coord.reset_byte_counts()
             # block weights gathered before the timed steps (the warm-up forward) are not counted
             gathered_before = list(sp.block_weights.gathered_bytes) if args.dit_weights == "shard" else None
+            meter = LoadMeter()
             sampled = sample_side_by_side(runs, sigmas, Progress(what, args.steps, not args.no_progress))
+            load = meter.stop()
         finally:
             if args.dit_weights == "shard":
                 sp.close()  # the prefetch lane's rank threads
@@ -562,8 +566,13 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     if not args.no_reference:
         ref_latents, rs = sampled[1]
         ref_seconds = _steady(rs)
+        speedup = paired_speedup(rs, seconds)
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
-        say(f"[speedup] {ref_seconds / sp_seconds:.2f}x = " + speedup_baseline(settings.devices, reference_threads))
+        say(f"[speedup] {speedup:.2f}x = " + speedup_baseline(settings.devices, reference_threads))
+        if load is not None and load.loaded and reference_threads is not None:
+            say(f"[speedup] measured under load: {load.describe(reference_threads)} while it ran. On CPU "
+                "that slows the one-device run (an OpenMP team of all the cores) more than the ranks, so "
+                "the figure shows the load, not the parallel overhead: rerun on an idle machine")
 
     report = {
         "world_size": world, "backend": backend, "sp_mode": args.sp_mode, "devices": settings.devices,
@@ -571,7 +580,8 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         "max_abs_diff": None, "rel_diff": None, "tolerance": settings.tolerance, "parity": "skipped",
         "seconds_per_step": round(sp_seconds, 6),
         "reference_seconds_per_step": None if ref_seconds is None else round(ref_seconds, 6),
-        "speedup": None if ref_seconds is None else round(ref_seconds / sp_seconds, 4),
+        "speedup": None if ref_seconds is None else round(speedup, 4),
+        "machine_load": None if load is None else load.as_report(),
         "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
         "cpu_threads_per_rank": per_rank_threads,
         "reference_cpu_threads": reference_threads,
@@ -617,10 +627,20 @@ def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str
     return mode, total
 
 
-def _steady(seconds: list[float]) -> float:
+def _steady_steps(seconds: list[float]) -> list[float]:
     # the first step includes one-time costs (allocations, thread start-up): leave it out when we can
-    tail = seconds[1:] if len(seconds) > 1 else seconds
-    return sum(tail) / len(tail)
+    return seconds[1:] if len(seconds) > 1 else seconds
+
+
+def _steady(seconds: list[float]) -> float:
+    """Seconds per step: the median of the steady steps (one slow step under load moves a mean)."""
+    return statistics.median(_steady_steps(seconds))
+
+
+def paired_speedup(reference_seconds: list[float], sp_seconds: list[float]) -> float:
+    """Median over the steady steps of (reference step / SP step): each pair ran back to back,
+    under the load of the same moment."""
+    return statistics.median(r / s for r, s in zip(_steady_steps(reference_seconds), _steady_steps(sp_seconds)))
 
 
 def write_outputs(out_dir: Path, latents, ref_latents, report: dict) -> None:
