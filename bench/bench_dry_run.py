@@ -20,6 +20,7 @@ each round's), `cli_vs_independent` = cli / independent with the issue's target 
 and whether the CLI reported the load (`cli_saw_load`, every round).
 
   .venv/bin/python bench/bench_dry_run.py [--devices 2] [--rounds 3] [--forwards 9] [--case quiet|loaded|both]
+"""
 
 from __future__ import annotations
 
