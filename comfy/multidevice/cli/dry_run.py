@@ -43,6 +43,7 @@ from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
 from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES
+from comfy.multidevice.weights.read_only import start_dispatch_warm_up
 
 log = logging.getLogger(__name__)
 
@@ -444,6 +445,9 @@ def speedup_baseline(devices: list[str], reference_threads: int | None) -> str:
 # ----------------------------------------------------------------------------- the run
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    # torch's one-time import for the weights' read-only views, while the run checks its
+    # options, starts its ranks and reads the checkpoint
+    start_dispatch_warm_up()
     try:
         settings = make_settings(args)
     except (DryRunError, SettingError) as exc:

@@ -27,6 +27,7 @@ from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env, re
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
+from comfy.multidevice.weights.read_only import start_dispatch_warm_up
 
 
 def _settings(args: argparse.Namespace, world: int) -> dry.RunSettings:
@@ -75,6 +76,7 @@ def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
         if env is None or env.rank == 0:
             print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
         return 2
+    start_dispatch_warm_up()  # torch's one-time import for read-only views, during the rendezvous
     try:
         comm = init_from_env(device="cpu" if args.cpu else None)
         with comm:
