@@ -207,24 +207,26 @@ def upstream_block_class():
 def build_block(dims: Dims, dtype: torch.dtype, card: Card, seed: int = 0):
     """One transformer block with seeded random weights on the card; (block, which)."""
     tree = upstream_block_class()
-    with torch.device(card.device):
-        if tree is None:
-            from comfy.multidevice.miniature.h3 import DiTBlock
+    if tree is None:
+        from comfy.multidevice.miniature.h3 import DiTBlock
+        with torch.device(card.device):
             block = DiTBlock(dims.hidden, dims.heads, dims.head_dim, dims.ffn, dims.t_dim, dims.eps, dtype)
-            which = "miniature (comfy/multidevice/miniature/h3.py)"
-        else:
-            import comfy.cli_args
-            if card.device.type == "cpu":
-                comfy.cli_args.args.cpu = True  # before model_management picks a device
-            import comfy.ldm.minimax.model as upstream
-            import comfy.ops
-            block = upstream.DiTBlock(dims.hidden, dims.heads, dims.head_dim, dims.ffn, dims.t_dim, dims.eps,
-                                      dims.eps, dtype=dtype, device=card.device,
-                                      operations=comfy.ops.disable_weight_init)
-            which = f"upstream DiTBlock ({tree})"
-    if "attention" not in inspect.signature(block.forward).parameters:
-        raise SystemExit(f"{which}: its forward takes no `attention` argument (ComfyUI v0.33.0 or older), "
-                         "so sequence parallel cannot run on it: update ComfyUI or unset COMFYUI_DIR")
+        which = "miniature (comfy/multidevice/miniature/h3.py)"
+    else:
+        import comfy.cli_args
+        if card.device.type == "cpu":
+            comfy.cli_args.args.cpu = True  # before model_management picks a device
+        import comfy.ldm.minimax.model as upstream
+        import comfy.ops
+        # H3 contract: the block's forward takes `attention` (v0.33.0's does not)
+        if "attention" not in inspect.signature(upstream.DiTBlock.forward).parameters:
+            raise SystemExit(f"the DiTBlock of COMFYUI_DIR={tree} takes no `attention` argument (ComfyUI "
+                             "v0.33.0 or older): sequence parallel cannot run on it; update ComfyUI, or "
+                             "unset COMFYUI_DIR to measure the project's miniature block")
+        block = upstream.DiTBlock(dims.hidden, dims.heads, dims.head_dim, dims.ffn, dims.t_dim, dims.eps,
+                                  dims.eps, dtype=dtype, device=card.device,
+                                  operations=comfy.ops.disable_weight_init)
+        which = f"upstream DiTBlock ({tree})"
     generator = torch.Generator(card.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in block.named_parameters():
