@@ -442,6 +442,21 @@ def anchor_ratios(projected: dict) -> dict:
     return out
 
 
+def table_rows(card: Card, points: list[dict], projected: dict) -> list[str]:
+    """The measured points as rows of the docs' table (card, S, W, block, step, run, memory)."""
+    rows = []
+    for p in points:
+        if p["error"]:
+            rows.append(f"| {card.label} | {p['workload']} | {p['world']} | {p['error']} | | | | |")
+            continue
+        step = projected[p["workload"]][str(p["world"])]
+        gib = "n/a" if p["peak_bytes"] is None else f"{p['peak_bytes'] / 2 ** 30:.1f}"
+        rows.append(f"| {card.label} | {p['workload']} | {p['world']} | {p['block_s'] * 1e3:.1f} | "
+                    f"{p['exchange_copy_s'] * 1e3:.2f} | {step['step_s']:.2f} | {step['run_50_steps_s']:.0f} | "
+                    f"{gib} / {p['plan_block_bytes'] / 2 ** 30:.1f} |")
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 
 def run(card: Card, dims: Dims, names, worlds, divisor: int, warmup: int, repeats: int,
@@ -473,6 +488,9 @@ def run(card: Card, dims: Dims, names, worlds, divisor: int, warmup: int, repeat
             log(f"  {value['anchor']} ({value['hardware']}, {value['workload']}, {value['steps']} steps): "
                 f"{value['anchor_s']} s there, DiT {value['projected_dit_s']:.1f} s projected here "
                 f"(x{value['ratio_projected_to_anchor']:.2f})")
+    log("rows for docs/performance.md, \"Figures on a card\":")
+    for line in table_rows(card, points, projected):
+        log(line)
     return {
         "mode": mode,
         "card": {"name": card.name, "label": card.label, "kind": card.device.type, "attention": card.attention,

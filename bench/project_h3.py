@@ -9,6 +9,7 @@ device profiles below, next to the seed project's measured 4-NPU figures. Writes
 projected speedup against W (Pillow) and prints one JSON object as the last line.
 
   .venv/bin/python bench/project_h3.py [--plot out/project_h3_speedup.png] [--text-tokens 256]
+                                       [--half-rows H] [--card-json card.json]
 
 What the model assumes (each is a field of the JSON, so a reader can redo the arithmetic):
 - one DiT forward per step (cfg 1, as the Turbo workflows run); blocks only (embeddings, text
@@ -20,6 +21,17 @@ What the model assumes (each is a field of the JSON, so a reader can redo the ar
 - "serial" adds the two; "overlap bound" hides the exchange behind the attention compute
   (the best the head-chunked overlap can do);
 - memory fit is not modelled.
+
+The calibrated model (`full_step_seconds`, `calibrate`) adds the costs that leaves out and is
+fitted on published runs of H3 (ANCHORS), each modelled with its own workload (clip length,
+resolution, steps, precision). Only runs whose workload is fully known are fitted (today: the
+seed's three 4-NPU runs); the others are printed beside the model with the values the
+comparison assumes for what they do not publish. One constant is fitted, the compute fraction;
+the band is the largest error on the fitted runs. The W = 8 figure is set by an assumption, not
+by the fit: per-card kernel efficiency at short row counts, rows / (rows + h), h =
+HALF_EFFICIENCY_ROWS (0: no loss), with the W = 8 speedup at other h beside it.
+`--card-json` (bench/bench_card.py's JSON from a card) fits h and that card's compute fraction
+from its measured block times instead.
 """
 
 from __future__ import annotations
