@@ -35,8 +35,8 @@ Time on an H200 (estimated from FLOPs, 9 block calls per point, at an assumed 30
 4.3e14 at 15 s, W = 1 (halving with each doubling of W), 8.5e15 FLOPs for the whole grid:
 ~30 s of compute, plus ~30 s to start (torch, the card, ComfyUI's import) -> ~1 min for the
 whole run (limit: 8 min); `--quick`, 7.3e14 FLOPs: ~3 s of compute, under 1 min with start-up
-(limit: 3 min). Peak memory: ~30 GB at 15 s, W = 1 (a point that does not fit is reported
-as out of memory and the run goes on).
+(limit: 3 min). Peak memory: 27.7 GiB at 15 s, W = 1 by the memory plan (a point that does
+not fit is reported as out of memory and the run goes on).
 """
 
 from __future__ import annotations
@@ -227,13 +227,13 @@ def build_block(dims: Dims, dtype: torch.dtype, card: Card, seed: int = 0):
                                   dims.eps, dtype=dtype, device=card.device,
                                   operations=comfy.ops.disable_weight_init)
         which = f"upstream DiTBlock ({tree})"
-    generator = torch.Generator(card.device).manual_seed(seed)
+    torch.manual_seed(seed)  # the global seed: a per-device Generator is not a given on every card
     with torch.no_grad():
         for name, p in block.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:  # std 1/sqrt(fan in): activations stay O(1) through the block
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=generator)
+                p.normal_(0.0, p.shape[-1] ** -0.5)
     return block.requires_grad_(False).eval(), which
 
 
@@ -244,16 +244,16 @@ def block_inputs(dims: Dims, workload: dict, world: int, dtype, device, seed: in
 
     seq = workload["tokens"]
     plan = ShardPlan(seq, world, 0)
-    g = torch.Generator(device).manual_seed(seed)
+    torch.manual_seed(seed)
     text, audio = workload["text"], workload["audio"]
     # two timestep rows (video/text, audio), three modality tags each: row = t_row * 3 + tag
     full_segments = [(0, text, 1), (text, text + audio, 5), (text + audio, seq, 0)]
-    angles = torch.rand(seq, dims.rope_pairs, generator=g, device=device) * math.pi
+    angles = torch.rand(seq, dims.rope_pairs, device=device) * math.pi
     rope_full = rope_rotation_table(angles, dtype)
     return {
         "plan": plan,
-        "h": torch.randn(plan.length, dims.hidden, generator=g, device=device).to(dtype),
-        "t_emb": torch.randn(2, dims.t_dim, generator=g, device=device).to(dtype),
+        "h": torch.randn(plan.length, dims.hidden, dtype=dtype, device=device),
+        "t_emb": torch.randn(2, dims.t_dim, dtype=dtype, device=device),
         "rope_full": rope_full,
         "rope": take_rows(rope_full, plan, ROPE_SEQ_DIM),
         "mod_segments": slice_mod_segments(full_segments, plan),
@@ -351,8 +351,8 @@ def measure_point(block, dims: Dims, workload: dict, world: int, card: Card, dty
              "plan_block_bytes": plan_block, "measured_vs_plan": None, "error": None}
     inputs = None
     try:
-        card.reset_peak()
         inputs = block_inputs(dims, workload, world, dtype, card.device)
+        card.reset_peak()  # from here: the inputs a block gets, and what the block makes
         options, attention = {}, None
         if world > 1:
             attention = rank_attention(block, card, world, seq)
