@@ -59,17 +59,18 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench import project_h3  # noqa: E402
-from comfy.multidevice.comm.types import planned_metas, unflatten_gathered  # noqa: E402
+from comfy.multidevice.comm.types import (displacements, numel, planned_metas, scratch,  # noqa: E402
+                                          unflatten_gathered)
 from comfy.multidevice.devices import (accelerator_api, auto_kind, probe_devices, resolve_device,  # noqa: E402
                                        set_thread_device, visible_device_names)
 from comfy.multidevice.sp.attention import ExchangingAttention  # noqa: E402
 from comfy.multidevice.sp.cost_model import activation_bytes, attention_traffic, DiTShape  # noqa: E402
+from comfy.multidevice.sp.minimax_h3 import ROPE_SEQ_DIM  # noqa: E402
 from comfy.multidevice.sp.plan import ShardPlan, shard_sizes, slice_mod_segments, take_rows  # noqa: E402
 from comfy.multidevice.sp.strategies import make_kv_strategy  # noqa: E402
 
 WORLDS = (1, 2, 4, 8)
 QUICK = {"workloads": ("768p_5s",), "worlds": (1, 8)}
-ROPE_SEQ_DIM = 1  # the rotation table is [1, S, 1, pairs, 2, 2]
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,9 @@ def workloads(divisor: int = 1) -> dict:
     """The packed sequences of the node's plan_tokens: 768p 5 s (38,592) and 15 s (109,952),
     video and audio rows from the H3 layout (project_h3.token_counts), text the rest."""
     out = {}
-    for name, frames, total in (("768p_5s", 124, 38_592), ("768p_15s", 362, 109_952)):
-        rows = project_h3.token_counts(frames, 1344, 768, 0)
+    width, height = project_h3.RESOLUTIONS["768p"]
+    for name, clip, total in (("768p_5s", 5, 38_592), ("768p_15s", 15, 109_952)):
+        rows = project_h3.token_counts(project_h3.CLIP_FRAMES[clip], width, height, 0)
         video, audio = rows["video"] // divisor, rows["audio"] // divisor
         out[name] = {"tokens": total // divisor, "video": video, "audio": audio,
                      "text": total // divisor - video - audio}
@@ -149,9 +151,10 @@ def find_card(device: str | None = None, cpu: bool = False) -> Card:
                              "machine with one, or pass --cpu for the small CPU check")
         device = visible_device_names(kind, inventory)[0]
     kind = device.split(":")[0]
-    if kind not in ("npu", "cuda") or device not in visible_device_names(kind, inventory):
+    visible = visible_device_names("npu", inventory) + visible_device_names("cuda", inventory)
+    if device not in visible:
         raise SystemExit(f"--device {device} is not a visible card ({inventory.describe()}): pass one "
-                         f"of {', '.join(visible_device_names('npu', inventory) + visible_device_names('cuda', inventory)) or 'none'}")
+                         f"of {', '.join(visible) or 'none'}")
     torch_device = resolve_device(device)
     set_thread_device(torch_device)
     api = accelerator_api(kind)
@@ -189,8 +192,8 @@ def attention_override(card: Card) -> Callable | None:
 
 # ----------------------------------------------------------------------------- the block
 
-def upstream_block_class():
-    """Upstream's DiTBlock from COMFYUI_DIR (None when unset)."""
+def upstream_tree() -> str | None:
+    """The ComfyUI tree of COMFYUI_DIR, put on sys.path (None when unset)."""
     tree = os.environ.get("COMFYUI_DIR")
     if not tree:
         return None
@@ -206,7 +209,7 @@ def upstream_block_class():
 
 def build_block(dims: Dims, dtype: torch.dtype, card: Card, seed: int = 0):
     """One transformer block with seeded random weights on the card; (block, which)."""
-    tree = upstream_block_class()
+    tree = upstream_tree()
     if tree is None:
         from comfy.multidevice.miniature.h3 import DiTBlock
         with torch.device(card.device):
@@ -263,31 +266,25 @@ def block_inputs(dims: Dims, workload: dict, world: int, dtype, device, seed: in
 class OneRankOfW:
     """Rank 0 of `world` for the allgather exchange, on one card: its K/V rows are copied into
     its place of the sequence-major gathered buffer (as the real exchange does); the other
-    ranks' rows are already there (random, written once, as if received)."""
+    ranks' rows are already there (random, written when the buffer is made, as if received)."""
 
     def __init__(self, world: int, device: torch.device):
         self.rank, self.world_size, self.device = 0, world, device
-        self._filled: set = set()
 
     def exchange(self, tensors, cat_dims, shard_sizes=None, workspace=None):
         dims = [cat_dims] * len(tensors) if isinstance(cat_dims, int) else list(cat_dims)
         metas = planned_metas(tensors, dims, shard_sizes, self.rank)
-        counts = [[math.prod(m[i].shape) for m in metas] for i in range(len(tensors))]
         out = []
         for i, (tensor, dim) in enumerate(zip(tensors, dims)):
-            total = sum(counts[i])
-            flat = workspace.get(("recv", i)) if workspace is not None else None
-            if flat is None or flat.numel() != total:
-                flat = torch.empty(total, dtype=tensor.dtype, device=tensor.device)
-                if workspace is not None:
-                    workspace[("recv", i)] = flat
-            if id(flat) not in self._filled:
+            shards = [m[i] for m in metas]
+            counts = [numel(m.shape) for m in shards]
+            known = None if workspace is None else workspace.get(("recv", i))
+            flat = scratch(workspace, ("recv", i), sum(counts), tensor.dtype, tensor.device)
+            if flat is not known:
                 flat.normal_()  # the peers' rows
-                self._filled.add(id(flat))
             moved = tensor.movedim(dim, 0)
-            flat[:counts[i][self.rank]].view(moved.shape).copy_(moved)  # rank 0's place: the start
-            displs = [sum(counts[i][:r]) for r in range(self.world_size)]
-            out.append(unflatten_gathered(flat, [m[i] for m in metas], counts[i], displs, dim))
+            flat[:counts[self.rank]].view(moved.shape).copy_(moved)  # rank 0's place: the start
+            out.append(unflatten_gathered(flat, shards, counts, displacements(counts), dim))
         return out
 
 
@@ -385,9 +382,9 @@ def measure_point(block, dims: Dims, workload: dict, world: int, card: Card, dty
     return point
 
 
-def copy_seconds(card: Card, nbytes: int, dtype, warmup: int, repeats: int) -> float | None:
+def copy_seconds(card: Card, nbytes: int, dtype, warmup: int, repeats: int) -> float:
     """Median seconds of one device-to-device copy of `nbytes` (the copy engine's in-node
-    bound on moving a block's exchange into place); None when nothing moves (W = 1)."""
+    bound on moving a block's exchange into place); 0 when nothing moves (W = 1)."""
     if nbytes == 0:
         return 0.0
     itemsize = torch.empty((), dtype=dtype).element_size()
