@@ -9,6 +9,7 @@ device profiles below, next to the seed project's measured 4-NPU figures. Writes
 projected speedup against W (Pillow) and prints one JSON object as the last line.
 
   .venv/bin/python bench/project_h3.py [--plot out/project_h3_speedup.png] [--text-tokens 256]
+                                       [--half-rows H] [--card-json card.json]
 
 What the model assumes (each is a field of the JSON, so a reader can redo the arithmetic):
 - one DiT forward per step (cfg 1, as the Turbo workflows run); blocks only (embeddings, text
@@ -20,6 +21,17 @@ What the model assumes (each is a field of the JSON, so a reader can redo the ar
 - "serial" adds the two; "overlap bound" hides the exchange behind the attention compute
   (the best the head-chunked overlap can do);
 - memory fit is not modelled.
+
+The calibrated model (`full_step_seconds`, `calibrate`) adds the costs that leaves out and is
+fitted on published runs of H3 (ANCHORS), each modelled with its own workload (clip length,
+resolution, steps, precision). Only runs whose workload is fully known are fitted (today: the
+seed's three 4-NPU runs); the others are printed beside the model with the values the
+comparison assumes for what they do not publish. One constant is fitted, the compute fraction;
+the band is the largest error on the fitted runs. The W = 8 figure is set by an assumption, not
+by the fit: per-card kernel efficiency at short row counts, rows / (rows + h), h =
+HALF_EFFICIENCY_ROWS (0: no loss), with the W = 8 speedup at other h beside it.
+`--card-json` (bench/bench_card.py's JSON from a card) fits h and that card's compute fraction
+from its measured block times instead.
 """
 
 from __future__ import annotations
@@ -110,25 +122,60 @@ PROFILES = [
     },
 ]
 
-# Published multi-GPU scaling of video DiTs, used only to calibrate the projection (see
-# `calibrate`): elapsed seconds per run at each GPU count, with the hardware they ran on.
-PUBLISHED_SCALING = [
-    {"name": "vllm-omni-h20", "gpus": {2: 637.85, 4: 327.94, 8: 166.97},
-     "profile": {"name": "nvidia-h20", "peak_bf16_tflops": 148.0, "topology": "switch",
-                 "link_gbps": 450.0, "hbm_tbps": 4.0},
-     "source": "vllm-omni sequence-parallel video generation on H20, 2 -> 4 -> 8 GPUs (the issue's "
-               "figures); H20: 148 TFLOPS bf16 dense, NVLink 900 GB/s, 4.0 TB/s HBM3 (NVIDIA H20 spec)"},
-    {"name": "sglang-mi300x", "gpus": {1: 978.0, 8: 167.0},
-     "profile": {"name": "amd-mi300x", "peak_bf16_tflops": 1307.4, "topology": "mesh",
-                 "link_gbps": 64.0, "hbm_tbps": 5.3},
-     "source": "SGLang diffusion on MI300X, denoise 978 s on 1 GPU -> 167 s on 8 (the issue's figures); "
-               "MI300X: 1307.4 TFLOPS bf16 dense, 7 Infinity Fabric links of 64 GB/s per direction, "
-               "5.3 TB/s HBM3 (AMD MI300X datasheet)"},
+# Profiles of the anchors' hardware that the projection itself does not cover.
+ANCHOR_PROFILES = [
+    {"name": "nvidia-h20", "peak_bf16_tflops": 148.0, "topology": "switch", "link_gbps": 450.0, "hbm_tbps": 4.0,
+     "sources": ["NVIDIA H20 spec: 148 TFLOPS bf16 dense, NVLink 900 GB/s, 4.0 TB/s HBM3"]},
+    {"name": "amd-mi300x", "peak_bf16_tflops": 1307.4, "topology": "mesh", "link_gbps": 64.0, "hbm_tbps": 5.3,
+     "sources": ["AMD MI300X datasheet: 1307.4 TFLOPS bf16 dense, 7 Infinity Fabric links of 64 GB/s "
+                 "per direction, 5.3 TB/s HBM3"]},
 ]
-# What the published runs' workloads were is not known here: they are modelled as H3's 768p 15 s
-# step with ulysses (both frameworks' sequence-parallel default), i.e. they calibrate the *shape*
-# of the scaling curve, not the absolute time.
-SEED_STEP_SECONDS = (42.0, 42.8, 43.4)  # the seed's 4-NPU s/step at 50, 21 and 8 steps (below)
+
+# Published runs of H3 (theirs, not measured here; the figures are the issue's). Each point says
+# what is known of its workload: clip length (s), resolution, sampling steps, precision, and what
+# the seconds cover; None = not published / not known here. A point enters the fit only when
+# clip, resolution, steps and precision are all known (`in_fit`); every other point is printed
+# beside the model as a comparison, with the values it assumes for what is unknown
+# (COMPARISON_ASSUMES), and does not move the fitted constant.
+ANCHORS = [
+    {"name": "seed-910b-4npu", "hardware": "4 x Ascend 910B", "profile": "ascend-910b", "mode": "allgather",
+     "source": "the seed project's 4-NPU runs, one each: sampling 35.00 / 14.98 / 5.79 min at 50 / 21 / "
+               "8 steps, BF16, 1344x768, 15 s; 495.79 s end to end for Turbo 8 steps",
+     "points": [{"cards": 4, "clip_s": 15, "resolution": "768p", "steps": steps, "precision": "bf16",
+                 "seconds": round(minutes * 60, 2), "covers": "sampling"}
+                for steps, minutes in ((50, 35.00), (21, 14.98), (8, 5.79))]},
+    {"name": "sglang-h200-8", "hardware": "8 x NVIDIA H200", "profile": "nvidia-h200-sxm", "mode": "ulysses",
+     "source": "SGLang diffusion, H3 5 s 768p, 50 steps, Ulysses 8: 39.67 s; precision, attention "
+               "kernel (FP8, sparse attention) and caching not known here",
+     "points": [{"cards": 8, "clip_s": 5, "resolution": "768p", "steps": 50, "precision": None,
+                 "seconds": 39.67, "covers": None}]},
+    {"name": "vllm-omni-910b4-8", "hardware": "8 x Ascend 910B4", "profile": "ascend-910b", "mode": "ulysses",
+     "source": "vllm-omni on 8 x 910B4: 160.7 s (5 s) and about 950 s (15 s); resolution, steps and "
+               "precision not known here; the 910B4 is modelled with the 910B profile (its own peak is "
+               "not known here)",
+     "points": [{"cards": 8, "clip_s": clip, "resolution": None, "steps": None, "precision": None,
+                 "seconds": seconds, "covers": None} for clip, seconds in ((5, 160.7), (15, 950.0))]},
+    {"name": "vllm-omni-h20", "hardware": "NVIDIA H20", "profile": "nvidia-h20", "mode": "ulysses",
+     "source": "vllm-omni sequence parallel on H20, a 5 s clip, 2 -> 4 -> 8 GPUs: 637.85 -> 327.94 -> "
+               "166.97 s; resolution, steps and precision not known here",
+     "points": [{"cards": cards, "clip_s": 5, "resolution": None, "steps": None, "precision": None,
+                 "seconds": seconds, "covers": None} for cards, seconds in ((2, 637.85), (4, 327.94), (8, 166.97))]},
+    {"name": "sglang-mi300x", "hardware": "AMD MI300X", "profile": "amd-mi300x", "mode": "ulysses",
+     "source": "SGLang diffusion on MI300X, denoise 978 s on 1 GPU -> 167 s on 8; the workload is not "
+               "known here",
+     "points": [{"cards": cards, "clip_s": None, "resolution": None, "steps": None, "precision": None,
+                 "seconds": seconds, "covers": "denoise"} for cards, seconds in ((1, 978.0), (8, 167.0))]},
+]
+FIT_FIELDS = ("clip_s", "resolution", "steps", "precision")
+COMPARISON_ASSUMES = {"clip_s": 15, "resolution": "768p", "steps": 50, "precision": "bf16"}
+CLIP_FRAMES = {5: 124, 15: 362}  # 24 fps on H3's 17k+5 grid
+RESOLUTIONS = {"768p": (1344, 768)}
+# The assumption that sets the W = 8 figure until a card has measured it: a card's kernels reach
+# rows / (rows + h) of their large-shape rate on `rows` query rows per rank. h = 0: no loss at
+# short row counts. bench_card.py measures the block at W = 1..8 on one card, and
+# `--card-json` fits h from that instead.
+HALF_EFFICIENCY_ROWS = 0.0
+SENSITIVITY_ROWS = (0, 1024, 3364, 8192)  # 3364: the constant the earlier fit produced
 
 # Costs the FLOP/link model leaves out, as modelled by `full_step_seconds`:
 ELEMENTWISE_PASSES = 12     # assumption: hidden-wide bf16 reads+writes per token per block
@@ -230,76 +277,164 @@ def full_step_seconds(profile: dict, tokens: dict, world: int, mode: str, comput
             "comm_s": comm, "sync_s": sync, "total_s": total}
 
 
-def _fraction_from_seed(profile, tokens, half_rows) -> float:
-    """The compute fraction that makes the full model reproduce the seed's 4-NPU step."""
-    measured = sorted(SEED_STEP_SECONDS)[len(SEED_STEP_SECONDS) // 2]
-    at_one = full_step_seconds(profile, tokens, 4, "allgather", 1.0, half_rows)
-    rate_bound = at_one["parallel_s"] + at_one["replicated_s"]  # the terms that scale with 1/f
-    rest = at_one["total_s"] - rate_bound
-    return rate_bound / (measured - rest)
+def anchor_point(name: str, **match) -> dict:
+    """One anchor point, flattened with its anchor's fields and workload name (e.g.
+    anchor_point("seed-910b-4npu", steps=8))."""
+    anchor = next(a for a in ANCHORS if a["name"] == name)
+    point = next(p for p in anchor["points"] if all(p[k] == v for k, v in match.items()))
+    filled = {**COMPARISON_ASSUMES, **{k: v for k, v in point.items() if v is not None}}
+    return {**{k: v for k, v in anchor.items() if k != "points"}, **point,
+            "workload": f"{filled['resolution']}_{filled['clip_s']}s"}
 
 
-def _scaling_errors(tokens, compute_fraction, half_rows) -> list[dict]:
-    """Each published speedup (against that source's smallest GPU count) beside the model's."""
+def all_profiles() -> list[dict]:
+    return PROFILES + ANCHOR_PROFILES
+
+
+def profile_named(name: str) -> dict:
+    return next(p for p in all_profiles() if p["name"] == name)
+
+
+def point_tokens(point: dict, text_tokens: int) -> dict:
+    width, height = RESOLUTIONS[point["resolution"]]
+    return token_counts(CLIP_FRAMES[point["clip_s"]], width, height, text_tokens)
+
+
+def anchor_points(text_tokens: int) -> list[dict]:
+    """Every anchor point with its workload as modelled: its own fields where known, the
+    comparison's assumptions where not (listed in `assumed`)."""
     out = []
-    for source in PUBLISHED_SCALING:
-        counts = sorted(source["gpus"])
-        base = counts[0]
-        t = {w: full_step_seconds(source["profile"], tokens, w, "ulysses", compute_fraction, half_rows)["total_s"]
-             for w in counts}
-        for w in counts[1:]:
-            measured = source["gpus"][base] / source["gpus"][w]
-            modelled = t[base] / t[w]
-            out.append({"source": source["name"], "from_gpus": base, "to_gpus": w,
-                        "measured_speedup": round(measured, 3), "model_speedup": round(modelled, 3),
-                        "error": round(modelled / measured - 1, 4)})
+    for anchor in ANCHORS:
+        for point in anchor["points"]:
+            unknown = [k for k in FIT_FIELDS if point[k] is None]
+            filled = {**point, **{k: COMPARISON_ASSUMES[k] for k in unknown}}
+            out.append({"source": anchor["name"], "hardware": anchor["hardware"], "profile": anchor["profile"],
+                        "mode": anchor["mode"], **filled, "in_fit": not unknown, "assumed": unknown,
+                        "tokens": point_tokens(filled, text_tokens)})
     return out
 
 
-def calibrate(text_tokens: int) -> dict:
-    """Fit the two free constants of `full_step_seconds` on published points and report the
-    error left on each: the compute fraction from the seed's 4-NPU step (910B profile), the
-    half-efficiency rows from the published scaling curves (least squares in log speedup)."""
-    tokens = workloads(text_tokens)["768p_15s"]
-    best = None
-    for half_rows in [250 * 2 ** (k / 4) for k in range(0, 41)]:  # 250 .. 256k rows
-        fraction = _fraction_from_seed(PROFILES[0], tokens, half_rows)
-        if not 0 < fraction <= 1:
-            continue
-        errors = _scaling_errors(tokens, fraction, half_rows)
-        cost = sum(math.log(1 + e["error"]) ** 2 for e in errors)
-        if best is None or cost < best[0]:
-            best = (cost, half_rows, fraction, errors)
-    _, half_rows, fraction, errors = best
-    seed_model = full_step_seconds(PROFILES[0], tokens, 4, "allgather", fraction, half_rows)["total_s"]
-    seed_errors = [{"source": "seed-910b-4npu", "measured_s_per_step": m, "model_s_per_step": round(seed_model, 2),
-                    "error": round(seed_model / m - 1, 4)} for m in SEED_STEP_SECONDS]
-    worst = max(abs(e["error"]) for e in errors + seed_errors)
-    return {"half_efficiency_rows": round(half_rows), "compute_fraction": round(fraction, 4),
-            "points": seed_errors + errors, "max_abs_error": round(worst, 4),
-            "sources": [s["source"] for s in PUBLISHED_SCALING],
-            "assumptions": {"elementwise_passes": ELEMENTWISE_PASSES,
-                            "collective_latency_s": COLLECTIVE_LATENCY_S,
-                            "published_workloads": "modelled as H3 768p 15 s, ulysses (their own "
-                                                   "workloads are not known here)"}}
+def modelled_seconds(point: dict, fractions: dict, half_rows: float) -> float:
+    """The DiT sampling seconds of a point: steps x one step of the full model."""
+    profile = profile_named(point["profile"])
+    step = full_step_seconds(profile, point["tokens"], point["cards"], point["mode"],
+                             fractions.get(profile["name"], fractions["default"]), half_rows)
+    return point["steps"] * step["total_s"]
+
+
+def fit_fraction(points: list[dict], half_rows: float) -> float:
+    """The compute fraction (of the bf16 peak) that fits the in-fit points best: least squares
+    in log time, over a fine grid (one constant; the model is monotone in it)."""
+    fitted = [p for p in points if p["in_fit"]]
+    grid = [k / 1000 for k in range(5, 1001)]
+    return min(grid, key=lambda f: sum(math.log(modelled_seconds(p, {"default": f}, half_rows) / p["seconds"]) ** 2
+                                       for p in fitted))
+
+
+def card_profile(label: str) -> str | None:
+    """The profile of a card from the name its runtime gives it (None: not one of the profiles)."""
+    text = label.lower().replace(" ", "")
+    for key, name in (("h200", "nvidia-h200-sxm"), ("h100pcie", "nvidia-h100-pcie"), ("h100", "nvidia-h100-sxm"),
+                      ("h20", "nvidia-h20"), ("910b", "ascend-910b"), ("mi300x", "amd-mi300x")):
+        if key in text:
+            return name
+    return None
+
+
+def block_flops(seq: int, rows: int) -> float:
+    """One block's FLOPs on one rank: its rows through the linear layers, against all keys."""
+    one_row = forward_flops(DiTShape(hidden=H3.hidden, blocks=1, heads=H3.heads, head_dim=H3.head_dim,
+                                     ffn=H3.ffn), 1)["linear"]
+    return one_row * rows + 4 * rows * seq * H3.attention_width
+
+
+def fit_card(card: dict) -> dict:
+    """From bench_card.py's measured block times on one card: the half-efficiency rows h and the
+    rate R of `time = flops / (R * rows / (rows + h))`, least squares in log time; each point's
+    error; the compute fraction when the card's profile is known."""
+    dims = card["dims"]
+    if (dims["hidden"], dims["heads"], dims["head_dim"], dims["ffn"]) != (H3.hidden, H3.heads, H3.head_dim, H3.ffn):
+        raise SystemExit(f"--card-json holds a run at dims {dims}, not H3's (a --cpu run?): run "
+                         "bench/bench_card.py on a card and pass its JSON")
+    measured = [p for p in card["points"] if p["block_s"]]
+    if len(measured) < 2:
+        raise SystemExit("--card-json has fewer than two measured points: nothing to fit")
+
+    def log_rate(h):  # the best log R for this h, and the squared error left
+        logs = [math.log(block_flops(p["tokens"], p["rows"]) * (p["rows"] + h) / p["rows"] / p["block_s"])
+                for p in measured]
+        mean = sum(logs) / len(logs)
+        return mean, sum((x - mean) ** 2 for x in logs)
+
+    half_rows = min([0.0] + [250 * 2 ** (k / 4) for k in range(41)], key=lambda h: log_rate(h)[1])
+    rate = math.exp(log_rate(half_rows)[0])
+    points = []
+    for p in measured:
+        model = block_flops(p["tokens"], p["rows"]) / (rate * kernel_efficiency(p["rows"], half_rows))
+        points.append({"source": f"card {card['card']['label']}", "workload": p["workload"], "world": p["world"],
+                       "measured_block_s": p["block_s"], "model_block_s": model, "error": round(model / p["block_s"] - 1, 4)})
+    profile = card_profile(card["card"]["label"])
+    fraction = rate / (profile_named(profile)["peak_bf16_tflops"] * 1e12) if profile else None
+    return {"label": card["card"]["label"], "profile": profile, "half_efficiency_rows": round(half_rows),
+            "rate_tflops": round(rate / 1e12, 1), "compute_fraction": None if fraction is None else round(fraction, 4),
+            "points": points}
+
+
+def calibrate(text_tokens: int, half_rows: float = HALF_EFFICIENCY_ROWS, card: dict | None = None) -> dict:
+    """The compute fraction fitted on the anchors whose workload is fully known, the error on
+    every anchor point (fitted or compared), the band from the fitted points' errors, and the
+    half-efficiency rows: assumed, or fitted from a card's measurement (`card`, bench_card.py's
+    JSON), whose own fraction then stands for its profile."""
+    card_fit = fit_card(card) if card is not None else None
+    if card_fit is not None:
+        half_rows = card_fit["half_efficiency_rows"]
+    points = anchor_points(text_tokens)
+    fraction = fit_fraction(points, half_rows)
+    fractions = {"default": fraction}
+    if card_fit is not None and card_fit["compute_fraction"] is not None:
+        fractions[card_fit["profile"]] = card_fit["compute_fraction"]
+    errors = []
+    for p in points:
+        model = modelled_seconds(p, fractions, half_rows)
+        errors.append({"source": p["source"], "hardware": p["hardware"], "cards": p["cards"],
+                       "workload": f"{p['resolution']} {p['clip_s']} s, {p['steps']} steps, {p['precision']}",
+                       "covers": p["covers"], "in_fit": p["in_fit"], "assumed": p["assumed"],
+                       "measured_s": p["seconds"], "model_s": round(model, 2), "error": round(model / p["seconds"] - 1, 4)})
+    fitted = [e for e in errors if e["in_fit"]] + (card_fit["points"] if card_fit else [])
+    return {"compute_fraction": fraction, "fractions": {k: round(v, 4) for k, v in fractions.items()},
+            "half_efficiency_rows": half_rows,
+            "half_efficiency_rows_from": "card measurement" if card_fit else "assumption (HALF_EFFICIENCY_ROWS)",
+            "points": errors, "card": card_fit,
+            "max_abs_error": round(max(abs(e["error"]) for e in fitted), 4),
+            "sources": [a["name"] for a in ANCHORS],
+            "assumptions": {"elementwise_passes": ELEMENTWISE_PASSES, "collective_latency_s": COLLECTIVE_LATENCY_S,
+                            "comparison_assumes": COMPARISON_ASSUMES,
+                            "w8_set_by": "per-card kernel efficiency at short row counts: rows / (rows + h), "
+                                         f"h = {half_rows:g} rows"}}
 
 
 def calibrated_projection(text_tokens: int, calibration: dict) -> dict:
     """W = 1, 2, 4, 8 on every profile with the calibrated full model; each speedup carries the
-    calibration's largest error as a band."""
+    calibration's largest error on its fitted points as a band, and the W = 8 speedup's
+    dependence on the assumed h beside it."""
     tokens = workloads(text_tokens)["768p_15s"]
-    band = calibration["max_abs_error"]
+    band, h = calibration["max_abs_error"], calibration["half_efficiency_rows"]
     out = {}
     for profile in PROFILES:
+        fraction = calibration["fractions"].get(profile["name"], calibration["compute_fraction"])
         per_mode = {}
         for mode in MODES:
-            t = {w: full_step_seconds(profile, tokens, w, mode, calibration["compute_fraction"],
-                                      calibration["half_efficiency_rows"])["total_s"] for w in (1, 2, 4, 8)}
+            def speedups(half_rows):
+                t = {w: full_step_seconds(profile, tokens, w, mode, fraction, half_rows)["total_s"]
+                     for w in (1, 2, 4, 8)}
+                return t, {w: t[1] / v for w, v in t.items()}
+            t, speed = speedups(h)
             per_mode[mode] = {
                 "seconds_per_step": {w: round(v, 2) for w, v in t.items()},
-                "speedup": {w: round(t[1] / v, 2) for w, v in t.items()},
-                "speedup_band": {w: [round(t[1] / v * (1 - band), 2), round(t[1] / v * (1 + band), 2)]
-                                 for w, v in t.items()},
+                "speedup": {w: round(v, 2) for w, v in speed.items()},
+                "speedup_band": {w: [round(v * (1 - band), 2), round(min(w, v * (1 + band)), 2)]
+                                 for w, v in speed.items()},
+                "w8_speedup_if_half_rows": {str(r): round(speedups(r)[1][8], 2) for r in SENSITIVITY_ROWS},
             }
         out[profile["name"]] = per_mode
     return out
@@ -452,14 +587,23 @@ def main(argv=None) -> int:
                         help="PNG of projected speedup vs W (default: out/project_h3_speedup.png)")
     parser.add_argument("--text-tokens", type=int, default=256,
                         help="text rows in the packed sequence (assumption; default 256)")
+    parser.add_argument("--half-rows", type=float, default=HALF_EFFICIENCY_ROWS,
+                        help="the assumed half-efficiency rows h that set the W = 8 figure (default "
+                             f"{HALF_EFFICIENCY_ROWS:g}: no loss at short row counts)")
+    parser.add_argument("--card-json", type=Path,
+                        help="bench/bench_card.py's JSON from a card: h (and that card's compute "
+                             "fraction) fitted from its measured block times instead")
     args = parser.parse_args(argv)
     if args.text_tokens < 0:
         parser.error(f"--text-tokens must be >= 0, got {args.text_tokens}")
+    if args.half_rows < 0:
+        parser.error(f"--half-rows must be >= 0, got {args.half_rows}")
+    card = json.loads(args.card_json.read_text().strip().splitlines()[-1]) if args.card_json else None
 
     table = model_table(args.text_tokens)
     projection = project(args.text_tokens)
     seed = seed_check(args.text_tokens)
-    calibration = calibrate(args.text_tokens)
+    calibration = calibrate(args.text_tokens, args.half_rows, card)
     calibrated = calibrated_projection(args.text_tokens, calibration)
     draw_plot(projection, args.plot)
     for name, entry in table.items():
@@ -474,26 +618,37 @@ def main(argv=None) -> int:
     print(f"seed check: measured {seed['measured_seconds_per_step']['8']} s/step at W=4 implies an "
           f"achieved compute fraction of {seed['implied_achieved_compute_fraction']} on the 910B profile",
           file=sys.stderr)
-    print(f"calibration: compute fraction {calibration['compute_fraction']}, half-efficiency rows "
-          f"{calibration['half_efficiency_rows']}; error on each point:", file=sys.stderr)
+    print(f"calibration: compute fraction {calibration['compute_fraction']} (fitted on the points whose "
+          f"workload is fully known), half-efficiency rows {calibration['half_efficiency_rows']:g} "
+          f"({calibration['half_efficiency_rows_from']}); error on each anchor point:", file=sys.stderr)
     for point in calibration["points"]:
-        what = (f"{point['source']} {point['from_gpus']}->{point['to_gpus']} GPUs: speedup measured "
-                f"{point['measured_speedup']}, model {point['model_speedup']}" if "from_gpus" in point else
-                f"{point['source']}: measured {point['measured_s_per_step']} s/step, model {point['model_s_per_step']}")
-        print(f"  {what}: error {point['error']:+.1%}", file=sys.stderr)
-    for name, modes in calibrated.items():
-        print(f"  {name} W=8 (768p 15 s, calibrated, band +-{calibration['max_abs_error']:.1%}): "
-              + ", ".join(f"{m} {v['speedup'][8]}x {v['speedup_band'][8]}" for m, v in modes.items()),
+        how = "fitted" if point["in_fit"] else f"compared, assumes {', '.join(point['assumed'])}"
+        print(f"  {point['source']} ({point['hardware']}, {point['cards']} cards, {point['workload']}): "
+              f"measured {point['measured_s']} s, model {point['model_s']} s: error {point['error']:+.1%} ({how})",
               file=sys.stderr)
+    if calibration["card"]:
+        fit = calibration["card"]
+        print(f"  card {fit['label']}: {fit['rate_tflops']} TFLOP/s at large shapes, fraction "
+              f"{fit['compute_fraction']}, h = {fit['half_efficiency_rows']} rows; block errors "
+              + ", ".join(f"{p['workload']} W={p['world']} {p['error']:+.1%}" for p in fit["points"]), file=sys.stderr)
+    for name, modes in calibrated.items():
+        print(f"  {name} W=8 (768p 15 s, band +-{calibration['max_abs_error']:.1%} from the fitted points, "
+              f"h = {calibration['half_efficiency_rows']:g}): "
+              + ", ".join(f"{m} {v['speedup'][8]}x {v['speedup_band'][8]} (if h = "
+                          + ", ".join(f"{r}: {s}x" for r, s in v["w8_speedup_if_half_rows"].items()) + ")"
+                          for m, v in modes.items()), file=sys.stderr)
     print(f"plot: {args.plot}", file=sys.stderr)
     print(json.dumps({
         "model": {"shape": H3.__dict__, "worlds": WORLDS, "modes": list(MODES),
                   "assumptions": {"achieved_compute_fraction": ACHIEVED_COMPUTE,
                                   "achieved_link_fraction": ACHIEVED_LINK,
                                   "text_tokens": args.text_tokens, "forwards_per_step": 1,
+                                  "half_efficiency_rows": calibration["half_efficiency_rows"],
                                   "activation_bytes": 2}},
         "workloads": table,
         "profiles": PROFILES,
+        "anchor_profiles": ANCHOR_PROFILES,
+        "anchors": ANCHORS,
         "projection": projection,
         "seed": seed,
         "calibration": calibration,
