@@ -23,7 +23,7 @@ from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
 from comfy.multidevice.sp.plan import (SequenceParallelError, ShardPlan, slice_mod_segments, take_rows)
 from comfy.multidevice.devices import copy_for_rank
-from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas, tiny_model
+from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas, run_sp, tiny_model
 
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2
@@ -51,22 +51,13 @@ def backend(request):
     return request.param
 
 
-def run_sp(model, world, backend, case, sp_mode="allgather", seed=0):
-    x, t, ctx, kw = make_inputs(case, seed)
-    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30) as coord:
-        sp = enable_sequence_parallel(replicas(model, world), coord, sp_mode=sp_mode)
-        with torch.inference_mode():
-            out = sp(x, t, ctx, **kw)
-        return out, sp
-
-
 # ----------------------------------------------------------------------------- the parity matrix
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_parity_fp32(model32, references, backend, world, case):
-    out, sp = run_sp(model32, world, backend, case)
+    out, sp, _ = run_sp(model32, world, backend, case)
     ref = references[case]
     assert [o.shape for o in out] == [r.shape for r in ref]
     assert rel_diff(out, ref) <= FP32_TOL
@@ -130,7 +121,7 @@ def test_parity_bf16(world):
         x, t, ctx, kw = make_inputs(case, seed=3)
         with torch.inference_mode():
             ref = model(x, t, ctx, **kw)
-        out, _ = run_sp(model, world, "peer", case, seed=3)
+        out, _, _ = run_sp(model, world, "peer", case, seed=3)
         assert out[0].dtype == ref[0].dtype
         assert rel_diff(out, ref) <= BF16_TOL
 
@@ -160,7 +151,7 @@ def test_euler_sampling_loop_matches(model32, backend, world):
 
 def test_text_refiner_attention_is_not_exchanged(model32):
     """Per rank and forward: one K/V exchange per DiT block plus the final gather, nothing else."""
-    _, sp = run_sp(model32, 2, "peer", "plain")
+    _, sp, _ = run_sp(model32, 2, "peer", "plain")
     for traffic in sp.fan_out.last_traffic:
         assert traffic["calls"] == TINY.num_layers + 2  # + the video and audio output rows
     assert TINY.token_refiner_num_layers > 0  # the refiner ran its attention, unexchanged
@@ -231,7 +222,7 @@ def test_a_failing_rank_does_not_hang_the_others(model32):
 
 
 def test_rank_threads_inherit_inference_mode(model32):
-    out, _ = run_sp(model32, 2, "peer", "plain")
+    out, _, _ = run_sp(model32, 2, "peer", "plain")
     assert out[0].is_inference() and not out[0].requires_grad
 
 
@@ -643,7 +634,7 @@ def test_fun_controlnet_runs_exactly_under_sp(model32, references, world):
 def test_final_layer_runs_rank_local_and_only_projected_rows_reach_rank_0(model32, references):
     """The last block keeps each rank's rows; the final layer's output rows go to rank 0 alone,
     and every replica's final layer is its plain class forward again afterwards."""
-    out, sp = run_sp(model32, 3, "peer", "masked")  # per-token modulation rows cut by shard edges
+    out, sp, _ = run_sp(model32, 3, "peer", "masked")  # per-token modulation rows cut by shard edges
     assert rel_diff(out, references["masked"]) <= FP32_TOL
     received = [t["received"] for t in sp.fan_out.last_traffic]
     exchanges = sp.coordinator.byte_counts()
