@@ -1,3 +1,6 @@
+import sys
+import types
+
 import pytest
 
 from tests.fakes.build import build_fake
@@ -43,17 +46,10 @@ def fake_nccl_no_sendrecv_path(tmp_path_factory):
                       out_dir=tmp_path_factory.mktemp("fake_nccl_nop2p"))
 
 
-def recording_progress_bar(steps: list):
-    """A stand-in for ComfyUI's comfy.utils.ProgressBar that appends ("new", total) and
-    ("step", value) to `steps`; the sampler's own update_absolute is ignored."""
-
-    class RecordingBar:
-        def __init__(self, total):
-            steps.append(("new", total))
-
-        def update(self, value):
-            steps.append(("step", value))
-
-        def update_absolute(self, value, total=None, preview=None):
-            pass
-    return RecordingBar
+@pytest.fixture
+def fake_patcher_extension(monkeypatch):
+    """comfy.patcher_extension as far as the node and the SP wrapper use it, without ComfyUI."""
+    module = types.ModuleType("comfy.patcher_extension")
+    module.WrappersMP = types.SimpleNamespace(DIFFUSION_MODEL="diffusion_model")
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", module)
+    return module

@@ -21,7 +21,6 @@ from comfy.multidevice.comm.settings import BACKEND_ENV, RUN_TIMEOUT_ENV, TIMEOU
 from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import configure_parallel, shown_error
-from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture)
 from tests.test_nodes_multinpu import FakeModelPatcher, inputs, inventory, make_fake_comfy_api
 from tests.tp.test_tensor_parallel import LAYOUTS
 

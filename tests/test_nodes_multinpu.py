@@ -37,7 +37,6 @@ from comfy_extras.nodes_multinpu import NODE_SCHEMA, configure_parallel, widget_
 from comfy.multidevice.roles.plan import plan_roles, roles_table
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
 from tests.sp_cases import make_inputs, rel_diff, tiny_model
-from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture: comfy.patcher_extension stand-in)
 from tests.tp.test_tensor_parallel import LAYOUTS, WrappedWeight, mirror_clip
 
 pytestmark = pytest.mark.timeout(180)

@@ -18,7 +18,6 @@ from comfy.multidevice.roles.memory_plan import (IN_FLIGHT_BLOCKS, MemoryPlanErr
 from comfy.multidevice.roles.plan import plan_roles
 from comfy.multidevice.sp.cost_model import activation_bytes
 from comfy_extras.nodes_multinpu import configure_parallel
-from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture)
 from tests.sp_cases import make_inputs, tiny_model
 from tests.test_nodes_multinpu import FakeModelPatcher, inputs, run_dit
 from comfy.multidevice.comm.group import SequenceParallelCoordinator

@@ -9,7 +9,6 @@ stream of 3 blocks (the output heads run in fp32, so nothing is lost after the l
 
 from __future__ import annotations
 
-import sys
 import threading
 import types
 
@@ -340,14 +339,6 @@ class FakePatcher:
 
     def remove_wrappers_with_key(self, wrapper_type, key):
         self.wrappers.get(wrapper_type, {}).pop(key, None)
-
-
-@pytest.fixture
-def fake_patcher_extension(monkeypatch):
-    module = types.ModuleType("comfy.patcher_extension")
-    module.WrappersMP = types.SimpleNamespace(DIFFUSION_MODEL="diffusion_model")
-    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", module)
-    return module
 
 
 def test_patcher_entry_point(model32, references, fake_patcher_extension):

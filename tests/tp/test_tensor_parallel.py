@@ -34,7 +34,7 @@ from comfy.multidevice.tp.layers import (ColumnParallelLinear, QuantizedWeightsE
 from comfy.multidevice.tp.shard import (TensorParallelDecoder, build_tensor_parallel_decoder, planned_shard_bytes, prefixed_weights, shard_decoder)
 from comfy.multidevice.tp.clip import (apply_tensor_parallel_text_encoder, remove_tensor_parallel_text_encoder, tensor_parallel_clip, check_tensor_parallel_clip)
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
-from tests.conftest import recording_progress_bar
+from tests.helpers import recording_progress_bar
 from tests.rank_processes import run_rank_processes
 
 FP32_REL_TOL = 1e-5

@@ -12,7 +12,7 @@ import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.plan import SequenceParallelError
-from tests.conftest import recording_progress_bar
+from tests.helpers import recording_progress_bar
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL, tiny_state_dict
 
