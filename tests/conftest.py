@@ -53,3 +53,11 @@ def fake_patcher_extension(monkeypatch):
     module.WrappersMP = types.SimpleNamespace(DIFFUSION_MODEL="diffusion_model")
     monkeypatch.setitem(sys.modules, "comfy.patcher_extension", module)
     return module
+
+
+@pytest.fixture
+def close_coordinators():
+    """Ends the node's shared rank threads after a test that ran the node."""
+    yield
+    from comfy.multidevice.roles import apply as roles_apply  # only for the tests that use it
+    roles_apply.close_shared_coordinators()

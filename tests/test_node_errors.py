@@ -21,16 +21,10 @@ from comfy.multidevice.comm.settings import BACKEND_ENV, RUN_TIMEOUT_ENV, TIMEOU
 from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import configure_parallel, shown_error
-from tests.test_nodes_multinpu import FakeModelPatcher, inputs, inventory, make_fake_comfy_api
+from tests.node_cases import FakeModelPatcher, inputs, inventory, make_fake_comfy_api
 from tests.tp.test_tensor_parallel import LAYOUTS
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def close_coordinators():
-    yield
-    roles_apply.close_shared_coordinators()
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("close_coordinators")]
 
 
 def package_error_names() -> set[str]:

@@ -380,7 +380,7 @@ def test_runs_without_comfyui_look_at_no_flag(monkeypatch):
 
 def test_the_node_runs_again_after_a_coordinator_was_abandoned(monkeypatch):
     from comfy_extras import nodes_multinpu
-    from tests.test_nodes_multinpu import make_fake_comfy_api
+    from tests.node_cases import make_fake_comfy_api
     package, latest = make_fake_comfy_api(True)
     monkeypatch.setitem(sys.modules, "comfy_api", package)
     monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)
