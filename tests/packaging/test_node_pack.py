@@ -1,5 +1,7 @@
-"""The node pack (the repository root's __init__.py): loaded by a ComfyUI-shaped folder the way
-ComfyUI loads custom nodes, from a clone in custom_nodes/, from the patch alone, and from both.
+"""The node pack (the repository root): its __init__.py loaded by a ComfyUI-shaped folder the way
+ComfyUI loads custom nodes (from a clone in custom_nodes/, from the patch alone, from both), and
+its metadata: pyproject.toml by the registry's rules, the license, the help page, the workflows'
+pack name.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.packaging.packaging_cases import REPO, WORKFLOW_NAMES, committed_overlay, load_workflow, one_node
 
+
+# ----------------------------------------------------------------------------- the pack's loader
 
 LOADER_SCRIPT = textwrap.dedent("""
     import asyncio, importlib.util, json, logging, os, sys
@@ -151,3 +155,53 @@ def test_the_patchs_pack_folder_without_the_package_says_what_to_do(tmp_path):
     error = out["folders"]["ComfyUI-MultiNPU"]["error"]
     assert "Clone the whole repository into ComfyUI/custom_nodes/" in error and "--comfyui" in error
     assert out["node_file"] is None and out["inventory_file"] is None
+
+
+# ----------------------------------------------------------------------------- the pack's metadata
+
+PACK_DIR = REPO  # the repository root is the node pack (the patch puts it in custom_nodes/ComfyUI-MultiNPU/)
+
+
+def pack_project() -> dict:
+    import tomllib
+    return tomllib.loads((PACK_DIR / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_the_packs_pyproject_follows_the_registrys_rules():
+    # The registry's published rules for [project] name/version and [tool.comfy].
+    import re
+    data = pack_project()
+    name, version = data["project"]["name"], data["project"]["version"]
+    assert len(name) < 100 and re.fullmatch(r"[A-Za-z][A-Za-z0-9]*(?:[-_.][A-Za-z0-9]+)*", name), name
+    assert "comfyui" not in name.lower()  # the registry asks names not to repeat "ComfyUI"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    assert data["project"]["license"] == {"file": "LICENSE"}
+    comfy = data["tool"]["comfy"]
+    assert re.fullmatch(r"[a-z][a-z0-9-]*", comfy["PublisherId"]) and comfy["DisplayName"].strip()
+
+
+def test_the_whole_project_and_the_pack_carry_the_same_gpl3_license():
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert text.lstrip().startswith("GNU GENERAL PUBLIC LICENSE") and "Version 3, 29 June 2007" in text
+    overlay = committed_overlay(REPO)  # the patch's copy of the pack carries it too
+    assert overlay["custom_nodes/ComfyUI-MultiNPU/LICENSE"][0] == (REPO / "LICENSE").read_bytes()
+
+
+def test_the_help_page_is_where_web_directory_serves_it_and_names_every_input_and_output():
+    from comfy_extras.nodes_multinpu import NODE_SCHEMA
+    shim = (PACK_DIR / "__init__.py").read_text(encoding="utf-8")
+    assert 'WEB_DIRECTORY = "./web"' in shim
+    page = (PACK_DIR / "web" / "docs" / f"{NODE_SCHEMA['node_id']}.md").read_text(encoding="utf-8")
+    for spec in NODE_SCHEMA["inputs"] + NODE_SCHEMA["outputs"]:
+        assert f"**{spec['name']}**" in page, spec["name"]
+    for spec in NODE_SCHEMA["inputs"]:
+        for option in spec.get("options", []):
+            assert str(option) in page, (spec["name"], option)
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_workflows_name_the_pack_for_comfyui_manager(name):
+    project = pack_project()["project"]
+    node = one_node(load_workflow(name), "MultiNPUParallelConfig")
+    assert node["properties"]["cnr_id"] == project["name"]
+    assert node["properties"]["ver"] == project["version"]
