@@ -12,7 +12,7 @@ import torch
 from comfy.multidevice.devices import DeviceInventory
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
 from tests.sp_cases import tiny_model
-from tests.tp.test_tensor_parallel import LAYOUTS, mirror_clip
+from tests.tp.tp_cases import LAYOUTS, mirror_clip
 
 
 class FakeModelPatcher:

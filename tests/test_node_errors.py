@@ -22,7 +22,7 @@ from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import configure_parallel, shown_error
 from tests.node_cases import FakeModelPatcher, inputs, inventory, make_fake_comfy_api
-from tests.tp.test_tensor_parallel import LAYOUTS
+from tests.tp.tp_cases import LAYOUTS
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("close_coordinators")]
 

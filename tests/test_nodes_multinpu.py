@@ -33,7 +33,7 @@ from tests.node_cases import (FakeModelPatcher, assert_same, inputs, inventory, 
                               run_dit, snapshot)
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
 from tests.sp_cases import make_inputs, rel_diff, tiny_model
-from tests.tp.test_tensor_parallel import LAYOUTS, WrappedWeight, mirror_clip
+from tests.tp.tp_cases import LAYOUTS, WrappedWeight, mirror_clip
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("close_coordinators")]
 

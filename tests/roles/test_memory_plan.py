@@ -23,7 +23,7 @@ from tests.node_cases import FakeModelPatcher, inputs, run_dit
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.tp.clip import tensor_parallel_clip
 from comfy.multidevice.tp.layers import weight_bytes
-from tests.tp.test_tensor_parallel import WrappedWeight
+from tests.tp.tp_cases import WrappedWeight
 
 pytestmark = pytest.mark.usefixtures("close_coordinators")
 
