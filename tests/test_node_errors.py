@@ -134,17 +134,17 @@ def test_model_refusals_name_the_model_input(fake_patcher_extension):  # noqa: F
 
 
 def test_an_older_comfyui_is_named_with_the_update_fix(fake_patcher_extension):  # noqa: F811
-    from tests.sp.test_minimax_h3 import _BlockWithoutAttentionArgument  # v0.33.0's block signature
+    from tests.sp_cases import BlockWithoutAttentionArgument  # v0.33.0's block signature
     objs = inputs()
     for block in objs[0].model.diffusion_model.blocks:
-        block.__class__ = _BlockWithoutAttentionArgument
+        block.__class__ = BlockWithoutAttentionArgument
     message = refusal(objs=objs, npu_count=4, device_kind="cpu")
     assert_user_facing(message, ("model input", "this ComfyUI is too old", "attention"), "update ComfyUI")
     assert "set npu_count to 1 or 2" in message and "forward()" not in message
 
 
 def test_a_control_patch_is_named_with_the_fix(fake_patcher_extension):  # noqa: F811
-    from tests.sp.test_minimax_h3 import FunControlBlockPatchStandIn
+    from tests.sp_cases import FunControlBlockPatchStandIn
     objs = inputs()
     objs[0].model_options = {"transformer_options": {"patches_replace": {"dit": {
         ("double_block", 0): FunControlBlockPatchStandIn(0)}}}}

@@ -452,10 +452,10 @@ def test_a_comfyui_without_the_attention_hook_is_refused_by_the_node_before_anyt
         fake_patcher_extension):
     """ComfyUI v0.33.0's H3 blocks have no `attention` parameter: the node says so and what to do,
     before any clone, copy or rank thread (feature detection, not a commit check)."""
-    from tests.sp.test_minimax_h3 import _BlockWithoutAttentionArgument
+    from tests.sp_cases import BlockWithoutAttentionArgument
     objs = inputs()
     for block in objs[0].model.diffusion_model.blocks:
-        block.__class__ = _BlockWithoutAttentionArgument
+        block.__class__ = BlockWithoutAttentionArgument
     before, threads = snapshot(*objs), rank_threads()
     with pytest.raises(RolePlanError, match=r"attention hook.*update ComfyUI.*npu_count to 1 or 2"):
         configure_parallel(*objs, npu_count=4, device_kind="cpu")
@@ -464,7 +464,7 @@ def test_a_comfyui_without_the_attention_hook_is_refused_by_the_node_before_anyt
 
 
 def test_a_control_patch_it_cannot_drive_is_refused_by_the_node_before_anything_changes(fake_patcher_extension):
-    from tests.sp.test_minimax_h3 import FunControlBlockPatchStandIn
+    from tests.sp_cases import FunControlBlockPatchStandIn
     objs = inputs()
     objs[0].model_options = {"transformer_options": {"patches_replace": {"dit": {
         ("double_block", 0): FunControlBlockPatchStandIn(0)}}}}

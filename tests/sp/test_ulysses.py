@@ -33,10 +33,7 @@ from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic, ulysses_degree
 from comfy.multidevice.sp.strategies import AutoKV, SPMode
 from comfy.multidevice.sp.ulysses import UlyssesKV
-from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas, run_sp
-
-FP32_TOL = 1e-5
-BF16_TOL = 1e-2
+from tests.sp_cases import BF16_TOL, CASES, FP32_TOL, TINY, make_inputs, rel_diff, replicas, run_sp
 
 
 def config(heads):
