@@ -46,6 +46,15 @@ def fake_nccl_no_sendrecv_path(tmp_path_factory):
                       out_dir=tmp_path_factory.mktemp("fake_nccl_nop2p"))
 
 
+@pytest.fixture(params=["peer", "hccl"])
+def backend(request):
+    """The backend a test's coordinator uses: peer-copy, then HCCL over the fake library. A module
+    that runs other backends defines its own `backend`."""
+    if request.param == "hccl":
+        request.getfixturevalue("use_fake_hccl")
+    return request.param
+
+
 @pytest.fixture
 def fake_patcher_extension(monkeypatch):
     """comfy.patcher_extension as far as the node and the SP wrapper use it, without ComfyUI."""

@@ -21,13 +21,6 @@ from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.types import CollectiveAborted, CollectiveError, CollectiveTimeout
 
 
-@pytest.fixture(params=["peer", "hccl"])
-def backend(request, monkeypatch, fake_hccl_path):
-    if request.param == "hccl":
-        monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
-    return request.param
-
-
 def test_auto_falls_back_to_peer_with_one_warning(monkeypatch, caplog, tmp_path):
     # Pretend the CPU ranks are NPUs so that auto tries HCCL, with no library to find.
     monkeypatch.setattr(group, "native_backend_for", lambda devices: "hccl")

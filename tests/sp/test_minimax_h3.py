@@ -26,13 +26,6 @@ from tests.sp_cases import (BF16_TOL, CASES, FP32_TOL, TINY, BlockWithoutAttenti
                             make_inputs, rel_diff, replicas, run_sp, tiny_model)
 
 
-@pytest.fixture(params=["peer", "hccl"])
-def backend(request):
-    if request.param == "hccl":
-        request.getfixturevalue("use_fake_hccl")
-    return request.param
-
-
 # ----------------------------------------------------------------------------- the parity matrix
 
 @pytest.mark.timeout(120)
