@@ -6,6 +6,9 @@ test_hccl.py run them on peer-copy and HCCL, tests/comm/test_nccl.py on NCCL. Ex
 torch.cat of the shards bit for bit (an all-gather moves bits, it computes nothing);
 all-reduce sums with the rank-order sum, exact in fp32 and within a stated rounding in
 16-bit types.
+
+`__all__` names the cases, so a backend's module takes them all with
+`from tests.collective_cases import *`; helpers are imported by name.
 """
 
 import threading
@@ -16,6 +19,14 @@ import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.types import CollectiveError
+
+__all__ = ("test_exchange_matches_cat", "test_exchange_with_empty_shards", "test_non_contiguous_shards",
+           "test_all_reduce_fp32_exact", "test_all_reduce_16bit_within_rounding", "test_all_reduce_int32",
+           "test_many_collectives_in_a_row_stay_in_step", "test_failing_rank_ends_the_run_fast",
+           "test_exchange_with_the_shard_plan_matches_cat",
+           "test_a_shard_plan_that_does_not_fit_fails_on_every_rank",
+           "test_one_host_sync_and_one_barrier_per_exchange_with_the_plan",
+           "test_one_host_sync_and_one_barrier_per_all_to_all_with_a_plan")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -17,14 +17,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(url: str, data=None, timeout: float = 10):

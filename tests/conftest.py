@@ -1,3 +1,6 @@
+import sys
+import types
+
 import pytest
 
 from tests.fakes.build import build_fake
@@ -43,17 +46,27 @@ def fake_nccl_no_sendrecv_path(tmp_path_factory):
                       out_dir=tmp_path_factory.mktemp("fake_nccl_nop2p"))
 
 
-def recording_progress_bar(steps: list):
-    """A stand-in for ComfyUI's comfy.utils.ProgressBar that appends ("new", total) and
-    ("step", value) to `steps`; the sampler's own update_absolute is ignored."""
+@pytest.fixture(params=["peer", "hccl"])
+def backend(request):
+    """The backend a test's coordinator uses: peer-copy, then HCCL over the fake library. A module
+    that runs other backends defines its own `backend`."""
+    if request.param == "hccl":
+        request.getfixturevalue("use_fake_hccl")
+    return request.param
 
-    class RecordingBar:
-        def __init__(self, total):
-            steps.append(("new", total))
 
-        def update(self, value):
-            steps.append(("step", value))
+@pytest.fixture
+def fake_patcher_extension(monkeypatch):
+    """comfy.patcher_extension as far as the node and the SP wrapper use it, without ComfyUI."""
+    module = types.ModuleType("comfy.patcher_extension")
+    module.WrappersMP = types.SimpleNamespace(DIFFUSION_MODEL="diffusion_model")
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", module)
+    return module
 
-        def update_absolute(self, value, total=None, preview=None):
-            pass
-    return RecordingBar
+
+@pytest.fixture
+def close_coordinators():
+    """Ends the node's shared rank threads after a test that ran the node."""
+    yield
+    from comfy.multidevice.roles import apply as roles_apply  # only for the tests that use it
+    roles_apply.close_shared_coordinators()

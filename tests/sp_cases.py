@@ -6,7 +6,14 @@ import copy
 
 import torch
 
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.miniature import h3 as miniature
 from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
+
+# Parallel against single-device, relative to max |reference| (why: tests/sp/test_minimax_h3.py).
+FP32_TOL = 1e-5
+BF16_TOL = 1e-2
 
 TINY = MiniatureConfig(hidden_size=32, num_layers=3, token_refiner_num_layers=1, num_attention_heads=3,
                        attention_head_dim=16, ffn_hidden_size=48, text_dim=24, timestep_input_dim=16,
@@ -69,3 +76,36 @@ def rel_diff(out, ref) -> float:
     diff = max(float((o.float() - r.float()).abs().max()) for o, r in zip(out, ref))
     scale = max(float(r.float().abs().max()) for r in ref)
     return diff / scale
+
+
+def run_sp(model, world, backend, case, sp_mode="allgather", seed=0):
+    """One sequence-parallel forward of `model` on `world` CPU ranks over `backend` for the named
+    layout: (outputs, the parallel model, the coordinator's per-rank byte counts)."""
+    x, t, ctx, kw = make_inputs(case, seed)
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model, world), coord, sp_mode=sp_mode)
+        with torch.inference_mode():
+            out = sp(x, t, ctx, **kw)
+        return out, sp, coord.byte_counts()
+
+
+class BlockWithoutAttentionArgument(miniature.DiTBlock):
+    """A block as ComfyUI v0.33.0 ships it: forward() has no `attention` parameter."""
+
+    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None):
+        return super().forward(x, t_emb, mod_segments, rope_freqs, transformer_options)
+
+
+class FunControlBlockPatchStandIn:
+    """A block replacement carrying a control stream over the whole sequence (`control_patch`)
+    without the API of upstream's Fun ControlNet: the adapter cannot drive it, and calling it
+    would index local rows with full-sequence positions."""
+
+    def __init__(self, block_index):
+        self.block_index = block_index
+        self.control_patch = object()
+        self.calls = 0
+
+    def __call__(self, args, extra):
+        self.calls += 1
+        return extra["original_block"](args)

@@ -21,17 +21,10 @@ from comfy.multidevice.comm.settings import BACKEND_ENV, RUN_TIMEOUT_ENV, TIMEOU
 from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import configure_parallel, shown_error
-from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture)
-from tests.test_nodes_multinpu import FakeModelPatcher, inputs, inventory, make_fake_comfy_api
-from tests.tp.test_tensor_parallel import LAYOUTS
+from tests.node_cases import FakeModelPatcher, inputs, inventory, make_fake_comfy_api
+from tests.tp.tp_cases import LAYOUTS
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def close_coordinators():
-    yield
-    roles_apply.close_shared_coordinators()
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("close_coordinators")]
 
 
 def package_error_names() -> set[str]:
@@ -141,17 +134,17 @@ def test_model_refusals_name_the_model_input(fake_patcher_extension):  # noqa: F
 
 
 def test_an_older_comfyui_is_named_with_the_update_fix(fake_patcher_extension):  # noqa: F811
-    from tests.sp.test_minimax_h3 import _BlockWithoutAttentionArgument  # v0.33.0's block signature
+    from tests.sp_cases import BlockWithoutAttentionArgument  # v0.33.0's block signature
     objs = inputs()
     for block in objs[0].model.diffusion_model.blocks:
-        block.__class__ = _BlockWithoutAttentionArgument
+        block.__class__ = BlockWithoutAttentionArgument
     message = refusal(objs=objs, npu_count=4, device_kind="cpu")
     assert_user_facing(message, ("model input", "this ComfyUI is too old", "attention"), "update ComfyUI")
     assert "set npu_count to 1 or 2" in message and "forward()" not in message
 
 
 def test_a_control_patch_is_named_with_the_fix(fake_patcher_extension):  # noqa: F811
-    from tests.sp.test_minimax_h3 import FunControlBlockPatchStandIn
+    from tests.sp_cases import FunControlBlockPatchStandIn
     objs = inputs()
     objs[0].model_options = {"transformer_options": {"patches_replace": {"dit": {
         ("double_block", 0): FunControlBlockPatchStandIn(0)}}}}

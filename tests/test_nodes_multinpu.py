@@ -1,5 +1,5 @@
-"""The MultiNPUParallelConfig node: schema, role plans, device validation, the apply path
-end to end on 4 CPU ranks, the custom-node shim, and the official H3 workflows.
+"""The MultiNPUParallelConfig node: schema, the V3 node, errors that leave the inputs untouched,
+the apply path end to end on 4 CPU ranks, and the official H3 workflows.
 
 Parallel results are compared with the single-device result of the same objects:
 DiT and text encoder in fp32 within 1e-5 of the output's scale (summation order differs),
@@ -12,13 +12,7 @@ import asyncio
 import glob
 import inspect
 import json
-import os
-import shutil
-import subprocess
 import sys
-import textwrap
-import threading
-import types
 import uuid
 from pathlib import Path
 
@@ -26,7 +20,7 @@ import pytest
 import torch
 
 from comfy.multidevice.roles import apply as roles_apply
-from comfy.multidevice.devices import (DeviceInventory, DeviceSelectionError, InvalidDeviceList, MixedDeviceKinds, TooFewDevices, UnsupportedCardCount, select_devices)
+from comfy.multidevice.devices import (DeviceSelectionError, MixedDeviceKinds, TooFewDevices, UnsupportedCardCount)
 from comfy.multidevice.comm.types import BackendUnavailable
 from comfy.multidevice.roles.apply import apply_role_plan
 from comfy.multidevice.roles.plan import RolePlanError
@@ -34,64 +28,16 @@ from comfy.multidevice.tp.layers import TensorParallelError
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import NODE_SCHEMA, configure_parallel, widget_defaults
-from comfy.multidevice.roles.plan import plan_roles, roles_table
+from comfy.multidevice.roles.plan import plan_roles
+from tests.node_cases import (FakeModelPatcher, assert_same, inputs, inventory, make_fake_comfy_api, rank_threads,
+                              run_dit, snapshot)
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
 from tests.sp_cases import make_inputs, rel_diff, tiny_model
-from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture: comfy.patcher_extension stand-in)
-from tests.tp.test_tensor_parallel import LAYOUTS, WrappedWeight, mirror_clip
+from tests.tp.tp_cases import LAYOUTS, WrappedWeight, mirror_clip
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("close_coordinators")]
 
-REPO = Path(__file__).resolve().parent.parent
 FP32_TOL = 1e-5
-
-
-# ----------------------------------------------------------------------------- stand-ins
-
-class FakeModelPatcher:
-    """The slice of ComfyUI's ModelPatcher the node uses: clone() shares the model and copies
-    the wrappers; wrappers are added/removed by key; `.model.diffusion_model` is the DiT."""
-
-    def __init__(self, diffusion_model, load_device="cpu"):
-        self.model = types.SimpleNamespace(diffusion_model=diffusion_model)
-        self.load_device = torch.device(load_device)
-        self.wrappers = {}
-        self.patches_uuid = uuid.uuid4()
-
-    def clone(self):
-        n = FakeModelPatcher.__new__(FakeModelPatcher)
-        n.model, n.load_device, n.patches_uuid = self.model, self.load_device, self.patches_uuid
-        n.wrappers = {k: {kk: list(v) for kk, v in d.items()} for k, d in self.wrappers.items()}
-        return n
-
-    def add_wrapper_with_key(self, wrapper_type, key, wrapper):
-        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
-
-    def remove_wrappers_with_key(self, wrapper_type, key):
-        self.wrappers.get(wrapper_type, {}).pop(key, None)
-
-    def forward(self, x, t, ctx, **kwargs):
-        """What ComfyUI's sampling does: the patcher's wrappers go into transformer_options."""
-        return self.model.diffusion_model(x, t, ctx, transformer_options={"wrappers": self.wrappers}, **kwargs)
-
-
-@pytest.fixture(autouse=True)
-def close_coordinators():
-    yield
-    roles_apply.close_shared_coordinators()
-
-
-def inputs(seed=0, clip_cfg=None, clip_patches=None):
-    return (FakeModelPatcher(tiny_model(seed=seed)),
-            mirror_clip(clip_cfg or LAYOUTS["separate"], patches=clip_patches),
-            VAEWrapper(TinyCausalVideoVAE(seed=seed)),
-            VAEWrapper(TinyAudioVAE(seed=seed)))
-
-
-def inventory(npu=0, cuda=0, **env):
-    names = {"ASCEND_RT_VISIBLE_DEVICES": None, "CUDA_VISIBLE_DEVICES": None}
-    names.update(env)
-    return DeviceInventory(counts={"npu": npu, "cuda": cuda}, env=names)
 
 
 # ----------------------------------------------------------------------------- schema
@@ -122,42 +68,6 @@ def test_schema_inputs_outputs_types_defaults():
     assert {"multi gpu", "multi npu", "sequence parallel"} <= set(NODE_SCHEMA["search_aliases"])
     assert widget_defaults() == [4, "default", "auto", "", "auto", 109952]
     json.dumps(NODE_SCHEMA)  # plain data, readable by tools without ComfyUI
-
-
-def make_fake_comfy_api(with_advanced=True):
-    """A stand-in for comfy_api.latest that records how the node declares itself."""
-    def input_class(io_type):
-        def __init__(self, id, display_name=None, optional=False, tooltip=None, default=None,
-                     options=None, advanced=None, min=None, max=None):
-            self.io_type, self.id, self.optional, self.tooltip = io_type, id, optional, tooltip
-            self.default, self.options, self.advanced = default, options, advanced
-        if not with_advanced:
-            def __init__(self, id, display_name=None, optional=False, tooltip=None, default=None,  # noqa: F811
-                         options=None, min=None, max=None):
-                self.io_type, self.id, self.optional, self.default, self.options = io_type, id, optional, default, options
-                self.advanced = "absent"
-        return type(f"{io_type}Input", (), {"__init__": __init__})
-
-    def output_class(io_type):
-        def __init__(self, id=None, display_name=None, tooltip=None):
-            self.io_type, self.display_name, self.tooltip = io_type, display_name, tooltip
-        return type(f"{io_type}Output", (), {"__init__": __init__})
-
-    def comfy_type(io_type):
-        return types.SimpleNamespace(Input=input_class(io_type), Output=output_class(io_type))
-
-    io = types.SimpleNamespace(
-        ComfyNode=type("ComfyNode", (), {}),
-        Schema=lambda **kw: types.SimpleNamespace(**kw),
-        NodeOutput=lambda *values: ("NodeOutput", values),
-        Model=comfy_type("MODEL"), Clip=comfy_type("CLIP"), Vae=comfy_type("VAE"),
-        Combo=comfy_type("COMBO"), String=comfy_type("STRING"), Int=comfy_type("INT"))
-    latest = types.ModuleType("comfy_api.latest")
-    latest.io = io
-    latest.ComfyExtension = type("ComfyExtension", (), {})
-    package = types.ModuleType("comfy_api")
-    package.latest = latest
-    return package, latest
 
 
 @pytest.mark.parametrize("with_advanced", [True, False])
@@ -197,315 +107,7 @@ def test_v3_node_is_built_from_the_plain_schema(monkeypatch, with_advanced):
     assert list(inspect.signature(node.execute).parameters)[:4] == ["model", "clip", "video_vae", "audio_vae"]
 
 
-# ----------------------------------------------------------------------------- the pack's loader
-
-LOADER_SCRIPT = textwrap.dedent("""
-    import asyncio, importlib.util, json, logging, os, sys
-    root, folders = sys.argv[1], sys.argv[2:]
-    sys.path.insert(0, root)  # ComfyUI puts its own folder first
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    import folder_paths  # imported by ComfyUI before any custom node
-    out = {"folders": {}}
-    for folder in folders:  # the way ComfyUI loads custom node folders, in this order
-        path = os.path.join(root, "custom_nodes", folder)
-        spec = importlib.util.spec_from_file_location(path.replace(".", "_x_"), os.path.join(path, "__init__.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        try:
-            spec.loader.exec_module(module)
-        except ImportError as exc:
-            out["folders"][folder] = {"error": str(exc)}
-            continue
-        if module.NODE_CLASS_MAPPINGS is not None:  # ComfyUI's V1 branch: registers these
-            out["folders"][folder] = {"registers": sorted(module.NODE_CLASS_MAPPINGS)}
-            continue
-        ext = asyncio.run(module.comfy_entrypoint())
-        out["folders"][folder] = {"registers": [n.define_schema().node_id for n in asyncio.run(ext.get_node_list())]}
-    import comfy.model_management
-    out.update(upstream_module=comfy.model_management.MARK, inputs=sorted(os.listdir(os.path.join(root, "input"))))
-    ours = {"inventory_file": "comfy.multidevice.devices", "node_file": "comfy_extras.nodes_multinpu"}
-    for key, name in ours.items():  # where each module came from, if loaded
-        out[key] = sys.modules[name].__file__ if name in sys.modules else None
-    print("RESULT " + json.dumps(out))
-""")
-
-
-def fake_comfyui(tmp_path, patched=False):
-    """A ComfyUI-shaped folder: its own comfy/ and comfy_extras/ modules, folder_paths and a
-    comfy_api stand-in; with `patched`, our package and node in its tree as the patch puts them."""
-    root = tmp_path / "ComfyUI"
-    (root / "comfy").mkdir(parents=True)
-    (root / "comfy" / "model_management.py").write_text("MARK = 'upstream'\n")
-    (root / "comfy_extras").mkdir()
-    (root / "comfy_extras" / "nodes_upstream.py").write_text("")
-    (root / "input").mkdir()
-    (root / "input" / "minimax_h3_first_frame.png").write_bytes(b"the user's own picture")
-    (root / "folder_paths.py").write_text(textwrap.dedent(f"""
-        import os
-        def get_input_directory():
-            return {str(root / "input")!r}
-        def add_model_folder_path(folder, path, is_default=False):
-            pass
-    """))
-    api = root / "comfy_api" / "latest"
-    api.mkdir(parents=True)
-    (root / "comfy_api" / "__init__.py").write_text("")
-    (api / "__init__.py").write_text(textwrap.dedent("""
-        import types
-        class ComfyExtension: pass
-        class _Socket:
-            def __init__(self, *args, **kwargs): pass
-        def _kind():
-            return types.SimpleNamespace(Input=_Socket, Output=_Socket)
-        io = types.SimpleNamespace(ComfyNode=object, Schema=lambda **kw: types.SimpleNamespace(**kw),
-                                   NodeOutput=tuple, Model=_kind(), Clip=_kind(), Vae=_kind(),
-                                   Combo=_kind(), String=_kind(), Int=_kind())
-    """))
-    (root / "custom_nodes").mkdir()
-    if patched:
-        shutil.copytree(REPO / "comfy" / "multidevice", root / "comfy" / "multidevice",
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy(REPO / "comfy_extras" / "nodes_multinpu.py", root / "comfy_extras")
-        (root / "custom_nodes" / "ComfyUI-MultiNPU").mkdir()
-        shutil.copy(REPO / "__init__.py", root / "custom_nodes" / "ComfyUI-MultiNPU")
-    return root
-
-
-def clone_into(root, name="minimax-h3-multinpu"):
-    """The repository "cloned" into custom_nodes/ (a link to this checkout)."""
-    (root / "custom_nodes" / name).symlink_to(REPO, target_is_directory=True)
-    return name
-
-
-def run_loader(root, *folders):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", LOADER_SCRIPT, str(root), *folders], capture_output=True,
-                          text=True, cwd=str(root), env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    log = [line for line in lines if line.startswith("MiniMax-H3 pack")]
-    return json.loads(next(line for line in lines if line.startswith("RESULT "))[7:]), log
-
-
-def test_a_clone_in_custom_nodes_registers_the_node_from_its_own_files(tmp_path):
-    root = fake_comfyui(tmp_path)
-    name = clone_into(root)
-    out, log = run_loader(root, name)
-    assert out["folders"] == {name: {"registers": ["MultiNPUParallelConfig"]}}
-    assert out["upstream_module"] == "upstream"  # ComfyUI's own comfy modules still win
-    assert Path(out["inventory_file"]).resolve().parent == REPO / "comfy" / "multidevice"
-    assert Path(out["node_file"]).resolve().parent == REPO / "comfy_extras"
-    samples = sorted(p.name for p in (REPO / "additional_files" / "input").iterdir())
-    assert out["inputs"] == samples  # first use: the sample images the workflows name
-    assert (root / "input" / "minimax_h3_first_frame.png").read_bytes() == b"the user's own picture"
-    assert [line for line in log if "MultiNPUParallelConfig from" in line] == [
-        f"MiniMax-H3 pack: MultiNPUParallelConfig from {REPO}"]
-
-
-def test_the_patch_alone_registers_the_node_from_comfyuis_tree(tmp_path):
-    root = fake_comfyui(tmp_path, patched=True)
-    out, log = run_loader(root, "ComfyUI-MultiNPU")
-    assert out["folders"] == {"ComfyUI-MultiNPU": {"registers": ["MultiNPUParallelConfig"]}}
-    assert Path(out["node_file"]).parent == root / "comfy_extras"
-    assert Path(out["inventory_file"]).parent == root / "comfy" / "multidevice"
-    assert log == [f"MiniMax-H3 pack: MultiNPUParallelConfig from {root}"]
-
-
-@pytest.mark.parametrize("order", ["patch first", "clone first"])
-def test_with_the_patch_and_a_clone_the_patched_copy_is_the_one_used(tmp_path, order):
-    root = fake_comfyui(tmp_path, patched=True)
-    name = clone_into(root)
-    folders = ["ComfyUI-MultiNPU", name] if order == "patch first" else [name, "ComfyUI-MultiNPU"]
-    out, log = run_loader(root, *folders)
-    assert out["folders"] == {"ComfyUI-MultiNPU": {"registers": ["MultiNPUParallelConfig"]}, name: {"registers": []}}
-    assert Path(out["node_file"]).parent == root / "comfy_extras"  # no module from the clone
-    assert Path(out["inventory_file"]).parent == root / "comfy" / "multidevice"
-    unused = [line for line in log if "not used" in line]
-    assert len(unused) == 1 and str(REPO) in unused[0] and "--uninstall" in unused[0]
-    assert out["inputs"] == ["minimax_h3_first_frame.png"]  # the unused clone copied nothing
-
-
-def test_the_patchs_pack_folder_without_the_package_says_what_to_do(tmp_path):
-    root = fake_comfyui(tmp_path)
-    (root / "custom_nodes" / "ComfyUI-MultiNPU").mkdir()
-    shutil.copy(REPO / "__init__.py", root / "custom_nodes" / "ComfyUI-MultiNPU")
-    out, _ = run_loader(root, "ComfyUI-MultiNPU")
-    error = out["folders"]["ComfyUI-MultiNPU"]["error"]
-    assert "Clone the whole repository into ComfyUI/custom_nodes/" in error and "--comfyui" in error
-    assert out["node_file"] is None and out["inventory_file"] is None
-
-
-# ----------------------------------------------------------------------------- role plans
-
-def test_plan_roles_for_1_2_4_8_cards():
-    assert plan_roles(1).as_dict() == {
-        "n_cards": 1,
-        "dit": {"cards": [0], "mode": "single"},
-        "text_encoder": {"cards": [0], "mode": "single"},
-        "video_vae": {"cards": [0], "mode": "single"},
-        "audio_vae": {"cards": [0], "mode": "single"},
-    }
-    assert plan_roles(2).as_dict() == {
-        "n_cards": 2,
-        "dit": {"cards": [0], "mode": "single"},
-        "text_encoder": {"cards": [0], "mode": "single"},
-        "video_vae": {"cards": [0], "mode": "single"},
-        "audio_vae": {"cards": [1], "mode": "single"},
-    }
-    assert plan_roles(4).as_dict() == {
-        "n_cards": 4,
-        "dit": {"cards": [0, 1, 2, 3], "mode": "sequence_parallel"},
-        "text_encoder": {"cards": [0, 1, 2, 3], "mode": "tensor_parallel"},
-        "video_vae": {"cards": [0, 1, 2, 3], "mode": "temporal_chunks", "merge_card": 0},
-        "audio_vae": {"cards": [3], "mode": "single"},
-    }
-    eight = list(range(8))
-    assert plan_roles(8).as_dict() == {
-        "n_cards": 8,
-        "dit": {"cards": eight, "mode": "sequence_parallel"},
-        "text_encoder": {"cards": eight, "mode": "tensor_parallel"},
-        "video_vae": {"cards": eight, "mode": "temporal_chunks", "merge_card": 0},
-        "audio_vae": {"cards": [7], "mode": "single"},
-    }
-    assert [row["n_cards"] for row in roles_table()] == [1, 2, 4, 8]
-
-
-@pytest.mark.parametrize("bad", [0, 3, 5, 6, 16, -4, "4", 4.0, True, None])
-def test_unsupported_counts(bad):
-    with pytest.raises(UnsupportedCardCount) as info:
-        plan_roles(bad)
-    assert repr(bad) in str(info.value) and "1, 2, 4, 8" in str(info.value)
-
-
-# ----------------------------------------------------------------------------- device checks
-
-def test_unsupported_count_names_the_visible_cards():
-    with pytest.raises(UnsupportedCardCount) as info:
-        select_devices(3, inventory=inventory(npu=3, ASCEND_RT_VISIBLE_DEVICES="0,1,2"))
-    msg = str(info.value)
-    assert "npu_count=3" in msg and "npu: 3 (ASCEND_RT_VISIBLE_DEVICES=0,1,2)" in msg and "set npu_count to 2" in msg
-
-
-def test_too_few_devices_says_asked_found_variable_and_fix():
-    inv = inventory(npu=2, ASCEND_RT_VISIBLE_DEVICES="0,1")
-    with pytest.raises(TooFewDevices) as info:
-        select_devices(4, inventory=inv)
-    msg = str(info.value)
-    for part in ("npu_count is 4", "2 npu card(s) are visible", "ASCEND_RT_VISIBLE_DEVICES=0,1", "set npu_count to 2",
-                 "ASCEND_RT_VISIBLE_DEVICES=0,1,2,3"):
-        assert part in msg, msg
-    with pytest.raises(TooFewDevices, match=r"npu_count is 8 but 3 cuda card\(s\) are visible \(CUDA_VISIBLE_DEVICES unset\)"):
-        select_devices(8, kind="cuda", inventory=inventory(cuda=3))
-
-
-def test_no_accelerator_at_all():
-    with pytest.raises(TooFewDevices) as info:
-        select_devices(4, inventory=inventory())
-    msg = str(info.value)
-    assert "npu_count is 4 but this server sees no NPU or CUDA card" in msg and "device_kind to cpu" in msg and "doctor" in msg
-
-
-def test_mixed_kinds_visible_or_listed():
-    with pytest.raises(MixedDeviceKinds) as info:
-        select_devices(4, inventory=inventory(npu=4, cuda=2, CUDA_VISIBLE_DEVICES="0,1"))
-    msg = str(info.value)
-    assert "npu: 4" in msg and "cuda: 2 (CUDA_VISIBLE_DEVICES=0,1)" in msg and "device_kind" in msg
-    with pytest.raises(MixedDeviceKinds, match="mixes kinds"):
-        select_devices(2, devices="npu:0,cuda:0", inventory=inventory(npu=2, cuda=2))
-    with pytest.raises(MixedDeviceKinds, match="device_kind is cuda but devices lists npu"):
-        select_devices(2, kind="cuda", devices="npu:0,npu:1", inventory=inventory(npu=2, cuda=2))
-
-
-def test_device_list_errors_and_success():
-    inv = inventory(npu=8, ASCEND_RT_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
-    assert select_devices(4, devices="npu:0, npu:2,npu:4,npu:6", inventory=inv) == [
-        "npu:0", "npu:2", "npu:4", "npu:6"]
-    with pytest.raises(InvalidDeviceList, match="lists 2 card"):
-        select_devices(4, devices="npu:0,npu:1", inventory=inv)
-    with pytest.raises(InvalidDeviceList, match="more than once"):
-        select_devices(2, devices="npu:1,npu:1", inventory=inv)
-    with pytest.raises(InvalidDeviceList, match="'3' is not a device"):
-        select_devices(2, devices="npu:0,3", inventory=inv)
-    with pytest.raises(TooFewDevices, match="npu:9.*only 8 npu"):
-        select_devices(2, devices="npu:0,npu:9", inventory=inv)
-    with pytest.raises(DeviceSelectionError, match="device_kind='tpu'"):
-        select_devices(2, kind="tpu", inventory=inv)
-
-
-def test_successful_selection():
-    assert select_devices(4, inventory=inventory(npu=8)) == ["npu:0", "npu:1", "npu:2", "npu:3"]
-    assert select_devices(2, inventory=inventory(cuda=2)) == ["cuda:0", "cuda:1"]
-    assert select_devices(2, kind="cuda", inventory=inventory(npu=4, cuda=2)) == ["cuda:0", "cuda:1"]
-    assert select_devices(8, kind="cpu") == ["cpu"] * 8
-    assert select_devices(2, devices="cpu,cpu") == ["cpu", "cpu"]
-
-
-def fake_torch_npu(tmp_path, monkeypatch, body):
-    """A torch_npu module on the path (its import runs `body`); the real one never exists here."""
-    folder = tmp_path / "fake_npu"
-    folder.mkdir()
-    (folder / "torch_npu.py").write_text(textwrap.dedent(body))
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
-
-
-def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, monkeypatch):
-    from comfy.multidevice.devices import probe_devices
-    fake_torch_npu(tmp_path, monkeypatch, "")  # importing it registers torch.npu (below)
-    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(device_count=lambda: 4), raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5,6,7")
-    inv = probe_devices()
-    assert (inv.count("npu"), inv.count("cuda"), inv.notes) == (4, 0, ())
-    assert inv.env_text("npu") == "ASCEND_RT_VISIBLE_DEVICES=4,5,6,7"
-    assert select_devices(4) == ["npu:0", "npu:1", "npu:2", "npu:3"]  # probed, not given
-    with pytest.raises(TooFewDevices, match=r"npu_count is 8 but 4 npu card\(s\) are visible \(ASCEND_RT_VISIBLE_DEVICES=4,5,6,7\)"):
-        select_devices(8)
-
-
-def test_probe_survives_a_broken_npu_stack_and_says_why(tmp_path, monkeypatch):
-    from comfy.multidevice.devices import probe_devices
-    fake_torch_npu(tmp_path, monkeypatch, "raise RuntimeError('libascendcl.so: cannot open shared object file')")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    inv = probe_devices()
-    assert (inv.count("npu"), inv.count("cuda")) == (0, 2)
-    assert inv.notes == ("npu probe failed: RuntimeError: libascendcl.so: cannot open shared object file",)
-    assert "npu probe failed" in inv.describe()
-    assert select_devices(2) == ["cuda:0", "cuda:1"]  # auto: the one kind that is visible
-    with pytest.raises(TooFewDevices, match=r"npu_count is 4 but 0 npu card.*npu probe failed: RuntimeError: libascendcl"):
-        select_devices(4, kind="npu")  # the cause of "0 NPUs" reaches the user
-
-
 # ----------------------------------------------------------------------------- nothing half-done
-
-def snapshot(model, clip, video_vae, audio_vae):
-    """Identity and contents of everything the node could touch."""
-    te = clip.cond_stage_model.qwen3vl_32b
-    return {
-        "model": (dict(vars(model)), {k: {kk: list(v) for kk, v in d.items()} for k, d in model.wrappers.items()},
-                  {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}),
-        "clip": (dict(vars(clip)), dict(vars(clip.patcher)), te.transformer.model,
-                 dict(te.transformer._modules), dict(clip.cond_stage_model._modules)),
-        "video_vae": (dict(vars(video_vae)), dict(vars(video_vae.first_stage_model))),
-        "audio_vae": (dict(vars(audio_vae)), dict(vars(audio_vae.first_stage_model))),
-    }
-
-
-def assert_same(before, after):
-    for key in before:
-        b, a = before[key], after[key]
-        assert len(b) == len(a)
-        for x, y in zip(b, a):
-            if isinstance(x, dict) and x and all(torch.is_tensor(v) for v in x.values()):
-                assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), key
-            else:
-                assert x == y, key
-
-
-def rank_threads():
-    return sum(1 for t in threading.enumerate() if t.name.startswith("sp-rank-"))
-
 
 def with_inputs(**change):
     def build(objs):
@@ -569,12 +171,6 @@ def test_role_errors_leave_everything_untouched(fake_patcher_extension):
 
 
 # ----------------------------------------------------------------------------- end to end
-
-def run_dit(model, x, t, ctx, kw):
-    if isinstance(model, FakeModelPatcher):
-        return model.forward(x, t, ctx, **kw)
-    return model(x, t, ctx, **kw)
-
 
 def euler(model, x, ctx, kw, steps=3):
     sigmas = torch.linspace(1.0, 0.0, steps + 1)
@@ -856,10 +452,10 @@ def test_a_comfyui_without_the_attention_hook_is_refused_by_the_node_before_anyt
         fake_patcher_extension):
     """ComfyUI v0.33.0's H3 blocks have no `attention` parameter: the node says so and what to do,
     before any clone, copy or rank thread (feature detection, not a commit check)."""
-    from tests.sp.test_minimax_h3 import _BlockWithoutAttentionArgument
+    from tests.sp_cases import BlockWithoutAttentionArgument
     objs = inputs()
     for block in objs[0].model.diffusion_model.blocks:
-        block.__class__ = _BlockWithoutAttentionArgument
+        block.__class__ = BlockWithoutAttentionArgument
     before, threads = snapshot(*objs), rank_threads()
     with pytest.raises(RolePlanError, match=r"attention hook.*update ComfyUI.*npu_count to 1 or 2"):
         configure_parallel(*objs, npu_count=4, device_kind="cpu")
@@ -868,7 +464,7 @@ def test_a_comfyui_without_the_attention_hook_is_refused_by_the_node_before_anyt
 
 
 def test_a_control_patch_it_cannot_drive_is_refused_by_the_node_before_anything_changes(fake_patcher_extension):
-    from tests.sp.test_minimax_h3 import FunControlBlockPatchStandIn
+    from tests.sp_cases import FunControlBlockPatchStandIn
     objs = inputs()
     objs[0].model_options = {"transformer_options": {"patches_replace": {"dit": {
         ("double_block", 0): FunControlBlockPatchStandIn(0)}}}}

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 RUNTIME_SRC = REPO / "additional_files" / "runtime"
 SCRIPT_TIMEOUT_S = 60
@@ -89,12 +91,6 @@ if mode == "linger" and os.fork() == 0:
     os._exit(0)
 server.serve_forever()
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def running(pid: int) -> bool:

@@ -310,7 +310,7 @@ def test_every_variable_is_refused_the_same_by_run_doctor_and_the_node(tmp_path,
     from comfy.multidevice.cli import doctor
     from comfy.multidevice.comm.settings import SettingError
     from comfy_extras.nodes_multinpu import configure_parallel
-    from tests.test_nodes_multinpu import inputs
+    from tests.node_cases import inputs
     monkeypatch.setenv(variable, value)
     expected = f"environment variable {variable}={value!r} {problem}"
     run_err = _exit_2_before_anything(tmp_path, capsys, [], expected)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from comfy.multidevice.cli.dry_run import REPORT_KEYS
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 240
@@ -76,16 +77,9 @@ def test_torchrun_shard_gives_the_replicate_latents(tmp_path):
 
 # ----------------------------------------------------------------------------- a lost peer
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(tmp_path, *extra):
     """Two rank processes with torchrun's variables set by hand, so the test owns their pids."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),

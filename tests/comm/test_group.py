@@ -21,13 +21,6 @@ from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.types import CollectiveAborted, CollectiveError, CollectiveTimeout
 
 
-@pytest.fixture(params=["peer", "hccl"])
-def backend(request, monkeypatch, fake_hccl_path):
-    if request.param == "hccl":
-        monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
-    return request.param
-
-
 def test_auto_falls_back_to_peer_with_one_warning(monkeypatch, caplog, tmp_path):
     # Pretend the CPU ranks are NPUs so that auto tries HCCL, with no library to find.
     monkeypatch.setattr(group, "native_backend_for", lambda devices: "hccl")
@@ -380,7 +373,7 @@ def test_runs_without_comfyui_look_at_no_flag(monkeypatch):
 
 def test_the_node_runs_again_after_a_coordinator_was_abandoned(monkeypatch):
     from comfy_extras import nodes_multinpu
-    from tests.test_nodes_multinpu import make_fake_comfy_api
+    from tests.node_cases import make_fake_comfy_api
     package, latest = make_fake_comfy_api(True)
     monkeypatch.setitem(sys.modules, "comfy_api", package)
     monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)

@@ -21,16 +21,8 @@ from comfy.multidevice.comm.nccl import (NCCL_FUNCTIONS, NcclBackend, NcclError,
 from comfy.multidevice.comm.types import BackendUnavailable, CollectiveError
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 # The backend-independent cases, collected here for NCCL (the `backend` fixture below).
-from tests.collective_cases import (FakeFunction, test_all_reduce_16bit_within_rounding,  # noqa: F401
-                                    test_all_reduce_fp32_exact, test_all_reduce_int32,
-                                    test_exchange_matches_cat, test_exchange_with_empty_shards,
-                                    test_failing_rank_ends_the_run_fast,
-                                    test_many_collectives_in_a_row_stay_in_step,
-                                    test_non_contiguous_shards,
-                                    test_exchange_with_the_shard_plan_matches_cat,
-                                    test_a_shard_plan_that_does_not_fit_fails_on_every_rank,
-                                    test_one_host_sync_and_one_barrier_per_exchange_with_the_plan,
-                                    test_one_host_sync_and_one_barrier_per_all_to_all_with_a_plan)
+from tests.collective_cases import *  # noqa: F401,F403
+from tests.collective_cases import FakeFunction
 
 
 @pytest.fixture

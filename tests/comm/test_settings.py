@@ -50,7 +50,7 @@ def test_timeout_arguments(value):
 def test_the_node_refuses_a_bad_variable_before_touching_anything(monkeypatch):
     from comfy.multidevice.roles import apply as roles_apply
     from comfy_extras.nodes_multinpu import configure_parallel
-    from tests.test_nodes_multinpu import assert_same, inputs, rank_threads, snapshot
+    from tests.node_cases import assert_same, inputs, rank_threads, snapshot
     monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TIMEOUT_S", "inf")
     objs = inputs()
     before, threads, coords = snapshot(*objs), rank_threads(), dict(roles_apply._COORDINATORS)

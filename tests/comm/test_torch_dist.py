@@ -12,7 +12,6 @@ tests/rank_processes.py.
 """
 
 import hashlib
-import socket
 import time
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 
 from comfy.multidevice.comm.torch_dist import (TorchrunEnvError, dist_backend_for, launched_by_torchrun, read_torchrun_env)
 from tests.collective_cases import h3_layout_shards, make_shards
+from tests.helpers import free_port
 from tests.rank_processes import payloads, run_rank_processes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -27,12 +27,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def run_ranks(world, worker_name, tmp_path, **kwargs):
     return run_rank_processes(world, "tests.comm.test_torch_dist", worker_name, tmp_path, **kwargs)
-
-
-def free_loopback_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- workers
@@ -377,7 +371,7 @@ def check_exactness(results, world):
 
 @pytest.mark.timeout(120)
 def test_two_processes_from_torchrun_environment_over_loopback(tmp_path):
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_loopback_port())}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     check_exactness(payloads(run_ranks(2, "exactness_worker", tmp_path, init="env", env=env)), 2)
 
 

@@ -18,22 +18,17 @@ from comfy.multidevice.roles.memory_plan import (IN_FLIGHT_BLOCKS, MemoryPlanErr
 from comfy.multidevice.roles.plan import plan_roles
 from comfy.multidevice.sp.cost_model import activation_bytes
 from comfy_extras.nodes_multinpu import configure_parallel
-from tests.sp.test_minimax_h3 import fake_patcher_extension  # noqa: F401  (fixture)
 from tests.sp_cases import make_inputs, tiny_model
-from tests.test_nodes_multinpu import FakeModelPatcher, inputs, run_dit
+from tests.node_cases import FakeModelPatcher, inputs, run_dit
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.tp.clip import tensor_parallel_clip
 from comfy.multidevice.tp.layers import weight_bytes
-from tests.tp.test_tensor_parallel import WrappedWeight
+from tests.tp.tp_cases import WrappedWeight
+
+pytestmark = pytest.mark.usefixtures("close_coordinators")
 
 CPU4 = [torch.device("cpu")] * 4
 TOKENS = 1000
-
-
-@pytest.fixture(autouse=True)
-def close_coordinators():
-    yield
-    roles_apply.close_shared_coordinators()
 
 
 def nbytes(module) -> int:

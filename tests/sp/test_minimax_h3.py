@@ -9,7 +9,6 @@ stream of 3 blocks (the output heads run in fp32, so nothing is lost after the l
 
 from __future__ import annotations
 
-import sys
 import threading
 import types
 
@@ -21,43 +20,10 @@ from comfy.multidevice.miniature.h3 import build_layout
 from comfy.multidevice.sp.minimax_h3 import (WRAPPER_KEY, enable_sequence_parallel, enable_sequence_parallel_on_patcher, disable_sequence_parallel_on_patcher, install_rank_sequence_parallel, supports_sequence_parallel, contract_problems)
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
-from comfy.multidevice.sp.plan import (SequenceParallelError, ShardPlan, slice_mod_segments, take_rows)
+from comfy.multidevice.sp.plan import SequenceParallelError, ShardPlan
 from comfy.multidevice.devices import copy_for_rank
-from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas, tiny_model
-
-FP32_TOL = 1e-5
-BF16_TOL = 1e-2
-
-
-@pytest.fixture(scope="module")
-def model32():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def references(model32):
-    out = {}
-    with torch.inference_mode():
-        for case in CASES:
-            x, t, ctx, kw = make_inputs(case)
-            out[case] = model32(x, t, ctx, **kw)
-    return out
-
-
-@pytest.fixture(params=["peer", "hccl"])
-def backend(request):
-    if request.param == "hccl":
-        request.getfixturevalue("use_fake_hccl")
-    return request.param
-
-
-def run_sp(model, world, backend, case, sp_mode="allgather", seed=0):
-    x, t, ctx, kw = make_inputs(case, seed)
-    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30) as coord:
-        sp = enable_sequence_parallel(replicas(model, world), coord, sp_mode=sp_mode)
-        with torch.inference_mode():
-            out = sp(x, t, ctx, **kw)
-        return out, sp
+from tests.sp_cases import (BF16_TOL, CASES, FP32_TOL, TINY, BlockWithoutAttentionArgument, FunControlBlockPatchStandIn,
+                            make_inputs, rel_diff, replicas, run_sp, tiny_model)
 
 
 # ----------------------------------------------------------------------------- the parity matrix
@@ -66,7 +32,7 @@ def run_sp(model, world, backend, case, sp_mode="allgather", seed=0):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_parity_fp32(model32, references, backend, world, case):
-    out, sp = run_sp(model32, world, backend, case)
+    out, sp, _ = run_sp(model32, world, backend, case)
     ref = references[case]
     assert [o.shape for o in out] == [r.shape for r in ref]
     assert rel_diff(out, ref) <= FP32_TOL
@@ -130,7 +96,7 @@ def test_parity_bf16(world):
         x, t, ctx, kw = make_inputs(case, seed=3)
         with torch.inference_mode():
             ref = model(x, t, ctx, **kw)
-        out, _ = run_sp(model, world, "peer", case, seed=3)
+        out, _, _ = run_sp(model, world, "peer", case, seed=3)
         assert out[0].dtype == ref[0].dtype
         assert rel_diff(out, ref) <= BF16_TOL
 
@@ -160,7 +126,7 @@ def test_euler_sampling_loop_matches(model32, backend, world):
 
 def test_text_refiner_attention_is_not_exchanged(model32):
     """Per rank and forward: one K/V exchange per DiT block plus the final gather, nothing else."""
-    _, sp = run_sp(model32, 2, "peer", "plain")
+    _, sp, _ = run_sp(model32, 2, "peer", "plain")
     for traffic in sp.fan_out.last_traffic:
         assert traffic["calls"] == TINY.num_layers + 2  # + the video and audio output rows
     assert TINY.token_refiner_num_layers > 0  # the refiner ran its attention, unexchanged
@@ -231,7 +197,7 @@ def test_a_failing_rank_does_not_hang_the_others(model32):
 
 
 def test_rank_threads_inherit_inference_mode(model32):
-    out, _ = run_sp(model32, 2, "peer", "plain")
+    out, _, _ = run_sp(model32, 2, "peer", "plain")
     assert out[0].is_inference() and not out[0].requires_grad
 
 
@@ -269,45 +235,7 @@ def test_one_rank_per_caller_with_the_minimal_comm_interface(model32, references
         assert rel_diff(out, references["masked"]) <= FP32_TOL
 
 
-# ----------------------------------------------------------------------------- helpers and errors
-
-def test_shard_plan_edges():
-    for s in range(4, 40):
-        for w in range(1, 5):
-            edges = ShardPlan.edges(s, w)
-            assert edges[0][0] == 0 and edges[-1][1] == s
-            assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
-            lengths = [b - a for a, b in edges]
-            assert max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
-            assert [(ShardPlan(s, w, r).start, ShardPlan(s, w, r).stop) for r in range(w)] == edges
-    with pytest.raises(ValueError, match="at most 3 ranks"):
-        ShardPlan(3, 4, 0)
-
-
-def test_slice_mod_segments_int_and_per_token_rows():
-    per_token = torch.tensor([7, 8, 9, 10, 11])
-    segments = [(0, 3, 4), (3, 8, per_token), (8, 10, 5)]
-    full = [4, 4, 4, 7, 8, 9, 10, 11, 5, 5]
-    for world in (1, 2, 3, 4):
-        rebuilt = []
-        for r in range(world):
-            plan = ShardPlan(10, world, r)
-            local = slice_mod_segments(segments, plan)
-            assert local[0][0] == 0 and local[-1][1] == plan.length
-            for a, b, row in local:
-                rebuilt.extend(row.tolist() if torch.is_tensor(row) else [row] * (b - a))
-        assert rebuilt == full
-    with pytest.raises(SequenceParallelError, match="per-token rows"):
-        slice_mod_segments([(0, 10, torch.arange(4))], ShardPlan(10, 2, 0))
-
-
-def test_take_rows_checks_the_sequence_length():
-    table = torch.randn(1, 12, 1, 3, 2, 2)
-    assert torch.equal(take_rows(table, ShardPlan(12, 3, 1), 1), table[:, 4:8])
-    assert take_rows(None, ShardPlan(12, 3, 1), 1) is None
-    with pytest.raises(SequenceParallelError, match="expected 13 sequence rows"):
-        take_rows(table, ShardPlan(13, 3, 1), 1)
-
+# ----------------------------------------------------------------------------- errors
 
 def test_sp_mode_is_validated_before_anything_runs(model32):
     assert isinstance(make_kv_strategy("allgather"), AllGatherKV)
@@ -349,14 +277,6 @@ class FakePatcher:
 
     def remove_wrappers_with_key(self, wrapper_type, key):
         self.wrappers.get(wrapper_type, {}).pop(key, None)
-
-
-@pytest.fixture
-def fake_patcher_extension(monkeypatch):
-    module = types.ModuleType("comfy.patcher_extension")
-    module.WrappersMP = types.SimpleNamespace(DIFFUSION_MODEL="diffusion_model")
-    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", module)
-    return module
 
 
 def test_patcher_entry_point(model32, references, fake_patcher_extension):
@@ -432,13 +352,6 @@ def test_auto_decides_and_logs_once_over_many_forwards(model32, caplog):
 
 # ----------------------------------------------------------------------------- version guard
 
-class _BlockWithoutAttentionArgument(miniature.DiTBlock):
-    """A block as ComfyUI v0.33.0 ships it: forward() has no `attention` parameter."""
-
-    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None):
-        return super().forward(x, t_emb, mod_segments, rope_freqs, transformer_options)
-
-
 class _BlockIgnoringAttention(miniature.DiTBlock):
     """A block that takes `attention` but runs its own module anyway (what v0.33's block wrapper
     does with args["attention"]): under SP every rank would attend to its own rows only."""
@@ -456,7 +369,7 @@ def _with_block_class(model, cls):
 
 
 def test_blocks_without_the_attention_hook_are_refused_before_anything_is_set_up(model32):
-    old = _with_block_class(model32, _BlockWithoutAttentionArgument)
+    old = _with_block_class(model32, BlockWithoutAttentionArgument)
     problems = contract_problems(old)
     assert any("takes no `attention` argument" in p and "update ComfyUI" in p for p in problems), problems
     assert not supports_sequence_parallel(old)
@@ -530,21 +443,6 @@ def test_preferred_attention_is_honoured_on_every_rank(model32, sp_mode):
 
 # ----------------------------------------------------------------------------- full-sequence patches
 
-class FunControlBlockPatchStandIn:
-    """A block replacement carrying a control stream over the whole sequence (`control_patch`)
-    without the API of upstream's Fun ControlNet: the adapter cannot drive it, and calling it
-    would index local rows with full-sequence positions."""
-
-    def __init__(self, block_index):
-        self.block_index = block_index
-        self.control_patch = object()
-        self.calls = 0
-
-    def __call__(self, args, extra):
-        self.calls += 1
-        return extra["original_block"](args)
-
-
 def test_a_control_patch_it_cannot_drive_is_refused_on_every_rank_before_any_block_runs(model32):
     patch = FunControlBlockPatchStandIn(0)
     options = {"patches_replace": {"dit": {("double_block", 0): patch}}}
@@ -573,77 +471,12 @@ def test_block_patches_that_work_per_token_still_chain(model32, references):
     assert sorted(calls) == sorted(ShardPlan(35, 2, r).length for r in range(2))  # local rows
 
 
-# ----------------------------------------------------------------------------- Fun ControlNet
-
-class _ControlTowerStandIn(torch.nn.Module):
-    """The API of upstream's MiniMaxH3FunControl, with math that needs the whole sequence: each
-    step mixes every row with the mean over all rows (as its full self-attention would)."""
-
-    injection_layers = (0, 2)
-
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
-
-    def init_stream(self, h, latent, layout, t_emb):
-        return h * self.scale + latent.mean()
-
-    def step(self, index, c, t_emb, mod_segments, rope_freqs, transformer_options):
-        c = c + 0.1 * c.mean(0, keepdim=True) + 0.01 * index
-        return c, 0.3 * c
-
-
-class _FunBlockPatchStandIn:
-    """Upstream's MiniMaxH3FunControlBlockPatch semantics on one card (the reference)."""
-
-    def __init__(self, control_patch, block_index, previous=None):
-        self.control_patch, self.block_index, self.previous = control_patch, block_index, previous
-
-    def __call__(self, args, extra):
-        control, tower = self.control_patch, self.control_patch.model_patch.model
-        step = tower.injection_layers.index(self.block_index)
-        if step == 0:
-            control.pristine = args["img"].clone()
-        out = extra["original_block"](args) if self.previous is None else self.previous(args, extra)
-        if step == 0:
-            control.stream = tower.init_stream(control.pristine, control.control_latent, args["layout"], args["t_emb"])
-        control.stream, skip = tower.step(step, control.stream, args["t_emb"], args["mod_segments"],
-                                          args["rope_freqs"], args["transformer_options"])
-        skip[args["layout"].audio_pos] = 0
-        out["img"].add_(skip, alpha=control.strength)
-        return out
-
-
-def _fun_options():
-    from types import SimpleNamespace
-    control = SimpleNamespace(active=True, strength=0.7, control_latent=torch.linspace(-1, 1, 12).view(3, 4),
-                              model_patch=SimpleNamespace(model=_ControlTowerStandIn()),
-                              prepared=[], prepare_control_latent=None)
-    control.prepare_control_latent = lambda shape: control.prepared.append(tuple(shape))
-    patches = {("double_block", i): _FunBlockPatchStandIn(control, i) for i in _ControlTowerStandIn.injection_layers}
-    return {"patches_replace": {"dit": patches}}, control
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_fun_controlnet_runs_exactly_under_sp(model32, references, world):
-    options, control = _fun_options()
-    x, t, ctx, kw = make_inputs("plain")
-    with torch.inference_mode():
-        reference = model32(x, t, ctx, transformer_options=options, **kw)
-    assert rel_diff(reference, references["plain"]) > 1e-3  # the control acts
-    options, control = _fun_options()
-    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
-        sp = enable_sequence_parallel(replicas(model32, world), coord)
-        with torch.inference_mode():
-            out = sp(x, t, ctx, transformer_options=options, **kw)
-    assert rel_diff(out, reference) <= FP32_TOL
-    assert not hasattr(control, "stream")  # the shared patch object was never used for rank state
-
+# ----------------------------------------------------------------------------- the final layer
 
 def test_final_layer_runs_rank_local_and_only_projected_rows_reach_rank_0(model32, references):
     """The last block keeps each rank's rows; the final layer's output rows go to rank 0 alone,
     and every replica's final layer is its plain class forward again afterwards."""
-    out, sp = run_sp(model32, 3, "peer", "masked")  # per-token modulation rows cut by shard edges
+    out, sp, _ = run_sp(model32, 3, "peer", "masked")  # per-token modulation rows cut by shard edges
     assert rel_diff(out, references["masked"]) <= FP32_TOL
     received = [t["received"] for t in sp.fan_out.last_traffic]
     exchanges = sp.coordinator.byte_counts()

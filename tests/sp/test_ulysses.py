@@ -33,10 +33,7 @@ from comfy.multidevice.sp.plan import SequenceParallelError, shard_sizes
 from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic, ulysses_degree
 from comfy.multidevice.sp.strategies import AutoKV, SPMode
 from comfy.multidevice.sp.ulysses import UlyssesKV
-from tests.sp_cases import CASES, TINY, make_inputs, rel_diff, replicas
-
-FP32_TOL = 1e-5
-BF16_TOL = 1e-2
+from tests.sp_cases import BF16_TOL, CASES, FP32_TOL, TINY, make_inputs, rel_diff, replicas, run_sp
 
 
 def config(heads):
@@ -66,15 +63,6 @@ def backend(request):
     return request.param
 
 
-def run_sp(model, world, backend, case, sp_mode, seed=0):
-    x, t, ctx, kw = make_inputs(case, seed)
-    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30) as coord:
-        sp = enable_sequence_parallel(replicas(model, world), coord, sp_mode=sp_mode)
-        with torch.inference_mode():
-            out = sp(x, t, ctx, **kw)
-        return out, coord.byte_counts()
-
-
 # ----------------------------------------------------------------------------- parity matrix
 
 @pytest.mark.timeout(120)
@@ -82,7 +70,7 @@ def run_sp(model, world, backend, case, sp_mode, seed=0):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_parity_ulysses_and_hybrid(models, references, backend, world, heads):
     for case in CASES:
-        out, counts = run_sp(models[heads], world, backend, case, "ulysses")
+        out, _, counts = run_sp(models[heads], world, backend, case, "ulysses")
         ref = references[heads, case]
         assert [o.shape for o in out] == [r.shape for r in ref]
         assert rel_diff(out, ref) <= FP32_TOL, (case, world, heads)
@@ -95,14 +83,14 @@ def test_parity_ulysses_and_hybrid(models, references, backend, world, heads):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_parity_overlapped_exchange(models, references, backend, world, heads, chunks):
     for case in CASES:  # the whole layout matrix, S = 5 over 4 ranks included
-        out, counts = run_sp(models[heads], world, backend, case, SPMode("ulysses", overlap_chunks=chunks))
+        out, _, counts = run_sp(models[heads], world, backend, case, SPMode("ulysses", overlap_chunks=chunks))
         assert rel_diff(out, references[heads, case]) <= FP32_TOL, (case, world, heads, chunks)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_parity_auto(models, references, world):
     for heads in (4, 6):
-        out, _ = run_sp(models[heads], world, "peer", "plain", "auto")
+        out, _, _ = run_sp(models[heads], world, "peer", "plain", "auto")
         assert rel_diff(out, references[heads, "plain"]) <= FP32_TOL
 
 
@@ -113,7 +101,7 @@ def test_parity_bf16(world):
         x, t, ctx, kw = make_inputs(case, seed=3)
         with torch.inference_mode():
             ref = model(x, t, ctx, **kw)
-        out, _ = run_sp(model, world, "peer", case, SPMode("ulysses", overlap_chunks=2), seed=3)
+        out, _, _ = run_sp(model, world, "peer", case, SPMode("ulysses", overlap_chunks=2), seed=3)
         assert out[0].dtype == ref[0].dtype and rel_diff(out, ref) <= BF16_TOL
 
 
@@ -157,7 +145,7 @@ def test_byte_counters_match_the_cost_model(models, mode, heads, world):
             return extra["original_block"](args)
         models[heads](x, t, ctx, transformer_options={"patches_replace": {"dit": {("double_block", 0): spy}}},
                       **kw)
-    _, counts = run_sp(models[heads], world, "peer", "cond_refs", mode)
+    _, _, counts = run_sp(models[heads], world, "peer", "cond_refs", mode)
     shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=heads,
                      head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size,
                      video_out=cfg.video_patch_dim, audio_out=cfg.audio_latents_dim)
@@ -170,8 +158,8 @@ def test_byte_counters_match_the_cost_model(models, mode, heads, world):
 
 
 def test_ulysses_moves_fewer_bytes_than_allgather_at_four_ranks(models):
-    _, ag = run_sp(models[4], 4, "peer", "plain", "allgather")
-    _, ul = run_sp(models[4], 4, "peer", "plain", "ulysses")
+    _, _, ag = run_sp(models[4], 4, "peer", "plain", "allgather")
+    _, _, ul = run_sp(models[4], 4, "peer", "plain", "ulysses")
     assert max(c["received"] for c in ul) < max(c["received"] for c in ag)
 
 

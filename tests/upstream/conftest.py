@@ -61,6 +61,33 @@ def upstream():
                            has_attention_hook=_takes_attention_argument(SimpleNamespace(forward=h3.DiTBlock.forward)))
 
 
+@pytest.fixture
+def hook(upstream):
+    """Skips a test that needs the attention hook on a ComfyUI without it."""
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+
+
+# A tiny H3 file and upstream's ModelPatcher of it (comfy.sd.load_diffusion_model): the sampling
+# path of test_sampling.py and of the files that build on it.
+@pytest.fixture(scope="module")
+def tiny_file(upstream, tmp_path_factory):
+    import safetensors.torch
+
+    from tests.upstream.test_h3_dit import tiny_state_dict
+    path = tmp_path_factory.mktemp("models") / "tiny_minimax_h3.safetensors"
+    safetensors.torch.save_file(tiny_state_dict(upstream), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def patcher(upstream, tiny_file):
+    import comfy.sd
+    model = comfy.sd.load_diffusion_model(str(tiny_file))
+    assert type(model.model).__name__ == "MiniMaxH3"  # upstream's detection took the file as H3
+    return model
+
+
 def pytest_terminal_summary(terminalreporter):
     from tests.upstream import standins
     if standins.STOOD_IN:

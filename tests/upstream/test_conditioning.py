@@ -12,7 +12,7 @@ import torch
 
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL
-from tests.upstream.test_sampling import node_dit, patcher, sample, tiny_file  # noqa: F401  (fixtures)
+from tests.upstream.test_sampling import node_dit, sample
 
 TEXT_LEN = 7
 
@@ -40,7 +40,7 @@ def sample_with(model, positive):
 
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("kind", ["keyframes", "references", "text tags", "everything"])
-def test_conditioning_forms_under_sp(upstream, patcher, kind, world):  # noqa: F811
+def test_conditioning_forms_under_sp(upstream, patcher, kind, world):
     if not upstream.has_attention_hook:
         pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
     positive = conditioning(kind)

@@ -17,7 +17,7 @@ from comfy.multidevice.roles.plan import RolePlanError
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL
 from tests.upstream.test_lora import lora, with_lora  # noqa: F401  (fixture)
-from tests.upstream.test_sampling import patcher, sample, tiny_file  # noqa: F401  (fixtures)
+from tests.upstream.test_sampling import sample
 
 
 def node_dit(model, world, dit_weights):
@@ -62,7 +62,7 @@ def like_replicate(out, reference) -> bool:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("with_a_lora", [False, True])
-def test_shard_samples_like_replicate(patcher, lora, world, with_a_lora):  # noqa: F811
+def test_shard_samples_like_replicate(patcher, lora, world, with_a_lora):
     model = with_lora(patcher, lora) if with_a_lora else patcher
     coord, replicated = node_dit(model, world, "replicate")
     with coord:
@@ -88,7 +88,7 @@ def test_shard_samples_like_replicate(patcher, lora, world, with_a_lora):  # noq
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_lora_is_patched_in_comfyuis_lora_compute_dtype(patcher, lora, world, monkeypatch):  # noqa: F811
+def test_a_lora_is_patched_in_comfyuis_lora_compute_dtype(patcher, lora, world, monkeypatch):
     """On Ascend NPUs and recent NVIDIA cards ComfyUI patches weights in float16
     (comfy.model_management.lora_compute_dtype), on the CPU in float32. Made float16 here: the
     shards and the replicas, patched from the base, still equal `replicate` with the LoRA after
@@ -112,7 +112,7 @@ def test_a_lora_is_patched_in_comfyuis_lora_compute_dtype(patcher, lora, world, 
         assert replicated.multinpu_dit_replicas.uses_base()
 
 
-def test_a_lora_added_after_the_node_is_refused(patcher, lora):  # noqa: F811
+def test_a_lora_added_after_the_node_is_refused(patcher, lora):
     coord, sharded = node_dit(patcher, 2, "shard")
     with coord, pytest.raises(RolePlanError, match="added after MultiNPUParallelConfig"):
         sample(with_lora(sharded, lora))
@@ -147,7 +147,7 @@ def test_quantized_block_weights_travel_whole_and_stay_bit_identical(upstream, t
     assert all(identical(a, b) for a, b in zip(outs["replicate"], outs["shard"]))
 
 
-def test_the_memory_plan_reads_upstreams_dit(patcher):  # noqa: F811
+def test_the_memory_plan_reads_upstreams_dit(patcher):
     """The activation estimate's sizes come from upstream's own block layout, and `auto` on a
     card too small for a replica picks shard."""
     from comfy.multidevice.roles.memory_plan import dit_shape_of, plan_memory

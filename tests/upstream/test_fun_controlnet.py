@@ -15,7 +15,7 @@ import torch
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL, TINY
-from tests.upstream.test_sampling import node_dit, patcher, sample, tiny_file  # noqa: F401  (fixtures)
+from tests.upstream.test_sampling import node_dit, sample
 
 INJECTION_LAYERS = (0, 2)
 
@@ -55,7 +55,7 @@ def control_model_patch(upstream):
 
 
 @pytest.fixture(scope="module")
-def controlled(upstream, patcher):  # noqa: F811
+def controlled(upstream, patcher):
     if not upstream.has_attention_hook:
         pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
     try:
@@ -68,7 +68,7 @@ def controlled(upstream, patcher):  # noqa: F811
     return out.args[0]
 
 
-def test_fun_controlnet_acts_on_the_single_card_result(controlled, patcher):  # noqa: F811
+def test_fun_controlnet_acts_on_the_single_card_result(controlled, patcher):
     assert rel_diff(sample(controlled), sample(patcher)) > 1e-3
 
 

@@ -9,7 +9,7 @@ import torch
 
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL, TINY
-from tests.upstream.test_sampling import node_dit, patcher, sample, tiny_file  # noqa: F401  (fixtures)
+from tests.upstream.test_sampling import node_dit, sample
 
 RANK = 2
 TARGETS = [f"blocks.{i}.{name}" for i in range(TINY["num_layers"])
@@ -17,7 +17,7 @@ TARGETS = [f"blocks.{i}.{name}" for i in range(TINY["num_layers"])
 
 
 @pytest.fixture(scope="module")
-def lora(patcher):  # noqa: F811
+def lora(patcher):
     """A rank-2 LoRA on every block's linears, in the generic `<key>.lora_up/down.weight` form."""
     g = torch.Generator().manual_seed(11)
     weights = dict(patcher.model.diffusion_model.state_dict())
@@ -36,7 +36,7 @@ def with_lora(model, lora):
 
 
 @pytest.fixture(scope="module")
-def reference(upstream, patcher, lora):  # noqa: F811
+def reference(upstream, patcher, lora):
     if not upstream.has_attention_hook:
         pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
     out = sample(with_lora(patcher, lora))
@@ -44,14 +44,14 @@ def reference(upstream, patcher, lora):  # noqa: F811
     return out
 
 
-def test_lora_before_the_node(reference, patcher, lora):  # noqa: F811
+def test_lora_before_the_node(reference, patcher, lora):
     coord, parallel = node_dit(with_lora(patcher, lora), 4)
     with coord:
         out = sample(parallel)
     assert rel_diff(out, reference) <= FP32_TOL
 
 
-def test_lora_after_the_node(reference, patcher, lora):  # noqa: F811
+def test_lora_after_the_node(reference, patcher, lora):
     coord, parallel = node_dit(patcher, 4)
     with coord:
         out = sample(with_lora(parallel, lora))

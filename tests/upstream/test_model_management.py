@@ -39,12 +39,6 @@ def h3_file(upstream, tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def hook(upstream):
-    if not upstream.has_attention_hook:
-        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
-
-
 def _registered(patchers):
     import comfy.model_management as mm
     loaded = [lm.model for lm in mm.current_loaded_models]

@@ -58,12 +58,6 @@ def load(upstream, state, tmp_path, name):
         return comfy.sd.load_diffusion_model(str(path))
 
 
-@pytest.fixture
-def hook(upstream):
-    if not upstream.has_attention_hook:
-        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
-
-
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_quantized_dit_file_under_sp(upstream, hook, tmp_path, fmt, world):

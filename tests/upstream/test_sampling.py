@@ -12,27 +12,11 @@ import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.plan import SequenceParallelError
-from tests.conftest import recording_progress_bar
+from tests.helpers import recording_progress_bar
 from tests.sp_cases import rel_diff
-from tests.upstream.test_h3_dit import FP32_TOL, tiny_state_dict
+from tests.upstream.test_h3_dit import FP32_TOL
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def tiny_file(upstream, tmp_path_factory):
-    import safetensors.torch
-    path = tmp_path_factory.mktemp("models") / "tiny_minimax_h3.safetensors"
-    safetensors.torch.save_file(tiny_state_dict(upstream), str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def patcher(upstream, tiny_file):
-    import comfy.sd
-    model = comfy.sd.load_diffusion_model(str(tiny_file))
-    assert type(model.model).__name__ == "MiniMaxH3"  # upstream's detection took the file as H3
-    return model
 
 
 def latent_and_conditioning(seed=0):
@@ -92,7 +76,7 @@ def test_patcher_entry_point_in_every_mode(upstream, patcher, sp_mode):
     assert rel_diff(out, reference) <= FP32_TOL
 
 
-def test_first_prompt_shows_replica_progress_and_logs_each_card(upstream, patcher, monkeypatch, caplog):  # noqa: F811
+def test_first_prompt_shows_replica_progress_and_logs_each_card(upstream, patcher, monkeypatch, caplog):
     """The first sampling builds the W-1 replicas: one step of ComfyUI's progress bar and one
     log line (card, GiB, seconds) per card; the second sampling builds nothing."""
     if not upstream.has_attention_hook:

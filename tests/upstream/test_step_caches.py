@@ -9,7 +9,7 @@ import pytest
 
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL
-from tests.upstream.test_sampling import node_dit, patcher, sample, tiny_file  # noqa: F401  (fixtures)
+from tests.upstream.test_sampling import node_dit, sample
 
 STEPS = 8
 
@@ -24,20 +24,14 @@ def with_cache(model, name):
     return node.execute(model, 3.0, 0.0, 1.0, False).args[0]  # a high threshold: steps get skipped
 
 
-@pytest.fixture(scope="module")
-def hook(upstream):
-    if not upstream.has_attention_hook:
-        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
-
-
 @pytest.mark.parametrize("name", ["EasyCache", "LazyCache"])
-def test_the_cache_skips_steps_on_one_card(hook, patcher, name):  # noqa: F811
+def test_the_cache_skips_steps_on_one_card(hook, patcher, name):
     assert rel_diff(sample_steps(with_cache(patcher, name)), sample_steps(patcher)) > 1e-4
 
 
 @pytest.mark.parametrize("order", ["cache before the node", "cache after the node"])
 @pytest.mark.parametrize("name", ["EasyCache", "LazyCache"])
-def test_step_cache_under_sp_equals_one_card(hook, patcher, name, order):  # noqa: F811
+def test_step_cache_under_sp_equals_one_card(hook, patcher, name, order):
     reference = sample_steps(with_cache(patcher, name))
     if order == "cache before the node":
         coord, parallel = node_dit(with_cache(patcher, name), 3)

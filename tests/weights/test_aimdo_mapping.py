@@ -23,16 +23,9 @@ from comfy.multidevice.weights.checkpoint import SharedCheckpoint, clear_shared_
 from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
 from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
 from tests.weights.aimdo_standin import StandInModelMMAP, file_mappings, loader_state_dict
-from tests.weights.test_checkpoint import _fake_patcher, bit_equal, sample_tensors, tiny_reference, write
+from tests.weights.weight_cases import bit_equal, fake_patcher, sample_tensors, tiny_reference, write
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
-
-
-@pytest.fixture(autouse=True)
-def clean_registry():
-    clear_shared_checkpoints()
-    yield
-    clear_shared_checkpoints()
 
 
 @pytest.fixture
@@ -167,7 +160,7 @@ def test_model_replicas_adopt_the_mapping_the_model_was_loaded_from(tmp_path, ow
     model = tiny_reference(seed=1)
     model.load_state_dict(loader_state_dict(path, model_mmap), assign=True)  # as upstream's dynamic loader
     before = total_bytes_read()
-    family = comfy_diffusion_model_replicas(_fake_patcher(model, path), ["cpu", "cpu"], load=True)
+    family = comfy_diffusion_model_replicas(fake_patcher(model, path), ["cpu", "cpu"], load=True)
     assert family.base.mapped_by == "comfy-aimdo" and own_mappings == []
     assert total_bytes_read() - before == header_bytes(path)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))

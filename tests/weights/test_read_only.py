@@ -1,7 +1,10 @@
 """Every way we know to write into the read-only base, on each kind of base: each one raises
 ReadOnlyWeightError (the project's error) and the base stays bit-identical. On a file mapped
 read-only (the default base) the ways run in a child process, so that a way the guard missed
-shows up as a failed test (a segmentation fault there), not as a crashed test run."""
+shows up as a failed test (a segmentation fault there), not as a crashed test run.
+
+The last section writes through views of an opened file: in-place ops, concurrent rank threads,
+numpy views, and a replica's module weights."""
 
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.weights.checkpoint import CheckpointError, SharedCheckpoint, clear_shared_checkpoints
 from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
+from comfy.multidevice.weights.replicas import RankReplica
+from tests.weights.weight_cases import THREAD_LIMIT_S, tiny_reference, write
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # .storage() ways
@@ -435,3 +441,94 @@ def test_the_documented_unguarded_ways_do_write_an_in_memory_base(way):
     base = SharedCheckpoint.from_state_dict({"w": torch.ones(4)})
     UNGUARDED[way](base["w"])
     assert not torch.equal(base["w"], torch.ones(4))
+
+
+# ----------------------------------------------------------------------------- read-only views
+
+WRITES = {
+    "add_": lambda t: t.add_(1),
+    "copy_": lambda t: t.copy_(torch.zeros_like(t)),
+    "setitem": lambda t: t.__setitem__(0, 5.0),
+    "out=": lambda t: torch.add(t, 1, out=t),
+    "relu inplace": lambda t: torch.nn.functional.relu(t, inplace=True),
+    "view then write": lambda t: t.view(-1).__setitem__(1, 9.0),
+    "transpose mul_": lambda t: t.t().mul_(2),
+    ".data add_": lambda t: t.data.add_(1),
+    "detach fill_": lambda t: t.detach().fill_(0),
+    "init zeros_": lambda t: torch.nn.init.zeros_(t),
+    "resize_": lambda t: t.resize_(1000),
+    "iadd": lambda t: t.__iadd__(1),
+    "foreach": lambda t: torch._foreach_add_([t], 1.0),
+    "index_put_": lambda t: t.index_put_((torch.tensor([0]),), torch.tensor(1.0)),
+    "masked_fill_": lambda t: t.masked_fill_(t > 0, 0),
+    "split piece": lambda t: t.split(1)[0].zero_(),
+    "unbind piece": lambda t: t.unbind(0)[1].neg_(),
+    "share_memory_": lambda t: t.share_memory_(),
+    "as_subclass": lambda t: t.as_subclass(torch.Tensor),
+    "in inference mode": lambda t: _in_inference(lambda: t.sub_(1)),
+}
+
+
+def _in_inference(fn):
+    with torch.inference_mode():
+        fn()
+
+
+@pytest.mark.parametrize("how", sorted(WRITES))
+def test_write_attempt_raises_and_base_is_unchanged(tmp_path, how):
+    written = {"w": torch.randn(4, 3), "v": torch.randn(5)}
+    path = write(tmp_path / "m.safetensors", written)
+    ckpt = SharedCheckpoint.open(path)
+    with pytest.raises(ReadOnlyWeightError, match=r"tensor 'w' of .*m\.safetensors"):
+        WRITES[how](ckpt["w"])
+    assert torch.equal(ckpt["w"], written["w"]) and torch.equal(ckpt["v"], written["v"])
+
+
+def test_guard_is_per_thread_under_concurrent_rank_threads(tmp_path):
+    written = {"w": torch.randn(64, 64)}
+    ckpt = SharedCheckpoint.open(write(tmp_path / "m.safetensors", written))
+    x = torch.randn(8, 64)
+
+    def hammer(rank, comm):
+        w, refused = ckpt["w"], 0
+        for i in range(200):
+            y = torch.nn.functional.linear(x, w)          # reads are fine
+            assert torch.equal(y, torch.nn.functional.linear(x, written["w"]))
+            try:
+                w[i % 64].add_(1.0)
+            except ReadOnlyWeightError:
+                refused += 1
+        return refused, torch._C._len_torch_dispatch_stack()
+
+    with SequenceParallelCoordinator(["cpu"] * 4, backend="peer", timeout_s=THREAD_LIMIT_S) as coord:
+        results = coord.run(hammer)
+    assert results == [(200, 0)] * 4          # every write refused, no mode left on any thread
+    assert torch.equal(ckpt["w"], written["w"])
+
+
+def test_numpy_views_are_read_only_and_copies_are_writable(tmp_path):
+    written = {"w": torch.randn(4, 3)}
+    ckpt = SharedCheckpoint.open(write(tmp_path / "m.safetensors", written))
+    import numpy as np
+    for array in (ckpt["w"].numpy(), np.asarray(ckpt["w"])):
+        with pytest.raises(ValueError, match="read-only"):
+            array[0, 0] = 1.0
+    clone = ckpt["w"].clone()
+    clone.add_(1)                               # a copy is private and writable
+    deep = copy.deepcopy(ckpt["w"])
+    deep.mul_(0)
+    moved = ckpt["w"].to(torch.float64)
+    moved.add_(1)
+    assert not any(is_read_only(t) for t in (clone, deep, moved))
+    assert torch.equal(ckpt["w"], written["w"])
+
+
+def test_replica_module_weights_refuse_writes(tmp_path):
+    ref = tiny_reference()
+    ckpt = SharedCheckpoint.open(write(tmp_path / "m.safetensors", ref.state_dict()))
+    replica = RankReplica(ckpt, "cpu", template=ref).load()
+    with pytest.raises(ReadOnlyWeightError):
+        replica.module.embed.weight.data.mul_(2)
+    with pytest.raises(RuntimeError, match="read-only"):  # load_state_dict wraps the error
+        replica.module.load_state_dict({k: torch.zeros_like(v) for k, v in ref.state_dict().items()})
+    assert torch.equal(ckpt["embed.weight"], ref.embed.weight)

@@ -9,22 +9,30 @@ refused by us with CheckpointError, or be accepted by the reference too, with th
 when SharedCheckpoint opens it; and where we refuse what the reference accepts, the reason is
 one of the kinds docs/weights.md lists (`REFUSED_ON_PURPOSE`). Bounded: a fixed case count,
 well under a minute on one core.
+
+After the generator: each class of corrupt file gives its own error naming the file (and the
+tensor), and property tests (hypothesis) feed the parser random bytes, headers and mutations.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import struct
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
-from comfy.multidevice.weights.checkpoint import SharedCheckpoint
-from comfy.multidevice.weights.safetensors_header import (CheckpointError, MAX_JSON_DEPTH,
+import comfy.multidevice.weights.checkpoint as sc
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint, shared_checkpoint_sources
+from comfy.multidevice.weights.safetensors_header import (CheckpointError, MAX_JSON_DEPTH, SAFETENSORS_DTYPES,
                                                           parse_safetensors_prefix)
+from tests.weights.weight_cases import raw_file, sample_tensors, write
 
 CASES = 3000
 SEED = 20261201
@@ -409,3 +417,190 @@ def test_no_generated_file_is_accepted_that_the_reference_refuses(tmp_path):
     # stricter than the reference only in the kinds we list
     assert not unlisted, f"{len(unlisted)} files we refuse for a reason docs/weights.md does not list, " \
                          f"e.g. {unlisted[:3]}"
+
+
+# ----------------------------------------------------------------------------- corrupt files
+
+F32x6 = {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
+
+
+def _corrupt_cases():
+    good = {"blocks.0.weight": F32x6}
+    data = bytes(24)
+    valid = raw_file(good, data)
+    two = lambda a, b: {"blocks.0.weight": a, "blocks.1.weight": b}  # noqa: E731
+    return {
+        "empty file": (b"", None, "truncated"),
+        "shorter than the length field": (b"\x01\x02\x03", None, "truncated"),
+        "truncated in the data": (valid[:-5], "blocks.0.weight", "out of range"),
+        "length beyond the file": (raw_file(good, data, length=10**6), None, "bad header length"),
+        "absurd length": (raw_file(good, data, length=2**63), None, "bad header length"),
+        "length too small": (raw_file(good, data, length=1), None, "bad header length"),
+        "bad JSON": (raw_file(None, b"", header_bytes=b'{"a": [1, '), None, "bad JSON"),
+        "not UTF-8": (raw_file(None, b"", header_bytes=b'{"\xff\xfe": 1}'), None, "bad JSON"),
+        "NaN in JSON": (raw_file(None, b"", header_bytes=b'{"x": NaN}'), None, "bad JSON"),
+        "JSON list": (raw_file([1, 2], b""), None, "not an object"),
+        "duplicate names": (raw_file(None, data, header_bytes=(
+            b'{"blocks.0.weight": ' + json.dumps(F32x6).encode() + b', "blocks.0.weight": '
+            + json.dumps(F32x6).encode() + b'}')), None, "duplicate key 'blocks.0.weight'"),
+        "entry not an object": (raw_file({"blocks.0.weight": [1]}, b""), "blocks.0.weight",
+                                "must be an object"),
+        "entry lacks a field": (raw_file({"blocks.0.weight": {"dtype": "F32", "shape": [1]}}, b""),
+                                "blocks.0.weight", "lacks data_offsets"),
+        "unknown dtype": (raw_file({"blocks.0.weight": {**F32x6, "dtype": "F7"}}, data),
+                          "blocks.0.weight", "unknown dtype 'F7'"),
+        "dtype not a string": (raw_file({"blocks.0.weight": {**F32x6, "dtype": 4}}, data),
+                               "blocks.0.weight", "unknown dtype 4"),
+        "offsets out of range": (raw_file({"blocks.0.weight": {**F32x6, "data_offsets": [0, 48]}}, data),
+                                 "blocks.0.weight", "out of range"),
+        "offsets reversed": (raw_file({"blocks.0.weight": {**F32x6, "data_offsets": [24, 0]}}, data),
+                             "blocks.0.weight", "end before they begin"),
+        "offsets not a pair": (raw_file({"blocks.0.weight": {**F32x6, "data_offsets": [0, 12, 24]}}, data),
+                               "blocks.0.weight", "data_offsets must be"),
+        "offsets negative": (raw_file({"blocks.0.weight": {**F32x6, "data_offsets": [-1, 23]}}, data),
+                             "blocks.0.weight", "data_offsets must be"),
+        "overlapping offsets": (raw_file(two(F32x6, {"dtype": "F32", "shape": [3],
+                                                     "data_offsets": [12, 24]}), data),
+                                "blocks.1.weight", "overlap tensor 'blocks.0.weight'"),
+        "gap between tensors": (raw_file(two({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                             {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}),
+                                         data), "blocks.1.weight", "gap of 8"),
+        "trailing bytes": (raw_file(good, data + b"junk"), None, "4 trailing bytes"),
+        "shape x itemsize != size": (raw_file({"blocks.0.weight": {**F32x6, "shape": [2, 2]}}, data),
+                                     "blocks.0.weight", r"shape \[2, 2\] x 4 bytes"),
+        "shape not a list": (raw_file({"blocks.0.weight": {**F32x6, "shape": "2x3"}}, data),
+                             "blocks.0.weight", "shape must be a list"),
+        "negative dimension": (raw_file({"blocks.0.weight": {**F32x6, "shape": [-2, -3]}}, data),
+                               "blocks.0.weight", "shape must be a list"),
+        "boolean dimension": (raw_file({"blocks.0.weight": {**F32x6, "shape": [True, 6]}}, data),
+                              "blocks.0.weight", "shape must be a list"),
+        "float dimension": (raw_file({"blocks.0.weight": {**F32x6, "shape": [2.0, 3]}}, data),
+                            "blocks.0.weight", "shape must be a list"),
+        "metadata not strings": (raw_file({**good, "__metadata__": {"a": 1}}, data), None,
+                                 "__metadata__"),
+    }
+
+
+CORRUPT = _corrupt_cases()
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT))
+def test_corrupt_file_gives_its_specific_error_and_leaves_registry_clean(tmp_path, case):
+    content, tensor, problem = CORRUPT[case]
+    keeper = SharedCheckpoint.open(write(tmp_path / "good.safetensors", {"k": torch.ones(2)}))
+    registered = shared_checkpoint_sources()
+    path = tmp_path / "corrupt.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        SharedCheckpoint.open(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert __import__("re").search(problem, message), message
+    if tensor is not None:
+        assert repr(tensor) in message, message
+    assert shared_checkpoint_sources() == registered and not sc._pending
+    # The registry is usable: the same path, repaired, opens and reads.
+    write(path, {"k": torch.zeros(3)})
+    assert torch.equal(SharedCheckpoint.open(path)["k"], torch.zeros(3))
+    assert keeper is SharedCheckpoint.open(tmp_path / "good.safetensors")
+
+
+def test_missing_file_and_directory_are_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint file"):
+        SharedCheckpoint.open(tmp_path / "absent.safetensors")
+    with pytest.raises(CheckpointError, match="not a regular file|cannot open"):
+        SharedCheckpoint.open(tmp_path)
+    assert shared_checkpoint_sources() == []
+
+
+# ----------------------------------------------------------------------------- property tests
+
+def _check_invariants(header, file_size):
+    data_size = file_size - 8 - header.header_bytes
+    position = 0
+    for info in header.tensors.values():  # in data order
+        assert info.begin == position or (info.begin == info.end == position)
+        assert info.nbytes == math.prod(info.shape) * info.dtype.itemsize
+        position = max(position, info.end)
+    assert position == data_size
+
+
+def _parse_only_our_error(content: bytes, file_size=None):
+    try:
+        header = parse_safetensors_prefix(content, file_size, source="fuzz.safetensors")
+    except CheckpointError as exc:
+        assert "fuzz.safetensors" in str(exc)
+        return
+    _check_invariants(header, len(content) if file_size is None else file_size)
+
+
+PROPERTY_SETTINGS = settings(max_examples=150, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY_SETTINGS
+@given(st.binary(max_size=96), st.one_of(st.none(), st.integers(0, 2**64)))
+def test_parser_on_random_bytes_raises_only_checkpoint_error(content, file_size):
+    _parse_only_our_error(content, file_size)
+
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
+json_values = st.recursive(json_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)), max_leaves=12)
+entry_values = st.one_of(
+    json_values,
+    st.fixed_dictionaries({
+        "dtype": st.one_of(st.sampled_from(sorted(SAFETENSORS_DTYPES) + ["F4", "f32", ""]), json_scalars),
+        "shape": st.one_of(st.lists(st.integers(-2, 5), max_size=3), json_values),
+        "data_offsets": st.one_of(st.lists(st.integers(-4, 80), min_size=2, max_size=2), json_values),
+    }))
+
+
+@PROPERTY_SETTINGS
+@given(st.dictionaries(st.text(max_size=10), entry_values, max_size=4),
+       st.one_of(st.none(), st.dictionaries(st.text(max_size=4), json_values, max_size=2)),
+       st.integers(0, 96))
+def test_parser_on_random_headers_raises_only_checkpoint_error(entries, metadata, data_size):
+    header = dict(entries)
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    _parse_only_our_error(raw_file(header, bytes(data_size)))
+
+
+def _valid_file() -> bytes:
+    header = {"__metadata__": {"format": "pt"},
+              "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+              "b": {"dtype": "BF16", "shape": [3], "data_offsets": [16, 22]},
+              "c": {"dtype": "I64", "shape": [], "data_offsets": [22, 30]}}
+    return raw_file(header, bytes(range(30)))
+
+
+@PROPERTY_SETTINGS
+@given(st.lists(st.tuples(st.sampled_from(["flip", "insert", "delete", "set"]),
+                          st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+       st.integers(-40, 0))
+def test_parser_on_mutated_valid_headers_raises_only_checkpoint_error(edits, cut):
+    content = bytearray(_valid_file())
+    for op, where, value in edits:
+        i = where % (len(content) + 1)
+        if op == "insert":
+            content.insert(i, value)
+        elif content and i < len(content):
+            if op == "flip":
+                content[i] ^= 1 << (value % 8)
+            elif op == "delete":
+                del content[i]
+            else:
+                content[i] = value
+    if cut:
+        del content[cut:]
+    _parse_only_our_error(bytes(content))
+
+
+def test_valid_header_parses_with_every_supported_dtype(tmp_path):
+    path = write(tmp_path / "m.safetensors", sample_tensors(), metadata={"k": "v"})
+    content = path.read_bytes()
+    header = parse_safetensors_prefix(content)
+    assert header.metadata == {"k": "v"} and len(header.tensors) == len(sample_tensors())
+    _check_invariants(header, len(content))

@@ -1,26 +1,8 @@
-"""Tensor-parallel decoder (comfy/multidevice/tp/) against the single-device result.
-
-Model: the miniature Llama/Qwen-style decoder (8 query heads, 2 KV heads, so W=4 is the
-KV-replication case). Every parallel result is compared with the same model run on one
-device, same inputs:
-  fp32: max |TP - single| <= 1e-5 * max |single|.
-  bf16: max |TP - single| <= 2**-5 * max |single| (4 to 8 bf16 ulps at the output's
-        scale; observed up to ~0.011). Why: bf16 keeps 8 significant bits (relative
-        rounding 2**-8 to 2**-7 of a value); the parallel run
-        sums each row-parallel layer's partial products in another order and rounds the W
-        partials to bf16 before the all-reduce, so every such layer may differ by an
-        ulp or two, and 2 layers x 2 row-parallel projections compound. The test also
-        checks the parallel bf16 run is no further from the fp32 result than about the
-        single-device bf16 run is, i.e. the split costs no accuracy class.
-
-The upstream ComfyUI conversion (apply_tensor_parallel_text_encoder) cannot run against
-upstream here (ComfyUI is not installed); it is tested on a small module tree written
-below that mirrors upstream's attribute layout (CLIP.cond_stage_model.<clip name>
-.transformer.model / .visual, get_input_embeddings, patcher.patches), with the miniature
-decoder as the language model.
+"""The tensor-parallel decoder (comfy/multidevice/tp/shard.py) against the single-device result:
+exactness in fp32 and bf16 (tolerances: tests/tp/tp_cases.py), what cannot be split, each rank's
+memory, failures, and one rank per process over torch.distributed.
 """
 
-import logging
 import sys
 from types import SimpleNamespace
 
@@ -30,79 +12,14 @@ import torch.nn as nn
 
 from comfy.multidevice.comm.types import CollectiveAborted
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.tp.layers import (ColumnParallelLinear, QuantizedWeightsError, RowParallelLinear, TensorParallelError, check_head_split, head_shard, weight_bytes)
-from comfy.multidevice.tp.shard import (TensorParallelDecoder, build_tensor_parallel_decoder, planned_shard_bytes, prefixed_weights, shard_decoder)
-from comfy.multidevice.tp.clip import (apply_tensor_parallel_text_encoder, remove_tensor_parallel_text_encoder, tensor_parallel_clip, check_tensor_parallel_clip)
+from comfy.multidevice.tp.layers import TensorParallelError, weight_bytes
+from comfy.multidevice.tp.shard import (build_tensor_parallel_decoder, planned_shard_bytes, prefixed_weights,
+                                        shard_decoder)
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
-from tests.conftest import recording_progress_bar
+from tests.helpers import recording_progress_bar
 from tests.rank_processes import run_rank_processes
-
-FP32_REL_TOL = 1e-5
-BF16_REL_TOL = 2.0 ** -5
-
-
-@pytest.fixture(params=["peer", "hccl"])
-def backend(request, monkeypatch):
-    if request.param == "hccl":
-        request.getfixturevalue("use_fake_hccl")
-    return request.param
-
-
-def coordinator(world, backend="peer"):
-    return SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30)
-
-
-def inputs(cfg, seed=0, batch=2, seq=13, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    embeds = torch.randn(batch, seq, cfg.hidden_size, generator=gen).to(dtype)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[1, -4:] = 0  # the second prompt is padded
-    return embeds, mask
-
-
-def rel_err(got, want):
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-
-
-def expected_rank_bytes(cfg, world, itemsize, embedding=False):
-    """Bytes one rank must hold, from the config alone (the split this project promises).
-
-    A shard holds no input embedding (embedding=False) until a call passes token ids."""
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q_local = cfg.num_attention_heads // world
-    kv_local = max(cfg.num_key_value_heads // world, 1)  # replicated when W > KV heads
-    split = (q_local * d * h            # q_proj rows
-             + 2 * kv_local * d * h     # k_proj, v_proj rows
-             + h * q_local * d          # o_proj columns
-             + 2 * (inter // world) * h  # gate, up rows
-             + h * (inter // world))    # down_proj columns
-    if cfg.qkv_bias:
-        split += (q_local + 2 * kv_local) * d
-    total = cfg.num_hidden_layers * split + replicated_elements(cfg)
-    if embedding:
-        total += embedding_elements(cfg)
-    return total * itemsize
-
-
-def replicated_elements(cfg):
-    """Elements every rank holds whole: the norms."""
-    h = cfg.hidden_size
-    per_layer = 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)  # block norms, q/k norms
-    return cfg.num_hidden_layers * per_layer + (h if cfg.final_norm else 0)
-
-
-def embedding_elements(cfg):
-    return cfg.vocab_size * cfg.hidden_size
-
-
-def holds_embedding(shard):
-    return any(name.startswith("embed_tokens.") for name, _ in shard.named_parameters())
-
-
-LAYOUTS = {
-    "separate": MiniatureDecoderConfig(),
-    "fused": MiniatureDecoderConfig(merged_qkv=True, merged_mlp=True, final_norm=True, qkv_bias=True),
-}
+from tests.tp.tp_cases import (BF16_REL_TOL, FP32_REL_TOL, LAYOUTS, coordinator, embedding_elements,
+                               expected_rank_bytes, holds_embedding, inputs, rel_err, replicated_elements)
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -208,33 +125,7 @@ def test_output_is_writable_under_no_grad_and_inference_mode_is_mirrored():
         assert out.is_inference()
 
 
-# ----------------------------------------------------------------------------- head plan
-
-def test_head_plan_matches_gqa_grouping():
-    # Query head h reads KV head h // (q/kv); every rank's query heads must read exactly
-    # the KV heads that rank holds.
-    for q, kv in [(8, 2), (64, 8), (8, 8), (8, 1)]:
-        for world in [w for w in (1, 2, 4, 8, 16, 32, 64) if q % w == 0 and (kv % w == 0 or w % kv == 0)]:
-            for rank in range(world):
-                s = head_shard(q, kv, world, rank)
-                assert s.q_count == q // world and s.kv_count == max(kv // world, 1)
-                needed = {h // (q // kv) for h in range(s.q_start, s.q_start + s.q_count)}
-                assert needed == set(range(s.kv_start, s.kv_start + s.kv_count))
-
-
-@pytest.mark.parametrize("q,kv,world,words", [
-    (8, 2, 3, ["8 query heads", "W=3"]),
-    (12, 4, 3, ["4 KV heads", "W=3"]),
-    (12, 4, 6, ["4 KV heads", "W=6"]),
-    (8, 3, 2, ["8 query heads", "3 KV heads"]),
-])
-def test_unsplittable_heads_error_names_counts(q, kv, world, words):
-    with pytest.raises(TensorParallelError) as info:
-        check_head_split(q, kv, world)
-    for word in words:
-        assert word in str(info.value)
-    assert "use W in" in str(info.value) or "KV heads" in str(info.value)
-
+# ----------------------------------------------------------------------------- what cannot be split
 
 def test_unsplittable_model_fails_before_any_rank_work():
     cfg = MiniatureDecoderConfig(num_attention_heads=6, num_key_value_heads=2)  # 6 % 4 != 0
@@ -247,19 +138,6 @@ def test_unsplittable_model_fails_before_any_rank_work():
             build_tensor_parallel_decoder(model, coord)
         assert calls == []
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-class WrappedWeight(torch.Tensor):
-    """Stands in for a quantized weight type (e.g. ComfyUI's NVFP4 tensors)."""
-
-
-def test_quantized_weights_are_refused_with_their_own_error():
-    model = build_miniature_decoder(LAYOUTS["separate"])
-    proj = model.layers[1].mlp.up_proj
-    proj.weight = nn.Parameter(proj.weight.detach().as_subclass(WrappedWeight), requires_grad=False)
-    clip = MirrorCLIP(MirrorSD1ClipModel(model), {})
-    with pytest.raises(QuantizedWeightsError, match=r"layers\.1\.mlp\.up_proj\.weight.*one card|quantized"):
-        check_tensor_parallel_clip(clip, 2)
 
 
 def test_unsplittable_mlp_width_error():
@@ -442,23 +320,7 @@ def test_decoder_is_not_modified():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-# ----------------------------------------------------------------------------- layers, failures
-
-def test_row_parallel_bias_is_added_once(backend):
-    gen = torch.Generator().manual_seed(11)
-    weight, bias, x = torch.randn(5, 8, generator=gen), torch.randn(5, generator=gen), torch.randn(3, 8, generator=gen)
-    want = torch.nn.functional.linear(x, weight, bias)
-
-    def run(rank, comm):
-        col = ColumnParallelLinear.from_full(torch.eye(8), None, [(rank * 4, 4)], comm.device)
-        row = RowParallelLinear.from_full(weight, bias, rank * 4, 4, comm)
-        return row(col(x))
-
-    with coordinator(2, backend) as coord:
-        outs = coord.run(run)
-    for out in outs:
-        assert rel_err(out, want) <= FP32_REL_TOL
-
+# ----------------------------------------------------------------------------- failures
 
 def test_a_failing_rank_does_not_hang_the_others():
     cfg = LAYOUTS["separate"]
@@ -484,177 +346,6 @@ def test_generation_is_refused():
             tp(embeds=torch.zeros(1, 2, 64), past_key_values=[])
 
 
-# ----------------------------------------------------------------------------- upstream mirror
-# A module tree with upstream ComfyUI's attribute layout (see the notes in
-# comfy/multidevice/tp/): CLIP -> cond_stage_model (SD1ClipModel: `.clip` names the
-# child) -> SDClipModel -> `.transformer` (Qwen3VL: `.model` language model, `.visual`,
-# get_input_embeddings() -> model.embed_tokens) ; CLIP.patcher.patches.
-
-class MirrorQwen3VL(nn.Module):
-    def __init__(self, decoder):
-        super().__init__()
-        self.model = decoder
-        self.visual = nn.Linear(4, decoder.config.hidden_size)
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def forward(self, input_ids, attention_mask=None, embeds=None, intermediate_output=None):
-        return self.model(input_ids, attention_mask=attention_mask, embeds=embeds,
-                          intermediate_output=intermediate_output)
-
-
-class MirrorSDClipModel(nn.Module):
-    def __init__(self, decoder):
-        super().__init__()
-        self.transformer = MirrorQwen3VL(decoder)
-
-    def encode(self, ids):
-        embeds = self.transformer.get_input_embeddings()(ids)
-        return self.transformer(None, embeds=embeds)[0]
-
-
-class MirrorSD1ClipModel(nn.Module):
-    def __init__(self, decoder):
-        super().__init__()
-        self.clip = "qwen3vl_32b"
-        self.qwen3vl_32b = MirrorSDClipModel(decoder)
-
-
-class MirrorPatcher:
-    """Like upstream's ModelPatcher: manages `.model`; clone() shares it and copies patches."""
-
-    def __init__(self, model, patches):
-        self.model, self.patches = model, patches
-
-    def clone(self):
-        return MirrorPatcher(self.model, dict(self.patches))
-
-
-class MirrorCLIP:
-    """Like upstream's comfy.sd.CLIP: clone() = new CLIP, cloned patcher, same cond_stage_model."""
-
-    clones = 0
-
-    def __init__(self, cond, patches):
-        self.cond_stage_model = cond
-        self.patcher = MirrorPatcher(cond, patches)
-
-    def clone(self):
-        MirrorCLIP.clones += 1
-        n = MirrorCLIP.__new__(MirrorCLIP)
-        n.patcher = self.patcher.clone()
-        n.cond_stage_model = self.cond_stage_model
-        return n
-
-
-def mirror_clip(cfg, seed=12, patches=None):
-    return MirrorCLIP(MirrorSD1ClipModel(build_miniature_decoder(cfg, seed=seed)), patches or {})
-
-
-def test_upstream_clip_conversion_matches_and_can_be_undone(backend, caplog):
-    cfg = LAYOUTS["separate"]
-    clip = mirror_clip(cfg)
-    te = clip.cond_stage_model.qwen3vl_32b
-    original = te.transformer.model
-    ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
-    want = te.encode(ids)
-    with coordinator(4, backend) as coord:
-        with caplog.at_level(logging.INFO, logger="comfy.multidevice.tp"):
-            assert apply_tensor_parallel_text_encoder(clip, coord) is clip
-        wrapper = te.transformer.model
-        assert isinstance(wrapper, TensorParallelDecoder) and wrapper.source_decoder is original
-        assert te.transformer.get_input_embeddings() is original.embed_tokens
-        assert "vision tower is not split" in caplog.text
-        assert rel_err(te.encode(ids), want) <= FP32_REL_TOL
-        # The wrapper's registered modules are only what the CLIP's own patcher should move.
-        assert {n for n, _ in wrapper.named_children()} == {"embed_tokens"}
-        assert apply_tensor_parallel_text_encoder(clip, coord) is clip
-        assert te.transformer.model is wrapper  # same coordinator: no-op
-        with coordinator(2, backend) as other:
-            apply_tensor_parallel_text_encoder(clip, other)  # re-split from the kept original
-            assert te.transformer.model.world_size == 2
-            assert rel_err(te.encode(ids), want) <= FP32_REL_TOL
-    remove_tensor_parallel_text_encoder(clip)
-    assert te.transformer.model is original
-    assert torch.equal(te.encode(ids), want)
-
-
-def test_upstream_clip_from_checkpoint_weights():
-    cfg = LAYOUTS["fused"]
-    clip = mirror_clip(cfg)
-    te = clip.cond_stage_model.qwen3vl_32b
-    ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
-    want = te.encode(ids)
-    file_tensors = te.transformer.state_dict()  # keys as in a text-encoder file: "model.layers..."
-    assert "model.layers.0.self_attn.qkv_proj.weight" in file_tensors
-    with coordinator(2) as coord:
-        apply_tensor_parallel_text_encoder(clip, coord, weights=file_tensors)
-        assert rel_err(te.encode(ids), want) <= FP32_REL_TOL
-
-
-def test_upstream_clip_errors_leave_it_unchanged():
-    lora = {"qwen3vl_32b.transformer.model.layers.0.self_attn.q_proj.weight": [("lora",)]}
-    clip = mirror_clip(LAYOUTS["separate"], patches=lora)
-    original = clip.cond_stage_model.qwen3vl_32b.transformer.model
-    with coordinator(2) as coord:
-        with pytest.raises(TensorParallelError, match="CLIP LoRA"):
-            apply_tensor_parallel_text_encoder(clip, coord)
-        assert clip.cond_stage_model.qwen3vl_32b.transformer.model is original
-        clip = mirror_clip(LAYOUTS["separate"])
-        with coordinator(3) as three, pytest.raises(TensorParallelError, match="8 query heads over W=3"):
-            apply_tensor_parallel_text_encoder(clip, three)
-        assert clip.cond_stage_model.qwen3vl_32b.transformer.model is not None
-        assert isinstance(clip.cond_stage_model.qwen3vl_32b.transformer.model.layers[0].self_attn.q_proj,
-                          nn.Linear)
-        with pytest.raises(TensorParallelError, match="cond_stage_model"):
-            apply_tensor_parallel_text_encoder(object(), coord)
-        not_llama = SimpleNamespace(cond_stage_model=SimpleNamespace(clip="t5xxl", t5xxl=object()))
-        with pytest.raises(TensorParallelError, match="t5xxl"):
-            apply_tensor_parallel_text_encoder(not_llama, coord)
-
-
-def test_tensor_parallel_clip_returns_a_new_clip_and_leaves_the_input_alone(backend):
-    cfg = LAYOUTS["separate"]
-    clip = mirror_clip(cfg)
-    cond = clip.cond_stage_model
-    original = cond.qwen3vl_32b.transformer.model
-    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
-    want = cond.qwen3vl_32b.encode(ids)
-    with coordinator(4, backend) as coord:
-        new = tensor_parallel_clip(clip, coord)
-        assert new is not clip and new.cond_stage_model is not cond
-        assert new.patcher.model is new.cond_stage_model and clip.patcher.model is cond
-        new_te = new.cond_stage_model.qwen3vl_32b
-        assert isinstance(new_te.transformer.model, TensorParallelDecoder)
-        assert new_te.transformer.visual is cond.qwen3vl_32b.transformer.visual  # shared, not copied
-        assert rel_err(new_te.encode(ids), want) <= FP32_REL_TOL
-    # The input CLIP still runs its single-device encoder, unchanged.
-    assert cond.qwen3vl_32b.transformer.model is original
-    assert clip.cond_stage_model.qwen3vl_32b is not new_te
-    assert torch.equal(cond.qwen3vl_32b.encode(ids), want)
-
-
-def test_check_tensor_parallel_clip_alone():
-    clip = mirror_clip(LAYOUTS["separate"])
-    for world in (1, 2, 4, 8):
-        check_tensor_parallel_clip(clip, world)
-    with pytest.raises(TensorParallelError, match="8 query heads over W=3"):
-        check_tensor_parallel_clip(clip, 3)
-    assert isinstance(clip.cond_stage_model.qwen3vl_32b.transformer.model.layers[0].mlp.down_proj, nn.Linear)
-
-
-def test_tensor_parallel_clip_fails_before_copying():
-    lora = {"qwen3vl_32b.transformer.model.layers.1.mlp.down_proj.weight": [("lora",)]}
-    with coordinator(2) as two, coordinator(3) as three:
-        for clip, coord, match in [(mirror_clip(LAYOUTS["separate"], patches=lora), two, "CLIP LoRA"),
-                                   (mirror_clip(LAYOUTS["separate"]), three, "W=3")]:
-            clones = MirrorCLIP.clones
-            with pytest.raises(TensorParallelError, match=match):
-                tensor_parallel_clip(clip, coord)
-            assert MirrorCLIP.clones == clones
-
-
 # ----------------------------------------------------------------------------- torch.distributed
 
 def distributed_worker(comm):
@@ -671,7 +362,7 @@ def distributed_worker(comm):
 @pytest.mark.timeout(120)
 def test_shards_run_over_the_torch_distributed_communicator(tmp_path):
     world = 2
-    out = run_rank_processes(world, "tests.tp.test_tensor_parallel", "distributed_worker", tmp_path)
+    out = run_rank_processes(world, "tests.tp.test_shard", "distributed_worker", tmp_path)
     assert sorted(out) == list(range(world)), f"ranks reported: {sorted(out)}"
     for rank, (status, payload) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {payload}"

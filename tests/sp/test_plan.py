@@ -1,0 +1,45 @@
+"""The row split (comfy/multidevice/sp/plan.py): shard edges, modulation segments cut at them, and
+per-row tables taken for one rank."""
+
+import pytest
+import torch
+
+from comfy.multidevice.sp.plan import SequenceParallelError, ShardPlan, slice_mod_segments, take_rows
+
+
+def test_shard_plan_edges():
+    for s in range(4, 40):
+        for w in range(1, 5):
+            edges = ShardPlan.edges(s, w)
+            assert edges[0][0] == 0 and edges[-1][1] == s
+            assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+            lengths = [b - a for a, b in edges]
+            assert max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
+            assert [(ShardPlan(s, w, r).start, ShardPlan(s, w, r).stop) for r in range(w)] == edges
+    with pytest.raises(ValueError, match="at most 3 ranks"):
+        ShardPlan(3, 4, 0)
+
+
+def test_slice_mod_segments_int_and_per_token_rows():
+    per_token = torch.tensor([7, 8, 9, 10, 11])
+    segments = [(0, 3, 4), (3, 8, per_token), (8, 10, 5)]
+    full = [4, 4, 4, 7, 8, 9, 10, 11, 5, 5]
+    for world in (1, 2, 3, 4):
+        rebuilt = []
+        for r in range(world):
+            plan = ShardPlan(10, world, r)
+            local = slice_mod_segments(segments, plan)
+            assert local[0][0] == 0 and local[-1][1] == plan.length
+            for a, b, row in local:
+                rebuilt.extend(row.tolist() if torch.is_tensor(row) else [row] * (b - a))
+        assert rebuilt == full
+    with pytest.raises(SequenceParallelError, match="per-token rows"):
+        slice_mod_segments([(0, 10, torch.arange(4))], ShardPlan(10, 2, 0))
+
+
+def test_take_rows_checks_the_sequence_length():
+    table = torch.randn(1, 12, 1, 3, 2, 2)
+    assert torch.equal(take_rows(table, ShardPlan(12, 3, 1), 1), table[:, 4:8])
+    assert take_rows(None, ShardPlan(12, 3, 1), 1) is None
+    with pytest.raises(SequenceParallelError, match="expected 13 sequence rows"):
+        take_rows(table, ShardPlan(13, 3, 1), 1)

@@ -1,0 +1,102 @@
+"""The user docs (README.md, docs/*.md): the Python examples import what exists, every section
+cited by name anywhere in the project is a heading, and relative links point at what exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_import_in_the_docs_python_examples_exists():
+    # The examples in README.md and docs/*.md name our modules; a module that moved must not
+    # leave them stale.
+    import importlib
+    imports = []
+    for doc in user_docs():
+        blocks = re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)
+        imports += [(doc.relative_to(REPO), *m) for block in blocks
+                    for m in re.findall(r"^from (comfy[\w.]*|comfy_extras[\w.]*) import ([\w, ]+)$", block, re.M)]
+    assert imports, "the Python examples of README.md and docs/ import nothing of ours"
+    for doc, module, names in imports:
+        loaded = importlib.import_module(module)
+        for name in (n.strip() for n in names.split(",")):
+            assert hasattr(loaded, name), f"{doc}: from {module} import {name}"
+
+
+def user_docs() -> list[Path]:
+    """README.md and every docs/*.md: where the project's prose lives."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def doc_headings(doc: Path) -> list[str]:
+    """A Markdown file's headings as written, outside code blocks (a `# comment` in a bash
+    block is not a heading)."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return [m.strip() for m in re.findall(r"^#{1,6} (.+)$", text, re.M)]
+
+
+def _section_name(heading: str) -> str:
+    # "3. The upstream contract" is cited as "The upstream contract"; backticks are markup
+    return re.sub(r"^\d+\.\s+", "", heading.replace("`", ""))
+
+
+# A section cited by name: README (or README.md, README's) or docs/X.md, then the name in
+# quotes, e.g. (README, "Supported ComfyUI"), README 'What the patch adds', docs/ARCHITECTURE.md,
+# "The upstream contract". Quotes may be escaped (the workflows' JSON notes).
+SECTION_CITATION = re.compile(r"""(?:README(?:\.md)?(?:'s)?|docs/[\w.-]+\.md),?\s+(?:section\s+)?\\?["']([A-Z][^"'\\\n]{2,80})\\?["']""")
+CITING_PLACES = ("tests", "tools", "bench", "docs", "comfy", "comfy_extras", "custom_nodes", "additional_files",
+                 "example_workflows", "web")
+CITING_FILES = ("README.md", "install_deps_minimax_h3.sh", "minimax_h3_parallel.py", "__init__.py", "pyproject.toml", ".ci/run")
+
+
+def section_citations() -> list[tuple[str, str]]:
+    """Every (file, section name) that code and data of this repository cite by name."""
+    paths = [REPO / f for f in CITING_FILES if (REPO / f).is_file()]
+    for place in CITING_PLACES:
+        if (REPO / place).is_dir():
+            paths += [p for p in (REPO / place).rglob("*")
+                      if p.is_file() and p.suffix in (".py", ".sh", ".json", ".md", ".toml", "")
+                      and "__pycache__" not in p.parts]
+    found = []
+    for path in paths:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [(str(path.relative_to(REPO)), name) for name in SECTION_CITATION.findall(text)]
+    return found
+
+
+def test_every_section_cited_by_name_is_a_heading():
+    # Code, tests and workflows send readers to sections by name (README, "Supported ComfyUI"):
+    # moving or renaming a section must not leave such a pointer dangling.
+    names = {_section_name(h) for doc in user_docs() for h in doc_headings(doc)}
+    cited = section_citations()
+    assert {name for _, name in cited} >= {"Supported ComfyUI", "What the patch adds", "Weight placement"}
+    dangling = sorted({(where, name) for where, name in cited if name not in names})
+    assert not dangling, f"cited sections that are no heading of README.md or docs/*.md: {dangling}"
+
+
+def _anchor(heading: str) -> str:
+    # GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens
+    return re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower()).replace(" ", "-")
+
+
+def test_relative_links_in_the_docs_point_at_what_exists():
+    # [text](path) and [text](path#anchor) in README.md and docs/*.md: the file must exist, and
+    # an anchor must be a heading of that file.
+    broken = []
+    for doc in user_docs():
+        text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue  # http(s), mailto: not checked here
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in {_anchor(h) for h in doc_headings(dest)}:
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
