@@ -19,6 +19,7 @@ TOPIC_FOLDERS = {
     "e2e": "the real server and canvas with tiny model files",
     "packaging": "the patch, the installer, the pins file, the workflows, the node pack",
     "structure": "the shape of the package and of its tests",
+    "bench": "the benchmark scripts of bench/ (tests/bench/test_<script>.py)",
 }
 # Single files that cover a topic across modules.
 TOPIC_FILES = {
