@@ -17,7 +17,8 @@ is run): per-card GB of the DiT stage (weights + an activation estimate at 768p 
 tokens) for both modes, against a 64 GB Ascend 910B card.
 
 The miniature keeps H3's proportions: blocks hold ~97% of the weights (H3: 64.6 of 66.3 GB).
-Every rank runs with one intra-op thread.
+Every rank runs with one intra-op thread, set inside its rank thread (the JSON says what each
+rank thread then had: intra_op_threads_per_rank).
 
   .venv/bin/python bench/bench_memory.py [--video-rows 4096] [--rounds 3] [--blocks 24]
 """
@@ -63,8 +64,9 @@ def bound_bytes(module: torch.nn.Module) -> int:
 
 
 def one_world(model, world: int, x, t, ctx, rounds: int) -> dict:
-    torch.set_num_threads(1)
     with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=300) as coord:
+        # the setting is per thread (OpenMP): made on the main thread it never reaches the ranks
+        threads = coord.run(lambda rank, comm: torch.set_num_threads(1) or torch.get_num_threads())
         replicated = [replica_on(model, "cpu") for _ in range(world)]
         sharded_models = [replica_on(model, "cpu") for _ in range(world)]
         runs = {"replicate": enable_sequence_parallel(replicated, coord, dit_weights="replicate"),
@@ -88,6 +90,7 @@ def one_world(model, world: int, x, t, ctx, rounds: int) -> dict:
     largest_block = max(family.plan.block_bytes(i) for i in range(family.num_blocks))
     step = {mode: statistics.median(v) for mode, v in times.items()}
     return {
+        "intra_op_threads_per_rank": threads,
         "replica_bytes": replica,
         "replicate_resident_bytes_per_rank": [bound_bytes(m) for m in replicated],
         "shard_resident_bytes_per_rank": resident,
@@ -139,6 +142,7 @@ def main(argv=None) -> dict:
         "model": f"miniature H3, {args.blocks} blocks, hidden {cfg.hidden_size}, fp32, CPU ranks, peer",
         "tokens": tokens,
         "rounds": args.rounds,
+        "intra_op_threads_per_rank": {f"w{w}": r["intra_op_threads_per_rank"] for w, r in per_world.items()},
         "shard_resident_ratio_w2": round(per_world[2]["shard_resident_ratio"], 4),
         "shard_resident_ratio_w4": round(per_world[4]["shard_resident_ratio"], 4),
         "shard_peak_ratio_w4": round(per_world[4]["shard_peak_ratio"], 4),
