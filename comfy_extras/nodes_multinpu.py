@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from comfy.multidevice.devices import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
+from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
 from comfy.multidevice.roles.plan import plan_roles
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     name (tests).
     """
     from comfy.multidevice.comm.types import BackendUnavailable
-    from comfy.multidevice.devices import select_devices
+    from comfy.multidevice.cards import select_devices
     from comfy.multidevice.roles import apply as roles_apply
     from comfy.multidevice.roles.memory_plan import plan_memory
 
@@ -152,7 +152,7 @@ def check_multi_device_environment(backend: str = "default") -> None:
 def shown_error(exc: Exception) -> Exception | None:
     """What ComfyUI shows for an error of configure_parallel: ComfyUI puts str(error) and the
     error's qualified class name in its execution_error, so this package's own error types
-    ("comfy.multidevice.devices.TooFewDevices") become a plain ValueError / RuntimeError with
+    ("comfy.multidevice.cards.TooFewDevices") become a plain ValueError / RuntimeError with
     the same one-sentence message. None: not ours (a Cancel, torch's own errors), raise as is."""
     module = type(exc).__module__ or ""
     if not (module == "comfy.multidevice" or module.startswith("comfy.multidevice.") or module == __name__):

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from comfy.multidevice.devices import (DeviceInventory, InvalidDeviceList, parse_device_list,
-                                       select_devices)
+from comfy.multidevice.cards import DeviceInventory, InvalidDeviceList, parse_device_list, select_devices
 from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras.nodes_multinpu import configure_parallel
 from tests.test_nodes_multinpu import assert_same, inputs, rank_threads, snapshot

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from comfy.multidevice.roles import apply as roles_apply
-from comfy.multidevice.devices import (DeviceInventory, DeviceSelectionError, InvalidDeviceList, MixedDeviceKinds, TooFewDevices, UnsupportedCardCount, select_devices)
+from comfy.multidevice.cards import (DeviceInventory, DeviceSelectionError, InvalidDeviceList,
+                                     MixedDeviceKinds, select_devices, TooFewDevices, UnsupportedCardCount)
 from comfy.multidevice.comm.types import BackendUnavailable
 from comfy.multidevice.roles.apply import apply_role_plan
 from comfy.multidevice.roles.plan import RolePlanError
@@ -223,7 +224,7 @@ LOADER_SCRIPT = textwrap.dedent("""
         out["folders"][folder] = {"registers": [n.define_schema().node_id for n in asyncio.run(ext.get_node_list())]}
     import comfy.model_management
     out.update(upstream_module=comfy.model_management.MARK, inputs=sorted(os.listdir(os.path.join(root, "input"))))
-    ours = {"inventory_file": "comfy.multidevice.devices", "node_file": "comfy_extras.nodes_multinpu"}
+    ours = {"inventory_file": "comfy.multidevice.cards", "node_file": "comfy_extras.nodes_multinpu"}
     for key, name in ours.items():  # where each module came from, if loaded
         out[key] = sys.modules[name].__file__ if name in sys.modules else None
     print("RESULT " + json.dumps(out))
@@ -450,7 +451,7 @@ def fake_torch_npu(tmp_path, monkeypatch, body):
 
 
 def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, monkeypatch):
-    from comfy.multidevice.devices import probe_devices
+    from comfy.multidevice.cards import probe_devices
     fake_torch_npu(tmp_path, monkeypatch, "")  # importing it registers torch.npu (below)
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(device_count=lambda: 4), raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -464,7 +465,7 @@ def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, mo
 
 
 def test_probe_survives_a_broken_npu_stack_and_says_why(tmp_path, monkeypatch):
-    from comfy.multidevice.devices import probe_devices
+    from comfy.multidevice.cards import probe_devices
     fake_torch_npu(tmp_path, monkeypatch, "raise RuntimeError('libascendcl.so: cannot open shared object file')")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

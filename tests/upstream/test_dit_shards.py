@@ -21,9 +21,9 @@ from tests.upstream.test_sampling import patcher, sample, tiny_file  # noqa: F40
 
 
 def node_dit(model, world, dit_weights):
-    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    from comfy.multidevice.roles.dit import sequence_parallel_dit
     coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60)
-    return coord, _sequence_parallel_dit(model, coord.devices, coord, dit_weights=dit_weights)
+    return coord, sequence_parallel_dit(model, coord.devices, coord, dit_weights=dit_weights)
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +128,7 @@ def test_quantized_block_weights_travel_whole_and_stay_bit_identical(upstream, t
     in 64-byte-aligned slots, so both modes run the same kernels on equally aligned operands
     (the precondition is asserted; `like_replicate` says what differs through the file base)."""
     from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
-    from comfy.multidevice.weights.replicas import replica_on
+    from comfy.multidevice.weights.module_copies import replica_on
     from tests.upstream.test_h3_dit import inputs
     from tests.upstream.test_quantized_files import load, quantized_state_dict
 

@@ -32,10 +32,11 @@ import torch
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.cli.options import integer, max_cpu_ranks, seconds
 from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_environment,
-                                             MAX_TIMEOUT_S, MULTI_DEVICE_ENV_VARS, SettingError,
-                                             VALID_BACKENDS)
-from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, auto_kind, DEVICE_KINDS,
-                                       DeviceInventory, visible_device_names, VISIBLE_DEVICES_ENV)
+                                             library_path, MAX_TIMEOUT_S, MULTI_DEVICE_ENV_VARS,
+                                             read_variables, read_visible_devices, SettingError,
+                                             VALID_BACKENDS, VISIBLE_DEVICES_ENV)
+from comfy.multidevice.cards import auto_kind, DEVICE_KINDS, DeviceInventory, visible_device_names
+from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS
 
 CPU_SELF_TEST_RANKS = 2
 # Variables shown even when unset; every other HCCL_* / NCCL_* variable is shown when set.
@@ -98,17 +99,13 @@ def devices_report() -> dict:
 
 
 def environment_report() -> dict:
-    env = {name: os.environ.get(name) for name in ENV_VARS}
-    env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
-    return env
+    return read_variables(ENV_VARS, ENV_PREFIXES)
 
 
 def probe_library(table, path_env: str, default_path: str) -> dict:
     """Load a collective library the way the backend would and list the symbols of its table."""
-    from comfy.multidevice.comm.ctypes_lib import library_path
-
     path = library_path(path_env, default_path)
-    entry = {"path": path, "path_from": path_env if os.environ.get(path_env) else "default",
+    entry = {"path": path, "path_from": path_env if read_variables([path_env])[path_env] else "default",
              "loaded": False, "usable": False, "error": None, "symbols": {}, "missing_required": []}
     try:
         lib = ctypes.CDLL(path)
@@ -190,7 +187,7 @@ def self_test_devices(kind: str, count: int | None, devices: dict) -> list[str]:
 
 def _visible_text(kind: str) -> str:
     name = VISIBLE_DEVICES_ENV[kind]
-    value = os.environ.get(name)
+    value = read_visible_devices()[name]
     return f"{name}={value}" if value is not None else f"{name} unset"
 
 

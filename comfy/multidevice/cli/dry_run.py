@@ -34,8 +34,8 @@ from comfy.multidevice.cli.options import (finite_number, folder,
 from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, SettingError,
                                              VALID_BACKENDS)
 from comfy.multidevice.comm.types import BackendUnavailable
-from comfy.multidevice.devices import (auto_kind, available_memory_bytes, copy_for_rank, probe_devices,
-                                       visible_device_names)
+from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names
+from comfy.multidevice.devices import available_memory_bytes, copy_for_rank
 from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
                                             read_miniature_config, save_miniature)
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
@@ -542,7 +542,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
             raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
         byte_counts = coord.byte_counts()  # per rank, the whole sampling
     torch.set_num_threads(threads_before)  # the caller's setting again (MKL's is global)
-    sp_seconds = _steady(seconds)
+    sp_seconds = steady_seconds(seconds)
     bytes_per_step = max(exchanged) if exchanged else 0
     say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
@@ -561,7 +561,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     reference_threads = threads_before if ref_dev.startswith("cpu") else None
     if not args.no_reference:
         ref_latents, rs = sampled[1]
-        ref_seconds = _steady(rs)
+        ref_seconds = steady_seconds(rs)
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
         say(f"[speedup] {ref_seconds / sp_seconds:.2f}x = " + speedup_baseline(settings.devices, reference_threads))
 
@@ -617,7 +617,8 @@ def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str
     return mode, total
 
 
-def _steady(seconds: list[float]) -> float:
+def steady_seconds(seconds: list[float]) -> float:
+    """Seconds of one steady step: the mean of the steps after the first (the first alone if one)."""
     # the first step includes one-time costs (allocations, thread start-up): leave it out when we can
     tail = seconds[1:] if len(seconds) > 1 else seconds
     return sum(tail) / len(tail)

@@ -164,7 +164,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
                            f"{tokens_per_rank[comm.rank]}")
     # Bytes all ranks together received per step (the thread run reports the same sum).
     bytes_per_step = int(comm.all_reduce(torch.tensor([float(max(received))]), "sum").item())
-    sp_seconds = dry._steady(seconds)
+    sp_seconds = dry.steady_seconds(seconds)
     say(f"[sampling] {world} processes: {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
 
@@ -192,7 +192,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
         ref_latents, rs = dry.euler_sample(
             reference, x, context, kwargs, sigmas, dry.Progress("reference on 1 device", args.steps,
                                                               not args.no_progress))
-        ref_seconds = dry._steady(rs)
+        ref_seconds = dry.steady_seconds(rs)
         diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
         scale = max(float(b.float().abs().max()) for b in ref_latents)
         report.update(max_abs_diff=diff, rel_diff=diff / scale if scale > 0 else diff,

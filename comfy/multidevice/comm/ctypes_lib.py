@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -26,6 +25,7 @@ import torch
 from comfy.multidevice.comm.types import (BackendUnavailable, CollectiveError, displacements, numel,
                                           pack_peer_chunks, received_chunk_shapes, scratch,
                                           sequence_major, unflatten_gathered, unpack_received)
+from comfy.multidevice.comm.settings import library_path
 from comfy.multidevice.devices import current_stream_handle, synchronize
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,6 @@ class CLibrary:
 
     def __getitem__(self, name: str):
         return self.functions[name]
-
-
-def library_path(env_var: str, default: str) -> str:
-    return os.environ.get(env_var) or default
 
 
 class CollectiveLibraryError(CollectiveError):

@@ -1,10 +1,16 @@
-"""The multi-device environment variables: the collective backend, its timeouts, the weight base.
+"""Every environment variable the package reads: parsed and checked here, and only here.
+
+Ours:
 
 COMFYUI_MULTI_DEVICE_BACKEND       auto | hccl | nccl | peer (default auto)
 COMFYUI_MULTI_DEVICE_TIMEOUT_S     seconds a rank waits for the others at a collective (default 600)
 COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S seconds a coordinator's run() lets pass with no rank returning
                                    and none reaching a collective (default 3600)
 COMFYUI_MULTI_DEVICE_WEIGHT_BASE   map | pin: how a checkpoint's read-only base is held (default map)
+
+Read, not checked (other programs own them): the visible-devices variables of each card kind
+(ASCEND_RT_VISIBLE_DEVICES, ASCEND_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES), a collective
+library's path override (HCCL_SO_PATH, NCCL_SO_PATH), and what the doctor shows.
 
 Every bad value raises SettingError worded as an environment-variable error: the variable, the
 value, what is wrong and what to set instead. The command line and the node call these same
@@ -27,6 +33,10 @@ WEIGHT_BASE_ENV = "COMFYUI_MULTI_DEVICE_WEIGHT_BASE"
 VALID_BACKENDS = ("auto", "hccl", "nccl", "peer")
 MULTI_DEVICE_ENV_VARS = (BACKEND_ENV, TIMEOUT_ENV, RUN_TIMEOUT_ENV, WEIGHT_BASE_ENV)
 WEIGHT_BASE_MODES = ("map", "pin")  # read-only shared mapping (default) | anonymous RAM
+# The variable that decides which physical cards a process sees, per kind (and Ascend's
+# container-level one, shown beside it).
+VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
+ASCEND_VISIBLE_DEVICES_ENV = "ASCEND_VISIBLE_DEVICES"
 
 
 DEFAULT_TIMEOUT_S = 600.0  # a rank may load weights for minutes before its first collective
@@ -129,3 +139,22 @@ def check_environment(backend: bool = True) -> None:
     timeout_from_env()
     run_timeout_from_env()
     weight_base_from_env()
+
+
+def read_variables(names=(), prefixes: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """The values of `names` (None where unset) and of every set variable whose name starts
+    with one of `prefixes`: what the doctor and the device inventory report, as they are."""
+    values = {name: os.environ.get(name) for name in names}
+    if prefixes:
+        values.update({k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)})
+    return values
+
+
+def read_visible_devices() -> dict[str, str | None]:
+    """Every visible-devices variable, by name (None where unset)."""
+    return read_variables(sorted({*VISIBLE_DEVICES_ENV.values(), ASCEND_VISIBLE_DEVICES_ENV}))
+
+
+def library_path(env_var: str, default: str) -> str:
+    """A collective library's path: the variable `env_var` when set and not empty, else `default`."""
+    return os.environ.get(env_var) or default

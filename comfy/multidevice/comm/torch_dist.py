@@ -38,8 +38,7 @@ from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_argumen
                                           numel, pack_chunks, pack_peer_chunks, planned_chunk_shapes,
                                           planned_metas, received_chunk_shapes, scratch, sequence_major,
                                           ShardMeta, TrafficCounter, unflatten_gathered, VALID_REDUCE_OPS)
-from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, resolve_device,
-                                       set_thread_device)
+from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS, resolve_device, set_thread_device
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import backend_from_env
 from comfy.multidevice.devices import resolve_device
-from comfy.multidevice.roles.dit import _place_dit, _sequence_parallel_dit
+from comfy.multidevice.roles.dit import place_dit, sequence_parallel_dit
 from comfy.multidevice.roles.plan import (RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS,
                                           TENSOR_PARALLEL)
 
@@ -103,7 +103,8 @@ def text_encoder_split_problem(clip, world_size: int) -> str | None:
     return None
 
 
-def _has_chunk_interface(vae) -> bool:
+def has_chunk_interface(vae) -> bool:
+    """Whether the VAE's first-stage model exposes what H3's temporal-chunk decode needs."""
     from comfy.multidevice.vae.chunked import H3ChunkInterface
     return H3ChunkInterface.supports(getattr(vae, "first_stage_model", None))
 
@@ -186,7 +187,8 @@ def _place_clip(clip, device):
     return out
 
 
-def _tensor_parallel_text_encoder(clip, devices, coordinator):
+def tensor_parallel_text_encoder(clip, devices, coordinator):
+    """The text encoder's role on several cards: a new CLIP whose decoder is split over `devices`."""
     from comfy.multidevice.tp.clip import tensor_parallel_clip
 
     problem = text_encoder_split_problem(clip, len(devices))
@@ -210,7 +212,8 @@ def _tensor_parallel_text_encoder(clip, devices, coordinator):
 
 # ----------------------------------------------------------------------------- VAEs
 
-def _place_vae(vae, device, what):
+def place_vae(vae, device, what):
+    """A VAE on one card: a shallow copy whose device is `device` (`what` names it in the log)."""
     out = copy.copy(vae)
     if getattr(out, "device", device) != device:
         patcher = getattr(out, "patcher", None)
@@ -222,14 +225,16 @@ def _place_vae(vae, device, what):
     return out
 
 
-def _chunked_video_vae(vae, devices, merge_device, coordinator):
+def chunked_video_vae(vae, devices, merge_device, coordinator):
+    """The video VAE's role on several cards: a copy whose decode runs in chunks on `devices`
+    and merges on `merge_device` (one card when the VAE has no chunk interface)."""
     from comfy.multidevice.vae.chunked import with_parallel_decode
 
-    if not _has_chunk_interface(vae):
+    if not has_chunk_interface(vae):
         log.warning("video VAE: %s has no temporal chunk interface; it decodes on %s only",
                     type(vae.first_stage_model).__name__, merge_device)
-        return _place_vae(vae, merge_device, "video VAE")
-    out = _place_vae(vae, merge_device, "video VAE")
+        return place_vae(vae, merge_device, "video VAE")
+    out = place_vae(vae, merge_device, "video VAE")
     runner = coordinator if list(coordinator.devices) == list(devices) else None
     out.first_stage_model = with_parallel_decode(vae.first_stage_model, devices, runner=runner,
                                                  merge_device=merge_device)
@@ -275,19 +280,19 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     if plan.dit.mode == SEQUENCE_PARALLEL:
         lane = (shared_coordinator(cards(plan.dit), coordinator.backend_name, purpose="block weights")
                 if dit_weights == "shard" else None)
-        out_model = _sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)
+        out_model = sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)
     else:
-        out_model = _place_dit(model, cards(plan.dit)[0])
+        out_model = place_dit(model, cards(plan.dit)[0])
 
     if plan.video_vae.mode == TEMPORAL_CHUNKS:
         merge = devices[plan.video_vae.merge_card or 0]
-        out_video = _chunked_video_vae(video_vae, cards(plan.video_vae), merge, coordinator)
+        out_video = chunked_video_vae(video_vae, cards(plan.video_vae), merge, coordinator)
     else:
-        out_video = _place_vae(video_vae, cards(plan.video_vae)[0], "video VAE")
-    out_audio = _place_vae(audio_vae, cards(plan.audio_vae)[0], "audio VAE")
+        out_video = place_vae(video_vae, cards(plan.video_vae)[0], "video VAE")
+    out_audio = place_vae(audio_vae, cards(plan.audio_vae)[0], "audio VAE")
 
     if plan.text_encoder.mode == TENSOR_PARALLEL:
-        out_clip = _tensor_parallel_text_encoder(clip, cards(plan.text_encoder), coordinator)
+        out_clip = tensor_parallel_text_encoder(clip, cards(plan.text_encoder), coordinator)
     else:
         out_clip = _place_clip(clip, cards(plan.text_encoder)[0])
     return out_model, out_clip, out_video, out_audio

@@ -86,12 +86,13 @@ def contract_problems(model: Any) -> list[str]:
     # H3 contract: a block's forward takes `attention`, which replaces its attention module.
     # ComfyUI v0.33.0 ships H3 blocks without it: there every rank would silently attend to
     # its own rows only, so such a model is refused here, before anything is set up.
-    elif not all(_takes_attention_argument(b) for b in blocks):
+    elif not all(takes_attention_argument(b) for b in blocks):
         problems.append(OLD_COMFYUI_PROBLEM)
     return problems
 
 
-def _takes_attention_argument(block) -> bool:
+def takes_attention_argument(block) -> bool:
+    """Whether a block's forward takes `attention` (H3 contract; v0.33.0's blocks do not)."""
     try:
         return "attention" in inspect.signature(block.forward).parameters
     except (TypeError, ValueError):  # no introspectable signature: cannot tell, so refuse
@@ -271,7 +272,7 @@ class H3RankShard:
             local = final(x, t_emb, *(_local_span(seg, plan) for seg in segs), *rest, **kwargs)
             return tuple(_output_rows(comm, rows, seg, to_root) for rows, seg in zip(local, segs))
 
-        _arm_rank_local_final_layer(self.model.final_layer, h_local, rank_local)
+        arm_rank_local_final_layer(self.model.final_layer, h_local, rank_local)
 
     def _attention(self, index):
         # H3 contract: the block's attention module is model.blocks[i].attn; it projects,
@@ -303,7 +304,7 @@ _FINAL_ARM_LOCK = threading.Lock()
 _PENDING = "_multidevice_rank_local_final"  # the final layer's {thread id: (h, call)} while armed
 
 
-def _arm_rank_local_final_layer(final, h_local, call) -> None:
+def arm_rank_local_final_layer(final, h_local, call) -> None:
     """The next `final(h_local, ...)` from this thread runs `call(final, ...)` instead; any other
     call (another thread's, another `x`) runs the layer's own forward. The instance override is
     removed when no thread has one armed, so a copy of the model made later carries none."""
