@@ -101,7 +101,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     the inputs are never modified. `free_memory` overrides the probed free bytes per device
     name (tests).
     """
-    from comfy.multidevice.comm.types import BackendUnavailable
+    from comfy.multidevice.comm.errors import BackendUnavailable
     from comfy.multidevice.cards import select_devices
     from comfy.multidevice.roles import apply as roles_apply
     from comfy.multidevice.roles.memory_plan import plan_memory

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.types import CollectiveError
+from comfy.multidevice.comm.errors import CollectiveError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

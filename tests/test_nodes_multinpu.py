@@ -28,7 +28,7 @@ import torch
 from comfy.multidevice.roles import apply as roles_apply
 from comfy.multidevice.cards import (DeviceInventory, DeviceSelectionError, InvalidDeviceList,
                                      MixedDeviceKinds, select_devices, TooFewDevices, UnsupportedCardCount)
-from comfy.multidevice.comm.types import BackendUnavailable
+from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.roles.apply import apply_role_plan
 from comfy.multidevice.roles.plan import RolePlanError
 from comfy.multidevice.tp.layers import TensorParallelError

@@ -18,7 +18,7 @@ import torch
 
 from comfy.multidevice.comm import group
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.types import CollectiveAborted, CollectiveError, CollectiveTimeout
+from comfy.multidevice.comm.errors import CollectiveAborted, CollectiveError, CollectiveTimeout
 
 
 @pytest.fixture(params=["peer", "hccl"])

@@ -23,7 +23,7 @@ LAYERS = {
     "roles": 3,
     "cli": 4,
 }
-LEAVES = ("comm.types", "comm.settings")  # import nothing of the package
+LEAVES = ("comm.errors", "comm.layout", "comm.protocol", "comm.settings")  # import nothing of the package
 
 
 def module_name(path: Path) -> str:

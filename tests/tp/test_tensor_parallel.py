@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from comfy.multidevice.comm.types import CollectiveAborted
+from comfy.multidevice.comm.errors import CollectiveAborted
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.tp.layers import (ColumnParallelLinear, QuantizedWeightsError, RowParallelLinear, TensorParallelError, check_head_split, head_shard)
 from comfy.multidevice.tensor_bytes import storage_bytes

@@ -33,7 +33,7 @@ from comfy.multidevice.cli.options import (finite_number, folder,
                                            folder_problem, integer, max_cpu_ranks)
 from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, SettingError,
                                              VALID_BACKENDS)
-from comfy.multidevice.comm.types import BackendUnavailable
+from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names
 from comfy.multidevice.devices import available_memory_bytes, copy_for_rank
 from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,

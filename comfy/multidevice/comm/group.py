@@ -34,15 +34,16 @@ from comfy.multidevice.comm.peer import PeerCopyBackend
 from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_timeout,
                                              RUN_TIMEOUT_ENV, run_timeout_from_env, TIMEOUT_ENV,
                                              timeout_from_env, VALID_BACKENDS)
-from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
-                                          all_to_all_traffic, BackendUnavailable,
-                                          check_all_reduce_metadata, check_all_to_all_metadata,
-                                          check_all_to_all_plans, check_exchange_metadata,
-                                          check_recv_splits, chunk_shape, CollectiveAborted,
-                                          CollectiveError, CollectiveTimeout, concat_received,
-                                          exchange_traffic, normalize_dims, numel, pack_chunks,
-                                          planned_chunk_shapes, planned_metas, same_chunk_shape, ShardMeta,
-                                          TrafficCounter, VALID_REDUCE_OPS)
+from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
+                                           check_all_to_all_metadata, check_all_to_all_plans,
+                                           check_exchange_metadata, check_recv_splits, planned_metas)
+from comfy.multidevice.comm.errors import (BackendUnavailable, CollectiveAborted, CollectiveError,
+                                           CollectiveTimeout)
+from comfy.multidevice.comm.layout import (chunk_shape, concat_received, normalize_dims, numel, pack_chunks,
+                                           planned_chunk_shapes, same_chunk_shape, ShardMeta)
+from comfy.multidevice.comm.protocol import Backend, VALID_REDUCE_OPS
+from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_traffic, exchange_traffic,
+                                            TrafficCounter)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def _raise_comfy_interrupt(module) -> None:
     raise module.InterruptProcessingException()  # the flag was already cleared by someone else
 
 
-def _open_backend(name: str, coordinator: "SequenceParallelCoordinator"):
+def _open_backend(name: str, coordinator: "SequenceParallelCoordinator") -> Backend:
     if name == "peer":
         return PeerCopyBackend(coordinator)
     if name == "hccl":
@@ -471,9 +472,9 @@ class SequenceParallelCoordinator:
         if self.world_size == 1:
             return tensors[0] if single else tensors
         plan = check_recv_splits(recv_splits, self.world_size)
-        native = getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v"))
+        native = self.backend.has_all_to_all_v
         options = {}
-        if plan is not None and native and hasattr(self.backend, "prepare_all_to_all_v"):
+        if plan is not None and native and self.backend.prepares_all_to_all_v:
             # the shapes are known from the plan: a library backend makes its buffers before
             # the ranks meet, and they meet once (the plan is checked before any library call;
             # one that does not even fit this rank's own chunk is left to that check)

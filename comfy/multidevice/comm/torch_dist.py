@@ -30,14 +30,17 @@ from typing import Mapping, Sequence
 import torch
 
 from comfy.multidevice.comm.settings import check_timeout, SettingError, timeout_from_env
-from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments, all_to_all_bytes,
-                                          check_all_reduce_metadata, check_all_to_all_metadata,
-                                          check_all_to_all_plans, check_exchange_metadata,
-                                          check_recv_splits, chunk_shape, chunks_back_to_back,
-                                          CollectiveError, displacements, exchange_traffic, normalize_dims,
-                                          numel, pack_chunks, pack_peer_chunks, planned_chunk_shapes,
-                                          planned_metas, received_chunk_shapes, scratch, sequence_major,
-                                          ShardMeta, TrafficCounter, unflatten_gathered, VALID_REDUCE_OPS)
+from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
+                                           check_all_to_all_metadata, check_all_to_all_plans,
+                                           check_exchange_metadata, check_recv_splits, planned_metas)
+from comfy.multidevice.comm.errors import CollectiveError
+from comfy.multidevice.comm.layout import (chunk_shape, chunks_back_to_back, displacements, normalize_dims,
+                                           numel, pack_chunks, pack_peer_chunks, planned_chunk_shapes,
+                                           received_chunk_shapes, scratch, sequence_major, ShardMeta,
+                                           unflatten_gathered)
+from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
+from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_bytes, exchange_traffic,
+                                            TrafficCounter)
 from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS, resolve_device, set_thread_device
 
 log = logging.getLogger(__name__)

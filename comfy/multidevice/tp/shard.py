@@ -52,7 +52,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from comfy.multidevice.comm.types import numel
+from comfy.multidevice.comm.layout import numel
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.progress import CardProgress
 from comfy.multidevice.tensor_bytes import storage_bytes
