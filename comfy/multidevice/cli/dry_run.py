@@ -41,6 +41,7 @@ from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
 from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES
+from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
     g.add_argument("--sp-overlap", type=integer, default=1, metavar="CHUNKS",
                    help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
                         "attention (default 1: no overlap)")
-    g.add_argument("--dit-weights", choices=["replicate", "shard"], default="replicate",
+    g.add_argument("--dit-weights", choices=list(APPLIED_DIT_WEIGHT_MODES), default="replicate",
                    help="replicate = a full DiT on every rank; shard = each rank keeps 1/N of the "
                         "block weights and gathers a block just before it runs, the same result "
                         "with less memory per card (default %(default)s)")

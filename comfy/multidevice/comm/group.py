@@ -593,3 +593,11 @@ class SequenceParallelCoordinator:
             self.close()
         except Exception:
             pass
+
+
+def prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelCoordinator:
+    """A second coordinator over `coordinator`'s cards, with its backend and timeout: the lane
+    on which sharded DiT weights gather block i+1 while `coordinator` runs block i
+    (weights/block_shards.py). The caller closes it (or keeps it, roles/apply.py)."""
+    return SequenceParallelCoordinator(coordinator.devices, backend=coordinator.backend_name,
+                                       timeout_s=coordinator.timeout_s)

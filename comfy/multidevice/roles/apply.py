@@ -32,12 +32,13 @@ from typing import Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
-from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.comm.group import prefetch_lane, SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import backend_from_env
 from comfy.multidevice.devices import resolve_device
 from comfy.multidevice.roles.dit import place_dit, sequence_parallel_dit
 from comfy.multidevice.roles.plan import (RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS,
                                           TENSOR_PARALLEL)
+from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,21 @@ def shared_coordinator(devices: Sequence[torch.device], backend: str | None = No
     "block weights", since its gathers run while the first is busy with the block.
     """
     name = backend_from_env(backend)
-    key = (tuple(str(d) for d in devices), name, purpose)
+    return _kept((tuple(str(d) for d in devices), name, purpose),
+                 lambda: SequenceParallelCoordinator(list(devices), backend=name))
+
+
+def shared_prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelCoordinator:
+    """The kept "block weights" coordinator beside `coordinator` (comm/group.py `prefetch_lane`)."""
+    return _kept((tuple(str(d) for d in coordinator.devices), coordinator.backend_name, "block weights"),
+                 lambda: prefetch_lane(coordinator))
+
+
+def _kept(key, make) -> SequenceParallelCoordinator:
     with _COORDINATORS_LOCK:
         coordinator = _COORDINATORS.get(key)
         if coordinator is None or coordinator.closed:
-            coordinator = SequenceParallelCoordinator(list(devices), backend=name)
-            _COORDINATORS[key] = coordinator
+            coordinator = _COORDINATORS[key] = make()
         return coordinator
 
 
@@ -260,7 +270,7 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     `dit_weights`: "replicate" or "shard" for a sequence-parallel DiT (roles/memory_plan.py
     resolves the node's "auto").
     """
-    if dit_weights not in ("replicate", "shard"):
+    if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
         raise RolePlanError(f"dit_weights={dit_weights!r}: apply_role_plan takes 'replicate' or 'shard'")
     devices = [resolve_device(d) for d in devices]  # 'npu:i' needs torch_npu: imported here
     if len(devices) != plan.n_cards:
@@ -278,8 +288,7 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
         raise RolePlanError(f"the coordinator runs on {coordinator.devices}, the plan on {devices}")
 
     if plan.dit.mode == SEQUENCE_PARALLEL:
-        lane = (shared_coordinator(cards(plan.dit), coordinator.backend_name, purpose="block weights")
-                if dit_weights == "shard" else None)
+        lane = shared_prefetch_lane(coordinator) if dit_weights == "shard" else None
         out_model = sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)
     else:
         out_model = place_dit(model, cards(plan.dit)[0])

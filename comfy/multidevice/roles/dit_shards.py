@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import dit_module
+from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.roles.plan import RolePlanError
 from comfy.multidevice.weights.block_shards import (BlockShardPlan, ShardedBlockWeights, block_tensors,
                                                     tensor_nbytes)
@@ -114,9 +115,7 @@ class DitShards:
                 replica.load(self.keep_names(rank), only=True)
             lane, own_lane = self.lane, False
             if lane is None and self.prefetch and len(self.devices) > 1:
-                from comfy.multidevice.comm.group import SequenceParallelCoordinator
-                lane, own_lane = SequenceParallelCoordinator(
-                    self.devices, backend=self.coordinator.backend_name, timeout_s=self.coordinator.timeout_s), True
+                lane, own_lane = prefetch_lane(self.coordinator), True
             self.family = ShardedBlockWeights([r.module for r in self.replicas], _blocks, self.devices,
                                               lane=lane if self.prefetch else None, own_lane=own_lane,
                                               timeout_s=self.coordinator.timeout_s, plan=self.plan)

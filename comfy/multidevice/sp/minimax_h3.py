@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
+from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
@@ -49,6 +50,7 @@ from comfy.multidevice.sp.fun_controlnet import (fun_control_patches, RankFunCon
 from comfy.multidevice.sp.plan import (gather_rows, gather_rows_to_root, SequenceParallelError,
                                        shard_sizes, ShardPlan, slice_mod_segments, take_rows)
 from comfy.multidevice.sp.strategies import make_kv_strategy
+from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES, ShardedBlockWeights
 
 log = logging.getLogger(__name__)
 
@@ -399,13 +401,7 @@ def shard_dit_blocks(models: Sequence[torch.nn.Module], coordinator, prefetch: b
     from it here. With `prefetch`, block i+1's gather runs on a second coordinator over the
     same cards (same backend) while block i computes.
     """
-    from comfy.multidevice.comm.group import SequenceParallelCoordinator
-    from comfy.multidevice.weights.block_shards import ShardedBlockWeights
-
-    lane = None
-    if prefetch and coordinator.world_size > 1:
-        lane = SequenceParallelCoordinator(coordinator.devices, backend=coordinator.backend_name,
-                                           timeout_s=coordinator.timeout_s)
+    lane = prefetch_lane(coordinator) if prefetch and coordinator.world_size > 1 else None
     # H3 contract: the transformer blocks are model.blocks[i].
     family = ShardedBlockWeights(models, lambda m: m.blocks, coordinator.devices, lane=lane,
                                  timeout_s=coordinator.timeout_s)
@@ -469,7 +465,7 @@ class SequenceParallelDiT:
 
 
 def _check_dit_weights(dit_weights: str) -> None:
-    if dit_weights not in ("replicate", "shard"):
+    if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown here: use 'replicate' (a full DiT "
                          "per rank) or 'shard' (1/W of the block weights per rank)")
 

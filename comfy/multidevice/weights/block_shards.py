@@ -37,7 +37,10 @@ from comfy.multidevice.tensor_bytes import is_flattenable, tensor_leaves, tensor
 log = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: every tensor starts aligned in the flat buffer, so `.view(dtype)` is legal
-DIT_WEIGHT_MODES = ("replicate", "shard", "auto")
+# dit_weights: "replicate" a full DiT per card, "shard" 1/W of the block weights per card; the
+# node's "auto" is resolved to one of the two by roles/memory_plan.py before a role applies it.
+APPLIED_DIT_WEIGHT_MODES = ("replicate", "shard")
+DIT_WEIGHT_MODES = (*APPLIED_DIT_WEIGHT_MODES, "auto")
 
 
 class BlockShardError(RuntimeError):
