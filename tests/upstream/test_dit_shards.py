@@ -38,9 +38,10 @@ def identical(a, b) -> bool:
 
 def misaligned_block_tensors(module) -> list[str]:
     """The block tensors (inner tensors of a QuantizedTensor included) not on a 64-byte line."""
-    from comfy.multidevice.weights.block_shards import _leaves, block_tensors
+    from comfy.multidevice.tensor_bytes import tensor_leaves
+    from comfy.multidevice.weights.block_shards import block_tensors
     return [f"{i}.{name}" for i, block in enumerate(module.blocks) for name, t in block_tensors(block).items()
-            if any(leaf.numel() and leaf.data_ptr() % 64 for leaf in _leaves(t))]
+            if any(leaf.numel() and leaf.data_ptr() % 64 for leaf in tensor_leaves(t))]
 
 
 def like_replicate(out, reference) -> bool:
@@ -217,9 +218,9 @@ def quantized_lora(model, seed=13):
 
 def layer_tensors(layer):
     """The plain tensors a (quantized) layer holds: a QuantizedTensor as its inner tensors."""
-    from comfy.multidevice.weights.block_shards import _leaves
+    from comfy.multidevice.tensor_bytes import tensor_leaves
     return [leaf for t in (*layer._parameters.values(), *layer._buffers.values()) if t is not None
-            for leaf in _leaves(t)]
+            for leaf in tensor_leaves(t)]
 
 
 QUANTIZED_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"]
