@@ -28,20 +28,21 @@ from typing import Callable
 
 import torch
 
-from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.cli.options import (finite_number, folder,
-                                           folder_problem, integer, max_cpu_ranks)
-from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, SettingError,
-                                             VALID_BACKENDS)
-from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names
+from comfy.multidevice.cli.options import finite_number, folder, folder_problem, integer, max_cpu_ranks
+from comfy.multidevice.comm.errors import BackendUnavailable
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.comm.settings import BACKEND_ENV, check_environment, SettingError, VALID_BACKENDS
 from comfy.multidevice.devices import available_memory_bytes, copy_for_rank
-from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
+from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig, MiniatureH3Model,
                                             read_miniature_config, save_miniature)
+from comfy.multidevice.sp.cost_model import choose_sp_mode, DiTShape, forward_traffic, h3_targets
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
-from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES
+from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES, SPMode
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+from comfy.multidevice.weights.replicas import RankReplicas
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,6 @@ def estimated_memory_bytes(settings: "RunSettings") -> tuple[int, int, int]:
     """(bytes, tokens, parameters): the model three times (built, saved file in the page cache,
     loaded base) plus one fp32 forward's working set over all tokens and the K/V every rank
     gathers. An estimate to catch sizes that cannot fit, not a measurement."""
-    from comfy.multidevice.miniature.h3 import MiniatureH3Model
     cfg = settings.config
     with torch.device("meta"):  # counts the parameters, allocates nothing
         params = sum(p.numel() for p in MiniatureH3Model(cfg, dtype=settings.dtype).parameters())
@@ -242,7 +242,6 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
         if getattr(args, name) < (1 if name == "text_tokens" else 0):
             raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
     try:
-        from comfy.multidevice.sp.strategies import SPMode  # the --sp-mode / --sp-overlap combination
         SPMode(args.sp_mode, overlap_chunks=args.sp_overlap)
     except ValueError as exc:
         raise DryRunError(f"--sp-mode {args.sp_mode} --sp-overlap {args.sp_overlap}: {exc}") from exc
@@ -337,10 +336,6 @@ def build_replicas(path: Path, devices: list[str]) -> Replicas:
     Through comfy/multidevice/weights/: one read-only base in RAM, and each rank's hot cache
     built from it (a zero-copy view of the base on a CPU rank, a device copy elsewhere).
     """
-    from comfy.multidevice.miniature.h3 import MiniatureH3Model
-    from comfy.multidevice.weights.replicas import RankReplicas
-    from comfy.multidevice.weights.checkpoint import SharedCheckpoint
-
     config, dtype = read_miniature_config(path)
     base = SharedCheckpoint.open(path)
     read_before = base.bytes_read
@@ -499,7 +494,6 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
             + f", sp mode {args.sp_mode}")
         parts = ", ".join(f"{k} {n}" for k, n in latent_rows(settings).items())
         say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {tokens_per_rank}")
-        from comfy.multidevice.sp.strategies import SPMode
         # shard strips the ranks' copies: the reference gets its own (from the same base, no read)
         reference = (build_replicas(path, settings.devices[:1]).modules[0]
                      if args.dit_weights == "shard" else replicas[0])
@@ -602,7 +596,6 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
 
 def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str, int]:
     """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
-    from comfy.multidevice.sp.cost_model import DiTShape, choose_sp_mode, forward_traffic, h3_targets
     cfg = settings.config
     mode = settings.args.sp_mode
     if mode == "auto":

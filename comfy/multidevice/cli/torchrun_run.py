@@ -27,6 +27,8 @@ from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env, re
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
+from comfy.multidevice.sp.strategies import SPMode
+from comfy.multidevice.weights.block_shards import ShardedBlockWeights
 
 
 def _settings(args: argparse.Namespace, world: int) -> dry.RunSettings:
@@ -109,7 +111,6 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     replica, weights_source = _one_replica(path, device)
     reference, block_weights = replica, None
     if args.dit_weights == "shard":  # this process keeps its rank's share of the block weights
-        from comfy.multidevice.weights.block_shards import ShardedBlockWeights
         reference = _one_replica(path, device)[0] if comm.rank == 0 and not args.no_reference else None
         family = ShardedBlockWeights([replica if r == comm.rank else None for r in range(comm.world_size)],
                                      lambda m: m.blocks,  # H3 contract: the blocks are model.blocks
@@ -129,14 +130,13 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     x, context, kwargs = [z.to(device) for z in x], context.to(device), copy_for_rank(kwargs, torch.device(device))
     sigmas = dry.sigma_schedule(args.steps, cfg.sigma_shift_video)
     shards = []
-    from comfy.multidevice.sp.strategies import SPMode
     sp_mode = SPMode(args.sp_mode, getattr(args, "sp_overlap", 1))
 
     def rank_forward(latents, timestep, text, **kw):
         options: dict = {}  # a fresh copy per forward, as the thread fan-out makes
         # the set-up of the first forward is reused by every later one
         shards.append(install_rank_sequence_parallel(replica, comm, options, sp_mode,
-                                                     shard=shards[-1] if shards else None,
+                                                     setup=shards[-1] if shards else None,
                                                      block_weights=block_weights))
         return replica(latents, timestep, text, transformer_options=options, **kw)
 

@@ -1,5 +1,8 @@
 """The coordinator: W rank threads in one process, the collectives between them, backend choice.
 
+Over 500 lines because its one job is one state machine: the rank threads, the barrier
+slots, the watchdog and the collectives read and write the same per-coordinator state.
+
 One process drives W devices ("ranks"), one persistent worker thread per rank.
 Collectives (`exchange` = all-gather-V, `all_to_all_v`, `all_reduce`) go through a backend:
   peer  - shared slots + barrier + each shard copied once into the output (always works)
@@ -30,18 +33,20 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comfy.multidevice.comm.barrier import AbortableBarrier
-from comfy.multidevice.comm.peer import PeerCopyBackend
-from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_timeout,
-                                             RUN_TIMEOUT_ENV, run_timeout_from_env, TIMEOUT_ENV,
-                                             timeout_from_env, VALID_BACKENDS)
 from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
                                            check_all_to_all_metadata, check_all_to_all_plans,
                                            check_exchange_metadata, check_recv_splits, planned_metas)
 from comfy.multidevice.comm.errors import (BackendUnavailable, CollectiveAborted, CollectiveError,
                                            CollectiveTimeout)
+from comfy.multidevice.comm.hccl import HcclBackend
 from comfy.multidevice.comm.layout import (chunk_shape, concat_received, normalize_dims, numel, pack_chunks,
                                            planned_chunk_shapes, same_chunk_shape, ShardMeta)
+from comfy.multidevice.comm.nccl import NcclBackend
+from comfy.multidevice.comm.peer import PeerCopyBackend
 from comfy.multidevice.comm.protocol import Backend, VALID_REDUCE_OPS
+from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_timeout, RUN_TIMEOUT_ENV,
+                                             run_timeout_from_env, TIMEOUT_ENV, timeout_from_env,
+                                             VALID_BACKENDS)
 from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_traffic, exchange_traffic,
                                             TrafficCounter)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
@@ -83,10 +88,8 @@ def _open_backend(name: str, coordinator: "SequenceParallelCoordinator") -> Back
     if name == "peer":
         return PeerCopyBackend(coordinator)
     if name == "hccl":
-        from comfy.multidevice.comm.hccl import HcclBackend
         return HcclBackend(coordinator)
     if name == "nccl":
-        from comfy.multidevice.comm.nccl import NcclBackend
         return NcclBackend(coordinator)
     raise ValueError(f"unknown backend {name!r}; valid values: {', '.join(VALID_BACKENDS)}")
 

@@ -1,5 +1,8 @@
 """A torch.distributed communicator: one rank per process, on one machine or several.
 
+Over 500 lines because each collective needs its gloo and its nccl/hccl path side by side
+(the same metadata exchange and checks, two transfer plans); split, they would share private state.
+
 `DistributedComm` has the per-rank interface of `comfy.multidevice.RankComm` (`rank`,
 `world_size`, `device`, `exchange`, `all_to_all_v`, `all_reduce`, `barrier`,
 `byte_counts`), so model code written against RankComm runs unchanged when each rank is

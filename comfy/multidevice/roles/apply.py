@@ -36,8 +36,14 @@ from comfy.multidevice.comm.group import prefetch_lane, SequenceParallelCoordina
 from comfy.multidevice.comm.settings import backend_from_env
 from comfy.multidevice.devices import resolve_device
 from comfy.multidevice.roles.dit import place_dit, sequence_parallel_dit
-from comfy.multidevice.roles.plan import (RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS,
-                                          TENSOR_PARALLEL)
+from comfy.multidevice.roles.model_management import manage_decoder_copies, manage_tensor_parallel_shards
+from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
+from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
+from comfy.multidevice.sp.minimax_h3 import CHECKED_UPSTREAM, contract_problems, OLD_COMFYUI_PROBLEM
+from comfy.multidevice.tp.clip import (check_tensor_parallel_clip, language_model_of, language_model_patches,
+                                       tensor_parallel_clip)
+from comfy.multidevice.tp.layers import QuantizedWeightsError, TensorParallelError
+from comfy.multidevice.vae.chunked import H3ChunkInterface, with_parallel_decode
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
 log = logging.getLogger(__name__)
@@ -86,8 +92,6 @@ def close_shared_coordinators() -> None:
 
 def _language_model(clip):
     """The CLIP's language model, or None when the CLIP has another layout."""
-    from comfy.multidevice.tp.layers import TensorParallelError
-    from comfy.multidevice.tp.clip import language_model_of
     try:
         return language_model_of(clip)
     except TensorParallelError:
@@ -101,9 +105,6 @@ def text_encoder_split_problem(clip, world_size: int) -> str | None:
     for one card), stays on one card; any other obstacle (a CLIP LoRA, heads that cannot be
     split) is raised, since it needs the user's decision.
     """
-    from comfy.multidevice.tp.layers import QuantizedWeightsError
-    from comfy.multidevice.tp.clip import check_tensor_parallel_clip
-
     if _language_model(clip) is None:
         return f"{type(clip).__name__} has no Llama/Qwen language model layout"
     try:
@@ -115,7 +116,6 @@ def text_encoder_split_problem(clip, world_size: int) -> str | None:
 
 def has_chunk_interface(vae) -> bool:
     """Whether the VAE's first-stage model exposes what H3's temporal-chunk decode needs."""
-    from comfy.multidevice.vae.chunked import H3ChunkInterface
     return H3ChunkInterface.supports(getattr(vae, "first_stage_model", None))
 
 
@@ -134,8 +134,6 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
         raise RolePlanError("video_vae and audio_vae are the same VAE: connect the video VAE loader to "
                             "video_vae and the audio VAE loader to audio_vae.")
     if plan.dit.mode == SEQUENCE_PARALLEL:
-        from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
-        from comfy.multidevice.sp.minimax_h3 import CHECKED_UPSTREAM, contract_problems, OLD_COMFYUI_PROBLEM
         problems = contract_problems(dit_module(model))
         blocked = unsupported_control_patches(block_patches_of(model))
         if blocked:
@@ -164,9 +162,6 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
 
 def _check_text_encoder_split(clip, n: int) -> None:
     """text_encoder_split_problem's refusals in the node's words (the same exception types)."""
-    from comfy.multidevice.tp.clip import language_model_patches
-    from comfy.multidevice.tp.layers import TensorParallelError
-
     if _language_model(clip) is not None and language_model_patches(clip):
         raise TensorParallelError(
             f"the clip input carries a CLIP LoRA ({len(language_model_patches(clip))} patched "
@@ -199,8 +194,6 @@ def _place_clip(clip, device):
 
 def tensor_parallel_text_encoder(clip, devices, coordinator):
     """The text encoder's role on several cards: a new CLIP whose decoder is split over `devices`."""
-    from comfy.multidevice.tp.clip import tensor_parallel_clip
-
     problem = text_encoder_split_problem(clip, len(devices))
     if problem is not None:
         log.warning("text encoder: not tensor parallel, it runs on %s only: %s", devices[0], problem)
@@ -212,7 +205,6 @@ def tensor_parallel_text_encoder(clip, devices, coordinator):
         log.info("text encoder: load device %s -> %s", patcher.load_device, devices[0])
         patcher.load_device = devices[0]
     try:
-        from comfy.multidevice.roles.model_management import manage_tensor_parallel_shards
         manage_tensor_parallel_shards(out)  # out has a patcher of its own (a clone's)
     except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
         pass
@@ -238,8 +230,6 @@ def place_vae(vae, device, what):
 def chunked_video_vae(vae, devices, merge_device, coordinator):
     """The video VAE's role on several cards: a copy whose decode runs in chunks on `devices`
     and merges on `merge_device` (one card when the VAE has no chunk interface)."""
-    from comfy.multidevice.vae.chunked import with_parallel_decode
-
     if not has_chunk_interface(vae):
         log.warning("video VAE: %s has no temporal chunk interface; it decodes on %s only",
                     type(vae.first_stage_model).__name__, merge_device)
@@ -249,7 +239,6 @@ def chunked_video_vae(vae, devices, merge_device, coordinator):
     out.first_stage_model = with_parallel_decode(vae.first_stage_model, devices, runner=runner,
                                                  merge_device=merge_device)
     try:
-        from comfy.multidevice.roles.model_management import manage_decoder_copies
         manage_decoder_copies(out.first_stage_model.parallel_decode)
     except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
         pass

@@ -12,9 +12,15 @@ import torch
 from comfy.multidevice.comfy_objects import dit_module, is_model_patcher
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.progress import CardProgress
+from comfy.multidevice.roles.dit_shards import sharded_primary
+from comfy.multidevice.roles.model_management import register_with_model
 from comfy.multidevice.roles.plan import RolePlanError
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel, enable_sequence_parallel_on_patcher
 from comfy.multidevice.tensor_bytes import module_bytes
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 from comfy.multidevice.weights.module_copies import replica_on
+from comfy.multidevice.weights.replicas import RankReplicas
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +52,6 @@ class DitReplicas:
         self._copy_version = None
         self._progress = None  # over the replica builds, made at the first one
         try:
-            from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
             self.base_replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
         except Exception as exc:  # any reason the base cannot serve: the copy path always can
             self.base_problem = f"{type(exc).__name__}: {exc}"
@@ -196,9 +201,6 @@ def place_dit(model, device, what="DiT"):
 
 def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) -> list:
     """Rank replicas of a plain DiT module from a shared base over its own weights (zero-copy)."""
-    from comfy.multidevice.weights.replicas import RankReplicas
-    from comfy.multidevice.weights.checkpoint import SharedCheckpoint
-
     home = module_device(model)
     if home is not None and home.type != "cpu":  # a base lives in CPU memory
         return [model if d == home else replica_on(model, d) for d in devices]
@@ -212,15 +214,12 @@ def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) ->
 def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", lane=None):
     """The DiT's role on several cards: a MODEL (or bare module) set up for sequence parallel
     over `devices`, its per-card weights replicated or sharded as `dit_weights` says."""
-    from comfy.multidevice.sp.minimax_h3 import (enable_sequence_parallel, enable_sequence_parallel_on_patcher)
-
     if not is_model_patcher(model):  # a plain DiT module (tests, the dry run)
         models = _module_replicas(model, devices)
         if dit_weights == "shard" and models[0] is model:  # sharding strips rank 0's copy, not the input
             models[0] = replica_on(model, devices[0])
         return enable_sequence_parallel(models, coordinator, dit_weights=dit_weights)
     if dit_weights == "shard":  # roles/dit_shards.py: every card, card 0 included, holds a shard
-        from comfy.multidevice.roles.dit_shards import sharded_primary
         primary, shards = sharded_primary(model, devices, coordinator, lane=lane)
         enable_sequence_parallel_on_patcher(primary, coordinator, shards.entries(),
                                             block_weights=lambda: shards.family)
@@ -241,7 +240,6 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
 
 def _register_with_model_management(model_patcher, copies) -> None:
     try:
-        from comfy.multidevice.roles.model_management import register_with_model
         register_with_model(model_patcher, copies)
     except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
         pass

@@ -30,8 +30,9 @@ import torch
 from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.roles.plan import RolePlanError
-from comfy.multidevice.weights.block_shards import (BlockShardPlan, ShardedBlockWeights, block_tensors,
+from comfy.multidevice.weights.block_shards import (block_tensors, BlockShardPlan, ShardedBlockWeights,
                                                     tensor_nbytes)
+from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ class DitShards:
 
     def __init__(self, primary, devices: Sequence[torch.device], coordinator, prefetch: bool = True,
                  lane=None):
-        from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
-
         self.devices = list(devices)
         self.coordinator = coordinator
         self.prefetch = prefetch

@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 
 from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import available_memory_bytes, free_memory_bytes
-from comfy.multidevice.tensor_bytes import module_bytes
+from comfy.multidevice.roles.apply import has_chunk_interface, text_encoder_split_problem
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
 from comfy.multidevice.sp.attention_budget import FREE_SHARE, shares_host_memory
 from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
-from comfy.multidevice.weights.block_shards import (BlockShardPlan, DIT_WEIGHT_MODES, block_tensors,
+from comfy.multidevice.tensor_bytes import module_bytes
+from comfy.multidevice.tp.clip import language_model_of
+from comfy.multidevice.tp.shard import planned_shard_bytes, TensorParallelDecoder
+from comfy.multidevice.weights.block_shards import (block_tensors, BlockShardPlan, DIT_WEIGHT_MODES,
                                                     tensor_nbytes)
 
 log = logging.getLogger(__name__)
@@ -63,9 +66,6 @@ def _clip_bytes(clip) -> int:
 def text_encoder_shares(clip, world: int) -> list[dict]:
     """Per tensor-parallel rank, {item: bytes} of the text encoder it will hold (rank 0's card is
     the CLIP's load card). The caller has checked that the CLIP splits over `world` ranks."""
-    from comfy.multidevice.tp.clip import language_model_of
-    from comfy.multidevice.tp.shard import planned_shard_bytes, TensorParallelDecoder
-
     found = language_model_of(clip)
     decoder = found.source_decoder if isinstance(found, TensorParallelDecoder) else found
     # what ComfyUI loads for the CLIP once its language model is the fan-out module: everything
@@ -264,7 +264,6 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     else:
         for c in dit_cards:
             cards[c].stages["DiT"] = {"weights": dit_bytes, "activations": act}
-    from comfy.multidevice.roles.apply import has_chunk_interface, text_encoder_split_problem
 
     te_cards = list(plan.text_encoder.cards)
     if plan.text_encoder.mode == TENSOR_PARALLEL and text_encoder_split_problem(clip, len(te_cards)) is None:

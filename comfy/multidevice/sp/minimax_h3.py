@@ -1,5 +1,8 @@
 """Sequence parallelism for the MiniMax-H3 DiT (upstream `MiniMaxH3Model` or the miniature).
 
+Over 500 lines because the adapter's parts (contract check, block replacements, the
+rank-local final layer, the three entry points) all act on one per-rank set-up.
+
 Every rank holds a full replica of the DiT and runs the whole forward (embedding, text refiner,
 final layer) but computes the transformer blocks on 1/W of the packed token sequence:
 
@@ -127,7 +130,7 @@ def _require_support(model: Any, what: str) -> None:
 
 # ----------------------------------------------------------------------------- one rank
 
-class H3RankShard:
+class H3RankSetup:
     """One rank's sequence-parallel set-up, made once and reused by every forward.
 
     Made once: the K/V strategy (an `auto` choice is made on the first call and kept), the
@@ -159,7 +162,7 @@ class H3RankShard:
     def tokens(self) -> int | None:
         return None if self.plan is None else self.plan.length
 
-    def install(self, model, transformer_options: dict) -> "H3RankShard":
+    def install(self, model, transformer_options: dict) -> "H3RankSetup":
         """Set up one forward: edits `transformer_options` (the rank's own copy) in place."""
         if model is not self.model:
             _require_support(model, f"rank {self.comm.rank}'s model")
@@ -354,29 +357,29 @@ def _output_rows(comm, rows: torch.Tensor, seg, to_root: bool) -> torch.Tensor:
 
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
-                                   sp_mode=None, shard: H3RankShard | None = None,
-                                   block_weights=None) -> H3RankShard:
+                                   sp_mode=None, setup: H3RankSetup | None = None,
+                                   block_weights=None) -> H3RankSetup:
     """Set up one rank for one forward: exchanging attention + block replacements.
 
-    Edits `transformer_options` (the rank's own copy) and returns the rank's shard state. Pass
-    the shard of the previous forward as `shard` to reuse its set-up (one process per rank
+    Edits `transformer_options` (the rank's own copy) and returns the rank's set-up. Pass
+    the set-up of the previous forward as `setup` to reuse it (one process per rank
     calling its own forward every step). `comm` is any per-rank `Communicator`. Every rank gets
     the full output (each process samples on with its own).
     `block_weights`: this rank's `RankBlockWeights` for dit_weights="shard" (a
-    weights/block_shards.py family holding this process's rank), used by a new shard.
+    weights/block_shards.py family holding this process's rank), used by a new set-up.
     """
-    if shard is None:
-        shard = H3RankShard(comm, sp_mode, block_weights, final_rows_to="all")
-    return shard.install(model, transformer_options)
+    if setup is None:
+        setup = H3RankSetup(comm, sp_mode, block_weights, final_rows_to="all")
+    return setup.install(model, transformer_options)
 
 
-class _RankShards:
-    """The `prepare_rank` of a fan-out: each rank's H3RankShard, made on its first forward."""
+class _RankSetups:
+    """The `prepare_rank` of a fan-out: each rank's H3RankSetup, made on its first forward."""
 
     def __init__(self, sp_mode, block_weights=None):
         self.sp_mode = sp_mode
         self.block_weights = block_weights  # ShardedBlockWeights of all ranks, or None
-        self.shards: dict[int, H3RankShard] = {}  # each rank thread writes its own key
+        self.setups: dict[int, H3RankSetup] = {}  # each rank thread writes its own key
 
     def _family(self):
         # a family, or a callable that returns the current one (remade after an unload)
@@ -384,14 +387,14 @@ class _RankShards:
         return weights() if callable(weights) else weights
 
     def __call__(self, rank, comm, model, transformer_options):
-        shard = self.shards.get(rank)
+        setup = self.setups.get(rank)
         family = self._family()
-        view = shard.block_weights if shard is not None else None
-        if shard is None or shard.comm is not comm or (view.family if view else None) is not family:
+        view = setup.block_weights if setup is not None else None
+        if setup is None or setup.comm is not comm or (view.family if view else None) is not family:
             view = None if family is None else family.rank_view(rank)
             # only rank 0's result is used: the final rows go to rank 0 alone
-            shard = self.shards[rank] = H3RankShard(comm, self.sp_mode, view, final_rows_to="root")
-        return shard.install(model, transformer_options)
+            setup = self.setups[rank] = H3RankSetup(comm, self.sp_mode, view, final_rows_to="root")
+        return setup.install(model, transformer_options)
 
 
 def shard_dit_blocks(models: Sequence[torch.nn.Module], coordinator, prefetch: bool = True):
@@ -436,7 +439,7 @@ class SequenceParallelDiT:
         self.block_weights = (shard_dit_blocks(self.models, coordinator, prefetch)
                               if dit_weights == "shard" else None)
         self.fan_out = SequenceParallelFanOut(coordinator, self.models,
-                                              prepare_rank=_RankShards(sp_mode, self.block_weights))
+                                              prepare_rank=_RankSetups(sp_mode, self.block_weights))
 
     @property
     def world_size(self) -> int:
@@ -521,7 +524,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     for r, rep in enumerate(entries):
         if rep is not None:
             _require_support(dit_module(rep), f"replica {r}")
-    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode, block_weights),
+    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankSetups(sp_mode, block_weights),
                                      resolve_model=dit_module)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)

@@ -1,5 +1,8 @@
 """Tensor parallelism for Llama/Qwen-style decoders (MiniMax-H3's Qwen3-VL text encoder).
 
+Over 500 lines because the split of one decoder layout (attention, MLP, norms, embedding,
+the plan of its bytes and the fan-out) is one job whose parts share the head arithmetic.
+
 H3's text encoder (Qwen3-VL-32B cut to 50 layers, ~51.5 GB in BF16) does not fit on one
 card beside anything else. Split over W ranks, each rank holds about 1/W of it:
 
