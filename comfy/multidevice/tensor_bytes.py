@@ -1,11 +1,11 @@
 """Bytes of tensors and modules, counted one way everywhere in the package.
 
 Two questions, two functions:
-- `module_bytes(module)`: the bytes of the tensors a module holds (parameters and buffers,
-  persistent or not), each tensor once. Tied weights are one tensor object, so they count
-  once; a tensor subclass stored as inner tensors (upstream's QuantizedTensor) counts its inner
-  tensors. This is what a device copy of the module takes, and what the logs and the memory
-  plan report.
+- `module_bytes(module)`: the bytes of a module's state-dict tensors (its parameters and
+  persistent buffers: what ComfyUI's memory accounting counts for a model too), each tensor
+  once. Tied weights are one tensor object, held once on a card, so they count once; a tensor
+  subclass stored as inner tensors (upstream's QuantizedTensor) counts its inner tensors. The
+  logs, the per-card copies and the memory plan report this.
 - `storage_bytes(module)`: the memory those tensors keep alive, each storage once. It also
   counts what a view keeps of its source (a slice of a larger tensor holds the whole storage),
   which is what the tensor-parallel shards are checked against.
@@ -39,7 +39,8 @@ def module_bytes(module) -> int:
     None or an object that is not a torch module."""
     if not isinstance(module, torch.nn.Module):
         return 0
-    return sum(tensor_nbytes(t) for t in (*module.parameters(), *module.buffers()))
+    distinct = {id(t): t for t in module.state_dict(keep_vars=True).values() if t is not None}
+    return sum(tensor_nbytes(t) for t in distinct.values())
 
 
 def storage_bytes(module: torch.nn.Module) -> int:

@@ -18,7 +18,8 @@ import time
 import pytest
 import torch
 
-from comfy.multidevice.comm.torch_dist import (TorchrunEnvError, dist_backend_for, launched_by_torchrun, read_torchrun_env)
+from comfy.multidevice.comm.settings import launched_by_torchrun, read_torchrun_env, TorchrunEnvError
+from comfy.multidevice.comm.torch_dist import dist_backend_for
 from tests.collective_cases import h3_layout_shards, make_shards
 from tests.rank_processes import payloads, run_rank_processes
 

@@ -35,11 +35,10 @@ from comfy.multidevice.comm import torch_dist as multinode
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.hccl import HCCL_DEFAULT_LIBRARY, HCCL_FUNCTIONS, HCCL_PATH_ENV
 from comfy.multidevice.comm.nccl import NCCL_DEFAULT_LIBRARY, NCCL_FUNCTIONS, NCCL_PATH_ENV
-from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_environment, library_path,
-                                             MAX_TIMEOUT_S, MULTI_DEVICE_ENV_VARS, read_variables,
-                                             read_visible_devices, SettingError, VALID_BACKENDS,
-                                             VISIBLE_DEVICES_ENV)
-from comfy.multidevice.comm.torch_dist import launched_by_torchrun
+from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_environment,
+                                             launched_by_torchrun, library_path, MAX_TIMEOUT_S,
+                                             MULTI_DEVICE_ENV_VARS, read_variables, read_visible_devices,
+                                             SettingError, VALID_BACKENDS, VISIBLE_DEVICES_ENV)
 from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS
 
 CPU_SELF_TEST_RANKS = 2

@@ -32,7 +32,8 @@ from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_nam
 from comfy.multidevice.cli.options import finite_number, folder, folder_problem, integer, max_cpu_ranks
 from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.settings import BACKEND_ENV, check_environment, SettingError, VALID_BACKENDS
+from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, read_variables, SettingError,
+                                             VALID_BACKENDS)
 from comfy.multidevice.devices import available_memory_bytes, copy_for_rank
 from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig, MiniatureH3Model,
                                             read_miniature_config, save_miniature)
@@ -447,7 +448,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         coord = SequenceParallelCoordinator(settings.devices, backend=args.backend)
     except (BackendUnavailable, ValueError) as exc:
         where = (f"--backend {args.backend}" if args.backend is not None
-                 else f"environment variable {BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r}")
+                 else f"environment variable {BACKEND_ENV}={read_variables([BACKEND_ENV])[BACKEND_ENV] or ''!r}")
         print(f"minimax_h3_parallel.py run: {where}: {exc}", file=sys.stderr)
         return 2
     try:

@@ -23,7 +23,8 @@ import torch
 
 from comfy.multidevice.cli import dry_run as dry
 from comfy.multidevice.comm.settings import SettingError
-from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env, read_torchrun_env
+from comfy.multidevice.comm.settings import local_world_size, read_torchrun_env
+from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
@@ -144,7 +145,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     # together; the lead's reference then runs alone with all of them.
     all_threads = torch.get_num_threads()
     if device.type == "cpu":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local_world = local_world_size(world)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     rank_threads = torch.get_num_threads()
     received = []

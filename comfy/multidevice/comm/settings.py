@@ -8,6 +8,9 @@ COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S seconds a coordinator's run() lets pass with 
                                    and none reaching a collective (default 3600)
 COMFYUI_MULTI_DEVICE_WEIGHT_BASE   map | pin: how a checkpoint's read-only base is held (default map)
 
+Set by torchrun for each process it starts: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT (checked, TorchrunEnvError) and LOCAL_WORLD_SIZE.
+
 Read, not checked (other programs own them): the visible-devices variables of each card kind
 (ASCEND_RT_VISIBLE_DEVICES, ASCEND_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES), a collective
 library's path override (HCCL_SO_PATH, NCCL_SO_PATH), and what the doctor shows.
@@ -23,6 +26,8 @@ import logging
 import math
 import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,9 @@ WEIGHT_BASE_MODES = ("map", "pin")  # read-only shared mapping (default) | anony
 # container-level one, shown beside it).
 VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
 ASCEND_VISIBLE_DEVICES_ENV = "ASCEND_VISIBLE_DEVICES"
+# torchrun sets these for every process it starts (and LOCAL_WORLD_SIZE, the processes per machine).
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 
 
 DEFAULT_TIMEOUT_S = 600.0  # a rank may load weights for minutes before its first collective
@@ -158,3 +166,54 @@ def read_visible_devices() -> dict[str, str | None]:
 def library_path(env_var: str, default: str) -> str:
     """A collective library's path: the variable `env_var` when set and not empty, else `default`."""
     return os.environ.get(env_var) or default
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+class TorchrunEnvError(SettingError):
+    """The torchrun environment variables are missing or malformed."""
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True when this process was started by torchrun (its rank variables are set)."""
+    environ = os.environ if environ is None else environ
+    return all(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def read_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+    environ = os.environ if environ is None else environ
+    missing = [name for name in TORCHRUN_ENV if not environ.get(name)]
+    if missing:
+        raise TorchrunEnvError(
+            f"environment variable(s) {', '.join(missing)} not set: start this program with "
+            "torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), "
+            "or set them yourself")
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        text = environ[name].strip()
+        if not (text.isascii() and text.isdigit()):  # int() would also take "٣", "1_0", "-1"
+            raise TorchrunEnvError(f"environment variable {name}={environ[name]!r} is not an integer "
+                                   "(the digits 0-9); torchrun sets it, or set it yourself")
+        values[name] = int(text)
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
+        raise TorchrunEnvError(f"environment variable RANK={values['RANK']} must be in [0, "
+                               f"WORLD_SIZE={values['WORLD_SIZE']}); give each process its own rank")
+    if not 0 < values["MASTER_PORT"] < 65536:
+        raise TorchrunEnvError(f"environment variable MASTER_PORT={values['MASTER_PORT']} is not a "
+                               "TCP port; use a free port from 1 to 65535")
+    return TorchrunEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
+                       environ["MASTER_ADDR"], values["MASTER_PORT"])
+
+
+def local_world_size(default: int) -> int:
+    """The processes torchrun started on this machine (LOCAL_WORLD_SIZE), else `default`."""
+    return int(os.environ.get(LOCAL_WORLD_SIZE_ENV, default))

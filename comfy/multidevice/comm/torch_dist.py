@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
-from comfy.multidevice.comm.settings import check_timeout, SettingError, timeout_from_env
+from comfy.multidevice.comm.settings import check_timeout, read_torchrun_env, timeout_from_env, TorchrunEnvError
 from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
                                            check_all_to_all_metadata, check_all_to_all_plans,
                                            check_exchange_metadata, check_recv_splits, planned_metas)
@@ -48,8 +47,6 @@ from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS, resolv
 
 log = logging.getLogger(__name__)
 
-# torchrun sets these for every process it starts.
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DIST_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 # Stable codes for dtypes in the shape messages ranks exchange (index in this tuple).
@@ -58,50 +55,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 # Stable codes for the collective each rank entered (sent with the shapes), so ranks that
 # call different collectives get one clear error instead of mismatched library calls.
 _OPS = ("barrier", "exchange", "all_to_all_v", "all_reduce sum", "all_reduce max")
-
-
-class TorchrunEnvError(SettingError):
-    """The torchrun environment variables are missing or malformed."""
-
-
-@dataclass(frozen=True)
-class TorchrunEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-
-def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
-    """True when this process was started by torchrun (its rank variables are set)."""
-    environ = os.environ if environ is None else environ
-    return all(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def read_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
-    environ = os.environ if environ is None else environ
-    missing = [name for name in TORCHRUN_ENV if not environ.get(name)]
-    if missing:
-        raise TorchrunEnvError(
-            f"environment variable(s) {', '.join(missing)} not set: start this program with "
-            "torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), "
-            "or set them yourself")
-    values = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        text = environ[name].strip()
-        if not (text.isascii() and text.isdigit()):  # int() would also take "٣", "1_0", "-1"
-            raise TorchrunEnvError(f"environment variable {name}={environ[name]!r} is not an integer "
-                                   "(the digits 0-9); torchrun sets it, or set it yourself")
-        values[name] = int(text)
-    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
-        raise TorchrunEnvError(f"environment variable RANK={values['RANK']} must be in [0, "
-                               f"WORLD_SIZE={values['WORLD_SIZE']}); give each process its own rank")
-    if not 0 < values["MASTER_PORT"] < 65536:
-        raise TorchrunEnvError(f"environment variable MASTER_PORT={values['MASTER_PORT']} is not a "
-                               "TCP port; use a free port from 1 to 65535")
-    return TorchrunEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
-                       environ["MASTER_ADDR"], values["MASTER_PORT"])
 
 
 def default_device(local_rank: int) -> torch.device:
