@@ -35,7 +35,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_main(args: argparse.Namespace) -> int:
     """The dry run: miniature DiT, W ranks (threads, or processes under torchrun) vs one device."""
-    from comfy.multidevice.comm.torch_dist import launched_by_torchrun
+    from comfy.multidevice.comm.settings import launched_by_torchrun
     if launched_by_torchrun():  # one rank per process instead of rank threads
         from comfy.multidevice.cli.torchrun_run import run_distributed
         return run_distributed(args)

@@ -59,10 +59,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench import project_h3  # noqa: E402
-from comfy.multidevice.comm.types import (displacements, numel, planned_metas, scratch,  # noqa: E402
-                                          unflatten_gathered)
-from comfy.multidevice.devices import (accelerator_api, auto_kind, probe_devices, resolve_device,  # noqa: E402
-                                       set_thread_device, visible_device_names)
+from comfy.multidevice.comm.layout import displacements, numel, scratch, unflatten_gathered  # noqa: E402
+from comfy.multidevice.comm.checks import planned_metas  # noqa: E402
+from comfy.multidevice.devices import accelerator_api, resolve_device, set_thread_device  # noqa: E402
+from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names  # noqa: E402
 from comfy.multidevice.sp.attention import ExchangingAttention  # noqa: E402
 from comfy.multidevice.sp.cost_model import activation_bytes, attention_traffic, DiTShape  # noqa: E402
 from comfy.multidevice.sp.minimax_h3 import ROPE_SEQ_DIM  # noqa: E402

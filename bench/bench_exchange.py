@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
-from comfy.multidevice.comm.types import displacements  # noqa: E402
+from comfy.multidevice.comm.layout import displacements  # noqa: E402
 from comfy.multidevice.sp.cost_model import (DiTShape, final_layer_traffic, h3_targets,  # noqa: E402
                                              hidden_gather_traffic)
 from comfy.multidevice.sp.plan import shard_sizes  # noqa: E402

@@ -42,7 +42,7 @@ from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature  # n
 from comfy.multidevice.sp.cost_model import (DiTShape, activation_bytes, block_parameters,  # noqa: E402
                                              sharded_weight_bytes)
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel  # noqa: E402
-from comfy.multidevice.weights.replicas import replica_on  # noqa: E402
+from comfy.multidevice.weights.module_copies import replica_on  # noqa: E402
 
 from bench_sp_scaling import inputs  # noqa: E402  (this folder: the same seeded inputs)
 

@@ -60,7 +60,7 @@ def run_one(path: str, cards: int, width: int, height: int, frames: int, out: st
     import comfy.sd
     from comfy_extras import nodes_minimax_h3
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
-    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    from comfy.multidevice.roles.dit import sequence_parallel_dit
     from tests.e2e.tiny_models import DIT
 
     model = comfy.sd.load_diffusion_model(path)
@@ -70,7 +70,7 @@ def run_one(path: str, cards: int, width: int, height: int, frames: int, out: st
     coordinator = None
     if cards > 1:
         coordinator = SequenceParallelCoordinator(["cpu"] * cards, backend="peer", timeout_s=3600)
-        model = _sequence_parallel_dit(model, coordinator.devices, coordinator)
+        model = sequence_parallel_dit(model, coordinator.devices, coordinator)
     noise = comfy.sample.prepare_noise(latent, 0)
     start = time.perf_counter()
     with torch.no_grad():  # as ComfyUI samples (inference mode breaks the quantized weights' move)

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
 from comfy.multidevice.tp.shard import build_tensor_parallel_decoder  # noqa: E402
-from comfy.multidevice.tp.layers import weight_bytes
+from comfy.multidevice.tensor_bytes import storage_bytes
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
 
 
@@ -120,9 +120,9 @@ def main(argv=None) -> dict:
             seq_s, par_s = two_thread_bound(embeds, cfg, args.iters)
             bound_seq.append(seq_s)
             bound_par.append(par_s)
-        rank_bytes = [weight_bytes(s) for s in tp.shards]
+        rank_bytes = [storage_bytes(s) for s in tp.shards]
 
-    total_bytes = weight_bytes(model)
+    total_bytes = storage_bytes(model)
     t1, t2 = statistics.median(w1), statistics.median(w2)
     result = {
         "speedup_w2": round(t1 / t2, 3),

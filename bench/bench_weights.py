@@ -151,7 +151,8 @@ def import_upstream_loader():
 def run_child(method: str, path: str, ranks: int, reloads: int) -> dict:
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
     from comfy.multidevice.weights.checkpoint import SharedCheckpoint, total_bytes_read
-    from comfy.multidevice.weights.replicas import RankReplica, model_stage_unload
+    from comfy.multidevice.weights.offload import model_stage_unload
+    from comfy.multidevice.weights.replicas import RankReplica
 
     from comfy.multidevice.weights.read_only import ReadOnlyMemory, read_only_view, start_dispatch_warm_up
     standalone = method in STANDALONE

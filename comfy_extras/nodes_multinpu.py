@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 
-from comfy.multidevice.devices import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
+from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
+from comfy.multidevice.roles.memory_plan import DEFAULT_PLAN_TOKENS, MAX_PLAN_TOKENS
 from comfy.multidevice.roles.plan import plan_roles
+from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +60,16 @@ NODE_SCHEMA = {
         {"name": "devices", "type": "STRING", "default": "", "optional": True, "advanced": True,
          "tooltip": "Explicit cards, e.g. 'npu:0,npu:2,npu:4,npu:6'. Empty = the first npu_count "
                     "visible cards."},
-        {"name": "dit_weights", "type": "COMBO", "options": ["auto", "replicate", "shard"], "default": "auto",
+        {"name": "dit_weights", "type": "COMBO", "options": ["auto", *APPLIED_DIT_WEIGHT_MODES], "default": "auto",
          "optional": True,
          "tooltip": "DiT weights per card with 4 or 8 cards: replicate = a full DiT on every card; shard = "
                     "each card keeps 1/N of the block weights and gathers a block just before it runs "
                     "(exact; the BF16 DiT fits 4 x 64 GB only this way); auto = shard when a full "
                     "replica plus the activations does not fit a card."},
-        {"name": "plan_tokens", "type": "INT", "default": 109952, "min": 1, "max": 10_000_000,
+        {"name": "plan_tokens", "type": "INT", "default": DEFAULT_PLAN_TOKENS, "min": 1, "max": MAX_PLAN_TOKENS,
          "optional": True, "advanced": True,
          "tooltip": "The longest packed sequence this workflow samples, for the memory plan's activation "
-                    "estimate: 109952 = 768p 15 s, 38592 = 768p 5 s."},
+                    f"estimate: {DEFAULT_PLAN_TOKENS} = 768p 15 s, 38592 = 768p 5 s."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",
@@ -93,7 +95,7 @@ def widget_defaults() -> list:
 
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                        device_kind="auto", devices="", inventory=None, dit_weights="auto",
-                       plan_tokens=109952, free_memory=None):
+                       plan_tokens=DEFAULT_PLAN_TOKENS, free_memory=None):
     """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
 
     Every check (card count, device kind, visible cards, backend name, the four inputs'
@@ -101,8 +103,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     the inputs are never modified. `free_memory` overrides the probed free bytes per device
     name (tests).
     """
-    from comfy.multidevice.comm.types import BackendUnavailable
-    from comfy.multidevice.devices import select_devices
+    from comfy.multidevice.comm.errors import BackendUnavailable
+    from comfy.multidevice.cards import select_devices
     from comfy.multidevice.roles import apply as roles_apply
     from comfy.multidevice.roles.memory_plan import plan_memory
 
@@ -152,7 +154,7 @@ def check_multi_device_environment(backend: str = "default") -> None:
 def shown_error(exc: Exception) -> Exception | None:
     """What ComfyUI shows for an error of configure_parallel: ComfyUI puts str(error) and the
     error's qualified class name in its execution_error, so this package's own error types
-    ("comfy.multidevice.devices.TooFewDevices") become a plain ValueError / RuntimeError with
+    ("comfy.multidevice.cards.TooFewDevices") become a plain ValueError / RuntimeError with
     the same one-sentence message. None: not ours (a Cancel, torch's own errors), raise as is."""
     module = type(exc).__module__ or ""
     if not (module == "comfy.multidevice" or module.startswith("comfy.multidevice.") or module == __name__):
@@ -229,7 +231,7 @@ def node_class():
 
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
-                    device_kind="auto", devices="", dit_weights="auto", plan_tokens=109952) -> io.NodeOutput:
+                    device_kind="auto", devices="", dit_weights="auto", plan_tokens=DEFAULT_PLAN_TOKENS) -> io.NodeOutput:
             try:
                 # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
                 # None) is refused by name instead of being cast

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.types import CollectiveError
+from comfy.multidevice.comm.errors import CollectiveError
 
 __all__ = ("test_exchange_matches_cat", "test_exchange_with_empty_shards", "test_non_contiguous_shards",
            "test_all_reduce_fp32_exact", "test_all_reduce_16bit_within_rounding", "test_all_reduce_int32",

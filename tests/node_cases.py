@@ -9,7 +9,7 @@ import uuid
 
 import torch
 
-from comfy.multidevice.devices import DeviceInventory
+from comfy.multidevice.cards import DeviceInventory
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
 from tests.sp_cases import tiny_model
 from tests.tp.tp_cases import LAYOUTS, mirror_clip

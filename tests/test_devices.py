@@ -12,8 +12,7 @@ import types
 import pytest
 import torch
 
-from comfy.multidevice.devices import (DeviceInventory, DeviceSelectionError, InvalidDeviceList, MixedDeviceKinds,
-                                       TooFewDevices, UnsupportedCardCount, parse_device_list, select_devices)
+from comfy.multidevice.cards import DeviceInventory, DeviceSelectionError, InvalidDeviceList, MixedDeviceKinds, TooFewDevices, UnsupportedCardCount, parse_device_list, select_devices
 from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras.nodes_multinpu import configure_parallel
 from tests.node_cases import assert_same, inputs, inventory, rank_threads, snapshot
@@ -146,7 +145,7 @@ def fake_torch_npu(tmp_path, monkeypatch, body):
 
 
 def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, monkeypatch):
-    from comfy.multidevice.devices import probe_devices
+    from comfy.multidevice.cards import probe_devices
     fake_torch_npu(tmp_path, monkeypatch, "")  # importing it registers torch.npu (below)
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(device_count=lambda: 4), raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -160,7 +159,7 @@ def test_probe_counts_npus_through_torch_npu_and_reads_the_variable(tmp_path, mo
 
 
 def test_probe_survives_a_broken_npu_stack_and_says_why(tmp_path, monkeypatch):
-    from comfy.multidevice.devices import probe_devices
+    from comfy.multidevice.cards import probe_devices
     fake_torch_npu(tmp_path, monkeypatch, "raise RuntimeError('libascendcl.so: cannot open shared object file')")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -185,13 +185,13 @@ def test_bad_environment_variables_are_refused_before_anything_starts(monkeypatc
 def test_errors_not_of_this_package_are_not_rewrapped():
     assert shown_error(torch.cuda.OutOfMemoryError("CUDA out of memory")) is None  # ComfyUI's OOM tips
     assert shown_error(KeyError("x")) is None
-    from comfy.multidevice.devices import TooFewDevices
+    from comfy.multidevice.cards import TooFewDevices
     assert type(shown_error(TooFewDevices("npu_count is 8 ..."))) is ValueError
     assert type(shown_error(comfy.multidevice.BackendUnavailable("backend is nccl ..."))) is RuntimeError
 
 
 def test_the_node_raises_a_plain_error_with_the_cause_kept(monkeypatch, fake_patcher_extension, caplog):  # noqa: F811
-    from comfy.multidevice.devices import TooFewDevices
+    from comfy.multidevice.cards import TooFewDevices
     package, latest = make_fake_comfy_api(True)
     monkeypatch.setitem(sys.modules, "comfy_api", package)
     monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)
@@ -205,7 +205,7 @@ def test_the_node_raises_a_plain_error_with_the_cause_kept(monkeypatch, fake_pat
     assert type(info.value) is ValueError  # ComfyUI shows exception_type "ValueError"
     assert_user_facing(str(info.value), ("npu_count is 4",), "set npu_count to 2")
     assert isinstance(info.value.__cause__, TooFewDevices)  # in the server log, not in the message
-    assert "comfy.multidevice.devices.TooFewDevices" in caplog.text
+    assert "comfy.multidevice.cards.TooFewDevices" in caplog.text
 
 
 def _node(monkeypatch):

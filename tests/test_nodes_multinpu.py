@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from comfy.multidevice.roles import apply as roles_apply
-from comfy.multidevice.devices import (DeviceSelectionError, MixedDeviceKinds, TooFewDevices, UnsupportedCardCount)
-from comfy.multidevice.comm.types import BackendUnavailable
+from comfy.multidevice.cards import DeviceSelectionError, MixedDeviceKinds, TooFewDevices, UnsupportedCardCount
+from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.roles.apply import apply_role_plan
 from comfy.multidevice.roles.plan import RolePlanError
 from comfy.multidevice.tp.layers import TensorParallelError

@@ -291,12 +291,18 @@ def _temporary(path: Path, suffix: str) -> Path:
     return path.with_name(f".{path.name}{suffix}")
 
 
-def remove_leftovers(comfyui: Path, paths) -> None:
-    """The temporary files a run that was killed can leave beside these paths."""
+def remove_leftovers(comfyui: Path, paths) -> list[str]:
+    """The temporary files a run that was killed can leave beside these paths; returns the
+    paths beside which one was removed (their folders may now be empty)."""
+    found = []
     for rel in paths:
         for suffix in (PARTIAL, ASIDE):
+            leftover = _temporary(comfyui / rel, suffix)
             with contextlib.suppress(OSError):
-                _temporary(comfyui / rel, suffix).unlink(missing_ok=True)
+                if leftover.is_file() or leftover.is_symlink():
+                    leftover.unlink()
+                    found.append(str(rel))
+    return found
 
 
 class Changes:
@@ -549,8 +555,10 @@ def uninstall(comfyui: Path, project: Project, report: bool = True) -> None:
                 removed.append(rel)
             except OSError as exc:
                 left.append(f"{rel} ({exc.strerror})")
-        remove_leftovers(comfyui, [*version.digests(), *read_record(comfyui), str(RECORD)])
-    _remove_bytecode_and_empty_dirs(comfyui, removed)
+        # a kill during a folder's first write leaves only a temporary file there: its folders
+        # go too once it is removed
+        cleaned = remove_leftovers(comfyui, [*version.digests(), *read_record(comfyui), str(RECORD)])
+    _remove_bytecode_and_empty_dirs(comfyui, removed + cleaned)
     for rel in kept:
         say(f"kept {rel}: its content is no longer ours (edited?)")
     if left:  # the record stays: a rerun still knows the earlier versions' files

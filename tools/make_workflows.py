@@ -46,7 +46,7 @@ SAMPLE_INPUT_PREFIX = "minimax_h3_"
 
 # --- The MultiNPUParallelConfig interface -------------------------------------------------
 # comfy_extras/nodes_multinpu.py publishes it as plain data (NODE_SCHEMA). This copy is
-# used only where that module cannot be imported; tests/test_packaging.py checks that both
+# used only where that module cannot be imported; tests/packaging/test_workflows.py checks that both
 # agree whenever the module is there.
 FALLBACK_NODE_SCHEMA = {
     "node_id": "MultiNPUParallelConfig",

@@ -6,8 +6,8 @@ names below are the public entry points; everything else is imported from its su
 
 from comfy.multidevice.comm.group import RankComm, SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import VALID_BACKENDS
-from comfy.multidevice.comm.types import (BackendUnavailable, CollectiveAborted, CollectiveError,
-                                          CollectiveTimeout)
+from comfy.multidevice.comm.errors import (BackendUnavailable, CollectiveAborted, CollectiveError,
+                                           CollectiveTimeout)
 
 __all__ = ["SequenceParallelCoordinator", "RankComm", "VALID_BACKENDS", "CollectiveError",
            "CollectiveAborted", "CollectiveTimeout", "BackendUnavailable"]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import bench_card
-from comfy.multidevice.devices import DeviceInventory
+from comfy.multidevice.cards import DeviceInventory
 from comfy.multidevice.sp.cost_model import attention_traffic
 from tests.comfyui_server import REPO
 

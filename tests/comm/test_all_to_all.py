@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from comfy.multidevice.comm.types import CollectiveError
+from comfy.multidevice.comm.errors import CollectiveError
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]

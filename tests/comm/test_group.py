@@ -18,7 +18,7 @@ import torch
 
 from comfy.multidevice.comm import group
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.types import CollectiveAborted, CollectiveError, CollectiveTimeout
+from comfy.multidevice.comm.errors import CollectiveAborted, CollectiveError, CollectiveTimeout
 
 
 def test_auto_falls_back_to_peer_with_one_warning(monkeypatch, caplog, tmp_path):

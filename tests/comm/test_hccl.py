@@ -15,7 +15,7 @@ import torch
 from comfy.multidevice.comm.ctypes_lib import CLibrary
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.hccl import HcclBackend, HcclError, HcclLibrary
-from comfy.multidevice.comm.types import BackendUnavailable, CollectiveError
+from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
 # The backend-independent cases, collected here for HCCL (the `backend` fixture below).
 from tests.collective_cases import *  # noqa: F401,F403
 from tests.collective_cases import FakeFunction, make_shards

@@ -18,7 +18,7 @@ import torch
 from comfy.multidevice.comm import group
 from comfy.multidevice.comm.ctypes_lib import CLibrary
 from comfy.multidevice.comm.nccl import (NCCL_FUNCTIONS, NcclBackend, NcclError, NcclLibrary, nccl_dtype)
-from comfy.multidevice.comm.types import BackendUnavailable, CollectiveError
+from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 # The backend-independent cases, collected here for NCCL (the `backend` fixture below).
 from tests.collective_cases import *  # noqa: F401,F403

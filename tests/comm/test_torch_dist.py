@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from comfy.multidevice.comm.torch_dist import (TorchrunEnvError, dist_backend_for, launched_by_torchrun, read_torchrun_env)
+from comfy.multidevice.comm.settings import launched_by_torchrun, read_torchrun_env, TorchrunEnvError
+from comfy.multidevice.comm.torch_dist import dist_backend_for
 from tests.collective_cases import h3_layout_shards, make_shards
 from tests.helpers import free_port
 from tests.rank_processes import payloads, run_rank_processes
@@ -107,7 +108,7 @@ def exactness_worker(comm):
 def mismatch_then_recover_worker(comm):
     """Shapes that cannot be concatenated: every rank raises the same clear error, and the
     group is still in step afterwards."""
-    from comfy.multidevice.comm.types import CollectiveError
+    from comfy.multidevice.comm.errors import CollectiveError
     shard = torch.ones(2, 3 + comm.rank)  # differs outside the concat dim 0
     try:
         comm.exchange([shard], 0)
@@ -127,7 +128,7 @@ def mismatch_then_recover_worker(comm):
 def different_collectives_worker(comm):
     """Rank 0 exchanges, rank 1 all-reduces, rank 2 waits at a barrier; then sum against max.
     Every rank must raise the same clear error, and the group is still in step afterwards."""
-    from comfy.multidevice.comm.types import CollectiveError
+    from comfy.multidevice.comm.errors import CollectiveError
     x = torch.ones(2, 3)
     messages = []
     for calls in (("exchange", "all_reduce", "barrier"), ("sum", "max", "sum")):
@@ -291,7 +292,7 @@ def all_to_all_plan_worker(comm):
     """recv_splits: a gather to one rank (the others receive nothing but send) with and without
     them; a plan that disagrees with what is sent, and one that only some ranks pass: the same
     clear error on every rank, and the group still in step afterwards."""
-    from comfy.multidevice.comm.types import CollectiveError
+    from comfy.multidevice.comm.errors import CollectiveError
     W, r = comm.world_size, comm.rank
     out = {}
     rows = torch.full((r + 1, 3), float(r))

@@ -22,7 +22,7 @@ from tests.sp_cases import make_inputs, tiny_model
 from tests.node_cases import FakeModelPatcher, inputs, run_dit
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.tp.clip import tensor_parallel_clip
-from comfy.multidevice.tp.layers import weight_bytes
+from comfy.multidevice.tensor_bytes import storage_bytes
 from tests.tp.tp_cases import WrappedWeight
 
 pytestmark = pytest.mark.usefixtures("close_coordinators")
@@ -70,7 +70,7 @@ def test_text_encoder_share_is_what_the_built_shards_and_the_clip_hold(world):
     with SequenceParallelCoordinator(cpus, backend="peer", timeout_s=30) as coord:
         parallel = tensor_parallel_clip(clip, coord)
         split = parallel.cond_stage_model.qwen3vl_32b.transformer.model
-        built = [weight_bytes(s) for s in split.shards]
+        built = [storage_bytes(s) for s in split.shards]
     assert [p["shard"] for p in planned] == built
     assert planned[0]["CLIP module"] == nbytes(parallel.cond_stage_model) > 0
     assert all("CLIP module" not in p for p in planned[1:])

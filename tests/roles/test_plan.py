@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from comfy.multidevice.devices import UnsupportedCardCount
+from comfy.multidevice.cards import UnsupportedCardCount
 from comfy.multidevice.roles.plan import plan_roles, roles_table
 
 

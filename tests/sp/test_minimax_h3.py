@@ -490,7 +490,7 @@ def test_rank_threads_sharing_one_final_layer_each_get_their_own_override():
     # CPU ranks (or the copy fallback) can share one DiT module: rank A arms, rank B arms, then
     # they call in the other order; each must run its own rank-local call, never the other's.
     import threading
-    from comfy.multidevice.sp.minimax_h3 import _arm_rank_local_final_layer
+    from comfy.multidevice.sp.minimax_h3 import arm_rank_local_final_layer
 
     final = torch.nn.Linear(2, 2)
     h = {name: torch.randn(3, 2) for name in "AB"}
@@ -498,7 +498,7 @@ def test_rank_threads_sharing_one_final_layer_each_get_their_own_override():
     results = {}
 
     def rank(name, other):
-        _arm_rank_local_final_layer(final, h[name], lambda layer, x: ("rank-local", name, x is h[name]))
+        arm_rank_local_final_layer(final, h[name], lambda layer, x: ("rank-local", name, x is h[name]))
         armed[name].set()
         armed[other].wait(5)
         if name == "A":  # A calls only after B has armed and called

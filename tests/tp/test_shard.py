@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from comfy.multidevice.comm.types import CollectiveAborted
+from comfy.multidevice.comm.errors import CollectiveAborted
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.tp.layers import TensorParallelError, weight_bytes
+from comfy.multidevice.tensor_bytes import storage_bytes
+from comfy.multidevice.tp.layers import TensorParallelError
 from comfy.multidevice.tp.shard import (build_tensor_parallel_decoder, planned_shard_bytes, prefixed_weights,
                                         shard_decoder)
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
@@ -153,18 +154,18 @@ def test_unsplittable_mlp_width_error():
 def test_rank_weight_bytes_follow_the_formula(world, layout):
     cfg = LAYOUTS[layout]
     model = build_miniature_decoder(cfg, dtype=torch.bfloat16)
-    assert weight_bytes(model) == expected_rank_bytes(cfg, 1, 2, embedding=True)
+    assert storage_bytes(model) == expected_rank_bytes(cfg, 1, 2, embedding=True)
     planned = planned_shard_bytes(model, world)  # before any shard exists
     with coordinator(world) as coord:
         tp = build_tensor_parallel_decoder(model, coord)
-        per_rank = [weight_bytes(s) for s in tp.shards]
+        per_rank = [storage_bytes(s) for s in tp.shards]
         assert not any(holds_embedding(s) for s in tp.shards)
     assert per_rank == [expected_rank_bytes(cfg, world, 2)] * world == planned
     # Without KV replication (W <= KV heads) a rank holds exactly 1/W of the split weights;
     # beyond that (W=4 over 2 KV heads) the formula above adds each rank's whole KV head.
     replicated = replicated_elements(cfg) * 2
     if world <= cfg.num_key_value_heads:
-        assert (per_rank[0] - replicated) * world == weight_bytes(model) - replicated - embedding_elements(cfg) * 2
+        assert (per_rank[0] - replicated) * world == storage_bytes(model) - replicated - embedding_elements(cfg) * 2
 
 
 def test_the_split_logs_each_card_and_moves_comfyuis_progress_bar(monkeypatch, caplog):
@@ -222,7 +223,7 @@ def test_slicing_a_read_only_base_copies_only_each_ranks_share():
         shard = shard_decoder(model, comm, weights=prefixed_weights(base, "model."))
         assert ReadOnlyBase.whole_copies == []
         assert ReadOnlyBase.copied_bytes == expected_rank_bytes(cfg, world, 4)
-        assert weight_bytes(shard) == expected_rank_bytes(cfg, world, 4)  # no view pins the base
+        assert storage_bytes(shard) == expected_rank_bytes(cfg, world, 4)  # no view pins the base
         assert all(type(p) is nn.Parameter for p in shard.parameters())
     assert torch.equal(flat, snapshot)
 
@@ -249,7 +250,7 @@ def test_shards_from_a_real_shared_checkpoint_file(tmp_path, backend):
         tp = build_tensor_parallel_decoder(build_miniature_decoder(cfg, seed=99), coord,
                                            weights=prefixed_weights(base, "model."))
         got, _ = tp(embeds=embeds, attention_mask=mask)
-        per_rank = [weight_bytes(s) for s in tp.shards]
+        per_rank = [storage_bytes(s) for s in tp.shards]
         shard_params = [p for s in tp.shards for p in s.parameters()]
     assert total_bytes_read() - before == path.stat().st_size  # read once, for all ranks
     assert rel_err(got, want) <= FP32_REL_TOL
@@ -305,7 +306,7 @@ def test_rank_0_shard_is_memory_of_its_own_beyond_what_the_module_tree_holds(wor
         assert not _storages(tp.shards[0]) & _storages(model)
         assert _storages(tp) == _storages(model.embed_tokens)
         assert all(not _storages(s) & _storages(tp) for s in tp.shards)
-        assert tp.shard_bytes[0] == weight_bytes(tp.shards[0]) > 0
+        assert tp.shard_bytes[0] == storage_bytes(tp.shards[0]) > 0
 
 
 def test_decoder_is_not_modified():
@@ -356,7 +357,7 @@ def distributed_worker(comm):
     want, _ = model(embeds=embeds.clone(), attention_mask=mask)
     shard = shard_decoder(model, comm)
     got, _ = shard(embeds=embeds.clone(), attention_mask=mask)
-    return rel_err(got, want), weight_bytes(shard)
+    return rel_err(got, want), storage_bytes(shard)
 
 
 @pytest.mark.timeout(120)

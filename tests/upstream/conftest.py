@@ -56,9 +56,9 @@ def upstream():
     import comfy.ldm.minimax.model as h3
     if Path(h3.__file__).resolve().parents[3] != tree:
         pytest.fail(f"comfy.ldm.minimax.model came from {h3.__file__}, not from {tree}")
-    from comfy.multidevice.sp.minimax_h3 import _takes_attention_argument
+    from comfy.multidevice.sp.minimax_h3 import takes_attention_argument
     return SimpleNamespace(tree=tree, h3=h3, stood_in=stood_in,
-                           has_attention_hook=_takes_attention_argument(SimpleNamespace(forward=h3.DiTBlock.forward)))
+                           has_attention_hook=takes_attention_argument(SimpleNamespace(forward=h3.DiTBlock.forward)))
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ def audio_vae(upstream):
 
 def test_audio_vae_placement_keeps_its_decode(upstream, audio_vae):
     import comfy.model_management
-    from comfy.multidevice.roles.apply import _place_vae
+    from comfy.multidevice.roles.apply import place_vae
     from comfy.multidevice.roles.plan import plan_roles
     z = torch.randn(1, 32, 2, 4, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -30,7 +30,7 @@ def test_audio_vae_placement_keeps_its_decode(upstream, audio_vae):
     card = plan_roles(4).audio_vae.cards[0]
     assert card == 3  # the last of four cards
     device = comfy.model_management.get_torch_device()  # CPU here: every card is this device
-    placed = _place_vae(audio_vae, device, "audio VAE")
+    placed = place_vae(audio_vae, device, "audio VAE")
     assert placed is not audio_vae and placed.first_stage_model is audio_vae.first_stage_model
     with torch.inference_mode():
         out = placed.decode(z)

@@ -21,9 +21,9 @@ from tests.upstream.test_sampling import sample
 
 
 def node_dit(model, world, dit_weights):
-    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    from comfy.multidevice.roles.dit import sequence_parallel_dit
     coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60)
-    return coord, _sequence_parallel_dit(model, coord.devices, coord, dit_weights=dit_weights)
+    return coord, sequence_parallel_dit(model, coord.devices, coord, dit_weights=dit_weights)
 
 
 @pytest.fixture(autouse=True)
@@ -38,9 +38,10 @@ def identical(a, b) -> bool:
 
 def misaligned_block_tensors(module) -> list[str]:
     """The block tensors (inner tensors of a QuantizedTensor included) not on a 64-byte line."""
-    from comfy.multidevice.weights.block_shards import _leaves, block_tensors
+    from comfy.multidevice.tensor_bytes import tensor_leaves
+    from comfy.multidevice.weights.block_shards import block_tensors
     return [f"{i}.{name}" for i, block in enumerate(module.blocks) for name, t in block_tensors(block).items()
-            if any(leaf.numel() and leaf.data_ptr() % 64 for leaf in _leaves(t))]
+            if any(leaf.numel() and leaf.data_ptr() % 64 for leaf in tensor_leaves(t))]
 
 
 def like_replicate(out, reference) -> bool:
@@ -128,7 +129,7 @@ def test_quantized_block_weights_travel_whole_and_stay_bit_identical(upstream, t
     in 64-byte-aligned slots, so both modes run the same kernels on equally aligned operands
     (the precondition is asserted; `like_replicate` says what differs through the file base)."""
     from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
-    from comfy.multidevice.weights.replicas import replica_on
+    from comfy.multidevice.weights.module_copies import replica_on
     from tests.upstream.test_h3_dit import inputs
     from tests.upstream.test_quantized_files import load, quantized_state_dict
 
@@ -217,9 +218,9 @@ def quantized_lora(model, seed=13):
 
 def layer_tensors(layer):
     """The plain tensors a (quantized) layer holds: a QuantizedTensor as its inner tensors."""
-    from comfy.multidevice.weights.block_shards import _leaves
+    from comfy.multidevice.tensor_bytes import tensor_leaves
     return [leaf for t in (*layer._parameters.values(), *layer._buffers.values()) if t is not None
-            for leaf in _leaves(t)]
+            for leaf in tensor_leaves(t)]
 
 
 QUANTIZED_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "convrot_int8"]

@@ -100,7 +100,7 @@ def test_version_guard_matches_what_this_comfyui_offers(upstream, model32):
 def test_version_guard_at_run_time_even_when_detection_is_fooled(upstream, model32, monkeypatch):
     """Every block checks that it went through the exchanging attention: on a ComfyUI whose
     block wrapper ignores args['attention'], every rank raises instead of a wrong result."""
-    monkeypatch.setattr(minimax_h3, "_takes_attention_argument", lambda block: True)
+    monkeypatch.setattr(minimax_h3, "takes_attention_argument", lambda block: True)
     world = 3
     if upstream.has_attention_hook:
         out = sp_forward([copy.deepcopy(model32) for _ in range(world)], world, "plain")

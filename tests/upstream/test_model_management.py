@@ -104,7 +104,7 @@ def test_a_cached_decoder_copy_is_loaded_and_evicted_whole_by_its_patcher(upstre
     The card is the meta device here (the copy allocates nothing), so this checks our patcher's
     answers to ComfyUI, not a real card's memory."""
     from comfy.multidevice.roles.model_management import CachedCopy, card_patcher
-    from comfy.multidevice.weights.replicas import ReplicaCache
+    from comfy.multidevice.weights.module_copies import ReplicaCache
     decoder = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     cache = ReplicaCache(decoder, "decoder")
     patcher = card_patcher(CachedCopy(cache, "meta", "video VAE decoder copy"))
@@ -172,11 +172,11 @@ def test_every_text_encoder_shard_rank_0_included_comes_with_the_clips_own_load(
     evict the CLIP. Ranks are CPU devices here: what is checked is the accounting, by object."""
     import comfy.model_management as mm
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
-    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.roles.apply import tensor_parallel_text_encoder
     from comfy.multidevice.tp.clip import language_model_of
-    from comfy.multidevice.tp.layers import weight_bytes
+    from comfy.multidevice.tensor_bytes import storage_bytes
     with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
-        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        parallel = tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
         decoder = language_model_of(parallel)
         calls, real = [], mm.load_models_gpu
         monkeypatch.setattr(mm, "load_models_gpu", lambda models, *a, **k: calls.append(list(models)) or real(models, *a, **k))
@@ -188,11 +188,11 @@ def test_every_text_encoder_shard_rank_0_included_comes_with_the_clips_own_load(
         assert parallel.clone().patcher.model_patches_models() == parallel.patcher.model_patches_models()
         for rank, (loaded, patcher) in ours.items():
             assert loaded.device == coord.devices[rank]
-            assert patcher.loaded_size() == weight_bytes(decoder.shards[rank]) > 0
+            assert patcher.loaded_size() == storage_bytes(decoder.shards[rank]) > 0
         clip_loaded = next(lm for lm in mm.current_loaded_models if lm.model is parallel.patcher)
         assert not _storages(decoder.shards[0]) & _storages(parallel.patcher.model)  # extra memory
         card_0 = clip_loaded.model_loaded_memory() + ours[0][0].model_loaded_memory()
-        assert card_0 == parallel.patcher.loaded_size() + weight_bytes(decoder.shards[0])
+        assert card_0 == parallel.patcher.loaded_size() + storage_bytes(decoder.shards[0])
 
 
 def test_text_encoder_shards_are_evicted_and_rebuilt_from_ram(upstream, tiny_clip):
@@ -201,11 +201,11 @@ def test_text_encoder_shards_are_evicted_and_rebuilt_from_ram(upstream, tiny_cli
     sliced again from the kept single-card decoder in RAM (no file is read), bit-identical."""
     import comfy.model_management as mm
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
-    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.roles.apply import tensor_parallel_text_encoder
     from comfy.multidevice.tp.clip import language_model_of
     from comfy.multidevice.weights.checkpoint import total_bytes_read
     with SequenceParallelCoordinator(["cpu"] * 4, backend="peer", timeout_s=60) as coord:
-        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        parallel = tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
         decoder = language_model_of(parallel)
         first = encode(parallel)
         mm.unload_all_models()
@@ -228,11 +228,11 @@ def test_an_encode_that_skips_the_clips_load_brings_the_shards_in_with_the_runni
     with the loaded CLIP patcher that runs it (so that call cannot evict it), bit-identical."""
     import comfy.model_management as mm
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
-    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.roles.apply import tensor_parallel_text_encoder
     from comfy.multidevice.tp.clip import language_model_of
     from tests.upstream.test_text_encoder import PROMPT
     with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
-        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        parallel = tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
         decoder = language_model_of(parallel)
         tokens = parallel.tokenize(PROMPT)
         with torch.inference_mode():
@@ -257,7 +257,7 @@ def test_making_room_for_a_call_never_evicts_a_model_of_that_call(upstream, monk
     allocated) with ComfyUI told the card is full; the bookkeeping is upstream's own."""
     import comfy.model_management as mm
     from comfy.multidevice.roles.model_management import CachedCopy, card_patcher
-    from comfy.multidevice.weights.replicas import ReplicaCache
+    from comfy.multidevice.weights.module_copies import ReplicaCache
 
     def stand_in(what, width):
         return card_patcher(CachedCopy(ReplicaCache(torch.nn.Linear(width, width)), "meta", what))
@@ -286,7 +286,7 @@ def test_the_merge_card_decodes_with_the_vaes_own_weights_counted_by_its_patcher
     of that card (the patcher's loaded size) is every weight the merge rank decoded with. Ranks
     are CPU devices here (all of them the merge device), so no copy is asked for at all."""
     import comfy.model_management as mm
-    from comfy.multidevice.tp.layers import weight_bytes
+    from comfy.multidevice.tensor_bytes import storage_bytes
     from comfy.multidevice.vae.chunked import H3ChunkInterface
     coord, parallel = parallel_vae(tiny_vae, 2)
     chunked = parallel.first_stage_model.parallel_decode
@@ -306,7 +306,7 @@ def test_the_merge_card_decodes_with_the_vaes_own_weights_counted_by_its_patcher
     persistent = used[0].state_dict()
     tables = sum(b.nbytes for n, b in used[0].named_buffers() if n not in persistent)
     assert loaded.device == coord.devices[0]
-    assert loaded.model_loaded_memory() == weight_bytes(used[0]) - tables > 0 and tables < 1024
+    assert loaded.model_loaded_memory() == storage_bytes(used[0]) - tables > 0 and tables < 1024
 
 
 def test_stage_switching_two_prompts_in_a_row_through_model_management(upstream, hook, h3_file, tiny_clip,
@@ -321,17 +321,17 @@ def test_stage_switching_two_prompts_in_a_row_through_model_management(upstream,
     import comfy.model_management as mm
     import comfy.sd
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
-    from comfy.multidevice.roles.apply import _chunked_video_vae, _tensor_parallel_text_encoder
-    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    from comfy.multidevice.roles.apply import chunked_video_vae, tensor_parallel_text_encoder
+    from comfy.multidevice.roles.dit import sequence_parallel_dit
     from comfy.multidevice.roles.model_management import ADDITIONAL_MODELS_KEY
     from comfy.multidevice.tp.clip import language_model_of
     from comfy.multidevice.weights.checkpoint import total_bytes_read
     model = comfy.sd.load_diffusion_model(str(h3_file))
     z = torch.randn(1, 24, 7, 2, 3, generator=torch.Generator().manual_seed(1))
     with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=60) as coord:
-        clip = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
-        dit = _sequence_parallel_dit(model, coord.devices, coord)
-        vae = _chunked_video_vae(tiny_vae, coord.devices, coord.devices[0], coord)
+        clip = tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        dit = sequence_parallel_dit(model, coord.devices, coord)
+        vae = chunked_video_vae(tiny_vae, coord.devices, coord.devices[0], coord)
         decoder, replicas = language_model_of(clip), dit.get_additional_models_with_key(ADDITIONAL_MODELS_KEY)
 
         def make_room():  # every card full: what load_models_gpu does before the next stage

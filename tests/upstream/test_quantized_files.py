@@ -135,7 +135,7 @@ def test_quantized_layers_are_served_from_the_base_as_they_are(upstream, tmp_pat
     same layer outputs bit for bit; an unload / reload cycle reads nothing from disk."""
     from comfy.multidevice.weights.checkpoint import total_bytes_read
     from comfy.multidevice.weights.read_only import is_read_only
-    from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
+    from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
     state = convrot_state_dict("int8") if fmt == "convrot_int8" else quantized_state_dict(upstream, fmt)
     model = load(upstream, state, tmp_path, fmt)
     primary = model.model.diffusion_model
@@ -169,7 +169,7 @@ def test_a_lora_on_a_quantized_layer_is_patched_from_the_base_as_comfyui_patches
     patched copy counts as the replica's own bytes, and unload / reload reads nothing from disk."""
     import comfy.model_management
     from comfy.multidevice.weights.checkpoint import total_bytes_read
-    from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
+    from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
     model = load(upstream, quantized_state_dict(upstream, "int8_tensorwise"), tmp_path, "int8")
     patched = model.clone()
     key = "diffusion_model.blocks.0.attn.qkv_proj.weight"

@@ -40,9 +40,9 @@ def sample(model, seed=0, steps=STEPS, positive=None):
 
 def node_dit(model, world):
     """The DiT as the node's role plan sets it up (roles/dit.py), on `world` CPU ranks."""
-    from comfy.multidevice.roles.dit import _sequence_parallel_dit
+    from comfy.multidevice.roles.dit import sequence_parallel_dit
     coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60)
-    return coord, _sequence_parallel_dit(model, coord.devices, coord)
+    return coord, sequence_parallel_dit(model, coord.devices, coord)
 
 
 @pytest.mark.parametrize("world", [2, 4])

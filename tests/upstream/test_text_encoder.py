@@ -54,10 +54,10 @@ def encode(clip):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_text_encoder_tensor_parallel_matches_one_card(upstream, tiny_clip, world):
-    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.roles.apply import tensor_parallel_text_encoder
     reference = encode(tiny_clip)
     with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
-        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        parallel = tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
         assert parallel is not tiny_clip
         split = parallel.cond_stage_model.qwen3vl_32b.transformer.model
         assert type(split).__name__ == "TensorParallelDecoder", type(split)  # really split, not kept on one card
@@ -73,8 +73,8 @@ def test_text_encoder_shards_hold_no_embedding_table(upstream, tiny_clip, world)
     """Upstream's SDClipModel embeds the tokens itself (get_input_embeddings) and passes `embeds`,
     so no shard copies the vocabulary table, before or after an encode; the embedding stays the
     CLIP's own. Bytes per card: exactly what planned_shard_bytes computed before the split."""
-    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
-    from comfy.multidevice.tp.layers import weight_bytes
+    from comfy.multidevice.roles.apply import tensor_parallel_text_encoder
+    from comfy.multidevice.tensor_bytes import storage_bytes
     from comfy.multidevice.tp.shard import planned_shard_bytes
 
     language_model = tiny_clip.cond_stage_model.qwen3vl_32b.transformer.model
@@ -83,7 +83,7 @@ def test_text_encoder_shards_hold_no_embedding_table(upstream, tiny_clip, world)
     assert tuple(table.shape) == (vocab, hidden) == (151936, 64)  # H3's real vocabulary, tiny width
     planned = planned_shard_bytes(language_model, world)
     with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
-        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        parallel = tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
         split = parallel.cond_stage_model.qwen3vl_32b.transformer.model
         for when in ("built", "after an encode"):
             for shard in split.shards:
@@ -91,7 +91,7 @@ def test_text_encoder_shards_hold_no_embedding_table(upstream, tiny_clip, world)
                 assert not any(vocab in shape for shape in sizes), (when, sizes)
             if when == "built":
                 encode(parallel)
-        per_card = [weight_bytes(s) for s in split.shards]
+        per_card = [storage_bytes(s) for s in split.shards]
         assert split.embed_tokens is language_model.embed_tokens  # the CLIP's own, on its card
     assert per_card == planned == split.shard_bytes
     # a shard that copied the table would hold table.nbytes more (39 MB here in fp32, against
@@ -103,17 +103,17 @@ def test_memory_plan_counts_what_upstreams_clip_and_the_shards_hold(upstream, ti
     rank r's shard, and on rank 0's card what upstream's CLIP patcher counts for the new CLIP
     (ModelPatcher.model_size: the embedding, the vision tower, no language-model layers; its
     clone() would hand over the whole encoder's cached size, so the split resets it)."""
-    from comfy.multidevice.roles.apply import _tensor_parallel_text_encoder
+    from comfy.multidevice.roles.apply import tensor_parallel_text_encoder
     from comfy.multidevice.roles.memory_plan import text_encoder_shares
     from comfy.multidevice.tp.clip import remove_tensor_parallel_text_encoder
-    from comfy.multidevice.tp.layers import weight_bytes
+    from comfy.multidevice.tensor_bytes import storage_bytes
 
     world = 4
     planned = text_encoder_shares(tiny_clip, world)
     with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=60) as coord:
-        parallel = _tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
+        parallel = tensor_parallel_text_encoder(tiny_clip, coord.devices, coord)
         split = parallel.cond_stage_model.qwen3vl_32b.transformer.model
-        built = [weight_bytes(s) for s in split.shards]
+        built = [storage_bytes(s) for s in split.shards]
         counted_by_comfyui = parallel.patcher.model_size()
         remove_tensor_parallel_text_encoder(parallel)
         assert parallel.patcher.model_size() == tiny_clip.patcher.model_size()  # whole again

@@ -42,9 +42,9 @@ def tiny_vae(upstream):
 
 
 def parallel_vae(vae, world):
-    from comfy.multidevice.roles.apply import _chunked_video_vae
+    from comfy.multidevice.roles.apply import chunked_video_vae
     coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=120)
-    return coord, _chunked_video_vae(vae, coord.devices, coord.devices[0], coord)
+    return coord, chunked_video_vae(vae, coord.devices, coord.devices[0], coord)
 
 
 @pytest.mark.parametrize("latent_frames", [1, 2, 7, 12])

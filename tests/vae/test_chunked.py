@@ -9,7 +9,7 @@ Feathered windows are checked for exactness where windows agree, and for continu
 import pytest
 import torch
 
-from comfy.multidevice.weights.replicas import replica_on
+from comfy.multidevice.weights.module_copies import replica_on
 from comfy.multidevice.vae.chunked import (ChunkedDecode, H3ChunkSchedule, ParallelDecodeError, feather_weights, feather_windows, feathered_decode, linear_blend, with_parallel_decode)
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from tests.small_vaes import TinyCausalDecoder, TinyCausalVideoVAE

@@ -21,7 +21,7 @@ import comfy.multidevice.weights.checkpoint as sc
 from comfy.multidevice.weights.aimdo_mapping import FILE_SLICE_ATTRIBUTE, MMAP_REFS_ATTRIBUTE, find_loader_mappings
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint, clear_shared_checkpoints, total_bytes_read
 from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
-from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
+from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 from tests.weights.aimdo_standin import StandInModelMMAP, file_mappings, loader_state_dict
 from tests.weights.weight_cases import bit_equal, fake_patcher, sample_tensors, tiny_reference, write
 

@@ -382,7 +382,8 @@ def test_a_quantized_layer_patch_runs_once_on_its_owner_and_the_gather_is_exact(
     patched block bit for bit; the base stays unpatched; an unload drops the patched copies
     without patching anything again."""
     pytest.importorskip("torch.testing._internal.two_tensor")
-    from comfy.multidevice.weights.block_shards import block_tensors, tensor_nbytes
+    from comfy.multidevice.tensor_bytes import tensor_nbytes
+    from comfy.multidevice.weights.block_shards import block_tensors
     world, template = 3, _PackedTower()
     state = {n: t.clone() for n, t in template.state_dict().items()}
     base = SharedCheckpoint.from_state_dict(state, copy=True, label="packed tower")
@@ -430,7 +431,7 @@ def test_a_quantized_layer_patch_runs_once_on_its_owner_and_the_gather_is_exact(
 
 def test_quantized_layer_tensors_take_layer_patches_only():
     pytest.importorskip("torch.testing._internal.two_tensor")
-    from comfy.multidevice.weights.replicas import QuantizedPatchError
+    from comfy.multidevice.weights.patches import QuantizedPatchError
     template = _PackedTower(blocks=1)
     base = SharedCheckpoint.from_state_dict(template.state_dict(), copy=True, label="packed tower")
     reps = RankReplicas(base, ["cpu"], template=template, load=False)

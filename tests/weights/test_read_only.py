@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.weights.checkpoint import CheckpointError, SharedCheckpoint, clear_shared_checkpoints
+from comfy.multidevice.weights.safetensors_header import CheckpointError
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint, clear_shared_checkpoints
 from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
 from comfy.multidevice.weights.replicas import RankReplica
 from tests.weights.weight_cases import THREAD_LIMIT_S, tiny_reference, write

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.weights.replicas import (RankReplica, RankReplicas, comfy_diffusion_model_replicas, model_stage_unload, offload_components, release_cached_device_memory)
+from comfy.multidevice.weights.replicas import RankReplica, RankReplicas
+from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
+from comfy.multidevice.weights.offload import model_stage_unload, offload_components, release_cached_device_memory
 from comfy.multidevice.weights.read_only import is_read_only
 from comfy.multidevice.weights.checkpoint import (SharedCheckpoint, total_bytes_read)
 from tests.weights.weight_cases import (THREAD_LIMIT_S, TinyNet, bit_equal, fake_patcher, sample_tensors, tiny_reference, write)

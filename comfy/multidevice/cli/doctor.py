@@ -29,13 +29,17 @@ import time
 
 import torch
 
-from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.cards import auto_kind, DEVICE_KINDS, DeviceInventory, visible_device_names
 from comfy.multidevice.cli.options import integer, max_cpu_ranks, seconds
+from comfy.multidevice.comm import torch_dist as multinode
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.comm.hccl import HCCL_DEFAULT_LIBRARY, HCCL_FUNCTIONS, HCCL_PATH_ENV
+from comfy.multidevice.comm.nccl import NCCL_DEFAULT_LIBRARY, NCCL_FUNCTIONS, NCCL_PATH_ENV
 from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_environment,
-                                             MAX_TIMEOUT_S, MULTI_DEVICE_ENV_VARS, SettingError,
-                                             VALID_BACKENDS)
-from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, auto_kind, DEVICE_KINDS,
-                                       DeviceInventory, visible_device_names, VISIBLE_DEVICES_ENV)
+                                             launched_by_torchrun, library_path, MAX_TIMEOUT_S,
+                                             MULTI_DEVICE_ENV_VARS, read_variables, read_visible_devices,
+                                             SettingError, VALID_BACKENDS, VISIBLE_DEVICES_ENV)
+from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS
 
 CPU_SELF_TEST_RANKS = 2
 # Variables shown even when unset; every other HCCL_* / NCCL_* variable is shown when set.
@@ -98,17 +102,13 @@ def devices_report() -> dict:
 
 
 def environment_report() -> dict:
-    env = {name: os.environ.get(name) for name in ENV_VARS}
-    env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
-    return env
+    return read_variables(ENV_VARS, ENV_PREFIXES)
 
 
 def probe_library(table, path_env: str, default_path: str) -> dict:
     """Load a collective library the way the backend would and list the symbols of its table."""
-    from comfy.multidevice.comm.ctypes_lib import library_path
-
     path = library_path(path_env, default_path)
-    entry = {"path": path, "path_from": path_env if os.environ.get(path_env) else "default",
+    entry = {"path": path, "path_from": path_env if read_variables([path_env])[path_env] else "default",
              "loaded": False, "usable": False, "error": None, "symbols": {}, "missing_required": []}
     try:
         lib = ctypes.CDLL(path)
@@ -132,9 +132,6 @@ def probe_library(table, path_env: str, default_path: str) -> dict:
 
 
 def backends_report() -> dict:
-    from comfy.multidevice.comm.nccl import NCCL_DEFAULT_LIBRARY, NCCL_FUNCTIONS, NCCL_PATH_ENV
-    from comfy.multidevice.comm.hccl import HCCL_DEFAULT_LIBRARY, HCCL_FUNCTIONS, HCCL_PATH_ENV
-
     hccl = probe_library(HCCL_FUNCTIONS, HCCL_PATH_ENV, HCCL_DEFAULT_LIBRARY)
     hccl["all_gather_v"] = bool(hccl["symbols"].get("HcclAllGatherV"))
     uneven = "HcclAllGatherV" if hccl["all_gather_v"] else "one HcclBroadcast per rank"
@@ -190,7 +187,7 @@ def self_test_devices(kind: str, count: int | None, devices: dict) -> list[str]:
 
 def _visible_text(kind: str) -> str:
     name = VISIBLE_DEVICES_ENV[kind]
-    value = os.environ.get(name)
+    value = read_visible_devices()[name]
     return f"{name}={value}" if value is not None else f"{name} unset"
 
 
@@ -236,8 +233,6 @@ def self_test(devices: list[str], backend: str, timeout_s: float) -> dict:
 
 def distributed_self_test(device_kind: str, timeout_s: float) -> dict:
     """Under torchrun: one rank per process over torch.distributed; never raises."""
-    from comfy.multidevice.comm import torch_dist as multinode
-
     result = {"mode": "torch.distributed", "ok": False, "error": None}
     start = time.perf_counter()
     comm = None
@@ -265,8 +260,6 @@ def distributed_self_test(device_kind: str, timeout_s: float) -> dict:
 
 def collect_report(device_kind: str = "auto", count: int | None = None, backend: str | None = None,
                    timeout_s: float = 60.0) -> dict:
-    from comfy.multidevice.comm.torch_dist import launched_by_torchrun
-
     report = {"ok": False, "reason": None, "platform": platform_report(), "versions": versions_report()}
     report["devices"] = devices_report()
     report["backends"] = backends_report()

@@ -29,21 +29,24 @@ from typing import Callable
 
 import torch
 
+from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names
 from comfy.multidevice.cli.machine_load import LoadMeter
+from comfy.multidevice.cli.options import finite_number, folder, folder_problem, integer, max_cpu_ranks
+from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.cli.options import (finite_number, folder,
-                                           folder_problem, integer, max_cpu_ranks)
-from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, SettingError,
+from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, read_variables, SettingError,
                                              VALID_BACKENDS)
-from comfy.multidevice.comm.types import BackendUnavailable
-from comfy.multidevice.devices import (auto_kind, available_memory_bytes, copy_for_rank, probe_devices,
-                                       visible_device_names)
-from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig,
+from comfy.multidevice.devices import available_memory_bytes, copy_for_rank
+from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig, MiniatureH3Model,
                                             read_miniature_config, save_miniature)
+from comfy.multidevice.sp.cost_model import choose_sp_mode, DiTShape, forward_traffic, h3_targets
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
-from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES
+from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES, SPMode
+from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.read_only import start_dispatch_warm_up
+from comfy.multidevice.weights.replicas import RankReplicas
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
     g.add_argument("--sp-overlap", type=integer, default=1, metavar="CHUNKS",
                    help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
                         "attention (default 1: no overlap)")
-    g.add_argument("--dit-weights", choices=["replicate", "shard"], default="replicate",
+    g.add_argument("--dit-weights", choices=list(APPLIED_DIT_WEIGHT_MODES), default="replicate",
                    help="replicate = a full DiT on every rank; shard = each rank keeps 1/N of the "
                         "block weights and gathers a block just before it runs, the same result "
                         "with less memory per card (default %(default)s)")
@@ -213,7 +216,6 @@ def estimated_memory_bytes(settings: "RunSettings") -> tuple[int, int, int]:
     """(bytes, tokens, parameters): the model three times (built, saved file in the page cache,
     loaded base) plus one fp32 forward's working set over all tokens and the K/V every rank
     gathers. An estimate to catch sizes that cannot fit, not a measurement."""
-    from comfy.multidevice.miniature.h3 import MiniatureH3Model
     cfg = settings.config
     with torch.device("meta"):  # counts the parameters, allocates nothing
         params = sum(p.numel() for p in MiniatureH3Model(cfg, dtype=settings.dtype).parameters())
@@ -244,7 +246,6 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
         if getattr(args, name) < (1 if name == "text_tokens" else 0):
             raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
     try:
-        from comfy.multidevice.sp.strategies import SPMode  # the --sp-mode / --sp-overlap combination
         SPMode(args.sp_mode, overlap_chunks=args.sp_overlap)
     except ValueError as exc:
         raise DryRunError(f"--sp-mode {args.sp_mode} --sp-overlap {args.sp_overlap}: {exc}") from exc
@@ -339,10 +340,6 @@ def build_replicas(path: Path, devices: list[str]) -> Replicas:
     Through comfy/multidevice/weights/: one read-only base in RAM, and each rank's hot cache
     built from it (a zero-copy view of the base on a CPU rank, a device copy elsewhere).
     """
-    from comfy.multidevice.miniature.h3 import MiniatureH3Model
-    from comfy.multidevice.weights.replicas import RankReplicas
-    from comfy.multidevice.weights.checkpoint import SharedCheckpoint
-
     config, dtype = read_miniature_config(path)
     base = SharedCheckpoint.open(path)
     read_before = base.bytes_read
@@ -457,7 +454,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         coord = SequenceParallelCoordinator(settings.devices, backend=args.backend)
     except (BackendUnavailable, ValueError) as exc:
         where = (f"--backend {args.backend}" if args.backend is not None
-                 else f"environment variable {BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r}")
+                 else f"environment variable {BACKEND_ENV}={read_variables([BACKEND_ENV])[BACKEND_ENV] or ''!r}")
         print(f"minimax_h3_parallel.py run: {where}: {exc}", file=sys.stderr)
         return 2
     try:
@@ -504,7 +501,6 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
             + f", sp mode {args.sp_mode}")
         parts = ", ".join(f"{k} {n}" for k, n in latent_rows(settings).items())
         say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {tokens_per_rank}")
-        from comfy.multidevice.sp.strategies import SPMode
         # shard strips the ranks' copies: the reference gets its own (from the same base, no read)
         reference = (build_replicas(path, settings.devices[:1]).modules[0]
                      if args.dit_weights == "shard" else replicas[0])
@@ -550,7 +546,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
             raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
         byte_counts = coord.byte_counts()  # per rank, the whole sampling
     torch.set_num_threads(threads_before)  # the caller's setting again (MKL's is global)
-    sp_seconds = _steady(seconds)
+    sp_seconds = steady_seconds(seconds)
     bytes_per_step = max(exchanged) if exchanged else 0
     say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
@@ -569,7 +565,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     reference_threads = threads_before if ref_dev.startswith("cpu") else None
     if not args.no_reference:
         ref_latents, rs = sampled[1]
-        ref_seconds = _steady(rs)
+        ref_seconds = steady_seconds(rs)
         speedup = paired_speedup(rs, seconds)
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
         say(f"[speedup] {speedup:.2f}x = " + speedup_baseline(settings.devices, reference_threads))
@@ -615,7 +611,6 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
 
 def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str, int]:
     """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
-    from comfy.multidevice.sp.cost_model import DiTShape, choose_sp_mode, forward_traffic, h3_targets
     cfg = settings.config
     mode = settings.args.sp_mode
     if mode == "auto":
@@ -636,8 +631,9 @@ def _steady_steps(seconds: list[float]) -> list[float]:
     return seconds[1:] if len(seconds) > 1 else seconds
 
 
-def _steady(seconds: list[float]) -> float:
-    """Seconds per step: the median of the steady steps (one slow step under load moves a mean)."""
+def steady_seconds(seconds: list[float]) -> float:
+    """Seconds of one steady step: the median of the steps after the first (the first alone if
+    one); one slow step under load moves a mean, not this."""
     return statistics.median(_steady_steps(seconds))
 
 

@@ -23,10 +23,13 @@ import torch
 
 from comfy.multidevice.cli import dry_run as dry
 from comfy.multidevice.comm.settings import SettingError
-from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env, read_torchrun_env
+from comfy.multidevice.comm.settings import local_world_size, read_torchrun_env
+from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
+from comfy.multidevice.sp.strategies import SPMode
+from comfy.multidevice.weights.block_shards import ShardedBlockWeights
 from comfy.multidevice.weights.read_only import start_dispatch_warm_up
 
 
@@ -111,7 +114,6 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     replica, weights_source = _one_replica(path, device)
     reference, block_weights = replica, None
     if args.dit_weights == "shard":  # this process keeps its rank's share of the block weights
-        from comfy.multidevice.weights.block_shards import ShardedBlockWeights
         reference = _one_replica(path, device)[0] if comm.rank == 0 and not args.no_reference else None
         family = ShardedBlockWeights([replica if r == comm.rank else None for r in range(comm.world_size)],
                                      lambda m: m.blocks,  # H3 contract: the blocks are model.blocks
@@ -131,14 +133,13 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     x, context, kwargs = [z.to(device) for z in x], context.to(device), copy_for_rank(kwargs, torch.device(device))
     sigmas = dry.sigma_schedule(args.steps, cfg.sigma_shift_video)
     shards = []
-    from comfy.multidevice.sp.strategies import SPMode
     sp_mode = SPMode(args.sp_mode, getattr(args, "sp_overlap", 1))
 
     def rank_forward(latents, timestep, text, **kw):
         options: dict = {}  # a fresh copy per forward, as the thread fan-out makes
         # the set-up of the first forward is reused by every later one
         shards.append(install_rank_sequence_parallel(replica, comm, options, sp_mode,
-                                                     shard=shards[-1] if shards else None,
+                                                     setup=shards[-1] if shards else None,
                                                      block_weights=block_weights))
         return replica(latents, timestep, text, transformer_options=options, **kw)
 
@@ -146,7 +147,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     # together; the lead's reference then runs alone with all of them.
     all_threads = torch.get_num_threads()
     if device.type == "cpu":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local_world = local_world_size(world)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     rank_threads = torch.get_num_threads()
     received = []
@@ -166,7 +167,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
                            f"{tokens_per_rank[comm.rank]}")
     # Bytes all ranks together received per step (the thread run reports the same sum).
     bytes_per_step = int(comm.all_reduce(torch.tensor([float(max(received))]), "sum").item())
-    sp_seconds = dry._steady(seconds)
+    sp_seconds = dry.steady_seconds(seconds)
     say(f"[sampling] {world} processes: {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
 
@@ -194,7 +195,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
         ref_latents, rs = dry.euler_sample(
             reference, x, context, kwargs, sigmas, dry.Progress("reference on 1 device", args.steps,
                                                               not args.no_progress))
-        ref_seconds = dry._steady(rs)
+        ref_seconds = dry.steady_seconds(rs)
         diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
         scale = max(float(b.float().abs().max()) for b in ref_latents)
         report.update(max_abs_diff=diff, rel_diff=diff / scale if scale > 0 else diff,

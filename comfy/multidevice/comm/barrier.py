@@ -7,7 +7,7 @@ import logging
 import threading
 
 from comfy.multidevice.comm.settings import TIMEOUT_ENV
-from comfy.multidevice.comm.types import CollectiveAborted, CollectiveTimeout
+from comfy.multidevice.comm.errors import CollectiveAborted, CollectiveTimeout
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from comfy.multidevice.comm.types import (BackendUnavailable, CollectiveError, displacements, numel,
-                                          pack_peer_chunks, received_chunk_shapes, scratch,
-                                          sequence_major, unflatten_gathered, unpack_received)
+from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
+from comfy.multidevice.comm.layout import (displacements, numel, pack_peer_chunks, received_chunk_shapes,
+                                           scratch, sequence_major, unflatten_gathered, unpack_received)
+from comfy.multidevice.comm.settings import library_path
 from comfy.multidevice.devices import current_stream_handle, synchronize
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,6 @@ class CLibrary:
 
     def __getitem__(self, name: str):
         return self.functions[name]
-
-
-def library_path(env_var: str, default: str) -> str:
-    return os.environ.get(env_var) or default
 
 
 class CollectiveLibraryError(CollectiveError):
@@ -153,7 +149,11 @@ class FlatCollectiveBackend:
     """All-gather-V and all-reduce over flat buffers; subclasses issue the library calls."""
 
     name = "flat"
+    # capabilities (comm/protocol.py `Backend`); a subclass with a library all-to-all-V sets
+    # has_all_to_all_v (hccl: when the library has the symbol)
     reads_peer_memory = False  # the library moves the data; the stream orders it
+    has_all_to_all_v = False
+    prepares_all_to_all_v = True
 
     def __init__(self, coordinator):
         self.coordinator = coordinator
@@ -167,8 +167,8 @@ class FlatCollectiveBackend:
     def _all_reduce_flat(self, rank, send, recv, op, stream):
         raise NotImplementedError
 
-    # Optional: all-to-all-V on flat buffers (counts/displacements in elements, per peer).
-    has_all_to_all_v = False
+    # Optional: all-to-all-V on flat buffers (counts/displacements in elements, per peer),
+    # used when has_all_to_all_v is true.
 
     def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
                            recv_displs, stream):

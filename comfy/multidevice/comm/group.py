@@ -1,5 +1,8 @@
 """The coordinator: W rank threads in one process, the collectives between them, backend choice.
 
+Over 500 lines because its one job is one state machine: the rank threads, the barrier
+slots, the watchdog and the collectives read and write the same per-coordinator state.
+
 One process drives W devices ("ranks"), one persistent worker thread per rank.
 Collectives (`exchange` = all-gather-V, `all_to_all_v`, `all_reduce`) go through a backend:
   peer  - shared slots + barrier + each shard copied once into the output (always works)
@@ -30,19 +33,22 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comfy.multidevice.comm.barrier import AbortableBarrier
+from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
+                                           check_all_to_all_metadata, check_all_to_all_plans,
+                                           check_exchange_metadata, check_recv_splits, planned_metas)
+from comfy.multidevice.comm.errors import (BackendUnavailable, CollectiveAborted, CollectiveError,
+                                           CollectiveTimeout)
+from comfy.multidevice.comm.hccl import HcclBackend
+from comfy.multidevice.comm.layout import (chunk_shape, concat_received, normalize_dims, numel, pack_chunks,
+                                           planned_chunk_shapes, same_chunk_shape, ShardMeta)
+from comfy.multidevice.comm.nccl import NcclBackend
 from comfy.multidevice.comm.peer import PeerCopyBackend
-from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_timeout,
-                                             RUN_TIMEOUT_ENV, run_timeout_from_env, TIMEOUT_ENV,
-                                             timeout_from_env, VALID_BACKENDS)
-from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments,
-                                          all_to_all_traffic, BackendUnavailable,
-                                          check_all_reduce_metadata, check_all_to_all_metadata,
-                                          check_all_to_all_plans, check_exchange_metadata,
-                                          check_recv_splits, chunk_shape, CollectiveAborted,
-                                          CollectiveError, CollectiveTimeout, concat_received,
-                                          exchange_traffic, normalize_dims, numel, pack_chunks,
-                                          planned_chunk_shapes, planned_metas, same_chunk_shape, ShardMeta,
-                                          TrafficCounter, VALID_REDUCE_OPS)
+from comfy.multidevice.comm.protocol import Backend, VALID_REDUCE_OPS
+from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_timeout, RUN_TIMEOUT_ENV,
+                                             run_timeout_from_env, TIMEOUT_ENV, timeout_from_env,
+                                             VALID_BACKENDS)
+from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_traffic, exchange_traffic,
+                                            TrafficCounter)
 from comfy.multidevice.devices import resolve_device, set_thread_device, synchronize
 
 log = logging.getLogger(__name__)
@@ -78,14 +84,12 @@ def _raise_comfy_interrupt(module) -> None:
     raise module.InterruptProcessingException()  # the flag was already cleared by someone else
 
 
-def _open_backend(name: str, coordinator: "SequenceParallelCoordinator"):
+def _open_backend(name: str, coordinator: "SequenceParallelCoordinator") -> Backend:
     if name == "peer":
         return PeerCopyBackend(coordinator)
     if name == "hccl":
-        from comfy.multidevice.comm.hccl import HcclBackend
         return HcclBackend(coordinator)
     if name == "nccl":
-        from comfy.multidevice.comm.nccl import NcclBackend
         return NcclBackend(coordinator)
     raise ValueError(f"unknown backend {name!r}; valid values: {', '.join(VALID_BACKENDS)}")
 
@@ -471,9 +475,9 @@ class SequenceParallelCoordinator:
         if self.world_size == 1:
             return tensors[0] if single else tensors
         plan = check_recv_splits(recv_splits, self.world_size)
-        native = getattr(self.backend, "has_all_to_all_v", hasattr(self.backend, "all_to_all_v"))
+        native = self.backend.has_all_to_all_v
         options = {}
-        if plan is not None and native and hasattr(self.backend, "prepare_all_to_all_v"):
+        if plan is not None and native and self.backend.prepares_all_to_all_v:
             # the shapes are known from the plan: a library backend makes its buffers before
             # the ranks meet, and they meet once (the plan is checked before any library call;
             # one that does not even fit this rank's own chunk is left to that check)
@@ -592,3 +596,11 @@ class SequenceParallelCoordinator:
             self.close()
         except Exception:
             pass
+
+
+def prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelCoordinator:
+    """A second coordinator over `coordinator`'s cards, with its backend and timeout: the lane
+    on which sharded DiT weights gather block i+1 while `coordinator` runs block i
+    (weights/block_shards.py). The caller closes it (or keeps it, roles/apply.py)."""
+    return SequenceParallelCoordinator(coordinator.devices, backend=coordinator.backend_name,
+                                       timeout_s=coordinator.timeout_s)

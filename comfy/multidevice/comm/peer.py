@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from comfy.multidevice.comm.types import concat_received, gathered_shape, numel, scratch
+from comfy.multidevice.comm.layout import concat_received, gathered_shape, numel, scratch
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,10 @@ class PeerCopyBackend:
     """
 
     name = "peer"
+    # capabilities (comm/protocol.py `Backend`)
     reads_peer_memory = True
+    has_all_to_all_v = True
+    prepares_all_to_all_v = False
 
     def __init__(self, coordinator):
         self.coordinator = coordinator

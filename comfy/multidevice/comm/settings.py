@@ -1,10 +1,19 @@
-"""The multi-device environment variables: the collective backend, its timeouts, the weight base.
+"""Every environment variable the package reads: parsed and checked here, and only here.
+
+Ours:
 
 COMFYUI_MULTI_DEVICE_BACKEND       auto | hccl | nccl | peer (default auto)
 COMFYUI_MULTI_DEVICE_TIMEOUT_S     seconds a rank waits for the others at a collective (default 600)
 COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S seconds a coordinator's run() lets pass with no rank returning
                                    and none reaching a collective (default 3600)
 COMFYUI_MULTI_DEVICE_WEIGHT_BASE   map | pin: how a checkpoint's read-only base is held (default map)
+
+Set by torchrun for each process it starts: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT (checked, TorchrunEnvError) and LOCAL_WORLD_SIZE.
+
+Read, not checked (other programs own them): the visible-devices variables of each card kind
+(ASCEND_RT_VISIBLE_DEVICES, ASCEND_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES), a collective
+library's path override (HCCL_SO_PATH, NCCL_SO_PATH), and what the doctor shows.
 
 Every bad value raises SettingError worded as an environment-variable error: the variable, the
 value, what is wrong and what to set instead. The command line and the node call these same
@@ -17,6 +26,8 @@ import logging
 import math
 import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +38,13 @@ WEIGHT_BASE_ENV = "COMFYUI_MULTI_DEVICE_WEIGHT_BASE"
 VALID_BACKENDS = ("auto", "hccl", "nccl", "peer")
 MULTI_DEVICE_ENV_VARS = (BACKEND_ENV, TIMEOUT_ENV, RUN_TIMEOUT_ENV, WEIGHT_BASE_ENV)
 WEIGHT_BASE_MODES = ("map", "pin")  # read-only shared mapping (default) | anonymous RAM
+# The variable that decides which physical cards a process sees, per kind (and Ascend's
+# container-level one, shown beside it).
+VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
+ASCEND_VISIBLE_DEVICES_ENV = "ASCEND_VISIBLE_DEVICES"
+# torchrun sets these for every process it starts (and LOCAL_WORLD_SIZE, the processes per machine).
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 
 
 DEFAULT_TIMEOUT_S = 600.0  # a rank may load weights for minutes before its first collective
@@ -129,3 +147,73 @@ def check_environment(backend: bool = True) -> None:
     timeout_from_env()
     run_timeout_from_env()
     weight_base_from_env()
+
+
+def read_variables(names=(), prefixes: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """The values of `names` (None where unset) and of every set variable whose name starts
+    with one of `prefixes`: what the doctor and the device inventory report, as they are."""
+    values = {name: os.environ.get(name) for name in names}
+    if prefixes:
+        values.update({k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)})
+    return values
+
+
+def read_visible_devices() -> dict[str, str | None]:
+    """Every visible-devices variable, by name (None where unset)."""
+    return read_variables(sorted({*VISIBLE_DEVICES_ENV.values(), ASCEND_VISIBLE_DEVICES_ENV}))
+
+
+def library_path(env_var: str, default: str) -> str:
+    """A collective library's path: the variable `env_var` when set and not empty, else `default`."""
+    return os.environ.get(env_var) or default
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+class TorchrunEnvError(SettingError):
+    """The torchrun environment variables are missing or malformed."""
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True when this process was started by torchrun (its rank variables are set)."""
+    environ = os.environ if environ is None else environ
+    return all(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def read_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+    environ = os.environ if environ is None else environ
+    missing = [name for name in TORCHRUN_ENV if not environ.get(name)]
+    if missing:
+        raise TorchrunEnvError(
+            f"environment variable(s) {', '.join(missing)} not set: start this program with "
+            "torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), "
+            "or set them yourself")
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        text = environ[name].strip()
+        if not (text.isascii() and text.isdigit()):  # int() would also take "٣", "1_0", "-1"
+            raise TorchrunEnvError(f"environment variable {name}={environ[name]!r} is not an integer "
+                                   "(the digits 0-9); torchrun sets it, or set it yourself")
+        values[name] = int(text)
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
+        raise TorchrunEnvError(f"environment variable RANK={values['RANK']} must be in [0, "
+                               f"WORLD_SIZE={values['WORLD_SIZE']}); give each process its own rank")
+    if not 0 < values["MASTER_PORT"] < 65536:
+        raise TorchrunEnvError(f"environment variable MASTER_PORT={values['MASTER_PORT']} is not a "
+                               "TCP port; use a free port from 1 to 65535")
+    return TorchrunEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
+                       environ["MASTER_ADDR"], values["MASTER_PORT"])
+
+
+def local_world_size(default: int) -> int:
+    """The processes torchrun started on this machine (LOCAL_WORLD_SIZE), else `default`."""
+    return int(os.environ.get(LOCAL_WORLD_SIZE_ENV, default))

@@ -1,5 +1,8 @@
 """A torch.distributed communicator: one rank per process, on one machine or several.
 
+Over 500 lines because each collective needs its gloo and its nccl/hccl path side by side
+(the same metadata exchange and checks, two transfer plans); split, they would share private state.
+
 `DistributedComm` has the per-rank interface of `comfy.multidevice.RankComm` (`rank`,
 `world_size`, `device`, `exchange`, `all_to_all_v`, `all_reduce`, `barrier`,
 `byte_counts`), so model code written against RankComm runs unchanged when each rank is
@@ -23,28 +26,27 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
-from comfy.multidevice.comm.settings import check_timeout, SettingError, timeout_from_env
-from comfy.multidevice.comm.types import (all_reduce_traffic, all_to_all_arguments, all_to_all_bytes,
-                                          check_all_reduce_metadata, check_all_to_all_metadata,
-                                          check_all_to_all_plans, check_exchange_metadata,
-                                          check_recv_splits, chunk_shape, chunks_back_to_back,
-                                          CollectiveError, displacements, exchange_traffic, normalize_dims,
-                                          numel, pack_chunks, pack_peer_chunks, planned_chunk_shapes,
-                                          planned_metas, received_chunk_shapes, scratch, sequence_major,
-                                          ShardMeta, TrafficCounter, unflatten_gathered, VALID_REDUCE_OPS)
-from comfy.multidevice.devices import (accelerator_api, ACCELERATOR_KINDS, resolve_device,
-                                       set_thread_device)
+from comfy.multidevice.comm.settings import check_timeout, read_torchrun_env, timeout_from_env, TorchrunEnvError
+from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
+                                           check_all_to_all_metadata, check_all_to_all_plans,
+                                           check_exchange_metadata, check_recv_splits, planned_metas)
+from comfy.multidevice.comm.errors import CollectiveError
+from comfy.multidevice.comm.layout import (chunk_shape, chunks_back_to_back, displacements, normalize_dims,
+                                           numel, pack_chunks, pack_peer_chunks, planned_chunk_shapes,
+                                           received_chunk_shapes, scratch, sequence_major, ShardMeta,
+                                           unflatten_gathered)
+from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
+from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_bytes, exchange_traffic,
+                                            TrafficCounter)
+from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS, resolve_device, set_thread_device
 
 log = logging.getLogger(__name__)
 
-# torchrun sets these for every process it starts.
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DIST_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 # Stable codes for dtypes in the shape messages ranks exchange (index in this tuple).
@@ -53,50 +55,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 # Stable codes for the collective each rank entered (sent with the shapes), so ranks that
 # call different collectives get one clear error instead of mismatched library calls.
 _OPS = ("barrier", "exchange", "all_to_all_v", "all_reduce sum", "all_reduce max")
-
-
-class TorchrunEnvError(SettingError):
-    """The torchrun environment variables are missing or malformed."""
-
-
-@dataclass(frozen=True)
-class TorchrunEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-
-def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
-    """True when this process was started by torchrun (its rank variables are set)."""
-    environ = os.environ if environ is None else environ
-    return all(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def read_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
-    environ = os.environ if environ is None else environ
-    missing = [name for name in TORCHRUN_ENV if not environ.get(name)]
-    if missing:
-        raise TorchrunEnvError(
-            f"environment variable(s) {', '.join(missing)} not set: start this program with "
-            "torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), "
-            "or set them yourself")
-    values = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        text = environ[name].strip()
-        if not (text.isascii() and text.isdigit()):  # int() would also take "٣", "1_0", "-1"
-            raise TorchrunEnvError(f"environment variable {name}={environ[name]!r} is not an integer "
-                                   "(the digits 0-9); torchrun sets it, or set it yourself")
-        values[name] = int(text)
-    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
-        raise TorchrunEnvError(f"environment variable RANK={values['RANK']} must be in [0, "
-                               f"WORLD_SIZE={values['WORLD_SIZE']}); give each process its own rank")
-    if not 0 < values["MASTER_PORT"] < 65536:
-        raise TorchrunEnvError(f"environment variable MASTER_PORT={values['MASTER_PORT']} is not a "
-                               "TCP port; use a free port from 1 to 65535")
-    return TorchrunEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
-                       environ["MASTER_ADDR"], values["MASTER_PORT"])
 
 
 def default_device(local_rank: int) -> torch.device:

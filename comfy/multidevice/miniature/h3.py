@@ -1,5 +1,8 @@
 """A small MiniMax-H3-shaped DiT, written here, for tests and the dry run.
 
+Over 500 lines because it mirrors one upstream model file: every part of the contract below
+(embeddings, blocks, final layer, wrappers) lives in the model, as upstream's does.
+
 It follows the contract of upstream ComfyUI's `MiniMaxH3Model` (written down in
 docs/ARCHITECTURE.md) closely enough that the sequence-parallel adapter cannot tell the
 two apart:

@@ -32,12 +32,19 @@ from typing import Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
-from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.comm.group import prefetch_lane, SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import backend_from_env
 from comfy.multidevice.devices import resolve_device
-from comfy.multidevice.roles.dit import _place_dit, _sequence_parallel_dit
-from comfy.multidevice.roles.plan import (RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS,
-                                          TENSOR_PARALLEL)
+from comfy.multidevice.roles.dit import place_dit, sequence_parallel_dit
+from comfy.multidevice.roles.model_management import manage_decoder_copies, manage_tensor_parallel_shards
+from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
+from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
+from comfy.multidevice.sp.minimax_h3 import CHECKED_UPSTREAM, contract_problems, OLD_COMFYUI_PROBLEM
+from comfy.multidevice.tp.clip import (check_tensor_parallel_clip, language_model_of, language_model_patches,
+                                       tensor_parallel_clip)
+from comfy.multidevice.tp.layers import QuantizedWeightsError, TensorParallelError
+from comfy.multidevice.vae.chunked import H3ChunkInterface, with_parallel_decode
+from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +65,21 @@ def shared_coordinator(devices: Sequence[torch.device], backend: str | None = No
     "block weights", since its gathers run while the first is busy with the block.
     """
     name = backend_from_env(backend)
-    key = (tuple(str(d) for d in devices), name, purpose)
+    return _kept((tuple(str(d) for d in devices), name, purpose),
+                 lambda: SequenceParallelCoordinator(list(devices), backend=name))
+
+
+def shared_prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelCoordinator:
+    """The kept "block weights" coordinator beside `coordinator` (comm/group.py `prefetch_lane`)."""
+    return _kept((tuple(str(d) for d in coordinator.devices), coordinator.backend_name, "block weights"),
+                 lambda: prefetch_lane(coordinator))
+
+
+def _kept(key, make) -> SequenceParallelCoordinator:
     with _COORDINATORS_LOCK:
         coordinator = _COORDINATORS.get(key)
         if coordinator is None or coordinator.closed:
-            coordinator = SequenceParallelCoordinator(list(devices), backend=name)
-            _COORDINATORS[key] = coordinator
+            coordinator = _COORDINATORS[key] = make()
         return coordinator
 
 
@@ -76,8 +92,6 @@ def close_shared_coordinators() -> None:
 
 def _language_model(clip):
     """The CLIP's language model, or None when the CLIP has another layout."""
-    from comfy.multidevice.tp.layers import TensorParallelError
-    from comfy.multidevice.tp.clip import language_model_of
     try:
         return language_model_of(clip)
     except TensorParallelError:
@@ -91,9 +105,6 @@ def text_encoder_split_problem(clip, world_size: int) -> str | None:
     for one card), stays on one card; any other obstacle (a CLIP LoRA, heads that cannot be
     split) is raised, since it needs the user's decision.
     """
-    from comfy.multidevice.tp.layers import QuantizedWeightsError
-    from comfy.multidevice.tp.clip import check_tensor_parallel_clip
-
     if _language_model(clip) is None:
         return f"{type(clip).__name__} has no Llama/Qwen language model layout"
     try:
@@ -103,8 +114,8 @@ def text_encoder_split_problem(clip, world_size: int) -> str | None:
     return None
 
 
-def _has_chunk_interface(vae) -> bool:
-    from comfy.multidevice.vae.chunked import H3ChunkInterface
+def has_chunk_interface(vae) -> bool:
+    """Whether the VAE's first-stage model exposes what H3's temporal-chunk decode needs."""
     return H3ChunkInterface.supports(getattr(vae, "first_stage_model", None))
 
 
@@ -123,8 +134,6 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
         raise RolePlanError("video_vae and audio_vae are the same VAE: connect the video VAE loader to "
                             "video_vae and the audio VAE loader to audio_vae.")
     if plan.dit.mode == SEQUENCE_PARALLEL:
-        from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
-        from comfy.multidevice.sp.minimax_h3 import CHECKED_UPSTREAM, contract_problems, OLD_COMFYUI_PROBLEM
         problems = contract_problems(dit_module(model))
         blocked = unsupported_control_patches(block_patches_of(model))
         if blocked:
@@ -153,9 +162,6 @@ def check_inputs(plan, model, clip, video_vae, audio_vae) -> None:
 
 def _check_text_encoder_split(clip, n: int) -> None:
     """text_encoder_split_problem's refusals in the node's words (the same exception types)."""
-    from comfy.multidevice.tp.clip import language_model_patches
-    from comfy.multidevice.tp.layers import TensorParallelError
-
     if _language_model(clip) is not None and language_model_patches(clip):
         raise TensorParallelError(
             f"the clip input carries a CLIP LoRA ({len(language_model_patches(clip))} patched "
@@ -186,9 +192,8 @@ def _place_clip(clip, device):
     return out
 
 
-def _tensor_parallel_text_encoder(clip, devices, coordinator):
-    from comfy.multidevice.tp.clip import tensor_parallel_clip
-
+def tensor_parallel_text_encoder(clip, devices, coordinator):
+    """The text encoder's role on several cards: a new CLIP whose decoder is split over `devices`."""
     problem = text_encoder_split_problem(clip, len(devices))
     if problem is not None:
         log.warning("text encoder: not tensor parallel, it runs on %s only: %s", devices[0], problem)
@@ -200,7 +205,6 @@ def _tensor_parallel_text_encoder(clip, devices, coordinator):
         log.info("text encoder: load device %s -> %s", patcher.load_device, devices[0])
         patcher.load_device = devices[0]
     try:
-        from comfy.multidevice.roles.model_management import manage_tensor_parallel_shards
         manage_tensor_parallel_shards(out)  # out has a patcher of its own (a clone's)
     except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
         pass
@@ -210,7 +214,8 @@ def _tensor_parallel_text_encoder(clip, devices, coordinator):
 
 # ----------------------------------------------------------------------------- VAEs
 
-def _place_vae(vae, device, what):
+def place_vae(vae, device, what):
+    """A VAE on one card: a shallow copy whose device is `device` (`what` names it in the log)."""
     out = copy.copy(vae)
     if getattr(out, "device", device) != device:
         patcher = getattr(out, "patcher", None)
@@ -222,19 +227,18 @@ def _place_vae(vae, device, what):
     return out
 
 
-def _chunked_video_vae(vae, devices, merge_device, coordinator):
-    from comfy.multidevice.vae.chunked import with_parallel_decode
-
-    if not _has_chunk_interface(vae):
+def chunked_video_vae(vae, devices, merge_device, coordinator):
+    """The video VAE's role on several cards: a copy whose decode runs in chunks on `devices`
+    and merges on `merge_device` (one card when the VAE has no chunk interface)."""
+    if not has_chunk_interface(vae):
         log.warning("video VAE: %s has no temporal chunk interface; it decodes on %s only",
                     type(vae.first_stage_model).__name__, merge_device)
-        return _place_vae(vae, merge_device, "video VAE")
-    out = _place_vae(vae, merge_device, "video VAE")
+        return place_vae(vae, merge_device, "video VAE")
+    out = place_vae(vae, merge_device, "video VAE")
     runner = coordinator if list(coordinator.devices) == list(devices) else None
     out.first_stage_model = with_parallel_decode(vae.first_stage_model, devices, runner=runner,
                                                  merge_device=merge_device)
     try:
-        from comfy.multidevice.roles.model_management import manage_decoder_copies
         manage_decoder_copies(out.first_stage_model.parallel_decode)
     except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
         pass
@@ -255,7 +259,7 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     `dit_weights`: "replicate" or "shard" for a sequence-parallel DiT (roles/memory_plan.py
     resolves the node's "auto").
     """
-    if dit_weights not in ("replicate", "shard"):
+    if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
         raise RolePlanError(f"dit_weights={dit_weights!r}: apply_role_plan takes 'replicate' or 'shard'")
     devices = [resolve_device(d) for d in devices]  # 'npu:i' needs torch_npu: imported here
     if len(devices) != plan.n_cards:
@@ -273,21 +277,20 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
         raise RolePlanError(f"the coordinator runs on {coordinator.devices}, the plan on {devices}")
 
     if plan.dit.mode == SEQUENCE_PARALLEL:
-        lane = (shared_coordinator(cards(plan.dit), coordinator.backend_name, purpose="block weights")
-                if dit_weights == "shard" else None)
-        out_model = _sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)
+        lane = shared_prefetch_lane(coordinator) if dit_weights == "shard" else None
+        out_model = sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)
     else:
-        out_model = _place_dit(model, cards(plan.dit)[0])
+        out_model = place_dit(model, cards(plan.dit)[0])
 
     if plan.video_vae.mode == TEMPORAL_CHUNKS:
         merge = devices[plan.video_vae.merge_card or 0]
-        out_video = _chunked_video_vae(video_vae, cards(plan.video_vae), merge, coordinator)
+        out_video = chunked_video_vae(video_vae, cards(plan.video_vae), merge, coordinator)
     else:
-        out_video = _place_vae(video_vae, cards(plan.video_vae)[0], "video VAE")
-    out_audio = _place_vae(audio_vae, cards(plan.audio_vae)[0], "audio VAE")
+        out_video = place_vae(video_vae, cards(plan.video_vae)[0], "video VAE")
+    out_audio = place_vae(audio_vae, cards(plan.audio_vae)[0], "audio VAE")
 
     if plan.text_encoder.mode == TENSOR_PARALLEL:
-        out_clip = _tensor_parallel_text_encoder(clip, cards(plan.text_encoder), coordinator)
+        out_clip = tensor_parallel_text_encoder(clip, cards(plan.text_encoder), coordinator)
     else:
         out_clip = _place_clip(clip, cards(plan.text_encoder)[0])
     return out_model, out_clip, out_video, out_audio

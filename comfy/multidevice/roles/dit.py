@@ -12,8 +12,15 @@ import torch
 from comfy.multidevice.comfy_objects import dit_module, is_model_patcher
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.progress import CardProgress
+from comfy.multidevice.roles.dit_shards import sharded_primary
+from comfy.multidevice.roles.model_management import register_with_model
 from comfy.multidevice.roles.plan import RolePlanError
-from comfy.multidevice.weights.replicas import replica_on
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel, enable_sequence_parallel_on_patcher
+from comfy.multidevice.tensor_bytes import module_bytes
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
+from comfy.multidevice.weights.module_copies import replica_on
+from comfy.multidevice.weights.replicas import RankReplicas
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,6 @@ class DitReplicas:
         self._copy_version = None
         self._progress = None  # over the replica builds, made at the first one
         try:
-            from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
             self.base_replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
         except Exception as exc:  # any reason the base cannot serve: the copy path always can
             self.base_problem = f"{type(exc).__name__}: {exc}"
@@ -89,7 +95,7 @@ class DitReplicas:
         if index not in self._copies:
             start = time.monotonic()
             self._copies[index] = replica_on(source, device)
-            self._built(index, sum(t.nbytes for t in self._copies[index].state_dict().values()),
+            self._built(index, module_bytes(self._copies[index]),
                         "copied from the loaded model", start)
         return self._copies[index]
 
@@ -110,7 +116,7 @@ class DitReplicas:
                 dropped += self.base_replicas[i].unload()
             copy = self._copies.pop(i, None)
             if copy is not None:
-                dropped += sum(t.nbytes for t in copy.state_dict().values())
+                dropped += module_bytes(copy)
         if index is None:
             self._copy_version = None
         return dropped
@@ -124,7 +130,7 @@ class DitReplicas:
         """Bytes rank `index`'s replica takes on its card."""
         if self.uses_base():
             return self.base_replicas[index].device_bytes
-        return sum(t.nbytes for t in dit_module(self.primary).state_dict().values())
+        return module_bytes(dit_module(self.primary))
 
     def card_copies(self) -> list:
         """One CardCopy per card, for ComfyUI's model management (roles/model_management.py)."""
@@ -180,7 +186,7 @@ def _refuse_partially_loaded(module) -> None:
             f"MultiNPUParallelConfig after the LoRA loader so replicas come from the checkpoint base")
 
 
-def _place_dit(model, device, what="DiT"):
+def place_dit(model, device, what="DiT"):
     """Single-card DiT: a clone whose load device is `device` (patcher) / the module on it."""
     if is_model_patcher(model):
         out = model.clone()
@@ -195,9 +201,6 @@ def _place_dit(model, device, what="DiT"):
 
 def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) -> list:
     """Rank replicas of a plain DiT module from a shared base over its own weights (zero-copy)."""
-    from comfy.multidevice.weights.replicas import RankReplicas
-    from comfy.multidevice.weights.checkpoint import SharedCheckpoint
-
     home = module_device(model)
     if home is not None and home.type != "cpu":  # a base lives in CPU memory
         return [model if d == home else replica_on(model, d) for d in devices]
@@ -208,16 +211,15 @@ def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) ->
     return [first] + [r.module for r in others]
 
 
-def _sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", lane=None):
-    from comfy.multidevice.sp.minimax_h3 import (enable_sequence_parallel, enable_sequence_parallel_on_patcher)
-
+def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", lane=None):
+    """The DiT's role on several cards: a MODEL (or bare module) set up for sequence parallel
+    over `devices`, its per-card weights replicated or sharded as `dit_weights` says."""
     if not is_model_patcher(model):  # a plain DiT module (tests, the dry run)
         models = _module_replicas(model, devices)
         if dit_weights == "shard" and models[0] is model:  # sharding strips rank 0's copy, not the input
             models[0] = replica_on(model, devices[0])
         return enable_sequence_parallel(models, coordinator, dit_weights=dit_weights)
     if dit_weights == "shard":  # roles/dit_shards.py: every card, card 0 included, holds a shard
-        from comfy.multidevice.roles.dit_shards import sharded_primary
         primary, shards = sharded_primary(model, devices, coordinator, lane=lane)
         enable_sequence_parallel_on_patcher(primary, coordinator, shards.entries(),
                                             block_weights=lambda: shards.family)
@@ -238,7 +240,6 @@ def _sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate",
 
 def _register_with_model_management(model_patcher, copies) -> None:
     try:
-        from comfy.multidevice.roles.model_management import register_with_model
         register_with_model(model_patcher, copies)
     except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
         pass

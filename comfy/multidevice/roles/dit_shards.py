@@ -28,9 +28,11 @@ from typing import Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import dit_module
+from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.roles.plan import RolePlanError
-from comfy.multidevice.weights.block_shards import (BlockShardPlan, ShardedBlockWeights, block_tensors,
-                                                    tensor_nbytes)
+from comfy.multidevice.weights.block_shards import block_tensors, BlockShardPlan, ShardedBlockWeights
+from comfy.multidevice.tensor_bytes import tensor_nbytes
+from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,6 @@ class DitShards:
 
     def __init__(self, primary, devices: Sequence[torch.device], coordinator, prefetch: bool = True,
                  lane=None):
-        from comfy.multidevice.weights.replicas import comfy_diffusion_model_replicas
-
         self.devices = list(devices)
         self.coordinator = coordinator
         self.prefetch = prefetch
@@ -77,9 +77,7 @@ class DitShards:
         in_blocks = {m for n in self._block_names for m in replica.loaded_with(n)}
         self._shared_names = [n for n in names if n not in in_blocks]
         # bytes every card holds outside the blocks (embeddings, refiner, final layer)
-        self.shared_bytes = sum(t.numel() * replica._target_dtype(n, t).itemsize
-                                for n, t in ((n, replica._base_tensor(n)) for n in replica._groups)
-                                if not n.startswith("blocks."))
+        self.shared_bytes = sum(replica.device_nbytes(n) for n in replica.sources if not n.startswith("blocks."))
         self.family: ShardedBlockWeights | None = None
         self._lock = threading.RLock()  # rank threads resolve their DiT at once; ComfyUI evicts between prompts
         self.output_model = None  # the BaseModel ComfyUI loads for rank 0 (sharded_primary)
@@ -97,7 +95,7 @@ class DitShards:
             full = f"blocks.{index}.{name}"
             flattenable = hasattr(type(value), "__tensor_flatten__")  # e.g. a QuantizedTensor
             sizes[name] = (tensor_nbytes(value) if flattenable
-                           else value.numel() * replica._target_dtype(full, value).itemsize)
+                           else value.numel() * replica.target_dtype(full, value).itemsize)
         return sizes
 
     def keep_names(self, rank: int) -> list[str]:
@@ -116,9 +114,7 @@ class DitShards:
                 replica.load(self.keep_names(rank), only=True)
             lane, own_lane = self.lane, False
             if lane is None and self.prefetch and len(self.devices) > 1:
-                from comfy.multidevice.comm.group import SequenceParallelCoordinator
-                lane, own_lane = SequenceParallelCoordinator(
-                    self.devices, backend=self.coordinator.backend_name, timeout_s=self.coordinator.timeout_s), True
+                lane, own_lane = prefetch_lane(self.coordinator), True
             self.family = ShardedBlockWeights([r.module for r in self.replicas], _blocks, self.devices,
                                               lane=lane if self.prefetch else None, own_lane=own_lane,
                                               timeout_s=self.coordinator.timeout_s, plan=self.plan)

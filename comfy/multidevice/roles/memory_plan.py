@@ -28,11 +28,15 @@ from dataclasses import dataclass, field
 
 from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import available_memory_bytes, free_memory_bytes
+from comfy.multidevice.roles.apply import has_chunk_interface, text_encoder_split_problem
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
 from comfy.multidevice.sp.attention_budget import FREE_SHARE, shares_host_memory
 from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
-from comfy.multidevice.weights.block_shards import (BlockShardPlan, DIT_WEIGHT_MODES, block_tensors,
-                                                    tensor_nbytes)
+from comfy.multidevice.tensor_bytes import module_bytes
+from comfy.multidevice.tp.clip import language_model_of
+from comfy.multidevice.tp.shard import planned_shard_bytes, TensorParallelDecoder
+from comfy.multidevice.weights.block_shards import block_tensors, BlockShardPlan, DIT_WEIGHT_MODES
+from comfy.multidevice.tensor_bytes import tensor_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -51,35 +55,23 @@ class MemoryPlanError(RolePlanError):
         self.table = table
 
 
-def _bytes(module) -> int:
-    if module is None:
-        return 0
-    try:
-        return sum(t.nbytes for t in module.state_dict().values())
-    except Exception:  # not a module: nothing to count
-        return 0
-
-
 def _clip_bytes(clip) -> int:
     patcher = getattr(clip, "patcher", None)
     size = getattr(patcher, "model_size", None)
     if callable(size):
         return int(size())
-    return _bytes(getattr(clip, "cond_stage_model", None))
+    return module_bytes(getattr(clip, "cond_stage_model", None))
 
 
 def text_encoder_shares(clip, world: int) -> list[dict]:
     """Per tensor-parallel rank, {item: bytes} of the text encoder it will hold (rank 0's card is
     the CLIP's load card). The caller has checked that the CLIP splits over `world` ranks."""
-    from comfy.multidevice.tp.clip import language_model_of
-    from comfy.multidevice.tp.shard import planned_shard_bytes, TensorParallelDecoder
-
     found = language_model_of(clip)
     decoder = found.source_decoder if isinstance(found, TensorParallelDecoder) else found
     # what ComfyUI loads for the CLIP once its language model is the fan-out module: everything
     # but the language model, plus the embedding the fan-out module keeps
-    own = (_bytes(clip.cond_stage_model) - _bytes(found)
-           + _bytes(getattr(found, "embed_tokens", None)))
+    own = (module_bytes(clip.cond_stage_model) - module_bytes(found)
+           + module_bytes(getattr(found, "embed_tokens", None)))
     shares = [{"shard": n} for n in planned_shard_bytes(decoder, world)]
     shares[0]["CLIP module"] = own
     return shares
@@ -255,7 +247,7 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
              for d in devices]
     dit = dit_module(model)
-    dit_bytes = _bytes(dit)
+    dit_bytes = module_bytes(dit)
     shape = dit_shape_of(dit)
     dit_cards = list(plan.dit.cards)
     world = len(dit_cards) if plan.dit.mode == SEQUENCE_PARALLEL else 1
@@ -272,7 +264,6 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     else:
         for c in dit_cards:
             cards[c].stages["DiT"] = {"weights": dit_bytes, "activations": act}
-    from comfy.multidevice.roles.apply import _has_chunk_interface, text_encoder_split_problem
 
     te_cards = list(plan.text_encoder.cards)
     if plan.text_encoder.mode == TENSOR_PARALLEL and text_encoder_split_problem(clip, len(te_cards)) is None:
@@ -280,10 +271,10 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
             cards[c].stages["text encoder"] = share
     else:  # one card, or an encoder that stays on card 0 (apply.py says why in the log)
         cards[te_cards[0]].stages["text encoder"] = {"weights": _clip_bytes(clip)}
-    video = _bytes(getattr(video_vae, "first_stage_model", None))
-    audio = _bytes(getattr(audio_vae, "first_stage_model", None))
+    video = module_bytes(getattr(video_vae, "first_stage_model", None))
+    audio = module_bytes(getattr(audio_vae, "first_stage_model", None))
     video_cards = list(plan.video_vae.cards)
-    if plan.video_vae.mode == TEMPORAL_CHUNKS and not _has_chunk_interface(video_vae):
+    if plan.video_vae.mode == TEMPORAL_CHUNKS and not has_chunk_interface(video_vae):
         video_cards = [plan.video_vae.merge_card or 0]  # it decodes on the merge card only
     for c in video_cards:
         cards[c].stages.setdefault("VAE decode", {})["video VAE"] = video

@@ -25,6 +25,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from comfy.multidevice.tp.clip import language_model_of
+
 log = logging.getLogger(__name__)
 
 ADDITIONAL_MODELS_KEY = "multidevice_card_copies"  # not upstream's "multigpu": its scheduler reads that
@@ -239,7 +241,6 @@ def manage_tensor_parallel_shards(clip) -> list:
     sliced again from the kept decoder, 0 bytes from disk). `clip` must be a CLIP of its own,
     not one sharing its patcher with another CLIP (tensor_parallel_clip makes such a copy).
     Returns the patchers (ranks 0..W-1; none for a CLIP that ComfyUI does not manage)."""
-    from comfy.multidevice.tp.clip import language_model_of
     if not is_managed_by_comfyui(clip.patcher):
         return []
     decoder = language_model_of(clip)

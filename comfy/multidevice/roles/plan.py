@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from comfy.multidevice.devices import check_card_count, SUPPORTED_CARD_COUNTS
+from comfy.multidevice.cards import check_card_count, SUPPORTED_CARD_COUNTS
 
 log = logging.getLogger(__name__)
 

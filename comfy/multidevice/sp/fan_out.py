@@ -6,7 +6,7 @@ once on the caller's thread, as on one card, whatever order they were added in; 
 model's own forward runs on every rank concurrently through a coordinator, with per-rank copies
 of the inputs and of `transformer_options`, and rank 0's result is returned.
 
-Per-rank code only uses the per-rank communicator interface (comm/types.py `Communicator`), so
+Per-rank code only uses the per-rank communicator interface (comm/protocol.py `Communicator`), so
 it runs unchanged over the in-process coordinator or the torch.distributed communicator.
 """
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from comfy.multidevice.sp.plan import ShardPlan, take_rows
-from comfy.multidevice.weights.replicas import ReplicaCache
+from comfy.multidevice.weights.module_copies import ReplicaCache
 
 
 def _has_control_api(patch) -> bool:

@@ -1,5 +1,8 @@
 """Sequence parallelism for the MiniMax-H3 DiT (upstream `MiniMaxH3Model` or the miniature).
 
+Over 500 lines because the adapter's parts (contract check, block replacements, the
+rank-local final layer, the three entry points) all act on one per-rank set-up.
+
 Every rank holds a full replica of the DiT and runs the whole forward (embedding, text refiner,
 final layer) but computes the transformer blocks on 1/W of the packed token sequence:
 
@@ -41,6 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
+from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
@@ -49,6 +53,7 @@ from comfy.multidevice.sp.fun_controlnet import (fun_control_patches, RankFunCon
 from comfy.multidevice.sp.plan import (gather_rows, gather_rows_to_root, SequenceParallelError,
                                        shard_sizes, ShardPlan, slice_mod_segments, take_rows)
 from comfy.multidevice.sp.strategies import make_kv_strategy
+from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES, ShardedBlockWeights
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +91,13 @@ def contract_problems(model: Any) -> list[str]:
     # H3 contract: a block's forward takes `attention`, which replaces its attention module.
     # ComfyUI v0.33.0 ships H3 blocks without it: there every rank would silently attend to
     # its own rows only, so such a model is refused here, before anything is set up.
-    elif not all(_takes_attention_argument(b) for b in blocks):
+    elif not all(takes_attention_argument(b) for b in blocks):
         problems.append(OLD_COMFYUI_PROBLEM)
     return problems
 
 
-def _takes_attention_argument(block) -> bool:
+def takes_attention_argument(block) -> bool:
+    """Whether a block's forward takes `attention` (H3 contract; v0.33.0's blocks do not)."""
     try:
         return "attention" in inspect.signature(block.forward).parameters
     except (TypeError, ValueError):  # no introspectable signature: cannot tell, so refuse
@@ -124,7 +130,7 @@ def _require_support(model: Any, what: str) -> None:
 
 # ----------------------------------------------------------------------------- one rank
 
-class H3RankShard:
+class H3RankSetup:
     """One rank's sequence-parallel set-up, made once and reused by every forward.
 
     Made once: the K/V strategy (an `auto` choice is made on the first call and kept), the
@@ -156,7 +162,7 @@ class H3RankShard:
     def tokens(self) -> int | None:
         return None if self.plan is None else self.plan.length
 
-    def install(self, model, transformer_options: dict) -> "H3RankShard":
+    def install(self, model, transformer_options: dict) -> "H3RankSetup":
         """Set up one forward: edits `transformer_options` (the rank's own copy) in place."""
         if model is not self.model:
             _require_support(model, f"rank {self.comm.rank}'s model")
@@ -271,7 +277,7 @@ class H3RankShard:
             local = final(x, t_emb, *(_local_span(seg, plan) for seg in segs), *rest, **kwargs)
             return tuple(_output_rows(comm, rows, seg, to_root) for rows, seg in zip(local, segs))
 
-        _arm_rank_local_final_layer(self.model.final_layer, h_local, rank_local)
+        arm_rank_local_final_layer(self.model.final_layer, h_local, rank_local)
 
     def _attention(self, index):
         # H3 contract: the block's attention module is model.blocks[i].attn; it projects,
@@ -303,7 +309,7 @@ _FINAL_ARM_LOCK = threading.Lock()
 _PENDING = "_multidevice_rank_local_final"  # the final layer's {thread id: (h, call)} while armed
 
 
-def _arm_rank_local_final_layer(final, h_local, call) -> None:
+def arm_rank_local_final_layer(final, h_local, call) -> None:
     """The next `final(h_local, ...)` from this thread runs `call(final, ...)` instead; any other
     call (another thread's, another `x`) runs the layer's own forward. The instance override is
     removed when no thread has one armed, so a copy of the model made later carries none."""
@@ -351,29 +357,29 @@ def _output_rows(comm, rows: torch.Tensor, seg, to_root: bool) -> torch.Tensor:
 
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
-                                   sp_mode=None, shard: H3RankShard | None = None,
-                                   block_weights=None) -> H3RankShard:
+                                   sp_mode=None, setup: H3RankSetup | None = None,
+                                   block_weights=None) -> H3RankSetup:
     """Set up one rank for one forward: exchanging attention + block replacements.
 
-    Edits `transformer_options` (the rank's own copy) and returns the rank's shard state. Pass
-    the shard of the previous forward as `shard` to reuse its set-up (one process per rank
+    Edits `transformer_options` (the rank's own copy) and returns the rank's set-up. Pass
+    the set-up of the previous forward as `setup` to reuse it (one process per rank
     calling its own forward every step). `comm` is any per-rank `Communicator`. Every rank gets
     the full output (each process samples on with its own).
     `block_weights`: this rank's `RankBlockWeights` for dit_weights="shard" (a
-    weights/block_shards.py family holding this process's rank), used by a new shard.
+    weights/block_shards.py family holding this process's rank), used by a new set-up.
     """
-    if shard is None:
-        shard = H3RankShard(comm, sp_mode, block_weights, final_rows_to="all")
-    return shard.install(model, transformer_options)
+    if setup is None:
+        setup = H3RankSetup(comm, sp_mode, block_weights, final_rows_to="all")
+    return setup.install(model, transformer_options)
 
 
-class _RankShards:
-    """The `prepare_rank` of a fan-out: each rank's H3RankShard, made on its first forward."""
+class _RankSetups:
+    """The `prepare_rank` of a fan-out: each rank's H3RankSetup, made on its first forward."""
 
     def __init__(self, sp_mode, block_weights=None):
         self.sp_mode = sp_mode
         self.block_weights = block_weights  # ShardedBlockWeights of all ranks, or None
-        self.shards: dict[int, H3RankShard] = {}  # each rank thread writes its own key
+        self.setups: dict[int, H3RankSetup] = {}  # each rank thread writes its own key
 
     def _family(self):
         # a family, or a callable that returns the current one (remade after an unload)
@@ -381,14 +387,14 @@ class _RankShards:
         return weights() if callable(weights) else weights
 
     def __call__(self, rank, comm, model, transformer_options):
-        shard = self.shards.get(rank)
+        setup = self.setups.get(rank)
         family = self._family()
-        view = shard.block_weights if shard is not None else None
-        if shard is None or shard.comm is not comm or (view.family if view else None) is not family:
+        view = setup.block_weights if setup is not None else None
+        if setup is None or setup.comm is not comm or (view.family if view else None) is not family:
             view = None if family is None else family.rank_view(rank)
             # only rank 0's result is used: the final rows go to rank 0 alone
-            shard = self.shards[rank] = H3RankShard(comm, self.sp_mode, view, final_rows_to="root")
-        return shard.install(model, transformer_options)
+            setup = self.setups[rank] = H3RankSetup(comm, self.sp_mode, view, final_rows_to="root")
+        return setup.install(model, transformer_options)
 
 
 def shard_dit_blocks(models: Sequence[torch.nn.Module], coordinator, prefetch: bool = True):
@@ -398,13 +404,7 @@ def shard_dit_blocks(models: Sequence[torch.nn.Module], coordinator, prefetch: b
     from it here. With `prefetch`, block i+1's gather runs on a second coordinator over the
     same cards (same backend) while block i computes.
     """
-    from comfy.multidevice.comm.group import SequenceParallelCoordinator
-    from comfy.multidevice.weights.block_shards import ShardedBlockWeights
-
-    lane = None
-    if prefetch and coordinator.world_size > 1:
-        lane = SequenceParallelCoordinator(coordinator.devices, backend=coordinator.backend_name,
-                                           timeout_s=coordinator.timeout_s)
+    lane = prefetch_lane(coordinator) if prefetch and coordinator.world_size > 1 else None
     # H3 contract: the transformer blocks are model.blocks[i].
     family = ShardedBlockWeights(models, lambda m: m.blocks, coordinator.devices, lane=lane,
                                  timeout_s=coordinator.timeout_s)
@@ -439,7 +439,7 @@ class SequenceParallelDiT:
         self.block_weights = (shard_dit_blocks(self.models, coordinator, prefetch)
                               if dit_weights == "shard" else None)
         self.fan_out = SequenceParallelFanOut(coordinator, self.models,
-                                              prepare_rank=_RankShards(sp_mode, self.block_weights))
+                                              prepare_rank=_RankSetups(sp_mode, self.block_weights))
 
     @property
     def world_size(self) -> int:
@@ -468,7 +468,7 @@ class SequenceParallelDiT:
 
 
 def _check_dit_weights(dit_weights: str) -> None:
-    if dit_weights not in ("replicate", "shard"):
+    if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown here: use 'replicate' (a full DiT "
                          "per rank) or 'shard' (1/W of the block weights per rank)")
 
@@ -524,7 +524,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     for r, rep in enumerate(entries):
         if rep is not None:
             _require_support(dit_module(rep), f"replica {r}")
-    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankShards(sp_mode, block_weights),
+    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankSetups(sp_mode, block_weights),
                                      resolve_model=dit_module)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from comfy.multidevice.comm.types import scratch
+from comfy.multidevice.comm.layout import scratch
 from comfy.multidevice.devices import accelerator_api, set_thread_device
 from comfy.multidevice.sp.attention_budget import attend_within_budget
 from comfy.multidevice.sp.cost_model import ulysses_degree

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from comfy.multidevice.tp.layers import TensorParallelError
-from comfy.multidevice.tp.shard import (_shallow_module_copy, build_tensor_parallel_decoder,
+from comfy.multidevice.tp.shard import (shallow_module_copy, build_tensor_parallel_decoder,
                                         check_decoder_split, prefixed_weights,
                                         TensorParallelDecoder)
 
@@ -173,10 +173,10 @@ def tensor_parallel_clip(clip, coordinator, weights: Mapping[str, torch.Tensor] 
     _checked_source(clip, coordinator)  # fail before copying anything
     new = clip.clone() if hasattr(clip, "clone") else copy.copy(clip)
     cond = clip.cond_stage_model
-    new_cond = _shallow_module_copy(cond) if isinstance(cond, nn.Module) else copy.copy(cond)
+    new_cond = shallow_module_copy(cond) if isinstance(cond, nn.Module) else copy.copy(cond)
     inner = getattr(cond, cond.clip)
-    new_inner = _shallow_module_copy(inner)
-    new_inner.transformer = _shallow_module_copy(inner.transformer)
+    new_inner = shallow_module_copy(inner)
+    new_inner.transformer = shallow_module_copy(inner.transformer)
     setattr(new_cond, cond.clip, new_inner)
     new.cond_stage_model = new_cond
     patcher = getattr(new, "patcher", None)

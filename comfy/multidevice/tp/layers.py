@@ -84,7 +84,8 @@ def width_shard(width: int, world_size: int, rank: int, what: str) -> tuple[int,
 
 # ----------------------------------------------------------------------------- slicing
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
+def detached(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a parameter (other tensors as they are)."""
     return tensor.detach() if isinstance(tensor, nn.Parameter) else tensor
 
 
@@ -95,7 +96,7 @@ def copy_rows(src: torch.Tensor, spans: list[tuple[int, int]], device) -> torch.
     new tensor of the slice size, so a read-only or memory-mapped source stays untouched
     and no full copy is made.
     """
-    src = _plain(src)
+    src = detached(src)
     rows = sum(count for _, count in spans)
     out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device=device)
     offset = 0
@@ -107,7 +108,7 @@ def copy_rows(src: torch.Tensor, spans: list[tuple[int, int]], device) -> torch.
 
 def copy_columns(src: torch.Tensor, start: int, count: int, device) -> torch.Tensor:
     """Columns [start, start+count) of a 2-D tensor as a fresh contiguous tensor on `device`."""
-    src = _plain(src)
+    src = detached(src)
     out = torch.empty((src.shape[0], count), dtype=src.dtype, device=device)
     out.copy_(src.narrow(1, start, count))
     return out
@@ -115,7 +116,7 @@ def copy_columns(src: torch.Tensor, start: int, count: int, device) -> torch.Ten
 
 def copy_whole(src: torch.Tensor, device) -> torch.Tensor:
     """A rank's own copy of a replicated tensor (never a view of the shared source)."""
-    src = _plain(src)
+    src = detached(src)
     out = torch.empty(src.shape, dtype=src.dtype, device=device)
     out.copy_(src)
     return out
@@ -123,7 +124,8 @@ def copy_whole(src: torch.Tensor, device) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- layers
 
-def _frozen(tensor: torch.Tensor | None):
+def frozen_parameter(tensor: torch.Tensor | None):
+    """`tensor` as a parameter that takes no gradient (None stays None)."""
     return None if tensor is None else nn.Parameter(tensor, requires_grad=False)
 
 
@@ -136,8 +138,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.weight = _frozen(weight)
-        self.bias = _frozen(bias)
+        self.weight = frozen_parameter(weight)
+        self.bias = frozen_parameter(bias)
         self.out_features, self.in_features = weight.shape
 
     @classmethod
@@ -163,8 +165,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm):
         super().__init__()
-        self.weight = _frozen(weight)
-        self.bias = _frozen(bias)
+        self.weight = frozen_parameter(weight)
+        self.bias = frozen_parameter(bias)
         self.out_features, self.in_features = weight.shape
         self.comm = comm
 
@@ -182,19 +184,3 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features(local)={self.in_features}, out_features={self.out_features}, all_reduce=sum"
-
-
-def weight_bytes(module: nn.Module) -> int:
-    """Bytes of memory held by a module's parameters and buffers (each storage counted once).
-
-    Counting storages, not tensor sizes, also catches a slice that keeps a whole source
-    tensor alive.
-    """
-    seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total

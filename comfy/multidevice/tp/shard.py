@@ -1,5 +1,8 @@
 """Tensor parallelism for Llama/Qwen-style decoders (MiniMax-H3's Qwen3-VL text encoder).
 
+Over 500 lines because the split of one decoder layout (attention, MLP, norms, embedding,
+the plan of its bytes and the fan-out) is one job whose parts share the head arithmetic.
+
 H3's text encoder (Qwen3-VL-32B cut to 50 layers, ~51.5 GB in BF16) does not fit on one
 card beside anything else. Split over W ranks, each rank holds about 1/W of it:
 
@@ -52,13 +55,13 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from comfy.multidevice.comm.types import numel
+from comfy.multidevice.comm.layout import numel
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.progress import CardProgress
-from comfy.multidevice.tp.layers import (_frozen, _plain, check_head_split, ColumnParallelLinear,
-                                         copy_whole, head_shard, QuantizedWeightsError,
-                                         RowParallelLinear, TensorParallelError, weight_bytes,
-                                         width_shard)
+from comfy.multidevice.tensor_bytes import storage_bytes
+from comfy.multidevice.tp.layers import (check_head_split, ColumnParallelLinear, copy_whole, detached,
+                                         frozen_parameter, head_shard, QuantizedWeightsError,
+                                         RowParallelLinear, TensorParallelError, width_shard)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ def _linear_weight_shape(module: nn.Module, where: str) -> tuple[int, int]:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise TensorParallelError(f"{where} has no 2-D weight (found {type(weight).__name__}); "
                                   "only plain dense linear layers can be split")
-    if not weight.is_floating_point() or type(_plain(weight)) is not torch.Tensor:
+    if not weight.is_floating_point() or type(detached(weight)) is not torch.Tensor:
         raise QuantizedWeightsError(
             f"{where}.weight is a {type(weight).__name__} of dtype {weight.dtype}; quantized or "
             "wrapped weights cannot be sliced for tensor parallel: use the bf16/fp16/fp32 "
@@ -236,7 +239,7 @@ class prefixed_weights(Mapping):
 
 # ----------------------------------------------------------------------------- sharding
 
-def _shallow_module_copy(module: nn.Module) -> nn.Module:
+def shallow_module_copy(module: nn.Module) -> nn.Module:
     """Same class and attributes, but its own parameter/buffer/child/hook containers, so
     assigning into the copy never changes the original."""
     new = copy.copy(module)
@@ -255,9 +258,9 @@ def _clone_structure(module: nn.Module, prefix: str, device, source: _WeightSour
     original is never modified. Children whose qualified name is in `skip` are left out
     (the caller installs parallel layers there).
     """
-    new = _shallow_module_copy(module)
+    new = shallow_module_copy(module)
     for name, param in module._parameters.items():
-        new._parameters[name] = None if param is None else _frozen(
+        new._parameters[name] = None if param is None else frozen_parameter(
             copy_whole(source.get(prefix + name), device))
     for name, buf in module._buffers.items():
         new._buffers[name] = None if buf is None else copy_whole(source.get(prefix + name), device)
@@ -419,7 +422,7 @@ def shard_decoder(decoder: nn.Module, comm, weights: Mapping[str, torch.Tensor] 
         if hasattr(config, "num_key_value_heads"):
             shard.config.num_key_value_heads = heads.kv_count
     log.debug("rank %d/%d: decoder shard built on %s, %d weight bytes", rank, world, device,
-              weight_bytes(shard))
+              storage_bytes(shard))
     return shard
 
 
@@ -479,7 +482,7 @@ class TensorParallelDecoder(nn.Module):
         self.shards = list(shards)  # a plain list: not registered as submodules
         self._source = [source]     # ditto: the single-device decoder, for remove/re-shard
         self._weights = weights     # what the shards were sliced from, to rebuild a dropped one
-        self.shard_bytes = [weight_bytes(s) for s in shards]
+        self.shard_bytes = [storage_bytes(s) for s in shards]
         # called on the caller's thread before each forward (roles/ loads the shards through
         # ComfyUI's model management there)
         self.before_forward = None
@@ -544,7 +547,7 @@ class TensorParallelDecoder(nn.Module):
 
         results = self.coordinator.run(run_shard, per_rank)
         # a call with token ids has made the shards copy the embedding: count it
-        self.shard_bytes = [weight_bytes(s) if s is not None else n for s, n in zip(shards, self.shard_bytes)]
+        self.shard_bytes = [storage_bytes(s) if s is not None else n for s, n in zip(shards, self.shard_bytes)]
         if out_device is None:
             return results[0]
         return copy_for_rank(results[0], out_device)
@@ -567,7 +570,7 @@ def build_tensor_parallel_decoder(decoder: nn.Module, coordinator,
     def build(rank, comm):
         start = time.monotonic()
         shard = shard_decoder(decoder, comm, weights)
-        progress.done(comm.device, weight_bytes(shard), "sliced from the loaded weights", start)
+        progress.done(comm.device, storage_bytes(shard), "sliced from the loaded weights", start)
         return shard
 
     shards = coordinator.run(build)

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.weights.replicas import ReplicaCache
+from comfy.multidevice.weights.module_copies import ReplicaCache
 
 log = logging.getLogger(__name__)
 

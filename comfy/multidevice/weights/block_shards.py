@@ -32,11 +32,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comfy.multidevice.devices import accelerator_api
+from comfy.multidevice.tensor_bytes import is_flattenable, tensor_leaves, tensor_nbytes
 
 log = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: every tensor starts aligned in the flat buffer, so `.view(dtype)` is legal
-DIT_WEIGHT_MODES = ("replicate", "shard", "auto")
+# dit_weights: "replicate" a full DiT per card, "shard" 1/W of the block weights per card; the
+# node's "auto" is resolved to one of the two by roles/memory_plan.py before a role applies it.
+APPLIED_DIT_WEIGHT_MODES = ("replicate", "shard")
+DIT_WEIGHT_MODES = (*APPLIED_DIT_WEIGHT_MODES, "auto")
 
 
 class BlockShardError(RuntimeError):
@@ -48,23 +52,6 @@ def _aligned(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- tensor layout
-
-def _flattenable(value: torch.Tensor) -> bool:
-    """A tensor subclass made of inner tensors (torch's __tensor_flatten__ protocol)."""
-    return hasattr(type(value), "__tensor_flatten__")
-
-
-def _leaves(value: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that make up `value` (its inner tensors for a flattenable subclass)."""
-    if _flattenable(value):
-        names, _ = value.__tensor_flatten__()
-        return [leaf for name in names for leaf in _leaves(getattr(value, name))]
-    return [value.detach()]
-
-
-def _nbytes(value: torch.Tensor) -> int:
-    return sum(leaf.numel() * leaf.element_size() for leaf in _leaves(value))
-
 
 @dataclass(frozen=True)
 class _LeafSpec:
@@ -85,10 +72,10 @@ class _TensorSpec:
     def __init__(self, name: str, value: torch.Tensor, is_parameter: bool):
         self.name = name
         self.is_parameter = is_parameter
-        self.leaves = [_LeafSpec(tuple(t.shape), t.dtype) for t in _leaves(value)]
+        self.leaves = [_LeafSpec(tuple(t.shape), t.dtype) for t in tensor_leaves(value)]
         self.nbytes = sum(leaf.nbytes for leaf in self.leaves)
         # other subclasses (e.g. our read-only base views) arrive as plain tensors, same values
-        self._rebuild = self._rebuild_fn(value) if _flattenable(value) else None
+        self._rebuild = self._rebuild_fn(value) if is_flattenable(value) else None
 
     @staticmethod
     def _rebuild_fn(value) -> Callable[[list[torch.Tensor]], torch.Tensor]:
@@ -98,7 +85,7 @@ class _TensorSpec:
         parts = []
         for name in names:
             sub = getattr(value, name)
-            parts.append((name, len(_leaves(sub)), _TensorSpec._rebuild_fn(sub) if _flattenable(sub) else None))
+            parts.append((name, len(tensor_leaves(sub)), _TensorSpec._rebuild_fn(sub) if is_flattenable(sub) else None))
         size, stride, cls = value.size(), value.stride(), type(value)
 
         def rebuild(leaves: list[torch.Tensor]) -> torch.Tensor:
@@ -110,7 +97,7 @@ class _TensorSpec:
         return rebuild
 
     def check(self, value: torch.Tensor, where: str) -> list[torch.Tensor]:
-        leaves = _leaves(value)
+        leaves = tensor_leaves(value)
         have = [_LeafSpec(tuple(t.shape), t.dtype) for t in leaves]
         if have != self.leaves:
             raise BlockShardError(
@@ -145,11 +132,6 @@ def _block_slots(block: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str
 def block_tensors(block: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a block holds, by the names the shards use (see _block_slots)."""
     return {name: _get(slot) for name, slot in _block_slots(block).items()}
-
-
-def tensor_nbytes(value: torch.Tensor) -> int:
-    """Bytes of a tensor, or of a flattenable subclass's inner tensors."""
-    return _nbytes(value)
 
 
 def _get(slot) -> torch.Tensor:
@@ -256,7 +238,7 @@ class ShardedBlockWeights:
                     raise ValueError(f"rank {r}'s block {i} has other tensors than rank {first}'s")
         if plan is None:  # the local models hold every tensor now: their sizes
             plan = BlockShardPlan.balanced(
-                [{n: _nbytes(_get(slot)) for n, slot in slots.items()} for slots in self._slots[first]],
+                [{n: tensor_nbytes(_get(slot)) for n, slot in slots.items()} for slots in self._slots[first]],
                 self.world_size)
         elif plan.world_size != self.world_size or len(plan.owner) != self.num_blocks:
             raise ValueError(f"the shard plan is for {plan.world_size} ranks and {len(plan.owner)} "

@@ -1,7 +1,7 @@
-"""Shared read-only checkpoint base and per-rank hot caches.
+"""Shared read-only checkpoint base: one read of a file per process, a registry of bases.
 
 A checkpoint is mapped (or, in pin mode, read) once per process; every rank's replica and
-every later reload is built from that one base in RAM.
+every later reload is built from that one base in RAM (the replicas: weights/replicas.py).
 
 Base
     SharedCheckpoint.open(path)      one per (real path, size, mtime_ns) per process, from a
@@ -31,25 +31,6 @@ Base
                                      page comes from disk at most once while the page cache
                                      keeps it; `pin` exists for when it would not); nothing for
                                      the data of an adopted mapping (upstream's loader mapped it).
-
-Hot caches
-    RankReplicas(base, devices, template=None)  one RankReplica per device: the rank's
-                                     device-resident copy of the template module's weights (or
-                                     of the base's tensors when there is no template), built from
-                                     RAM. On a CPU rank with the stored dtype the copy *is* the
-                                     base view (zero-copy).
-    RankReplicas.add_patches(deltas, strength)  additive weight patches (e.g. a Turbo LoRA
-                                     merged to deltas) keyed by parameter name, applied the same
-                                     way on every replica, now and after every reload.
-    model_stage_unload(stage)        drops device residency, keeps the base.
-    offload_components(*families)    unloads whole families and empties the device allocators'
-                                     caches (torch.npu / torch.cuda as present).
-
-ComfyUI (imported lazily; nothing here needs ComfyUI installed)
-    comfy_diffusion_model_replicas(model_patcher, devices, base=None)  per-device replicas of
-                                     a loaded MODEL's diffusion model from the shared base, with
-                                     the ModelPatcher's weight patches applied by ComfyUI's own
-                                     patch math; no second read of the file.
 """
 
 from __future__ import annotations
@@ -65,7 +46,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from comfy.multidevice.comm.settings import WEIGHT_BASE_ENV, WEIGHT_BASE_MODES, weight_base_from_env
+from comfy.multidevice.comm.settings import WEIGHT_BASE_ENV, weight_base_from_env
 from comfy.multidevice.weights.aimdo_mapping import (adopt, find_loader_mappings, LoaderMappingMismatch,
                                                      OWNER_NAME)
 from comfy.multidevice.weights.read_only import read_only_view, ReadOnlyMemory, ReadOnlyTensor
@@ -77,15 +58,6 @@ log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 64 << 20
 REUSE_MESSAGE = "Reusing shared checkpoint source"
-
-BASE_MODE_ENV = WEIGHT_BASE_ENV  # parsed and checked in comm/settings.py, with the other variables
-BASE_MODES = WEIGHT_BASE_MODES
-
-
-def base_mode_from_env(value: str | None = None) -> str:
-    """The base mode: `value` if given, else COMFYUI_MULTI_DEVICE_WEIGHT_BASE, else "map"."""
-    return weight_base_from_env(value)
-
 
 # ----------------------------------------------------------------------------- byte counter
 
@@ -178,7 +150,7 @@ def _map_read_only(handle, real: str, offset: int, nbytes: int) -> torch.Tensor:
         mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{real}: cannot map the checkpoint read-only ({exc}); set "
-                              f"{BASE_MODE_ENV}=pin to read it into RAM instead") from None
+                              f"{WEIGHT_BASE_ENV}=pin to read it into RAM instead") from None
     if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
         try:  # a read-ahead hint; the pages come in as the replicas are built
             mapping.madvise(mmap.MADV_WILLNEED)
@@ -221,7 +193,7 @@ def _read_into_ram(handle, real: str, nbytes: int) -> torch.Tensor:
     except RuntimeError as exc:
         raise RuntimeError(f"{real}: cannot allocate {nbytes} bytes of CPU memory for the pinned "
                            f"shared base ({exc}); free memory, use a smaller checkpoint, or unset "
-                           f"{BASE_MODE_ENV} to map the file instead") from exc
+                           f"{WEIGHT_BASE_ENV} to map the file instead") from exc
     buffer = memoryview(data.numpy()).cast("B")
     position = 0
     while position < len(buffer):
@@ -324,7 +296,7 @@ class SharedCheckpoint(Mapping):
         mapping matches our header, the base's views point into it: the file is not mapped a
         second time and only the header is read here.
         """
-        mode = base_mode_from_env(mode)
+        mode = weight_base_from_env(mode)
         shown = os.fspath(path)
         real = os.path.realpath(shown)
         try:

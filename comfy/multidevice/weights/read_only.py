@@ -1,5 +1,8 @@
 """Zero-copy tensor views of memory that must not be written.
 
+Over 500 lines because the guard is one mechanism on two torch levels (dispatch and
+torch-function) plus the pickling that must agree with both.
+
 torch has no read-only tensors. The views handed out by the shared checkpoint are a small
 tensor subclass, ReadOnlyTensor, and the storages they point into are registered as guarded
 (process-wide, for as long as their ReadOnlyMemory record lives). Writes are refused with

@@ -1,8 +1,9 @@
-"""Per-device copies of a module for multi-device stages that run one replica per card.
+"""Per-rank replicas: each rank's device-resident copy of a model's weights, built from the shared base.
 
-`replica_on(module, device)` copies a module with its parameters and buffers going straight
-to `device` (no whole-module CPU copy on the way). `ReplicaCache` hands out one module per
-device: the module itself on the device its weights live on, a cached copy on the others.
+`RankReplica` is one rank's hot cache (bound to the base in RAM until `load()`, back to it on
+`unload()`); `RankReplicas` is the family over all ranks, sharing one set of weight patches
+(weights/patches.py). Stage unload lives in weights/offload.py, the ComfyUI MODEL glue in
+weights/comfy_replicas.py.
 """
 
 from __future__ import annotations
@@ -10,142 +11,19 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from comfy.multidevice.devices import accelerator_api, module_device, resolve_device
-from comfy.multidevice.weights.block_shards import tensor_nbytes as _nbytes
-from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+from comfy.multidevice.devices import resolve_device
+from comfy.multidevice.tensor_bytes import tensor_nbytes
+from comfy.multidevice.weights.patches import (LayerPatchFunction, PatchFunction, QuantizedPatchError,
+                                               WeightPatches)
 from comfy.multidevice.weights.read_only import ReadOnlyTensor
 
 log = logging.getLogger(__name__)
-
-
-def replica_on(module: torch.nn.Module, device) -> torch.nn.Module:
-    """A copy of `module` whose parameters and buffers live on `device` (frozen parameters).
-
-    deepcopy is told up front what every tensor becomes, so each tensor is copied once,
-    source -> device, and everything else (structure, plain attributes) is copied as usual.
-    """
-    device = torch.device(device)
-    memo = {}
-    for p in module.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
-    for b in module.buffers():
-        memo[id(b)] = b.detach().to(device, copy=True)
-    return copy.deepcopy(module, memo)
-
-
-class ReplicaCache:
-    """One module per device: the module itself where its weights are, a cached copy elsewhere."""
-
-    def __init__(self, module, what: str = "module"):
-        self.module = module
-        self.what = what
-        self._copies: dict = {}
-
-    def get(self, device) -> torch.nn.Module:
-        device = torch.device(device)
-        home = module_device(self.module)
-        if home is None or home == device:
-            return self.module
-        key = str(device)
-        if key not in self._copies:
-            log.info("%s: building a replica on %s", self.what, device)
-            self._copies[key] = replica_on(self.module, device)
-        return self._copies[key]
-
-    def holds(self, device) -> bool:
-        """Whether get(device) returns without building anything."""
-        device = torch.device(device)
-        home = module_device(self.module)
-        return home is None or home == device or str(device) in self._copies
-
-    def copy_bytes(self, device) -> int:
-        """Bytes a copy on `device` takes (0 where the module itself serves)."""
-        device = torch.device(device)
-        home = module_device(self.module)
-        if home is None or home == device:
-            return 0
-        return sum(t.nbytes for t in (*self.module.parameters(), *self.module.buffers()))
-
-    def drop(self, device) -> int:
-        """Forget the copy on `device` (rebuilt by the next get); return its bytes."""
-        copy_ = self._copies.pop(str(torch.device(device)), None)
-        if copy_ is None:
-            return 0
-        return sum(t.nbytes for t in (*copy_.parameters(), *copy_.buffers()))
-
-    def clear(self) -> None:
-        self._copies.clear()
-
-
-# ----------------------------------------------------------------------------- patches
-
-PatchFunction = Callable[[str, torch.Tensor], torch.Tensor]
-# (name, replica module, device) -> the patched tensor for `name`, read from the module's layer
-LayerPatchFunction = Callable[[str, torch.nn.Module, torch.device], torch.Tensor]
-
-
-class WeightPatches:
-    """Weight patches keyed by tensor name, shared by a family of replicas.
-
-    Each name has an ordered list of entries: additive deltas (weight += strength * delta) or
-    functions fn(name, weight_fp32) -> patched weight (float32, or the dtype the function
-    computes in). Deltas are added in float32 on the replica's device; the result is cast back
-    with `cast(name, weight, dtype)` (default: .to(dtype)); the same operations in the same
-    order give the same weights on every replica.
-
-    A tensor of a quantized layer (see _holds_wrapped_tensor) has a layer patch instead: one
-    function that computes the patched tensor from the layer as its loader rebuilt it on the
-    replica's device (e.g. dequantize, add the LoRA, requantize with a fixed seed).
-    """
-
-    def __init__(self):
-        self._entries: dict[str, list[tuple[str, Any, float]]] = {}
-        self._layer: dict[str, LayerPatchFunction] = {}
-        self.version = 0
-        self.cast: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor] = (
-            lambda name, weight, dtype: weight.to(dtype))
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def names(self) -> list[str]:
-        return [*self._entries, *self._layer]
-
-    def layer_patch(self, name: str) -> LayerPatchFunction | None:
-        return self._layer.get(name)
-
-    def _add(self, name: str, kind: str, value: Any, strength: float) -> None:
-        self._entries.setdefault(name, []).append((kind, value, strength))
-
-    def _bump(self) -> None:
-        self.version += 1
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._layer.clear()
-        self._bump()
-
-    def apply(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """The patched weight as a new tensor on weight's device and dtype (weight is not changed)."""
-        work = weight.to(torch.float32, copy=True)
-        for kind, value, strength in self._entries.get(name, ()):
-            if kind == "delta":
-                if work.dtype != torch.float32:
-                    work = work.to(torch.float32)
-                work.add_(value.to(work.device, torch.float32), alpha=strength)
-            else:
-                # cast as the function returns it: ComfyUI's patch math returns its LoRA compute
-                # dtype, and its rounding to the stored dtype starts from that
-                work = value(name, work)
-        return self.cast(name, work, weight.dtype)
-
 
 # ----------------------------------------------------------------------------- hot caches
 
@@ -164,7 +42,7 @@ def _module_slots(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[str
     return slots
 
 
-def _holds_wrapped_tensor(module: torch.nn.Module) -> bool:
+def holds_wrapped_tensor(module: torch.nn.Module) -> bool:
     """True for a layer holding a tensor subclass that is stored as several plain tensors, e.g.
     ComfyUI's quantized layers: a QuantizedTensor weight whose state dict is its int8/fp8 data
     plus scales and a `comfy_quant` record, rebuilt by the layer's own _load_from_state_dict."""
@@ -175,10 +53,10 @@ def _holds_wrapped_tensor(module: torch.nn.Module) -> bool:
 
 def _loader_layers(template: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, list[str]]]:
     """prefix -> (layer, its state-dict names) for every layer whose weights only its own
-    loader can rebuild (see _holds_wrapped_tensor)."""
+    loader can rebuild (see holds_wrapped_tensor)."""
     layers = {}
     for path, sub in template.named_modules():
-        if _holds_wrapped_tensor(sub):
+        if holds_wrapped_tensor(sub):
             prefix = f"{path}." if path else ""
             layers[prefix] = (sub, [prefix + n for n in sub.state_dict(keep_vars=True)])
     return layers
@@ -218,7 +96,7 @@ class RankReplica:
         self.dtype = dtype
         self.patches = patches if patches is not None else WeightPatches()
         self.module: torch.nn.Module | None = None
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # held while the replica binds; the family holds it to refresh
         self._resident = False
         self._patch_version = -1
         self._bound: dict[str, torch.Tensor] = {}
@@ -258,7 +136,7 @@ class RankReplica:
         memo = {}
         for source, names in self._groups.items():
             original = declared[names[0]]
-            view = self._base_tensor(source)
+            view = self.base_tensor(source)
             memo[id(original)] = (torch.nn.Parameter(view, requires_grad=False)
                                   if isinstance(original, torch.nn.Parameter) else view)
         for layer, _ in template_loaders.values():
@@ -284,7 +162,7 @@ class RankReplica:
             # Non-persistent buffers (not in any checkpoint) keep a CPU copy as their "base".
             self._extra_buffers[name] = (owner, leaf, buf.to("cpu"))
             owner._buffers[leaf] = self._extra_buffers[name][2]
-        self._bound = {n: self._base_tensor(s) for s, names in self._groups.items() for n in names}
+        self._bound = {n: self.base_tensor(s) for s, names in self._groups.items() for n in names}
         for prefix in self._loaders:
             self._load_layer(prefix)
 
@@ -292,7 +170,7 @@ class RankReplica:
         missing = [self.prefix + s for s in self._groups if self.prefix + s not in self.base]
         if missing:
             raise ValueError(
-                f"{_label(self.base)} has no tensor {missing[0]!r} ({len(missing)} missing) needed by "
+                f"{base_label(self.base)} has no tensor {missing[0]!r} ({len(missing)} missing) needed by "
                 f"the replica for {self._where()}; check the prefix ({self.prefix!r}) and the checkpoint")
         if declared is None:
             return
@@ -301,13 +179,15 @@ class RankReplica:
                 continue  # a quantized layer's format record: its loader reads the file's own
             want, have = tuple(declared[names[0]].shape), tuple(self.base[self.prefix + source].shape)
             if want != have:
-                raise ValueError(f"{_label(self.base)}: tensor {self.prefix + source!r} has shape {have} "
+                raise ValueError(f"{base_label(self.base)}: tensor {self.prefix + source!r} has shape {have} "
                                  f"but the model expects {want}; the checkpoint does not fit this model")
 
-    def _base_tensor(self, name: str) -> torch.Tensor:
+    def base_tensor(self, name: str) -> torch.Tensor:
+        """The base's tensor for the replica name `name` (prefix + name in the base)."""
         return self.base[self.prefix + name]
 
-    def _target_dtype(self, name: str, base: torch.Tensor) -> torch.dtype:
+    def target_dtype(self, name: str, base: torch.Tensor) -> torch.dtype:
+        """The dtype tensor `name` (stored as `base`) takes on the device: the replica's dtype rule."""
         if isinstance(self.dtype, Mapping):
             return self.dtype.get(name, base.dtype)
         if self.dtype is not None and base.is_floating_point():
@@ -319,6 +199,26 @@ class RankReplica:
     def names(self) -> list[str]:
         """Tensor names of this replica (module state-dict names; tied names included)."""
         return [n for names in self._groups.values() for n in names]
+
+    @property
+    def sources(self) -> list[str]:
+        """One name per distinct tensor: the name each group of tied names is bound by."""
+        return list(self._groups)
+
+    def device_nbytes(self, source: str) -> int:
+        """Bytes the tensor `source` takes on the device once loaded (its target dtype)."""
+        base = self.base_tensor(source)
+        return base.numel() * self.target_dtype(source, base).itemsize
+
+    def quantized_layer(self, name: str) -> tuple[str, torch.nn.Module] | None:
+        """(prefix, layer) of the quantized layer whose loader rebuilds tensor `name`; None for
+        a tensor bound as it is."""
+        prefix = self._loader_of.get(name)
+        return None if prefix is None else (prefix, self._loaders[prefix][0])
+
+    def quantized_names(self) -> list[str]:
+        """Every tensor name that a quantized layer's loader rebuilds, sorted."""
+        return sorted(self._loader_of)
 
     @functools.cached_property
     def _source_of(self) -> dict[str, str]:
@@ -339,11 +239,7 @@ class RankReplica:
     def device_bytes(self) -> int:
         """Bytes the replica's weights take on its device once loaded (what a card must hold;
         fixed by the base and the dtypes, so computed once: ComfyUI asks for it often)."""
-        total = 0
-        for source in self._groups:
-            base = self._base_tensor(source)
-            total += base.numel() * self._target_dtype(source, base).itemsize
-        return total
+        return sum(self.device_nbytes(source) for source in self._groups)
 
     def loaded_with(self, name: str) -> list[str]:
         """The names rebuilt together with `name`: all of a quantized layer's state-dict names
@@ -353,12 +249,12 @@ class RankReplica:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors the replica is bound to now: device copies when resident, base views otherwise."""
-        with self._lock:
+        with self.lock:
             return dict(self._bound)
 
     # -- binding
     def _bind_base(self) -> None:
-        self._bind({s: self._base_tensor(s) for s in self._groups}, patch_layers=False)
+        self._bind({s: self.base_tensor(s) for s in self._groups}, patch_layers=False)
         self._owned.clear()
         self._layer_patched.clear()
 
@@ -393,7 +289,7 @@ class RankReplica:
         errors: list[str] = []
         layer._load_from_state_dict(state, prefix, {"assign_to_params_buffers": True}, True, [], [], errors)
         if errors:
-            raise ValueError(f"{_label(self.base)}: the layer {prefix[:-1]!r} could not be rebuilt on "
+            raise ValueError(f"{base_label(self.base)}: the layer {prefix[:-1]!r} could not be rebuilt on "
                              f"{self._where()}: {errors[0]}")
         layer.requires_grad_(False)
         for name in names:
@@ -407,19 +303,19 @@ class RankReplica:
                 layer._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
             else:
                 layer._buffers[leaf] = value
-            self._layer_patched[name] = _nbytes(value)
+            self._layer_patched[name] = tensor_nbytes(value)
             # the unpatched device copy served only as the patch's input: rebind the base view
             source = self._source_of[name]
             if source in self._owned:
                 self._owned.discard(source)
                 for n in self._groups[source]:
-                    self._bound[n] = self._base_tensor(source)
+                    self._bound[n] = self.base_tensor(source)
 
     def _materialize(self, source: str) -> torch.Tensor:
-        base = self._base_tensor(source)
+        base = self.base_tensor(source)
         if source.endswith(_HOST_SIDE_SUFFIX) and self._loader_of.get(self._groups[source][0]) is not None:
             return base  # read on the host by the layer's loader; stays the base view
-        t = base.to(self.device, self._target_dtype(source, base))  # the base view itself if nothing changes
+        t = base.to(self.device, self.target_dtype(source, base))  # the base view itself if nothing changes
         patched = next((n for n in self._groups[source] if n in self.patches), None)
         if patched is not None:
             t = self.patches.apply(patched, t)
@@ -435,7 +331,7 @@ class RankReplica:
         only=True: copy just `names` to the device, resident or not (the others stay bound to
         the base); sharded DiT blocks use it so a card never holds the whole model at once.
         """
-        with self._lock:
+        with self.lock:
             if self._resident and self._patch_version == self.patches.version and names is None:
                 return self
             wanted = None if names is None else set(names)
@@ -452,7 +348,7 @@ class RankReplica:
 
     def unload(self) -> int:
         """Point every weight back at the base (CPU, zero-copy); return the bytes dropped."""
-        with self._lock:
+        with self.lock:
             dropped = self.resident_bytes
             self._bind_base()
             for owner, leaf, buf in self._extra_buffers.values():
@@ -462,16 +358,9 @@ class RankReplica:
             return dropped
 
 
-def _label(base: Mapping) -> str:
+def base_label(base: Mapping) -> str:
+    """How errors name a base: its label, else 'the base state dict'."""
     return getattr(base, "label", "the base state dict")
-
-
-class QuantizedPatchError(ValueError):
-    """A weight patch (e.g. a LoRA) on quantized layers, which replicas from the base cannot apply."""
-
-    def __init__(self, names: Sequence[str], message: str):
-        super().__init__(message)
-        self.names = list(names)
 
 
 class RankReplicas(Sequence):
@@ -520,7 +409,7 @@ class RankReplicas(Sequence):
         if unknown:
             raise ValueError(f"patch for unknown weight(s) {unknown[:5]}: the replicas have no such tensor "
                              f"(names are the model's state-dict names, e.g. {sorted(known)[:3]})")
-        quantized = [n for n in names if n in self.replicas[0]._loader_of]
+        quantized = [n for n in names if self.replicas[0].quantized_layer(n) is not None]
         if quantized:
             raise QuantizedPatchError(quantized, f"patch for {quantized[0]!r} of a quantized layer "
                                       f"({len(quantized)} such): a delta or a float function cannot "
@@ -546,7 +435,7 @@ class RankReplicas(Sequence):
             if not current.is_floating_point():
                 raise ValueError(f"weight {name!r} is {current.dtype}; only floating weights can be patched")
         for name in names:
-            self.patches._add(name, "delta", deltas[name].detach(), float(strength))
+            self.patches.add(name, "delta", deltas[name].detach(), float(strength))
         self._refresh(names)
         return names
 
@@ -554,7 +443,7 @@ class RankReplicas(Sequence):
         """Patch each named weight with fn(name, weight_fp32) -> weight_fp32 on every replica."""
         names = self._check_patch_names(names)
         for name in names:
-            self.patches._add(name, "function", fn, 1.0)
+            self.patches.add(name, "function", fn, 1.0)
         self._refresh(names)
         return names
 
@@ -565,17 +454,18 @@ class RankReplicas(Sequence):
         names = list(names)
         first = self.replicas[0]
         for name in names:
-            prefix = first._loader_of.get(name)
-            if prefix is None:
+            found = first.quantized_layer(name)
+            if found is None:
                 raise ValueError(f"{name!r} is not a tensor of a quantized layer (known: "
-                                 f"{sorted(first._loader_of)[:3]}); patch it with add_patches or "
+                                 f"{first.quantized_names()[:3]}); patch it with add_patches or "
                                  "add_patch_function")
-            layer, leaf = first._loaders[prefix][0], name[len(prefix):]
+            prefix, layer = found
+            leaf = name[len(prefix):]
             if leaf not in layer._parameters and leaf not in layer._buffers:
                 raise ValueError(f"{name!r} is stored inside the layer's {prefix[:-1]!r} weight, not "
                                  "held by it; patch the layer's weight instead")
         for name in names:
-            self.patches._layer[name] = fn
+            self.patches.set_layer_patch(name, fn)
         self._refresh(names)
         return names
 
@@ -585,182 +475,9 @@ class RankReplicas(Sequence):
         self._refresh(names)
 
     def _refresh(self, names: list[str]) -> None:
-        self.patches._bump()
+        self.patches.bump()
         for replica in self.replicas:
-            with replica._lock:
+            with replica.lock:
                 if replica.resident:
                     replica.load(names)
 
-
-# ----------------------------------------------------------------------------- unload / offload
-
-def _replicas_of(stage: Any) -> list[RankReplica]:
-    if isinstance(stage, RankReplica):
-        return [stage]
-    if isinstance(stage, RankReplicas):
-        return list(stage.replicas)
-    if isinstance(stage, Iterable) and not isinstance(stage, (str, bytes, Mapping, torch.nn.Module)):
-        return [r for item in stage for r in _replicas_of(item)]
-    raise ValueError(f"model_stage_unload/offload_components take RankReplica or RankReplicas objects "
-                     f"(or lists of them), got {type(stage).__name__}")
-
-
-def model_stage_unload(stage: Any) -> int:
-    """Drop the device residency of a stage (a RankReplica, a RankReplicas family, or a list
-    of them) and keep its base; return the bytes dropped. A later load() copies from RAM."""
-    return sum(replica.unload() for replica in _replicas_of(stage))
-
-
-def release_cached_device_memory(device_types: Iterable[str]) -> list[str]:
-    """Empty the caching allocator of each device type present (npu, cuda); return those emptied."""
-    emptied = []
-    for kind in sorted(set(device_types)):
-        # only a kind whose runtime is already loaded can hold cached memory
-        module = accelerator_api(kind) if kind == "cuda" or hasattr(torch, kind) else None
-        if module is None or not hasattr(module, "empty_cache"):
-            continue
-        if kind == "cuda" and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            continue
-        module.empty_cache()
-        emptied.append(kind)
-    return emptied
-
-
-def offload_components(*components: Any) -> int:
-    """Unload every replica of the given families (per-rank clones of each component) and
-    release the allocators' cached device memory; return the bytes dropped."""
-    replicas = [r for c in components for r in _replicas_of(c)]
-    dropped = sum(r.unload() for r in replicas)
-    emptied = release_cached_device_memory(r.device.type for r in replicas)
-    log.info("offloaded %d replica(s): %d bytes dropped, allocator cache emptied for %s",
-             len(replicas), dropped, ", ".join(emptied) or "no device type")
-    return dropped
-
-
-# ----------------------------------------------------------------------------- ComfyUI
-
-def checkpoint_path_of(model_patcher: Any) -> str | None:
-    """The .safetensors file a ComfyUI ModelPatcher was loaded from, when its loader recorded it.
-
-    Core loaders store their factory and arguments in `cached_patcher_init` (upstream's
-    multi-GPU clone re-runs it, re-reading the file); the path is the argument naming an
-    existing .safetensors file. None when there is no such argument.
-    """
-    init = getattr(model_patcher, "cached_patcher_init", None)
-    if not isinstance(init, tuple) or len(init) < 2 or not isinstance(init[1], (tuple, list)):
-        return None
-    for arg in init[1]:
-        if isinstance(arg, (str, os.PathLike)) and os.fspath(arg).endswith(".safetensors") \
-                and os.path.isfile(arg):
-            return os.fspath(arg)
-    return None
-
-
-def _comfy_patch_function(patch_list: list, key: str) -> PatchFunction:
-    def apply(name: str, weight: torch.Tensor) -> torch.Tensor:
-        import comfy.lora  # ComfyUI's own patch math, so replicas match the primary
-        try:
-            from comfy.model_management import lora_compute_dtype
-        except ImportError:  # a stand-in for comfy.lora alone (tests): float32
-            return comfy.lora.calculate_weight(patch_list, weight, key)
-        # ComfyUI patches in its LoRA compute dtype for the card (float16 on Ascend and recent
-        # NVIDIA cards, float32 on the CPU), and the result depends on it; the float32 copy
-        # converts to it exactly as the stored weight would
-        return comfy.lora.calculate_weight(patch_list, weight.to(lora_compute_dtype(weight.device)), key)
-    return apply
-
-
-def _comfy_layer_patch(source: Any, key: str) -> LayerPatchFunction:
-    """A quantized layer's tensor patched by ComfyUI's own ModelPatcher.patch_weight_to_device,
-    run against the replica's module on the replica's device, as ComfyUI loads the MODEL on a
-    card: dequantized in its LoRA compute dtype, patched, requantized by the layer's set_weight
-    with stochastic rounding seeded from the key (comfy.utils.string_to_seed): the same bits on
-    every card of one kind, and no random state of the process is used. `source` is a clone of
-    the node's MODEL (its patch set as it was then)."""
-    def apply(name: str, module: torch.nn.Module, device: torch.device) -> torch.Tensor:
-        from types import SimpleNamespace
-        patcher = copy.copy(source)
-        # ComfyUI contract: the key is resolved on patcher.model; return_weight=True leaves the
-        # module and the patcher's backup untouched
-        patcher.model = SimpleNamespace(diffusion_model=module)
-        return patcher.patch_weight_to_device(key, device_to=device, return_weight=True)
-    return apply
-
-
-def _comfy_cast(prefix: str) -> Callable[[str, torch.Tensor, torch.dtype], torch.Tensor]:
-    def cast(name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        try:
-            import comfy.float
-            import comfy.utils
-            rounding, seed_of = comfy.float.stochastic_rounding, comfy.utils.string_to_seed
-        except (ImportError, AttributeError):
-            return weight.to(dtype)
-        # ComfyUI rounds patched weights with a seed derived from the key: same bits everywhere.
-        return rounding(weight, dtype, seed=seed_of(prefix + name))
-    return cast
-
-
-def comfy_diffusion_model_replicas(model_patcher: Any, devices: Sequence[Any], base: Any = None, *,
-                                   load: bool = False) -> RankReplicas:
-    """Per-device replicas of a ComfyUI MODEL's diffusion model, built from the shared base.
-
-    model_patcher  a loaded ComfyUI ModelPatcher (the MODEL socket): model.diffusion_model is
-                   the template; its weights are not copied.
-    devices        one replica per device (rank r on devices[r]).
-    base           SharedCheckpoint or path of the diffusion model's .safetensors; None: the
-                   file recorded by the loader (checkpoint_path_of), else the diffusion model's
-                   own CPU weights wrapped in place (zero-copy; the model must not be loaded
-                   or patched on a device right now). Names may carry the full-checkpoint prefix
-                   'model.diffusion_model.'.
-    load           make every replica resident now (else call replicas[r].load() per rank).
-
-    Each replica has the dtype of the loaded model's tensor of the same name, and the
-    patcher's weight patches (LoRAs: model_patcher.patches, keys 'diffusion_model.<name>')
-    applied with comfy.lora.calculate_weight and ComfyUI's rounding (on a quantized layer: by
-    ComfyUI's own patch_weight_to_device, which requantizes with a seeded rounding), so every
-    device gets the same weights ComfyUI computes for the primary. The file is read at most once per process.
-    Rebuild the replicas when the MODEL input changes (new LoRA, new strength).
-    """
-    diffusion_model = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
-    if not isinstance(diffusion_model, torch.nn.Module):
-        raise ValueError("comfy_diffusion_model_replicas expects a ComfyUI MODEL (a ModelPatcher whose "
-                         f".model.diffusion_model is a torch module), got {type(model_patcher).__name__}")
-    declared = diffusion_model.state_dict()
-    if base is None:
-        base = checkpoint_path_of(model_patcher)
-    if isinstance(base, (str, os.PathLike)):  # loaded: to adopt comfy-aimdo's mapping of the file
-        base = SharedCheckpoint.open(base, loaded=declared)
-    elif base is None:
-        if getattr(model_patcher, "backup", None):
-            raise ValueError("the MODEL's weights are patched in place right now, so they are not a "
-                             "clean base; pass base=<path of its .safetensors file>")
-        base = SharedCheckpoint.from_state_dict(declared, copy=False,
-                                                label=f"{type(diffusion_model).__name__} weights in memory")
-    prefix = next((p for p in ("", "model.diffusion_model.") if all(p + n in base for n in declared)), None)
-    if prefix is None:
-        missing = next(n for n in declared if n not in base)
-        raise ValueError(f"{_label(base)} does not hold the loaded diffusion model's weights (no "
-                         f"{missing!r}, with or without 'model.diffusion_model.'); it was converted on "
-                         "load or is another model: pass base=None to use the loaded weights")
-    replicas = RankReplicas(base, devices, diffusion_model, prefix=prefix,
-                            dtype={n: t.dtype for n, t in declared.items()}, load=False)
-    for module in (r.module for r in replicas):
-        for sub in module.modules():  # runtime patch hooks of a low-VRAM load belong to the primary
-            for attr in ("weight_function", "bias_function"):
-                if isinstance(getattr(sub, attr, None), list):
-                    setattr(sub, attr, [])
-    patches = getattr(model_patcher, "patches", None) or {}
-    replica_names = set(replicas[0].names)
-    source = None  # a clone of the MODEL for the quantized layers' patches, made once
-    for key, patch_list in patches.items():
-        name = key[len("diffusion_model."):] if isinstance(key, str) and key.startswith("diffusion_model.") else None
-        if name in replicas[0]._loader_of:  # a tensor of a quantized layer
-            if source is None:
-                source = model_patcher.clone()
-            replicas.add_layer_patch([name], _comfy_layer_patch(source, key))
-        elif name in replica_names:
-            replicas.add_patch_function([name], _comfy_patch_function(list(patch_list), key))
-    replicas.patches.cast = _comfy_cast("diffusion_model.")
-    if load:
-        replicas.load()
-    return replicas
