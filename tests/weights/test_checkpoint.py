@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import comfy.multidevice.weights.checkpoint as sc
+from comfy.multidevice.comm.settings import WEIGHT_BASE_ENV
 from comfy.multidevice.weights.safetensors_header import CheckpointError
 from comfy.multidevice.weights.read_only import ReadOnlyWeightError, is_read_only
 from comfy.multidevice.weights.checkpoint import (SharedCheckpoint, shared_checkpoint_sources, total_bytes_read)
@@ -208,7 +209,7 @@ def _mapping_of(address: int) -> str:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
 def test_default_base_is_a_read_only_shared_mapping_of_the_file(tmp_path, monkeypatch):
-    monkeypatch.delenv(sc.BASE_MODE_ENV, raising=False)
+    monkeypatch.delenv(WEIGHT_BASE_ENV, raising=False)
     written = sample_tensors()
     path = write(tmp_path / "m.safetensors", written)
     before = total_bytes_read()
@@ -230,7 +231,7 @@ def test_default_base_is_a_read_only_shared_mapping_of_the_file(tmp_path, monkey
 def test_pin_mode_reads_into_anonymous_ram(tmp_path, monkeypatch):
     written = sample_tensors()
     path = write(tmp_path / "m.safetensors", written)
-    monkeypatch.setenv(sc.BASE_MODE_ENV, "PIN")
+    monkeypatch.setenv(WEIGHT_BASE_ENV, "PIN")
     ckpt = SharedCheckpoint.open(path)
     assert ckpt.mode == "pin" and ckpt.bytes_read == os.path.getsize(path)
     big = max(written, key=lambda n: written[n].nbytes)
@@ -243,7 +244,7 @@ def test_pin_mode_reads_into_anonymous_ram(tmp_path, monkeypatch):
 
 def test_bad_base_mode_is_refused_naming_the_value_and_the_choices(tmp_path, monkeypatch):
     path = write(tmp_path / "m.safetensors", {"w": torch.ones(2)})
-    monkeypatch.setenv(sc.BASE_MODE_ENV, "locked")
+    monkeypatch.setenv(WEIGHT_BASE_ENV, "locked")
     with pytest.raises(ValueError, match=r"COMFYUI_MULTI_DEVICE_WEIGHT_BASE='locked' .* map, pin"):
         SharedCheckpoint.open(path)
     with pytest.raises(ValueError, match=r"mode='copy' .* map, pin"):
