@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from comfy.multidevice.cli import dry_run as minimax_h3_dry_run
-from comfy.multidevice.cli.dry_run import REPORT_KEYS
+from comfy.multidevice.cli import report
+from comfy.multidevice.cli.report import REPORT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_ARGS = ["--frames", "5", "--width", "64", "--height", "64", "--text-tokens", "9", "--hidden", "40",
@@ -295,9 +296,9 @@ def test_intra_op_threads_are_set_inside_every_rank_thread():
 
 
 def test_report_says_what_the_speedup_compares():
-    text = minimax_h3_dry_run.speedup_baseline(["cpu"] * 4, 16)
+    text = report.speedup_baseline(["cpu"] * 4, 16)
     assert "4 CPU ranks sharing 16 cores" in text and "all 16 cores" in text and "not a scaling" in text
-    assert minimax_h3_dry_run.speedup_baseline(["cuda:0", "cuda:1"], None).startswith("2 ranks vs")
+    assert report.speedup_baseline(["cuda:0", "cuda:1"], None).startswith("2 ranks vs")
 
 
 @pytest.mark.parametrize("variable, value, problem", [
@@ -363,7 +364,7 @@ def test_a_truncated_cached_checkpoint_is_rebuilt(tmp_path, caplog):
 def test_outputs_are_ordinary_files_honouring_the_umask(tmp_path):
     old = os.umask(0o027)
     try:
-        minimax_h3_dry_run.write_outputs(tmp_path, [torch.ones(2), torch.ones(3)], None, {"parity": "ok"})
+        report.write_outputs(tmp_path, [torch.ones(2), torch.ones(3)], None, {"parity": "ok"})
     finally:
         os.umask(old)
     for name in minimax_h3_dry_run.OUTPUT_FILES:

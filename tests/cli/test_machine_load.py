@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from comfy.multidevice.cli import machine_load
-from comfy.multidevice.cli.dry_run import paired_speedup
+from comfy.multidevice.cli.report import paired_speedup
 from comfy.multidevice.cli.machine_load import LOADED_SHARE, LoadMeter, MachineLoad
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy.multidevice.cli.dry_run import REPORT_KEYS
+from comfy.multidevice.cli.report import REPORT_KEYS
 from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]

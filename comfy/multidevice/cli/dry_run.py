@@ -8,8 +8,11 @@ Stages:
    images) on W ranks in sequence parallel, and the same sampling on one device (the reference);
 4. parity of the final latents, a short report, latents + report.json in the output folder.
 
-The last line printed is one JSON object (see `REPORT_KEYS`); the exit code is 1 when parity
+The last line printed is one JSON object (see `report.REPORT_KEYS`); the exit code is 1 when parity
 fails, 2 on bad options.
+
+Why one module of ~600 lines: the four stages are one command's pipeline, each short, and
+torchrun_run.py reuses them stage by stage; the report lives apart in cli/report.py.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import torch
 
 from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names
 from comfy.multidevice.cli.machine_load import LoadMeter
+from comfy.multidevice.cli.report import (paired_speedup, parity_figures, parity_line, speedup_baseline,
+                                           steady_seconds, write_outputs)
 from comfy.multidevice.cli.options import finite_number, folder, folder_problem, integer, max_cpu_ranks
 from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
@@ -39,6 +44,7 @@ from comfy.multidevice.comm.settings import (BACKEND_ENV, check_environment, rea
 from comfy.multidevice.devices import available_memory_bytes, copy_for_rank
 from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig, MiniatureH3Model,
                                             read_miniature_config, save_miniature)
+from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.sp.cost_model import choose_sp_mode, DiTShape, forward_traffic, h3_targets
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
@@ -68,13 +74,6 @@ MAX_SEED = 2**63 - 2        # the noise uses seed + 1, torch seeds are 64-bit
 LIMITS = {"steps": MAX_STEPS, "frames": MAX_FRAMES, "width": MAX_PIXELS_SIDE, "height": MAX_PIXELS_SIDE,
           "refs": MAX_REFS, "text_tokens": MAX_TEXT_TOKENS, "hidden": 1 << 16, "blocks": 1024,
           "heads": 1024, "head_dim": 1024, "seed": MAX_SEED, "sp_overlap": 1024}
-REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_per_rank", "steps",
-               "max_abs_diff", "rel_diff", "tolerance", "parity", "seconds_per_step",
-               "reference_seconds_per_step", "speedup", "exchanged_bytes_per_step", "dtype",
-               "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
-               "weights_source", "checkpoint_bytes_read", "out", "sp_overlap", "sp_mode_used",
-               "byte_counts", "model_bytes_per_step", "dit_weights", "dit_weight_bytes_per_rank",
-               "dit_gathered_bytes_per_step", "speedup_baseline", "machine_load")
 
 
 class DryRunError(ValueError):
@@ -430,15 +429,6 @@ def _set_rank_threads(coord, threads: int) -> None:
     coord.run(lambda rank, comm: torch.set_num_threads(threads))
 
 
-def speedup_baseline(devices: list[str], reference_threads: int | None) -> str:
-    """What `speedup` compares, in words for the report."""
-    if reference_threads is None:
-        return f"{len(devices)} ranks vs the same forward on one device ({devices[0]})"
-    return (f"{len(devices)} CPU ranks sharing {reference_threads} cores vs one device using all "
-            f"{reference_threads} cores: on CPU the ranks split the same cores, so ~1.0 means no "
-            "parallel overhead, not a scaling figure (that needs one accelerator per rank)")
-
-
 # ----------------------------------------------------------------------------- the run
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
@@ -550,7 +540,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     bytes_per_step = max(exchanged) if exchanged else 0
     say(f"[sampling] {world} rank(s): {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
-    dit_bytes = [sum(t.nbytes for t in m.state_dict().values()) for m in replicas]
+    dit_bytes = [module_bytes(m) for m in replicas]
     gathered = [0] * world
     if args.dit_weights == "shard":
         gathered = [(b - b0) // args.steps for b, b0 in zip(sp.block_weights.gathered_bytes, gathered_before)]
@@ -595,13 +585,8 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         "speedup_baseline": speedup_baseline(settings.devices, reference_threads),
     }
     if ref_latents is not None:
-        diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
-        scale = max(float(b.float().abs().max()) for b in ref_latents)
-        report["max_abs_diff"] = diff
-        report["rel_diff"] = diff / scale if scale > 0 else diff
-        report["parity"] = "ok" if report["rel_diff"] <= settings.tolerance else "fail"
-        say(f"[parity] max |diff| {diff:.3e}, relative {report['rel_diff']:.3e} "
-            f"(tolerance {settings.tolerance:g}): {report['parity']}")
+        report.update(parity_figures(latents, ref_latents, settings.tolerance))
+        say(parity_line(report))
 
     write_outputs(Path(args.out), latents, ref_latents, report)
     say(f"[output] {Path(args.out) / 'latents.safetensors'}, {Path(args.out) / 'report.json'}")
@@ -624,33 +609,3 @@ def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str
     total = sum(forward_traffic(mode, shape, seq_len, world, r, targets, itemsize)["total"].received
                 for r in range(world))
     return mode, total
-
-
-def _steady_steps(seconds: list[float]) -> list[float]:
-    # the first step includes one-time costs (allocations, thread start-up): leave it out when we can
-    return seconds[1:] if len(seconds) > 1 else seconds
-
-
-def steady_seconds(seconds: list[float]) -> float:
-    """Seconds of one steady step: the median of the steps after the first (the first alone if
-    one); one slow step under load moves a mean, not this."""
-    return statistics.median(_steady_steps(seconds))
-
-
-def paired_speedup(reference_seconds: list[float], sp_seconds: list[float]) -> float:
-    """Median over the steady steps of (reference step / SP step): each pair ran back to back,
-    under the load of the same moment."""
-    return statistics.median(r / s for r, s in zip(_steady_steps(reference_seconds), _steady_steps(sp_seconds)))
-
-
-def write_outputs(out_dir: Path, latents, ref_latents, report: dict) -> None:
-    """latents.safetensors and report.json, both as ordinary files (0666 less the umask):
-    safetensors' save_file would make the latents 0600."""
-    from safetensors.torch import save
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {"video": latents[0], "audio": latents[1]}
-    if ref_latents is not None:
-        tensors.update(reference_video=ref_latents[0], reference_audio=ref_latents[1])
-    (out_dir / "latents.safetensors").write_bytes(
-        save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -22,12 +22,15 @@ from pathlib import Path
 import torch
 
 from comfy.multidevice.cli import dry_run as dry
+from comfy.multidevice.cli.report import (parity_figures, parity_line, REPORT_KEYS, speedup_baseline, steady_seconds,
+                                           write_outputs)
 from comfy.multidevice.comm.settings import SettingError
 from comfy.multidevice.comm.settings import local_world_size, read_torchrun_env
 from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
+from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.weights.block_shards import ShardedBlockWeights
 from comfy.multidevice.weights.read_only import start_dispatch_warm_up
@@ -167,7 +170,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
                            f"{tokens_per_rank[comm.rank]}")
     # Bytes all ranks together received per step (the thread run reports the same sum).
     bytes_per_step = int(comm.all_reduce(torch.tensor([float(max(received))]), "sum").item())
-    sp_seconds = dry.steady_seconds(seconds)
+    sp_seconds = steady_seconds(seconds)
     say(f"[sampling] {world} processes: {args.steps} steps, {sp_seconds:.3f} s/step, "
         f"exchanged {bytes_per_step / 2 ** 20:.2f} MiB/step between ranks")
 
@@ -179,14 +182,14 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
         "exchanged_bytes_per_step": bytes_per_step, "dtype": args.dtype,
         "cpu_threads_per_rank": rank_threads if device.type == "cpu" else None,
         "reference_cpu_threads": all_threads if device.type == "cpu" else None,
-        "speedup_baseline": dry.speedup_baseline(devices, all_threads if device.type == "cpu" else None),
+        "speedup_baseline": speedup_baseline(devices, all_threads if device.type == "cpu" else None),
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": weights_source,
         "out": str(args.out), "launcher": "torchrun", "dit_weights": args.dit_weights,
-        "dit_weight_bytes_per_rank": _per_rank(comm, sum(t.nbytes for t in replica.state_dict().values())),
+        "dit_weight_bytes_per_rank": _per_rank(comm, module_bytes(replica)),
         "dit_gathered_bytes_per_step": _per_rank(
             comm, 0 if block_weights is None else block_weights.family.gathered_bytes[comm.rank] // args.steps),
     }
-    for key in dry.REPORT_KEYS:  # keys the thread run has and this mode does not measure
+    for key in REPORT_KEYS:  # keys the thread run has and this mode does not measure
         report.setdefault(key, None)
     failed = 0.0
     ref_latents = None
@@ -195,20 +198,16 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
         ref_latents, rs = dry.euler_sample(
             reference, x, context, kwargs, sigmas, dry.Progress("reference on 1 device", args.steps,
                                                               not args.no_progress))
-        ref_seconds = dry.steady_seconds(rs)
-        diff = max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(latents, ref_latents))
-        scale = max(float(b.float().abs().max()) for b in ref_latents)
-        report.update(max_abs_diff=diff, rel_diff=diff / scale if scale > 0 else diff,
+        ref_seconds = steady_seconds(rs)
+        report.update(parity_figures(latents, ref_latents, settings.tolerance),
                       reference_seconds_per_step=round(ref_seconds, 6),
                       speedup=round(ref_seconds / sp_seconds, 4))
-        report["parity"] = "ok" if report["rel_diff"] <= settings.tolerance else "fail"
         failed = 1.0 if report["parity"] == "fail" else 0.0
         say(f"[reference] 1 device: {args.steps} steps, {ref_seconds:.3f} s/step")
-        say(f"[parity] max |diff| {diff:.3e}, relative {report['rel_diff']:.3e} "
-            f"(tolerance {settings.tolerance:g}): {report['parity']}")
+        say(parity_line(report))
     failed = float(comm.all_reduce(torch.tensor([failed], device=device), "max").item())
     if lead:
-        dry.write_outputs(Path(args.out), latents, ref_latents, report)
+        write_outputs(Path(args.out), latents, ref_latents, report)
         say(f"[output] {Path(args.out) / 'latents.safetensors'}, {Path(args.out) / 'report.json'}")
         print(json.dumps(report), file=out, flush=True)
     return 1 if failed else 0
