@@ -533,3 +533,35 @@ def test_replica_module_weights_refuse_writes(tmp_path):
     with pytest.raises(RuntimeError, match="read-only"):  # load_state_dict wraps the error
         replica.module.load_state_dict({k: torch.zeros_like(v) for k, v in ref.state_dict().items()})
     assert torch.equal(ckpt["embed.weight"], ref.embed.weight)
+
+
+# ----------------------------------------------------------------------------- copies that only read
+
+DISPATCH_IMPORT_PROBE = """
+import sys, torch
+from safetensors.torch import save_file
+from comfy.multidevice.weights.checkpoint import SharedCheckpoint
+from comfy.multidevice.weights.replicas import RankReplica
+path = sys.argv[1]
+save_file({"w": torch.arange(6.0).view(2, 3).to(torch.bfloat16), "b": torch.ones(3, dtype=torch.bfloat16)}, path)
+base = SharedCheckpoint.open(path)
+replica = RankReplica(base, "cpu", dtype=torch.float32).load()
+weights = replica.state_dict()
+print("dispatch modules imported:", "torch.distributed.tensor" in sys.modules)
+assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in weights.values()), weights
+assert torch.equal(weights["w"], torch.arange(6.0).view(2, 3)) and torch.equal(weights["b"], torch.ones(3))
+weights["w"].add_(1)  # the copy is the rank's own: writable, and the base keeps its bytes
+assert torch.equal(base["w"].float(), torch.arange(6.0).view(2, 3))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_weights_are_copies_never_dispatches_on_the_base(tmp_path):
+    """A replica in another dtype (or on a card) copies its weights from plain aliases of the
+    base: no op dispatches on a read-only view while it loads, so a fresh process does not pay
+    torch's one-time import for dispatch subclasses (torch.distributed.tensor, ~0.4 s and ~40 MB)
+    for them. The copies are plain, writable and equal to the stored values; the base is unchanged."""
+    done = subprocess.run([sys.executable, "-c", DISPATCH_IMPORT_PROBE, str(tmp_path / "w.safetensors")],
+                          capture_output=True, text=True, cwd=REPO, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dispatch modules imported: False" in done.stdout, done.stdout

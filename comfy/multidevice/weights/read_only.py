@@ -413,8 +413,23 @@ def _no_dispatch_modes():
             _push_mode(mode)
 
 
+def moved(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(device, dtype)`: `t` itself when that changes nothing (as .to() returns), else a
+    plain copy. For a read-only view the copy is made from a plain alias of its memory, which
+    is only read: no op dispatches on the subclass, so a rank whose weights are copies (on a
+    card, or in another dtype) never pays torch's one-time import for dispatch subclasses (see
+    `start_dispatch_warm_up`), nor the guard's per-op Python."""
+    target = torch.device(device)
+    same_place = t.device.type == target.type and target.index in (None, t.device.index)
+    if same_place and t.dtype == dtype:
+        return t
+    if isinstance(t, ReadOnlyTensor) and _tag_of(t) is not None:
+        return _plain_alias(t).to(target, dtype)
+    return t.to(target, dtype)
+
+
 def _plain_alias(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor over t's memory, without its dispatch keys (for numpy and pickling only)."""
+    """A plain tensor over t's memory, without its dispatch keys (numpy, pickling, and copies that only read it)."""
     return _alias(torch.Tensor.untyped_storage(t), t.dtype, t.storage_offset(), t.size(), t.stride())
 
 

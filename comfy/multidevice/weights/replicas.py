@@ -21,7 +21,7 @@ from comfy.multidevice.devices import resolve_device
 from comfy.multidevice.tensor_bytes import tensor_nbytes
 from comfy.multidevice.weights.patches import (LayerPatchFunction, PatchFunction, QuantizedPatchError,
                                                WeightPatches)
-from comfy.multidevice.weights.read_only import ReadOnlyTensor
+from comfy.multidevice.weights.read_only import moved, ReadOnlyTensor
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class RankReplica:
         base = self.base_tensor(source)
         if source.endswith(_HOST_SIDE_SUFFIX) and self._loader_of.get(self._groups[source][0]) is not None:
             return base  # read on the host by the layer's loader; stays the base view
-        t = base.to(self.device, self.target_dtype(source, base))  # the base view itself if nothing changes
+        t = moved(base, self.device, self.target_dtype(source, base))  # the base view itself if nothing changes
         patched = next((n for n in self._groups[source] if n in self.patches), None)
         if patched is not None:
             t = self.patches.apply(patched, t)
