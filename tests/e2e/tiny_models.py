@@ -7,12 +7,14 @@ node makes upstream's loaders build the same configs). Forms, against the releas
   rounds its input to int4 per token (7 levels each side) at every call: a step function. The
   text encoder at 4 cards differs from one card by fp32 summation order (ref2va_21steps:
   2.6e-6, 8e-7 of max |value|; split in float64 the two agree to 2e-15), enough to flip some
-  int4 levels, and the 4-card latents then differ by 4e-3 of max |value| (frames PSNR 33 dB,
-  audio bands 0.33 dB on average; measured on a CPU with AVX-512; a 10 times smaller text
-  encoder difference flips nothing, as on the machine before it). Given the same text-encoder
-  output, the ConvRot DiT at 4 cards is bit-identical to one card (measured through the
-  server; tests/upstream/test_quantized_files.py at W = 2 and 4): the workflow comparison would
-  measure the flips, not the pipeline. In fp32 the latents differ by LATENT_FIGURE;
+  int4 levels, and the 4-card latents then differed by 4e-3 of max |value| (frames PSNR 33 dB,
+  audio bands 0.33 dB on average, as far as the text encoder's o_proj on another rank's
+  columns: 30 dB, 0.5 dB), on a CPU with AVX-512; a 10 times smaller text-encoder difference
+  flipped nothing. Given the same text-encoder output, the ConvRot DiT at 4 cards is
+  bit-identical to one card (measured through the server; tests/upstream/test_quantized_files.py
+  at W = 4), so the workflow comparison would measure the flips, not the pipeline. In
+  fp32 the latents differ by 2.4e-7 of max |value| (tests/upstream/test_e2e_tiny_models.py
+  keeps the DiT that smooth);
 - the text encoder: bf16, where the released file is NVFP4 AWQ (comfy-kitchen's NVFP4 needs a
   card: it has no CPU kernel to run it);
 - the video VAE: fp32, where the released one is int8 ConvRot. Its decode at 4 cards is
