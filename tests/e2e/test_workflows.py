@@ -13,7 +13,7 @@ the VAE's output frames 3e-7 and the waveforms 2.5e-6 (the tiny DiT is fp32 for 
 tests/e2e/tiny_models.py says why). So the frames going into the encoder differ by one level of
 255 in 7 to 15 of their 1.9 M values. But h264 is lossy and its encoder's choices (block modes,
 motion vectors, quantization) jump with such a change, so decoded pixels can move by more:
-measured on the six workflows PSNR 58 dB to identical. The test asks for PSNR >= 40 dB and a
+measured on four of the workflows: PSNR 58 dB to identical. The test asks for PSNR >= 40 dB and a
 mean difference <= 0.5 levels (a rank's DiT rows in the wrong place gives 20 dB and 19 levels,
 the text encoder's o_proj on another rank's columns 30 dB and 5 levels). The audio likewise,
 but AAC codes noise-like bands as energies and the decoder fills them with its own noise
@@ -24,7 +24,7 @@ per 1024-sample frame, mean <= 0.5 dB. Measured on the AAC stage alone (the one-
 four workflows and that waveform plus the 4-card difference's values at random places, 200
 times each, through SaveVideo's encoder): mean up to 0.35 dB, and in one band of one frame up to
 12.3 dB, as far as in a rank's misplaced DiT rows (mean 1.6 dB, max 15.5 dB), so no maximum is
-asked for. The whole workflows at 4 cards: mean 0 to 0.25 dB (fl2va, where the encoder's
+asked for. The whole workflows at 4 cards: mean 0 to 0.254 dB (fl2va, where the encoder's
 first flip comes 0.5 s in). The text encoder's misplaced columns give 0.5 dB: the frames catch
 those.
 On a ComfyUI that refuses sequence parallel (v0.33.0), the page must show the refusal naming
