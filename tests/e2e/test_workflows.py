@@ -5,20 +5,28 @@ and with the node's box over no other node. Then its size and length widgets are
 (128x128, 1 s, 2 steps) and `npu_count` to the CPU "cards"; Run queues it from the page (the
 frontend builds the prompt itself). The SaveVideo output must be a real h264 + AAC video as the
 workflow asks (frames, size, fps, sample rate, read back with PyAV) and equal the same workflow
-at one card within what the codecs allow. Tolerance and why: the DiT's sequence parallel and
-the text encoder's tensor parallel are exact to fp32 rounding (tests/upstream: 1e-5 of max
-|reference|; measured through this server by hand: the VAE's output frames at 4 cards and at
-one card differ by 2.7e-7), so the frames going into the encoder differ by at most one level
-of 255 in a few pixels. But h264 is lossy and its encoder's choices (block modes, motion
-vectors, quantization) jump with such a change, so decoded pixels can move by more: measured
-up to 34 levels in 1 % of the values, mean 0.09, PSNR 50 dB. The test asks for PSNR >= 40 dB
-and a mean difference <= 0.5 levels (a rank's rows in the wrong place, or a wrong K/V, gives
-far less: about 15-25 dB on these videos). The audio likewise: the waveforms going into the
-encoder differ by 2.5e-6 (measured by hand), but AAC codes noise-like bands as energies and
-the decoder fills them with its own noise (perceptual noise substitution), so decoded samples
-of this random-weight audio can differ by 0.25 while every band keeps its energy: the test
-compares the energy of 16 log-spaced bands per 1024-sample frame, mean <= 0.25 dB and max
-<= 6 dB (measured: mean 0.02, max 2.5; other audio differs by several dB on average).
+at one card within what the codecs allow. Tolerance and why: the DiT's sequence parallel is
+exact and the text encoder's tensor parallel exact to fp32 summation order (tests/upstream: 1e-5
+of max |reference|). Measured through this server on ref2va_21steps: text-encoder output 8e-7 of
+max |value| apart (the one-card encode is as far from a float64 one), sampled latents 2.4e-7,
+the VAE's output frames 3e-7 and the waveforms 2.5e-6 (the tiny DiT is fp32 for that:
+tests/e2e/tiny_models.py says why). So the frames going into the encoder differ by one level of
+255 in 7 to 15 of their 1.9 M values. But h264 is lossy and its encoder's choices (block modes,
+motion vectors, quantization) jump with such a change, so decoded pixels can move by more:
+measured on four of the workflows: PSNR 58 dB to identical. The test asks for PSNR >= 40 dB and a
+mean difference <= 0.5 levels (a rank's DiT rows in the wrong place gives 20 dB and 19 levels,
+the text encoder's o_proj on another rank's columns 30 dB and 5 levels). The audio likewise,
+but AAC codes noise-like bands as energies and the decoder fills them with its own noise
+(perceptual noise substitution), and once one of the encoder's choices flips, the frames after
+it are coded otherwise: decoded samples of this random-weight audio then differ by up to 0.5
+while every band keeps about its energy. The test compares the energy of 16 log-spaced bands
+per 1024-sample frame, mean <= 0.5 dB. Measured on the AAC stage alone (the one-card waveform of
+four workflows and that waveform plus the 4-card difference's values at random places, 200
+times each, through SaveVideo's encoder): mean up to 0.35 dB, and in one band of one frame up to
+12.3 dB, as far as in a rank's misplaced DiT rows (mean 1.6 dB, max 15.5 dB), so no maximum is
+asked for. The whole workflows at 4 cards: mean 0 to 0.254 dB (fl2va, where the encoder's
+first flip comes 0.5 s in). The text encoder's misplaced columns give 0.5 dB: the frames catch
+those.
 On a ComfyUI that refuses sequence parallel (v0.33.0), the page must show the refusal naming
 the fix, and the one-card run must work.
 """
@@ -46,7 +54,7 @@ FRAMES = 39  # 1 s at 24 fps snapped to the model's 17k+5 grid by the workflow's
 SAMPLE_RATE = 32000  # the audio VAE's
 MIN_PSNR_DB = 40.0  # between the 4-card and the one-card video; see the module docstring
 MAX_MEAN_LEVELS = 0.5  # mean |difference| of the decoded frames, in levels of 255
-MAX_MEAN_BAND_DB, MAX_BAND_DB = 0.25, 6.0  # audio band energies; see the module docstring
+MAX_MEAN_BAND_DB = 0.5  # audio band energies; see the module docstring
 RUN_TIMEOUT_S = 900
 
 
@@ -188,7 +196,7 @@ def test_the_workflow_at_4_cards_equals_one_card(page, comfyui, upstream, artifa
     assert got["audio"].shape == want["audio"].shape and got["audio"].shape[1] >= SECONDS * SAMPLE_RATE * 0.9
     assert float(np.abs(got["audio"]).max()) > 1e-3  # audible: the comparison below says something
     mean_db, max_db = band_difference_db(got["audio"], want["audio"])
-    assert mean_db <= MAX_MEAN_BAND_DB and max_db <= MAX_BAND_DB, \
+    assert mean_db <= MAX_MEAN_BAND_DB, \
         f"{name}: audio band energies {CARDS} cards against one: mean {mean_db:.3f} dB, max {max_db:.2f} dB"
     diff = got["frames"].astype(float) - want["frames"].astype(float)
     mse = float((diff ** 2).mean())
