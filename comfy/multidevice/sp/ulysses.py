@@ -161,52 +161,61 @@ class UlyssesKV:
         """Sequence shards -> (q rows of my group, k/v rows of everyone) for my head chunk.
 
         Plain Ulysses (U = W) sends q, k and v in one all-to-all; the hybrid sends q to its
-        group and k, v to every rank (two). Each is one tensor packed once, peer-major (see
-        `_pack_peer_major`): the transport sends each peer's chunk without packing again, and
-        what arrives, source after source, is [S, B, n, h, D], the sequence in order with the
-        n tensors side by side in each row; q, k, v are returned as [B, h, S, D] views of it.
+        group and k, v to every rank (two). What arrives, source after source, is
+        [S, B, n, h, D]: the sequence in order with the n tensors side by side in each row;
+        q, k, v are returned as [B, h, S, D] views of it (see `_send_peer_major`).
         `rows`: every rank's rows, when known (then the shapes need not travel every call).
         """
         world, members = layout.world, layout.members
-        groups = world // layout.degree
-        mine = q.shape[2]
-        from_all = None if rows is None else list(rows)
-        if groups == 1:
-            send = self._pack_peer_major((q, k, v), layout, chunk, groups, ("qkv-pack", chunk))
-            got = _all_to_all(comm, [send], [mine] * world, 0, 0, self._workspace(("qkv", chunk)), from_all)[0]
+        everyone = range(world)
+        if layout.degree == world:
+            got = self._send_peer_major(comm, (q, k, v), layout, chunk, everyone, rows, "qkv")
             return tuple(got.select(2, i).permute(1, 2, 0, 3) for i in range(3))  # [B, h, S, D]
-        to_group = [mine if j in members else 0 for j in range(world)]
-        from_group = None if rows is None else [n if j in members else 0 for j, n in enumerate(rows)]
-        q_send = self._pack_peer_major((q,), layout, chunk, 1, ("q-pack", chunk))
-        kv_send = self._pack_peer_major((k, v), layout, chunk, groups, ("kv-pack", chunk))
-        q_got = _all_to_all(comm, [q_send], to_group, 0, 0, self._workspace(("q", chunk)), from_group)[0]
-        kv_got = _all_to_all(comm, [kv_send], [mine] * world, 0, 0, self._workspace(("kv", chunk)), from_all)[0]
+        q_got = self._send_peer_major(comm, (q,), layout, chunk, members, rows, "q")
+        kv_got = self._send_peer_major(comm, (k, v), layout, chunk, everyone, rows, "kv")
         return (q_got.select(2, 0).permute(1, 2, 0, 3),
                 *(kv_got.select(2, i).permute(1, 2, 0, 3) for i in range(2)))
 
-    def _pack_peer_major(self, tensors, layout, chunk, groups, key) -> torch.Tensor:
-        """[G x U x S_r, B, n, h, D]: for each of G groups' U ranks in rank order, its head
-        block's chunk `chunk` of the n tensors ([B, H, S_r, D] each) for my S_r rows. One copy
-        when the tensors are views of one fused buffer (H3's q/k/v are), else one per tensor."""
+    def _send_peer_major(self, comm, tensors, layout, chunk, to, rows, key) -> torch.Tensor:
+        """One all-to-all of the n tensors ([B, H, S_r, D] each): rank j in `to` gets its head
+        block's chunk `chunk` of them for my rows; returns what this rank got, [S, B, n, h, D].
+
+        When the tensors are views of one fused buffer (e.g. fused qkv rows) and every head block
+        goes to one rank, they are sent as one strided view split by head block: the transport
+        packs the peers' blocks once and copies this rank's own straight into place. Otherwise
+        they are packed here once, peer-major, so the transport sends each chunk as it lies."""
+        world = layout.world
         batch, heads, mine, dim = tensors[0].shape
         chunk_heads = layout.chunk_heads(0, chunk)
         first, count = chunk_heads.start, len(chunk_heads)  # the same offset inside every head block
-        n = len(tensors)
-        flat = scratch(self._workspace(key), "send", groups * layout.degree * mine * batch * n * count * dim,
-                       tensors[0].dtype, tensors[0].device)
-        out = flat.view(groups, layout.degree, mine, batch, n, count, dim)
+        n, groups = len(tensors), len(to) // layout.degree
+        received = None if rows is None else [r if j in to else 0 for j, r in enumerate(rows)]
+        workspace = self._workspace((key, chunk))
 
-        def peer_major(stacked):  # [B, m, H, S_r, D] -> [G, U, S_r, B, m, h, D], a view
-            blocks = stacked.unflatten(2, (layout.degree, heads // layout.degree)).narrow(3, first, count)
-            return blocks.unsqueeze(0).expand(groups, *blocks.shape).permute(0, 3, 5, 1, 2, 4, 6)
+        def blocks(stacked):  # [B, m, H, S_r, D] -> [B, m, U, h, S_r, D], a view
+            return stacked.unflatten(2, (layout.degree, heads // layout.degree)).narrow(3, first, count)
 
         fused = stacked_view(tensors)
+        if fused is not None and groups == 1:
+            by_block = blocks(fused).permute(4, 0, 1, 2, 3, 5)  # [S_r, B, n, U, h, D]
+            splits = [1 if j in to else 0 for j in range(world)]
+            return _all_to_all(comm, [by_block], splits, 3, 0, workspace, received)[0].squeeze(3)
+        flat = scratch(self._workspace((key + "-pack", chunk)), "send",
+                       groups * layout.degree * mine * batch * n * count * dim, tensors[0].dtype, tensors[0].device)
+        packed = flat.view(groups, layout.degree, mine, batch, n, count, dim)
+
+        def peer_major(stacked):  # -> [G, U, S_r, B, m, h, D], a view
+            b = blocks(stacked)
+            return b.unsqueeze(0).expand(groups, *b.shape).permute(0, 3, 5, 1, 2, 4, 6)
+
         if fused is not None:
-            out.copy_(peer_major(fused))
+            packed.copy_(peer_major(fused))
         else:
             for i, t in enumerate(tensors):
-                out.narrow(4, i, 1).copy_(peer_major(t.unsqueeze(1)))
-        return flat.view(groups * layout.degree * mine, batch, n, count, dim)
+                packed.narrow(4, i, 1).copy_(peer_major(t.unsqueeze(1)))
+        send = flat.view(groups * layout.degree * mine, batch, n, count, dim)
+        splits = [mine if j in to else 0 for j in range(world)]
+        return _all_to_all(comm, [send], splits, 0, 0, workspace, received)[0]
 
     @staticmethod
     def _member_rows(comm, layout, local_rows, q_c, k_c) -> list[int]:
