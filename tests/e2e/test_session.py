@@ -9,8 +9,8 @@ every model and LoRA loaded once; RSS still rises there as the allocator and Com
 fill) the server must not grow: RSS within 5 % of the first round's largest (a per-prompt leak
 of the cards' copies, ~10 MB a prompt with these files, would add up over the seven prompts
 after it), no more threads or file descriptors (sockets aside: the page's connections come
-and go) than then (a coordinator or rank thread left behind would show), and no byte read from
-disk again. The server runs with ComfyUI's classic
+and go) than then (a coordinator or rank thread left behind would show), and no model file
+read from disk again (MAX_LATER_DISK_BYTES says why a little is allowed). The server runs with ComfyUI's classic
 cache (conftest.py's `comfyui` says why). session.json in the artifacts folder has every figure.
 """
 
@@ -32,6 +32,12 @@ PLAN = ["ref2va_8steps_lora", "fl2va_8steps_lora", "ref2va_21steps", "fl2va_21st
         "fl2va_50steps", "ref2va_8steps_lora", "fl2va_8steps_lora", "ref2va_21steps", "fl2va_21steps"]
 FIRST_ROUND = 6
 RSS_GROWTH = 0.05
+# Storage reads after the first round: a model file read again from disk (the smallest DiT or VAE
+# file here is 2.4 MB) would pass this; one readahead window or two (128 KiB each) of a file the
+# kernel dropped from its page cache while other jobs ran does not count (seen: 0, 128 and 512
+# KiB on a machine shared with other test runs). A reload from the page cache reads no storage
+# at all; that the models stay loaded is what the RSS bound checks.
+MAX_LATER_DISK_BYTES = 1 << 20
 CANCEL_STEPS = 40  # long enough a sampling to stop in the middle of
 
 
@@ -138,4 +144,5 @@ def test_a_session_of_ten_prompts_a_cancel_and_a_refusal(page, comfyui, upstream
     assert max(r["rss_mb"] for r in later) <= top * (1 + RSS_GROWTH), [r["rss_mb"] for r in records]
     assert max(r["threads"] for r in later) <= max(r["threads"] for r in first_round), [r["threads"] for r in records]
     assert max(r["fds"] for r in later) <= max(r["fds"] for r in first_round), [r["fds"] for r in records]
-    assert {r["read_bytes"] for r in later} == {first_round[-1]["read_bytes"]}, [r["read_bytes"] for r in records]
+    disk = later[-1]["read_bytes"] - first_round[-1]["read_bytes"]
+    assert disk <= MAX_LATER_DISK_BYTES, [r["read_bytes"] for r in records]
