@@ -20,6 +20,9 @@ fused qkv rows [S_r, 3 x 7168], as H3's attention makes them):
                                in one, the output in the other): median of the per-round ratios,
                                with their interquartile range in `..._spread`; `..._per_tensor`
                                against four raw calls (q, k, v and the output apart)
+  ulysses_separate_qk_vs_raw_all_to_all   the same with q and k as separate tensors and v a
+                               view of the fused rows (how H3's attention hands them over: its RMS
+                               norm and RoPE make new q and k): the path that packs them here
   ulysses_collectives_per_block   collectives ours runs per block (one per tensor of each
                                all_to_all_v: a library call on NCCL/HCCL, a set of point-to-point
                                transfers on gloo); target 2
@@ -151,6 +154,15 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
     def ours_ulysses():
         ulysses.attend(comm, lambda *a, **kw: ready, q, k, v, HEADS, skip_reshape=True, shard_sizes=sizes)
 
+    # H3's real hand-over: q and k are new tensors (its RMS norm and RoPE write them), v a view
+    # of the fused qkv rows; these take the path that packs them into one buffer
+    q_own, k_own = (t[0].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(0) for t in (q, k))
+    separate = UlyssesKV()
+    separate.begin_forward()
+
+    def ours_ulysses_separate():
+        separate.attend(comm, lambda *a, **kw: ready, q_own, k_own, v, HEADS, skip_reshape=True, shard_sizes=sizes)
+
     packed_in = [torch.empty(world, rows, heads_mine, HEAD_DIM, dtype=torch.bfloat16) for _ in range(3)]
     for packed, t in zip(packed_in, (q, k, v)):  # packed in advance: what the raw call is given
         packed.copy_(t[0].transpose(0, 1).reshape(rows, world, heads_mine, HEAD_DIM).transpose(0, 1))
@@ -213,6 +225,7 @@ def _process(rank: int, world: int, init_file: str, seq: int, iters: int, rounds
 
     runs = {"ours_allgather": ours_allgather, "raw_allgather": raw_allgather,
             "raw_p2p_allgather": raw_p2p_allgather, "ours_ulysses": ours_ulysses,
+            "ours_ulysses_separate": ours_ulysses_separate,
             "raw_ulysses": raw_ulysses, "raw_ulysses_per_tensor": raw_ulysses_per_tensor,
             "raw_p2p_ulysses": raw_p2p_ulysses, "ulysses_layout_copies": layout_copies}
     yunchang = importlib.util.find_spec("yunchang") is not None
@@ -282,6 +295,7 @@ def measure_processes(seq: int, iters: int, rounds: int, world: int = 2) -> dict
         "ulysses_vs_raw_all_to_all_spread": ulysses_spread,
         "ulysses_vs_raw_all_to_all_per_tensor": _ratio_spread(times, "ours_ulysses", "raw_ulysses_per_tensor"),
         "ulysses_collectives_per_block": recorded["ulysses_collectives_per_block"],
+        "ulysses_separate_qk_vs_raw_all_to_all": _ratio_spread(times, "ours_ulysses_separate", "raw_ulysses"),
         "ulysses_vs_raw_p2p": round(t["ours_ulysses"] / t["raw_p2p_ulysses"], 3),
         # the floor for H3's layout on dense-buffer transports: raw p2p plus the forced copies
         "ulysses_vs_raw_p2p_plus_layout_copies": round(
