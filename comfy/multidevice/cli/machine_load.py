@@ -47,8 +47,9 @@ def _cpu_seconds() -> tuple[float, float, float] | None:
     if not fields or fields[0] != "cpu":
         return None
     # user nice system idle iowait irq softirq steal (guest time is inside user already)
-    ticks = [int(v) for v in fields[1:9]] + [0] * max(0, 9 - len(fields))
-    user, nice, system, idle, iowait, irq, softirq, steal = ticks[:8]
+    ticks = [int(v) for v in fields[1:9]]
+    ticks += [0] * (8 - len(ticks))  # kernels without a steal column
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
     hz = os.sysconf("SC_CLK_TCK")
     busy = user + nice + system + irq + softirq
     return busy / hz, steal / hz, (busy + idle + iowait + steal) / hz
