@@ -22,7 +22,9 @@ fused qkv rows [S_r, 3 x 7168], as H3's attention makes them):
                                against four raw calls (q, k, v and the output apart)
   ulysses_separate_qk_vs_raw_all_to_all   the same with q and k as separate tensors and v a
                                view of the fused rows (how H3's attention hands them over: its RMS
-                               norm and RoPE make new q and k): the path that packs them here
+                               norm and RoPE make new q and k): the path that packs the peers'
+                               head blocks here and writes its own straight into the result;
+                               target 1.15 (median) too
   ulysses_collectives_per_block   collectives ours runs per block (one per tensor of each
                                all_to_all_v: a library call on NCCL/HCCL, a set of point-to-point
                                transfers on gloo); target 2
@@ -75,7 +77,13 @@ from tests.fakes.build import build_fake  # noqa: E402
 HEADS, HEAD_DIM = 56, 128
 WIDTH = HEADS * HEAD_DIM
 TARGETS = {"h3_layout_allgather_vs_raw": 1.10, "ulysses_vs_raw_all_to_all": 1.15,
+           "ulysses_separate_qk_vs_raw_all_to_all": 1.15,  # H3's own hand-over (its median)
            "ulysses_collectives_per_block": 2, "final_gather_bytes_ratio": 1 / 40}
+
+
+def _figure(value):
+    """A target's figure: the value, or the median of a spread."""
+    return value["median"] if isinstance(value, dict) else value
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -458,7 +466,7 @@ def main() -> int:
         summary.update({"threads_w2": threads[2], "threads_w4": threads[4],
                         "barrier_us": round(barrier_cost_us(4, args.tiny_iters), 1)})
     summary["targets"] = {k: f"<= {v:.3g}" for k, v in TARGETS.items()}
-    summary["targets_met"] = all(summary[k] <= v for k, v in TARGETS.items()) and \
+    summary["targets_met"] = all(_figure(summary[k]) <= v for k, v in TARGETS.items()) and \
         summary["final_gather_counters_match_cost_model"]
     print(json.dumps(summary))
     return 0

@@ -120,6 +120,41 @@ def test_ulysses_round_trip_with_a_receive_plan(backend, world):
             assert torch.equal(back, shards[rank])
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("planned", [False, True])
+def test_write_own_puts_the_kept_chunk_in_place_and_it_is_never_read(backend, world, planned):
+    # Sequence shards -> head shards of two tensors, each rank's own head block left unfilled
+    # (NaN) in what it sends and written by `write_own` instead: the same bits as a plain call,
+    # write_own called once per tensor, the unfilled chunk never read (no NaN in any result).
+    heads, seq, head_dim = 7, 13, 3
+    seq_rows, head_split = uneven(seq, world), uneven(heads, world)
+    gen = torch.Generator().manual_seed(world)
+    full = [torch.randn(1, heads, seq, head_dim, generator=gen) for _ in range(2)]
+
+    def job(rank, comm):
+        sources = [t.split(seq_rows, 2)[rank] for t in full]
+        mine = slice(sum(head_split[:rank]), sum(head_split[:rank + 1]))
+        unfilled = [s.clone() for s in sources]
+        for u in unfilled:
+            u[:, mine] = float("nan")
+        calls = []
+
+        def write_own(t, place):
+            calls.append(t)
+            place.copy_(sources[t][:, mine])
+
+        options = {"recv_splits": seq_rows} if planned else {}
+        got = comm.all_to_all_v(unfilled, head_split, 1, cat_dim=2, write_own=write_own, **options)
+        return got, calls
+
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(job)
+    for rank, (got, calls) in enumerate(out):
+        assert calls == [0, 1]
+        for t in range(2):
+            assert torch.equal(got[t], full[t].split(head_split, 1)[rank])
+
+
 def test_non_contiguous_inputs_and_empty_ranks(backend):
     world = 3
     bases = [torch.randn(4, 2 + r) for r in range(world)]

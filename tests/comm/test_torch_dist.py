@@ -81,6 +81,18 @@ def exactness_worker(comm):
                for _ in range(2)]
     verdicts["all_to_all_v sequence -> heads with recv_splits"] = all(
         torch.equal(p, full.split(heads, 1)[r]) for p in planned)
+    # write_own: the chunk a rank keeps left unfilled (NaN) in what it sends, written by the
+    # caller into its place in the result (once per tensor and call), along dim 0 and as Ulysses
+    for name, (send, splits_r, split_dim, cat_dim, want) in {
+            "rows": (inputs[r], splits[r], 0, 0, want),
+            "sequence -> heads": (full.split(uneven, 2)[r], heads, 1, 2, full.split(heads, 1)[r])}.items():
+        own = send.narrow(split_dim, sum(splits_r[:r]), splits_r[r])
+        unfilled = send.clone()
+        unfilled.narrow(split_dim, sum(splits_r[:r]), splits_r[r]).fill_(float("nan"))
+        calls = []
+        got = comm.all_to_all_v(unfilled, splits_r, split_dim, cat_dim=cat_dim,
+                                write_own=lambda t, place: (calls.append(t), place.copy_(own)))
+        verdicts[f"all_to_all_v write_own {name}"] = torch.equal(got, want) and calls == ([0] if splits_r[r] else [])
     # all_reduce
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(6, 9, generator=gen) for _ in range(W)]
@@ -365,7 +377,7 @@ def check_exactness(results, world):
         assert res["backend"] == "gloo" and res["world"] == world
         failed = [name for name, ok in res["verdicts"].items() if not ok]
         assert not failed, f"rank {res['rank']}: {failed}"
-        assert len(res["verdicts"]) == 3 * 3 + 11
+        assert len(res["verdicts"]) == 3 * 3 + 13
         # Every rank holds the same all-reduce bits.
         assert res["sum_digest"] == first["sum_digest"] and res["bf16_digest"] == first["bf16_digest"]
 

@@ -430,3 +430,36 @@ def test_one_library_call_for_qkv_and_one_for_the_output(request, monkeypatch, b
     for r, o in enumerate(out):
         rank_want = want[:, :, starts[r]:starts[r] + rows[r]].transpose(1, 2).reshape(1, rows[r], heads * dim)
         assert torch.allclose(o, rank_want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("world,heads", [(1, 4), (2, 4), (3, 6), (4, 8), (4, 6)])
+def test_separate_q_k_v_give_the_bits_of_fused_views(backend, world, heads):
+    """q and k as tensors of their own (as H3's norm and RoPE write them) take the path that
+    packs the peers' head blocks here and writes this rank's own block straight into the
+    result (`write_own`); it must give the bits of the fused-view path (plain and hybrid)."""
+    dim, seq = 8, 5 * world + 3
+    rows = shard_sizes(seq, world)
+    gen = torch.Generator().manual_seed(world * heads)
+    qkv = torch.randn(seq, 3 * heads * dim, generator=gen)
+    fused = [qkv[:, i * heads * dim:(i + 1) * heads * dim].view(seq, heads, dim).transpose(0, 1).unsqueeze(0)
+             for i in range(3)]
+    separate = [fused[0].contiguous(), fused[1].contiguous(), fused[2]]  # v stays a view, as in H3
+    starts = [sum(rows[:r]) for r in range(world)]
+
+    def attention_fn(q, k, v, heads, skip_reshape=False, **kwargs):
+        o = F.scaled_dot_product_attention(q, k, v)
+        return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+
+    def job(rank, comm):
+        def local(ts):
+            return [t[:, :, starts[rank]:starts[rank] + rows[rank]] for t in ts]
+        return [UlyssesKV().attend(comm, attention_fn, *local(ts), heads, skip_reshape=True, shard_sizes=rows)
+                for ts in (fused, separate)]
+
+    with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=20) as coord:
+        out = coord.run(job)
+    want = F.scaled_dot_product_attention(*fused)
+    for r, (from_fused, from_separate) in enumerate(out):
+        assert torch.equal(from_separate, from_fused)
+        rank_want = want[:, :, starts[r]:starts[r] + rows[r]].transpose(1, 2).reshape(1, rows[r], heads * dim)
+        assert torch.allclose(from_separate, rank_want, rtol=0, atol=1e-6)

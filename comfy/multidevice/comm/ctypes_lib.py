@@ -183,10 +183,12 @@ class FlatCollectiveBackend:
         """
         self.coordinator.barrier(rank, f"{what} (buffers ready)")
 
-    def prepare_all_to_all_v(self, rank, tensors, send_splits, received, split_dim, workspace=None):
+    def prepare_all_to_all_v(self, rank, tensors, send_splits, received, split_dim, workspace=None,
+                             write_own=None):
         """The buffers of an all-to-all-V (`received`: per tensor, the chunk shape from each
         source), made before any library call; the chunk this rank keeps is copied straight
-        into its place in the receive buffer and does not go through the library."""
+        into its place in the receive buffer (or written there by `write_own`) and does not go
+        through the library."""
         device = self.coordinator.devices[rank]
         plans = []
         for t, tensor in enumerate(tensors):
@@ -197,14 +199,17 @@ class FlatCollectiveBackend:
             recv_displs = displacements(recv_counts)
             recv = self._empty(sum(recv_counts), tensor.dtype, device, workspace, ("recv", t))
             if recv_counts[rank]:
-                recv.narrow(0, recv_displs[rank], recv_counts[rank]).view(recv_shapes[rank]).copy_(
-                    tensor.narrow(split_dim, sum(send_splits[:rank]), send_splits[rank]))
+                place = recv.narrow(0, recv_displs[rank], recv_counts[rank]).view(recv_shapes[rank])
+                if write_own is None:
+                    place.copy_(tensor.narrow(split_dim, sum(send_splits[:rank]), send_splits[rank]))
+                else:
+                    write_own(t, place)
                 recv_counts[rank] = 0
             plans.append((send, send_counts, send_displs, recv_shapes, recv_counts, recv_displs, recv))
         return plans
 
     def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None,
-                     prepared=None):
+                     write_own=None, prepared=None):
         """`prepared`: the buffers from `prepare_all_to_all_v`, made before the ranks met (the
         coordinator knew the shapes from the caller's plan): then no second barrier is needed."""
         device = self.coordinator.devices[rank]
@@ -212,7 +217,7 @@ class FlatCollectiveBackend:
         if plans is None:
             plans = self.prepare_all_to_all_v(rank, tensors, splits[rank],
                                               received_chunk_shapes(metas, splits, split_dim, rank),
-                                              split_dim, workspace)
+                                              split_dim, workspace, write_own)
             self._buffers_ready(rank, "all_to_all_v")
         keepalive = []
         for send, send_counts, send_displs, _, recv_counts, recv_displs, recv in plans:

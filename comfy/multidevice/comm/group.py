@@ -39,8 +39,8 @@ from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduc
 from comfy.multidevice.comm.errors import (BackendUnavailable, CollectiveAborted, CollectiveError,
                                            CollectiveTimeout)
 from comfy.multidevice.comm.hccl import HcclBackend
-from comfy.multidevice.comm.layout import (chunk_shape, concat_received, normalize_dims, numel, pack_chunks,
-                                           planned_chunk_shapes, same_chunk_shape, ShardMeta)
+from comfy.multidevice.comm.layout import (alone_all_to_all, chunk_shape, concat_received, normalize_dims, numel,
+                                           pack_chunks, planned_chunk_shapes, same_chunk_shape, ShardMeta)
 from comfy.multidevice.comm.nccl import NcclBackend
 from comfy.multidevice.comm.peer import PeerCopyBackend
 from comfy.multidevice.comm.protocol import Backend, VALID_REDUCE_OPS
@@ -130,9 +130,10 @@ class RankComm:
     def exchange(self, tensors, cat_dims, shard_sizes=None, workspace=None):
         return self.coordinator.exchange(self.rank, tensors, cat_dims, shard_sizes, workspace)
 
-    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None, workspace=None, recv_splits=None):
+    def all_to_all_v(self, tensors, send_splits, split_dim, cat_dim=None, workspace=None, recv_splits=None,
+                     write_own=None):
         return self.coordinator.all_to_all_v(self.rank, tensors, send_splits, split_dim, cat_dim, workspace,
-                                             recv_splits)
+                                             recv_splits, write_own)
 
     def all_reduce(self, tensor, op="sum"):
         return self.coordinator.all_reduce(self.rank, tensor, op)
@@ -458,7 +459,8 @@ class SequenceParallelCoordinator:
     def all_to_all_v(self, rank: int, tensors: torch.Tensor | Sequence[torch.Tensor],
                      send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
                      workspace: dict | None = None,
-                     recv_splits: Sequence[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
+                     recv_splits: Sequence[int] | None = None,
+                     write_own: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """All-to-all with per-rank sizes: split each tensor along `split_dim` into
         `send_splits[j]`-long chunks, send chunk j to rank j, and return the chunks this rank
         received, in source-rank order, concatenated along `cat_dim` (default `split_dim`).
@@ -468,12 +470,14 @@ class SequenceParallelCoordinator:
         nothing and its chunk is left out (a sub-group exchange through one call). A single
         tensor in, a single out. `recv_splits`: see `Communicator.all_to_all_v`; the shapes
         travel with every call here anyway, so they are only checked against them.
+        `write_own`: see `Communicator.all_to_all_v`.
         """
         self._last_activity = time.monotonic()
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
-            return tensors[0] if single else tensors
+            out = alone_all_to_all(tensors, write_own)
+            return out[0] if single else out
         plan = check_recv_splits(recv_splits, self.world_size)
         native = self.backend.has_all_to_all_v
         options = {}
@@ -485,7 +489,7 @@ class SequenceParallelCoordinator:
             own = [chunk_shape(t.shape, split_dim, splits[rank]) for t in tensors]
             if all(same_chunk_shape(r[rank], o) for r, o in zip(received, own)):
                 options["prepared"] = self.backend.prepare_all_to_all_v(rank, tensors, splits, received,
-                                                                         split_dim, workspace)
+                                                                         split_dim, workspace, write_own)
         meta_slot, data_slot = self._enter(
             rank, "all_to_all_v", ([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits, plan), tensors)
         metas = [m[0] for m in meta_slot]
@@ -494,15 +498,15 @@ class SequenceParallelCoordinator:
         check_all_to_all_plans(metas, all_splits, [m[2] for m in meta_slot], split_dim, cat_dim)
         if native:
             out = self.backend.all_to_all_v(rank, tensors, metas, all_splits, split_dim, cat_dim,
-                                            data_slot, workspace, **options)
+                                            data_slot, workspace, write_own, **options)
         else:
             out = self._all_to_all_v_by_gather(rank, tensors, metas, all_splits, split_dim, cat_dim,
-                                               data_slot)
+                                               data_slot, write_own)
         sent, received = all_to_all_traffic(metas, all_splits, split_dim, rank)
         self._count(rank, "all_to_all_v", sent=sent, received=received)
         return out[0] if single else out
 
-    def _all_to_all_v_by_gather(self, rank, tensors, metas, splits, split_dim, cat_dim, slot):
+    def _all_to_all_v_by_gather(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, write_own=None):
         """All-to-all for a backend that only has all-gather-V: every rank gathers every
         rank's packed send buffer and keeps its own chunks. Exact; moves W times the bytes."""
         if not self._a2a_fallback_logged:
@@ -520,7 +524,11 @@ class SequenceParallelCoordinator:
                 sizes = [numel(chunk_shape(metas[src][t].shape, split_dim, n)) for n in splits[src]]
                 offset = base + sum(sizes[:rank])
                 shape = chunk_shape(metas[src][t].shape, split_dim, splits[src][rank])
-                parts.append(gathered.narrow(0, offset, sizes[rank]).view(shape))
+                part = gathered.narrow(0, offset, sizes[rank]).view(shape)
+                if src == rank and write_own is not None and sizes[rank]:
+                    part = torch.empty_like(part)  # the sent own chunk was never written
+                    write_own(t, part)
+                parts.append(part)
                 base += sum(sizes)
             out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
         return out

@@ -184,6 +184,15 @@ def concat_received(parts: Sequence[torch.Tensor], sizes: Sequence[int], cat_dim
     return torch.cat(kept, dim=cat_dim)
 
 
+def alone_all_to_all(tensors: Sequence[torch.Tensor], write_own=None) -> list[torch.Tensor]:
+    """A group of one's all-to-all result: the tensors themselves, each one's own chunk (all
+    of it) written by `write_own` first where the caller left it to that."""
+    if write_own is not None:
+        for t, tensor in enumerate(tensors):
+            write_own(t, tensor)
+    return list(tensors)
+
+
 def unpack_received(recv: torch.Tensor, shapes: Sequence[Sequence[int]], sizes: Sequence[int],
                     cat_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """`concat_received` of the chunks lying back to back in the flat buffer `recv` (shapes in

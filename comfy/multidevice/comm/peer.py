@@ -58,16 +58,30 @@ class PeerCopyBackend:
             out.append(full.movedim(0, dim))
         return out
 
-    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None):
+    def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None,
+                     write_own=None):
         device = self.coordinator.devices[rank]
+        sizes = [s[rank] for s in splits]
         out = []
         for t in range(len(tensors)):
-            parts = []
-            for src, src_tensors in enumerate(slot):
-                offset = sum(splits[src][:rank])
-                chunk = src_tensors[t].narrow(split_dim, offset, splits[src][rank])
-                parts.append(_on_device(chunk, device))
-            out.append(concat_received(parts, [s[rank] for s in splits], cat_dim))
+            chunks = [src_tensors[t].narrow(split_dim, sum(splits[src][:rank]), sizes[src])
+                      for src, src_tensors in enumerate(slot)]
+            if write_own is None or not sizes[rank]:
+                out.append(concat_received([_on_device(c, device) for c in chunks], sizes, cat_dim))
+                continue
+            # each chunk copied once into its place; the own one written by the caller, since
+            # the sent tensor's own chunk was never filled
+            kept = [src for src, n in enumerate(sizes) if n]
+            lengths = [chunks[src].shape[cat_dim] for src in kept]
+            shape = list(chunks[rank].shape)
+            shape[cat_dim] = sum(lengths)
+            result = scratch(workspace, ("out", t), numel(shape), chunks[rank].dtype, device).view(shape)
+            for src, place in zip(kept, result.split(lengths, cat_dim)):
+                if src == rank:
+                    write_own(t, place)
+                else:
+                    place.copy_(chunks[src], non_blocking=True)
+            out.append(result)
         return out
 
     def all_reduce(self, rank, tensor, op, slot):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable, Sequence
+from typing import Callable, Protocol, runtime_checkable, Sequence
 
 import torch
 
@@ -29,11 +29,16 @@ class Communicator(Protocol):
         call site (the results of the last call from it must be dead by then)."""
 
     def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
-                     workspace: dict | None = None, recv_splits: Sequence[int] | None = None):
+                     workspace: dict | None = None, recv_splits: Sequence[int] | None = None,
+                     write_own: Callable[[int, torch.Tensor], None] | None = None):
         """Chunk j of each tensor along split_dim goes to rank j; the received chunks, in source order.
         `recv_splits`: per source rank, the length along cat_dim of the chunk it sends this rank
         (0 for none), when a plan every rank shares fixes them; the first call with a plan
-        checks it, later ones need not exchange the shapes again."""
+        checks it, later ones need not exchange the shapes again.
+        `write_own(t, place)`: writes tensor t's chunk for this rank itself into `place` (a
+        tensor of that chunk's shape inside the result); the send tensors' own chunks are then
+        never read, so a caller that packs its tensors need not pack that chunk (it lies in
+        its sources already)."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Elementwise sum or max over the ranks, bit-identical on every rank."""
@@ -57,7 +62,7 @@ class Backend(Protocol):
                              all-gather-V (exact, W times the bytes)
       prepares_all_to_all_v  it can make an all-to-all's buffers from a plan before the ranks
                              meet: it has prepare_all_to_all_v(rank, tensors, send_splits,
-                             received, split_dim, workspace), whose result the coordinator
+                             received, split_dim, workspace, write_own), whose result the coordinator
                              passes to all_to_all_v as `prepared`
     Backends: peer (comm/peer.py), hccl and nccl (comm/hccl.py, comm/nccl.py over
     comm/ctypes_lib.py). torch.distributed runs need none: `DistributedComm` is itself a
@@ -76,8 +81,9 @@ class Backend(Protocol):
         """Rank `rank`'s all-gather-V result: per tensor, every rank's shard along its dim."""
 
     def all_to_all_v(self, rank: int, tensors, metas, splits, split_dim: int, cat_dim: int, slot,
-                     workspace: dict | None = None, **options):
-        """Rank `rank`'s all-to-all-V result (only if `has_all_to_all_v`)."""
+                     workspace: dict | None = None, write_own=None, **options):
+        """Rank `rank`'s all-to-all-V result (only if `has_all_to_all_v`); `write_own`: see
+        `Communicator.all_to_all_v` (the own chunks of a `prepared` call were written then)."""
 
     def all_reduce(self, rank: int, tensor: torch.Tensor, op: str, slot) -> torch.Tensor:
         """Rank `rank`'s all-reduce result, the same bits on every rank."""

@@ -36,10 +36,10 @@ from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduc
                                            check_all_to_all_metadata, check_all_to_all_plans,
                                            check_exchange_metadata, check_recv_splits, planned_metas)
 from comfy.multidevice.comm.errors import CollectiveError
-from comfy.multidevice.comm.layout import (chunk_shape, chunks_back_to_back, displacements, normalize_dims,
-                                           numel, pack_chunks, pack_peer_chunks, planned_chunk_shapes,
-                                           received_chunk_shapes, scratch, sequence_major, ShardMeta,
-                                           unflatten_gathered)
+from comfy.multidevice.comm.layout import (alone_all_to_all, chunk_shape, chunks_back_to_back, displacements,
+                                           normalize_dims, numel, pack_chunks, pack_peer_chunks,
+                                           planned_chunk_shapes, received_chunk_shapes, scratch, sequence_major,
+                                           ShardMeta, unflatten_gathered)
 from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
 from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_bytes, exchange_traffic,
                                             TrafficCounter)
@@ -170,7 +170,8 @@ class DistributedComm:
         return planned
 
     def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
-                     workspace: dict | None = None, recv_splits: Sequence[int] | None = None):
+                     workspace: dict | None = None, recv_splits: Sequence[int] | None = None,
+                     write_own=None):
         """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
         the chunks received are concatenated in source-rank order along cat_dim.
 
@@ -179,14 +180,16 @@ class DistributedComm:
         lands in its place (via one buffer and a copy where that place is strided, as a head
         block along cat_dim is). Every tensor's transfers start before any is awaited.
         `recv_splits`: see `Communicator.all_to_all_v`; with them the shapes are exchanged on
-        a plan's first call only. `workspace`: see `Communicator.exchange`."""
+        a plan's first call only. `workspace`: see `Communicator.exchange`; `write_own`: see
+        `Communicator.all_to_all_v`."""
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
-            return tensors[0] if single else tensors
+            out = alone_all_to_all(tensors, write_own)
+            return out[0] if single else out
         received = self._all_to_all_shapes(tensors, splits, split_dim, cat_dim,
                                            check_recv_splits(recv_splits, self.world_size))
-        transfers = _AllToAllTransfers(self, workspace)
+        transfers = _AllToAllTransfers(self, workspace, write_own)
         wires = [tensor.detach().to(self._wire_device) for tensor in tensors]
         posted = [transfers.receive(t, wire, cat_dim, received[t]) for t, wire in enumerate(wires)]
         for t, (wire, (_, places)) in enumerate(zip(wires, posted)):
@@ -401,12 +404,13 @@ class _AllToAllTransfers:
     where their chunks lie back to back (see `_collective`): a byte is copied at most once on
     each side, besides what the call itself moves."""
 
-    def __init__(self, comm: DistributedComm, workspace: dict | None):
-        self.comm, self.workspace = comm, workspace
+    def __init__(self, comm: DistributedComm, workspace: dict | None, write_own=None):
+        self.comm, self.workspace, self.write_own = comm, workspace, write_own
         self.rank, self.world = comm.rank, comm.world_size
         self.point_to_point = comm._wire_device.type in _POINT_TO_POINT_WIRES
         self.started = []  # (works, [(received buffer, its place)]): awaited in order, then copied
-        self.kept = []  # (the chunk this rank keeps, its place)
+        self.kept = []  # (tensor, the chunk this rank keeps, its place)
+        self.rewritten = []  # (tensor, place): own chunks that went through a call unfilled
         self.dense_results = {}  # tensor -> its result, where its places lie back to back in it
 
     def receive(self, t, like, cat_dim, shapes):
@@ -436,20 +440,27 @@ class _AllToAllTransfers:
                 if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
                     self._start([("send", self._dense(("send", t, dst), chunks[dst]), dst, t)], [])
         elif self._collective(t, wire, splits, split_dim, places):
+            if self.write_own is not None and self.rank in places:  # it went through unfilled
+                self.rewritten.append((t, places[self.rank]))
             return  # the kept chunk went through the collective
         if self.rank in places:  # copied in `finish`, once every tensor's sends are under way
-            self.kept.append((chunks[self.rank], places[self.rank]))
+            self.kept.append((t, chunks[self.rank], places[self.rank]))
 
     def finish(self):
         """Copy the kept chunks into their places while the wire moves the others, then wait
         for every transfer; a chunk received off its place is copied there on arrival."""
-        for chunk, place in self.kept:  # one copy, from its source to its place
-            place.copy_(chunk)
+        for t, chunk, place in self.kept:  # one copy, from its source to its place
+            if self.write_own is None:
+                place.copy_(chunk)
+            else:
+                self.write_own(t, place)
         for works, copies in self.started:
             for work in works:
                 self.comm._call("all_to_all_v", work.wait)
             for buf, place in copies:
                 place.copy_(buf)
+        for t, place in self.rewritten:  # after the call that put the unfilled chunk there
+            self.write_own(t, place)
 
     def _receive(self, t, src, place):
         if place.is_contiguous():

@@ -183,7 +183,9 @@ class UlyssesKV:
         When the tensors are views of one fused buffer (e.g. fused qkv rows) and every head block
         goes to one rank, they are sent as one strided view split by head block: the transport
         packs the peers' blocks once and copies this rank's own straight into place. Otherwise
-        they are packed here once, peer-major, so the transport sends each chunk as it lies."""
+        the peers' blocks are packed here once, peer-major, so the transport sends each chunk
+        as it lies, and this rank's own block goes from the tensors straight into its place in
+        the result (`write_own`): each element is copied once either way."""
         world = layout.world
         batch, heads, mine, dim = tensors[0].shape
         chunk_heads = layout.chunk_heads(0, chunk)
@@ -208,14 +210,24 @@ class UlyssesKV:
             b = blocks(stacked)
             return b.unsqueeze(0).expand(groups, *b.shape).permute(0, 3, 5, 1, 2, 4, 6)
 
-        if fused is not None:
-            packed.copy_(peer_major(fused))
-        else:
-            for i, t in enumerate(tensors):
-                packed.narrow(4, i, 1).copy_(peer_major(t.unsqueeze(1)))
+        sources = [fused] if fused is not None else [t.unsqueeze(1) for t in tensors]
+        own = sorted(to).index(comm.rank)  # this rank's chunk: the own-th of the packed ones
+        own_group, own_block = divmod(own, layout.degree)
+        for i, src in enumerate(sources):
+            dst, by_peer = packed.narrow(4, i, src.shape[1]), peer_major(src)
+            for g in range(groups):  # every block but the own one, in at most two runs a group
+                skip = own_block if g == own_group else layout.degree
+                for start, end in ((0, skip), (skip + 1, layout.degree)):
+                    if end > start:
+                        dst[g, start:end].copy_(by_peer[g, start:end])
+
+        def write_own(_, place):  # place: [S_r, B, n, h, D]
+            for i, src in enumerate(sources):
+                place.narrow(2, i, src.shape[1]).copy_(blocks(src)[:, :, own_block].permute(3, 0, 1, 2, 4))
+
         send = flat.view(groups * layout.degree * mine, batch, n, count, dim)
         splits = [mine if j in to else 0 for j in range(world)]
-        return _all_to_all(comm, [send], splits, 0, 0, workspace, received)[0]
+        return _all_to_all(comm, [send], splits, 0, 0, workspace, received, write_own)[0]
 
     @staticmethod
     def _member_rows(comm, layout, local_rows, q_c, k_c) -> list[int]:
@@ -274,11 +286,13 @@ def stacked_view(tensors) -> torch.Tensor | None:
     return first.as_strided((b, len(tensors), h, s, d), (sb, step, sh, ss, sd), offsets[0])
 
 
-def _all_to_all(comm, tensors, splits, split_dim, cat_dim, workspace, recv_splits=None):
+def _all_to_all(comm, tensors, splits, split_dim, cat_dim, workspace, recv_splits=None, write_own=None):
     # any Communicator: a workspace only where the adapter keeps one, the plan where it is known
     options = {} if workspace is None else {"workspace": workspace}
     if recv_splits is not None:
         options["recv_splits"] = recv_splits
+    if write_own is not None:
+        options["write_own"] = write_own
     return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim, **options)
 
 
