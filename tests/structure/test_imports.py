@@ -20,8 +20,9 @@ LAYERS = {
     "cards": 1,
     "comm": 1, "weights": 1, "miniature": 1,
     "sp": 2, "tp": 2, "vae": 2,
-    "roles": 3,
-    "cli": 4,
+    "workers": 3,
+    "roles": 4,
+    "cli": 5,
 }
 LEAVES = ("comm.errors", "comm.layout", "comm.protocol", "comm.settings")  # import nothing of the package
 

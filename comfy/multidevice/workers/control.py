@@ -1,0 +1,51 @@
+"""The control channel of a worker pool: rank 0 tells every worker what to do next.
+
+One message per call, pickled, over a CPU (gloo) process group: its length first, then its
+bytes, both broadcast from rank 0. The tensors of a step (latents, timestep, conditioning)
+travel inside the message; the K/V exchange between the ranks goes over the communicator,
+not here. Only rank 0 (the ComfyUI process) sends, and the workers are processes it started
+itself, so unpickling what it sends trusts nobody new.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+FORWARD, STOP, BUILD = "forward", "stop", "build"
+
+
+class ControlChannel:
+    """Rank 0's messages to every rank of `group` (None: the default group), and the ranks'
+    statuses back to all of them."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist  # torch.distributed may be absent: only pools need it
+
+        self._dist = dist
+        self.group = group
+        self.bytes_sent = 0  # by rank 0, since the channel was made
+
+    def send(self, message: Any) -> int:
+        """Rank 0: broadcast `message`; returns its size in bytes."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0, group=self.group)
+        self._dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.group)
+        self.bytes_sent += len(data)
+        return len(data)
+
+    def receive(self) -> Any:
+        """A worker: the next message rank 0 broadcasts."""
+        size = torch.empty(1, dtype=torch.int64)
+        self._dist.broadcast(size, 0, group=self.group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._dist.broadcast(data, 0, group=self.group)
+        return pickle.loads(data.numpy().tobytes())
+
+    def statuses(self, problem: str | None) -> list[str | None]:
+        """Every rank's problem (None: fine), in rank order, on every rank (a collective)."""
+        out: list = [None] * self._dist.get_world_size(self.group)
+        self._dist.all_gather_object(out, problem, group=self.group)
+        return out

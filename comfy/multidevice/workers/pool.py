@@ -1,0 +1,280 @@
+"""Ranks as processes: this process is rank 0, one worker process per other card.
+
+Beside the rank threads of comm/group.py: each worker has its own interpreter, so a hung or
+crashed rank can be killed (its card memory freed) and never takes the others' GIL or their
+process down. torch.distributed is the engine: a process group over the cards (gloo on CPU
+ranks, nccl / hccl on cards) carries the K/V exchange, a gloo group carries control
+(workers/control.py).
+
+Per forward rank 0 sends only what a forward reads (latents, timestep, conditioning, the
+model's keyword inputs) and computes its own share; the workers compute theirs and keep
+their results (only rank 0's rows are assembled). A worker that dies fails the forward on
+rank 0 at once (gloo sees the closed connection), one that hangs within the collective
+timeout; either way every worker is then killed, the error names the rank, its process and
+the last line it wrote, and the next forward starts a fresh pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from comfy.multidevice.comm.settings import timeout_from_env
+from comfy.multidevice.comm.torch_dist import init_process_group
+from comfy.multidevice.devices import resolve_device
+from comfy.multidevice.sp.minimax_h3 import H3RankSetup
+from comfy.multidevice.sp.strategies import make_kv_strategy
+from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
+from comfy.multidevice.workers.worker import control_group
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # a stopped worker's time to exit before it is killed
+_LOG_TAIL = 20  # lines of each worker's stderr kept for an error message
+
+
+class WorkerPoolError(RuntimeError):
+    """A pool that could not start or lost a rank; the message names the rank and the fix."""
+
+
+class _Worker:
+    """One worker process and the thread that copies its stderr into this process's log."""
+
+    def __init__(self, rank: int, command: list[str], env: dict):
+        self.rank = rank
+        self.tail: collections.deque[str] = collections.deque(maxlen=_LOG_TAIL)
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True, errors="replace")
+        self._reader = threading.Thread(target=self._forward_log, name=f"worker-{rank}-log", daemon=True)
+        self._reader.start()
+
+    def _forward_log(self):
+        for line in self.process.stderr:
+            line = line.rstrip()
+            if line:
+                self.tail.append(line)
+                log.info("[rank %d] %s", self.rank, line)
+
+    def describe(self) -> str:
+        """Its rank, pid and how it ended (or that it still runs), with its last line."""
+        code = self.process.poll()
+        state = "still runs" if code is None else (f"was killed by signal {-code}" if code < 0 else f"exited with {code}")
+        self._reader.join(0.5)  # its last lines, when it has ended
+        last = self.tail[-1] if self.tail else "(it wrote nothing)"
+        return f"rank {self.rank} (pid {self.process.pid}) {state}; its last line: {last}"
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env() -> dict:
+    """This process's environment, with its import path: a worker imports what rank 0 does."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+class WorkerPool:
+    """Rank 0 in this process on devices[0], workers on devices[1:], one DiT from `recipe` each."""
+
+    def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
+                 timeout_s: float | None = None):
+        if len(devices) < 2:
+            raise ValueError(f"a worker pool needs at least 2 devices, got {len(devices)}; "
+                             "one card runs without one")
+        make_kv_strategy(sp_mode)  # a bad mode fails here, before any process starts
+        self.devices = [resolve_device(d) for d in devices]
+        self.recipe = recipe
+        self.sp_mode = sp_mode
+        self.timeout_s = timeout_from_env() if timeout_s is None else timeout_s
+        self.workers: list[_Worker] = []
+        self.model = None
+        self.setup = None
+        self.control = None
+        self.comm = None
+        self.start_seconds = None
+        self.bytes_sent_per_forward: list[int] = []
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def _rank_threads(self) -> int | None:
+        """CPU ranks on one server share its cores: each takes its part."""
+        if self.devices[0].type != "cpu":
+            return None
+        return max(1, (os.cpu_count() or 1) // self.world_size)
+
+    def start(self) -> "WorkerPool":
+        started = time.perf_counter()
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        env = _worker_env()
+        for rank in range(1, self.world_size):
+            command = [sys.executable, "-m", "comfy.multidevice.workers.worker", "--rank", str(rank),
+                       "--world", str(self.world_size), "--init", init, "--device", str(self.devices[rank]),
+                       "--timeout", str(self.timeout_s)]
+            self.workers.append(_Worker(rank, command, env))
+        try:
+            self.comm = self._join(init)
+            self.control = ControlChannel(control_group(self.devices[0]))
+            threads = self._rank_threads()
+            self.control.send((BUILD, self.recipe, self.sp_mode, threads))
+            problem = None
+            try:
+                self.model = self.recipe.build(self.devices[0])
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            problems = self.control.statuses(problem)
+        except Exception as exc:
+            self._fail(exc, "starting the pool")
+        bad = [(r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            self.close()
+            raise RecipeError("the model recipe " + self.recipe.describe() + " failed on " +
+                              "; ".join(f"rank {r}: {p}" for r, p in bad))
+        self.setup = H3RankSetup(self.comm, self.sp_mode, final_rows_to="root")
+        self.start_seconds = time.perf_counter() - started
+        log.info("worker pool: %d ranks (%s) started in %.1f s", self.world_size,
+                 ", ".join(map(str, self.devices)), self.start_seconds)
+        return self
+
+    def _join(self, init: str):
+        """Join the rendezvous as rank 0; a worker that dies first fails the start at once
+        (the join itself would wait for it until the timeout)."""
+        joined: dict = {}
+
+        def join():
+            try:
+                joined["comm"] = init_process_group(0, self.world_size, self.devices[0], init_method=init,
+                                                    timeout_s=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                joined["error"] = exc
+
+        thread = threading.Thread(target=join, name="worker-pool-rendezvous", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = [w for w in self.workers if w.process.poll() is not None]
+            if dead and thread.is_alive():
+                raise WorkerPoolError(f"a worker ended before the pool started: {dead[0].describe()}")
+            if time.monotonic() > deadline:
+                raise WorkerPoolError(f"the workers did not join within {self.timeout_s:.0f} s: "
+                                      + "; ".join(w.describe() for w in self.workers))
+        if "error" in joined:
+            raise joined["error"]
+        return joined["comm"]
+
+    def forward(self, x, timestep, context, transformer_options: dict | None = None, **kwargs):
+        """One DiT forward over every rank; rank 0's result (the whole output)."""
+        if self.comm is None:
+            raise WorkerPoolError("the worker pool is closed; start a new one")
+        threads = torch.get_num_threads()
+        try:
+            rank_threads = self._rank_threads()
+            if rank_threads:
+                torch.set_num_threads(rank_threads)
+            self.bytes_sent_per_forward.append(self.control.send((FORWARD, x, timestep, context, kwargs)))
+            options = dict(transformer_options or {})
+            self.setup.install(self.model, options)
+            with torch.inference_mode():
+                return self.model(x, timestep, context, transformer_options=options, **kwargs)
+        except Exception as exc:
+            self._fail(exc, "a forward")
+        finally:
+            torch.set_num_threads(threads)
+
+    def _fail(self, exc: BaseException, during: str):
+        """Kill every worker, leave the process group, raise what happened naming the ranks."""
+        time.sleep(0.2)  # a dying worker's last line and exit status
+        gone = [w for w in self.workers if w.process.poll() is not None]
+        named = "; ".join(w.describe() for w in gone or self.workers)  # before they are killed
+        self._teardown()
+        raise WorkerPoolError(
+            f"the worker pool failed during {during}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}; "
+            f"{named}. Every worker was stopped; the next run starts a fresh pool.") from exc
+
+    def _teardown(self):
+        for worker in self.workers:
+            worker.kill()
+        self.workers = []
+        self._leave_group()
+
+    def _leave_group(self):
+        import torch.distributed as dist
+        if self.comm is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        self.comm = None
+
+    def close(self):
+        """Tell the workers to stop, give them STOP_GRACE_S, then kill what is left."""
+        if self.comm is not None and all(w.process.poll() is None for w in self.workers):
+            try:
+                self.control.send((STOP,))
+            except Exception as exc:  # noqa: BLE001 - closing anyway
+                log.warning("worker pool: the stop message failed (%s); killing the workers", exc)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for worker in self.workers:
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker pool: %s; killing it", worker.describe())
+        self._teardown()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class WorkersDiT:
+    """Calls like the DiT; each forward runs over a worker pool, started on the first call and
+    again after one that lost a rank."""
+
+    def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
+                 timeout_s: float | None = None):
+        self.pool = WorkerPool(devices, recipe, sp_mode, timeout_s)  # checks the arguments now
+        self._started = False
+
+    def __call__(self, x, timestep, context, transformer_options: dict | None = None, **kwargs):
+        if not self._started:
+            self.pool.start()
+            self._started = True
+        try:
+            return self.pool.forward(x, timestep, context, transformer_options, **kwargs)
+        except WorkerPoolError:
+            self.pool = WorkerPool(self.pool.devices, self.pool.recipe, self.pool.sp_mode, self.pool.timeout_s)
+            self._started = False
+            raise
+
+    def close(self):
+        if self._started:
+            self.pool.close()
+            self._started = False
+
+
+def enable_sequence_parallel_workers(devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = "allgather",
+                                     timeout_s: float | None = None) -> WorkersDiT:
+    """Plain-module entry point with ranks as processes: rank 0 here on devices[0], one worker
+    process per other device, each with the DiT `recipe` builds on its device. Returns a
+    callable with the DiT's forward signature whose result equals the single-device forward."""
+    return WorkersDiT(devices, recipe, sp_mode, timeout_s)

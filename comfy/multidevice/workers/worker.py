@@ -1,0 +1,84 @@
+"""One worker process of a pool: rank r of W on its own card, driven by rank 0.
+
+Started by `WorkerPool` as `python -m comfy.multidevice.workers.worker --rank r ...`. It joins
+the process group (rendezvous at rank 0's address), builds its DiT from the recipe rank 0
+sends, then runs every forward rank 0 announces on its share of the sequence (the K/V
+exchange over the process group), until told to stop. Anything that goes wrong ends the
+process with one line on stderr and a non-zero status: the peers' collectives then fail at
+once (gloo sees the closed connection) instead of waiting for a rank that will never come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+
+import torch
+
+from comfy.multidevice.comm.torch_dist import init_process_group
+from comfy.multidevice.devices import copy_for_rank, resolve_device
+from comfy.multidevice.sp.minimax_h3 import H3RankSetup
+from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
+
+log = logging.getLogger(__name__)
+
+
+def control_group(device: torch.device):
+    """The CPU group that carries control: the default group itself when it is gloo."""
+    import torch.distributed as dist
+    return None if device.type == "cpu" else dist.new_group(backend="gloo")
+
+
+def serve(comm, control: ControlChannel, device: torch.device) -> int:
+    """Build, then follow rank 0's forwards until it says stop; the exit status."""
+    kind, recipe, sp_mode, threads = control.receive()
+    if kind != BUILD:
+        raise RuntimeError(f"rank {comm.rank}: expected the build message first, got {kind!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    problem, model = None, None
+    try:
+        model = recipe.build(device)
+    except Exception as exc:  # reported to rank 0 through the statuses, not only here
+        problem = f"{type(exc).__name__}: {exc}"
+    if any(control.statuses(problem)):
+        return 1
+    setup = H3RankSetup(comm, sp_mode, final_rows_to="root")  # only rank 0's result is used
+    while True:
+        message = control.receive()
+        if message[0] == STOP:
+            return 0
+        if message[0] != FORWARD:
+            raise RuntimeError(f"rank {comm.rank}: unknown message {message[0]!r}")
+        _, x, timestep, context, kwargs = message
+        options: dict = {}
+        setup.install(model, options)
+        with torch.inference_mode():
+            model(copy_for_rank(x, device), copy_for_rank(timestep, device), copy_for_rank(context, device),
+                  transformer_options=options, **copy_for_rank(kwargs, device))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="a MiniMax-H3 worker rank (started by WorkerPool)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--init", required=True, help="the rendezvous, tcp://HOST:PORT")
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--timeout", type=float, required=True, help="collective timeout, seconds")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    device = resolve_device(args.device)
+    try:
+        comm = init_process_group(args.rank, args.world, device, init_method=args.init,
+                                  timeout_s=args.timeout)
+        return serve(comm, ControlChannel(control_group(device)), device)
+    except Exception as exc:
+        traceback.print_exc(file=sys.stderr)
+        print(f"worker rank {args.rank} stops: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Ranks as processes (comfy/multidevice/workers/): this test process is rank 0, the workers are
+real processes over gloo. Exact against one device and against the rank threads; a worker
+killed with SIGKILL fails the next forward naming its rank, and the forward after it (a fresh
+pool) is exact again; a recipe that cannot be followed is refused on every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from comfy.multidevice.miniature.h3 import save_miniature
+from comfy.multidevice.workers.pool import enable_sequence_parallel_workers, WorkerPool, WorkerPoolError
+from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
+from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, run_sp, tiny_model
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = tiny_model(seed=3)
+    path = tmp_path_factory.mktemp("workers") / "tiny.safetensors"
+    save_miniature(model, path)
+    return model, path
+
+
+def recipe(path) -> ModelRecipe:
+    return ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint",
+                       {"path": str(path)})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_workers_match_one_device_and_the_rank_threads(checkpoint, world):
+    model, path = checkpoint
+    dit = enable_sequence_parallel_workers(["cpu"] * world, recipe(path))
+    try:
+        for case in ("plain", "cond_refs", "masked"):
+            x, t, ctx, kw = make_inputs(case)
+            with torch.inference_mode():
+                reference = model(x, t, ctx, **kw)
+            out = dit(x, t, ctx, **kw)
+            threads, _, _ = run_sp(model, world, "peer", case)
+            assert rel_diff(out, reference) <= FP32_TOL, case
+            assert all(torch.equal(a, b) for a, b in zip(out, threads)), case  # same algorithm, same bits
+        assert dit.pool.start_seconds > 0
+        assert all(0 < n < 1 << 20 for n in dit.pool.bytes_sent_per_forward)  # the inputs only
+    finally:
+        dit.close()
+
+
+def test_a_killed_worker_fails_the_forward_naming_its_rank_and_the_next_pool_is_exact(checkpoint):
+    model, path = checkpoint
+    x, t, ctx, kw = make_inputs("plain")
+    with torch.inference_mode():
+        reference = model(x, t, ctx, **kw)
+    dit = enable_sequence_parallel_workers(["cpu"] * 3, recipe(path), timeout_s=60)
+    try:
+        assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
+        victim = dit.pool.workers[1]  # rank 2
+        os.kill(victim.process.pid, signal.SIGKILL)
+        victim.process.wait()
+        start = time.monotonic()
+        with pytest.raises(WorkerPoolError, match=r"rank 2 \(pid \d+\) was killed by signal 9"):
+            dit(x, t, ctx, **kw)
+        assert time.monotonic() - start < 20  # the closed connection, not the 60 s timeout
+        assert victim.process.poll() is not None
+        assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL  # a fresh pool
+    finally:
+        dit.close()
+
+
+def test_a_recipe_that_cannot_be_followed_is_refused_on_every_rank(checkpoint):
+    _, path = checkpoint
+    bad = ModelRecipe("comfy.multidevice.workers.recipe", "no_such_builder", {"path": str(path)})
+    pool = WorkerPool(["cpu"] * 2, bad)
+    with pytest.raises(RecipeError, match=r"rank 0: RecipeError: model recipe .*no_such_builder cannot be found"
+                                          r".*rank 1: RecipeError"):
+        pool.start()
+    assert all(w.process.poll() is not None for w in pool.workers) or not pool.workers
+
+
+def test_bad_arguments_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="at least 2 devices, got 1"):
+        WorkerPool(["cpu"], ModelRecipe("m", "f"))
+    with pytest.raises(ValueError, match="bogus"):
+        WorkerPool(["cpu"] * 2, ModelRecipe("m", "f"), sp_mode="bogus")
+
+
+def test_a_hung_worker_fails_the_forward_within_the_timeout_and_is_killed(checkpoint):
+    model, path = checkpoint
+    x, t, ctx, kw = make_inputs("plain")
+    with torch.inference_mode():
+        reference = model(x, t, ctx, **kw)
+    dit = enable_sequence_parallel_workers(["cpu"] * 2, recipe(path), timeout_s=5)
+    try:
+        assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
+        hung = dit.pool.workers[0]
+        os.kill(hung.process.pid, signal.SIGSTOP)  # alive, never answering
+        start = time.monotonic()
+        with pytest.raises(WorkerPoolError, match=r"Timed out .*rank 1 \(pid \d+\) still runs"):
+            dit(x, t, ctx, **kw)
+        assert time.monotonic() - start < 5 + 10
+        assert hung.process.poll() is not None  # killed, not left holding its card
+        assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
+    finally:
+        dit.close()
