@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
+from comfy.multidevice.roles.dit import DIT_RANKS
 from comfy.multidevice.roles.memory_plan import DEFAULT_PLAN_TOKENS, MAX_PLAN_TOKENS
 from comfy.multidevice.roles.plan import plan_roles
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
@@ -70,6 +71,12 @@ NODE_SCHEMA = {
          "optional": True, "advanced": True,
          "tooltip": "The longest packed sequence this workflow samples, for the memory plan's activation "
                     f"estimate: {DEFAULT_PLAN_TOKENS} = 768p 15 s, 38592 = 768p 5 s."},
+        {"name": "dit_ranks", "type": "COMBO", "options": list(DIT_RANKS), "default": "threads",
+         "optional": True, "advanced": True,
+         "tooltip": "How the DiT's cards run: threads = rank threads of this ComfyUI process (every "
+                    "workflow); processes = one worker process per other card, which a hang or crash "
+                    "cannot take down with ComfyUI (killed and restarted at the next prompt; the MODEL "
+                    "from a core loader, LoRAs before this node, no Fun ControlNet yet)."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",
@@ -95,7 +102,7 @@ def widget_defaults() -> list:
 
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                        device_kind="auto", devices="", inventory=None, dit_weights="auto",
-                       plan_tokens=DEFAULT_PLAN_TOKENS, free_memory=None):
+                       plan_tokens=DEFAULT_PLAN_TOKENS, free_memory=None, dit_ranks="threads"):
     """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
 
     Every check (card count, device kind, visible cards, backend name, the four inputs'
@@ -110,6 +117,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
 
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} is unknown: set backend to one of {', '.join(BACKEND_CHOICES)}.")
+    if dit_ranks not in DIT_RANKS:
+        raise ValueError(f"dit_ranks={dit_ranks!r} is unknown: set dit_ranks to one of {', '.join(DIT_RANKS)}.")
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
     plan = plan_roles(npu_count)
     if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
@@ -123,7 +132,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     try:
         return roles_apply.apply_role_plan(
             plan, selected, model, clip, video_vae, audio_vae,
-            backend=None if backend == "default" else backend, dit_weights=memory.dit_weights)
+            backend=None if backend == "default" else backend, dit_weights=memory.dit_weights,
+            dit_ranks=dit_ranks)
     except BackendUnavailable as exc:  # a forced backend (the input or the variable) did not start
         from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env
         asked = f"backend is {backend}" if backend != "default" else \
@@ -231,14 +241,15 @@ def node_class():
 
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
-                    device_kind="auto", devices="", dit_weights="auto", plan_tokens=DEFAULT_PLAN_TOKENS) -> io.NodeOutput:
+                    device_kind="auto", devices="", dit_weights="auto", plan_tokens=DEFAULT_PLAN_TOKENS,
+                    dit_ranks="threads") -> io.NodeOutput:
             try:
                 # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
                 # None) is refused by name instead of being cast
                 outputs = configure_parallel(
                     model, clip, video_vae, audio_vae, npu_count=npu_count, backend=backend,
                     device_kind=device_kind, devices=devices, dit_weights=dit_weights,
-                    plan_tokens=plan_tokens)
+                    plan_tokens=plan_tokens, dit_ranks=dit_ranks)
             except Exception as exc:
                 shown = shown_error(exc)
                 if shown is None:

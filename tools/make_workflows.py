@@ -64,6 +64,8 @@ FALLBACK_NODE_SCHEMA = {
         {"name": "dit_weights", "type": "COMBO", "options": ["auto", "replicate", "shard"], "default": "auto",
          "optional": True},
         {"name": "plan_tokens", "type": "INT", "default": 109952, "optional": True},
+        {"name": "dit_ranks", "type": "COMBO", "options": ["threads", "processes"], "default": "threads",
+         "optional": True},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL"},

@@ -35,7 +35,7 @@ from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.comm.group import prefetch_lane, SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import backend_from_env
 from comfy.multidevice.devices import resolve_device
-from comfy.multidevice.roles.dit import place_dit, sequence_parallel_dit
+from comfy.multidevice.roles.dit import DIT_RANKS, place_dit, sequence_parallel_dit, workers_dit
 from comfy.multidevice.roles.model_management import manage_decoder_copies, manage_tensor_parallel_shards
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
 from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
@@ -250,17 +250,25 @@ def chunked_video_vae(vae, devices, merge_device, coordinator):
 # ----------------------------------------------------------------------------- apply
 
 def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_vae, audio_vae,
-                    backend: str | None = None, coordinator=None, dit_weights: str = "replicate"):
+                    backend: str | None = None, coordinator=None, dit_weights: str = "replicate",
+                    dit_ranks: str = "threads"):
     """Return (model, clip, video_vae, audio_vae) set up per `plan` on `devices`.
 
     devices[i] is plan card i. `backend` picks the collective backend (None: from the
     environment). `coordinator` may be given (tests); otherwise the shared one for the
     planned cards is used (started here when the plan needs more than one card).
     `dit_weights`: "replicate" or "shard" for a sequence-parallel DiT (roles/memory_plan.py
-    resolves the node's "auto").
+    resolves the node's "auto"). `dit_ranks`: the DiT's ranks as "threads" of this process or
+    as worker "processes" (roles/dit.py `workers_dit`; replicated weights).
     """
     if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
         raise RolePlanError(f"dit_weights={dit_weights!r}: apply_role_plan takes 'replicate' or 'shard'")
+    if dit_ranks not in DIT_RANKS:
+        raise RolePlanError(f"dit_ranks={dit_ranks!r}: apply_role_plan takes {' or '.join(map(repr, DIT_RANKS))}")
+    if dit_ranks == "processes" and dit_weights == "shard" and plan.dit.mode == SEQUENCE_PARALLEL:
+        raise RolePlanError("dit_ranks=processes keeps a full DiT on every card (each worker loads its own), "
+                            "but the memory plan chose dit_weights=shard: set dit_weights to replicate if a "
+                            "full DiT fits each card, or dit_ranks to threads")
     devices = [resolve_device(d) for d in devices]  # 'npu:i' needs torch_npu: imported here
     if len(devices) != plan.n_cards:
         raise RolePlanError(f"the plan is for {plan.n_cards} cards but {len(devices)} devices were given")
@@ -276,7 +284,9 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     if coordinator is not None and parallel and [str(d) for d in coordinator.devices] != [str(d) for d in devices]:
         raise RolePlanError(f"the coordinator runs on {coordinator.devices}, the plan on {devices}")
 
-    if plan.dit.mode == SEQUENCE_PARALLEL:
+    if plan.dit.mode == SEQUENCE_PARALLEL and dit_ranks == "processes":
+        out_model = workers_dit(model, cards(plan.dit))
+    elif plan.dit.mode == SEQUENCE_PARALLEL:
         lane = shared_prefetch_lane(coordinator) if dit_weights == "shard" else None
         out_model = sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)
     else:

@@ -21,8 +21,11 @@ from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 from comfy.multidevice.weights.module_copies import replica_on
 from comfy.multidevice.weights.replicas import RankReplicas
+from comfy.multidevice.workers.fan_out import workers_on_patcher
 
 log = logging.getLogger(__name__)
+
+DIT_RANKS = ("threads", "processes")  # the node's dit_ranks: rank threads here, or worker processes
 
 # ----------------------------------------------------------------------------- DiT
 
@@ -235,6 +238,22 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
     replicas.armed = True
     primary.multinpu_dit_replicas = replicas  # for unload / inspection
     _register_with_model_management(primary, replicas.card_copies())
+    return primary
+
+
+def workers_dit(model, devices):
+    """The DiT's role with its ranks as processes: a clone of the MODEL whose forward runs on
+    devices[0] here and on one worker process per other card (workers/fan_out.py); the pool
+    starts at the first step. Refused before anything is made for a bare module or a MODEL a
+    worker cannot rebuild."""
+    if not is_model_patcher(model):
+        raise RolePlanError("dit_ranks=processes needs a ComfyUI MODEL (its workers load it as ComfyUI "
+                            f"did), got {type(model).__name__}; use dit_ranks=threads")
+    primary = model.clone()
+    if getattr(primary, "load_device", devices[0]) != devices[0]:
+        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
+        primary.load_device = devices[0]
+    primary.multinpu_workers = workers_on_patcher(primary, devices)  # for close / inspection
     return primary
 
 

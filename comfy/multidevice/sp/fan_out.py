@@ -22,6 +22,21 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- fan-out
 
+def transformer_options_of(args: list, kwargs: dict, index: int = 3) -> dict:
+    """The forward's transformer_options (a keyword, or positional argument `index`), put in
+    place as a new dict when absent or None, so a rank can edit its own copy."""
+    if "transformer_options" in kwargs:
+        if kwargs["transformer_options"] is None:
+            kwargs["transformer_options"] = {}
+        return kwargs["transformer_options"]
+    if len(args) > index:
+        if args[index] is None:
+            args[index] = {}
+        return args[index]
+    kwargs["transformer_options"] = {}
+    return kwargs["transformer_options"]
+
+
 def _forward_method(executor, model):
     """The method the executor finally calls (`original`, a bound method of `class_obj`), on `model`.
 
@@ -104,17 +119,7 @@ class SequenceParallelFanOut:
         return counts() if counts is not None else [{"received": 0, "calls": 0}] * self.world_size
 
     def _transformer_options(self, args: list, kwargs: dict) -> dict:
-        if "transformer_options" in kwargs:
-            if kwargs["transformer_options"] is None:
-                kwargs["transformer_options"] = {}
-            return kwargs["transformer_options"]
-        i = self.transformer_options_index
-        if len(args) > i:
-            if args[i] is None:
-                args[i] = {}
-            return args[i]
-        kwargs["transformer_options"] = {}
-        return kwargs["transformer_options"]
+        return transformer_options_of(args, kwargs, self.transformer_options_index)
 
     def bytes_received_last_forward(self) -> int:
         """Bytes all ranks together received from each other in the last forward."""

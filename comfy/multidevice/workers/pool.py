@@ -30,7 +30,8 @@ import torch
 
 from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.comm.torch_dist import init_process_group
-from comfy.multidevice.devices import resolve_device
+from comfy.multidevice.devices import copy_for_rank, resolve_device
+from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
@@ -96,7 +97,9 @@ class WorkerPool:
     """Rank 0 in this process on devices[0], workers on devices[1:], one DiT from `recipe` each."""
 
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, rank0_model: torch.nn.Module | None = None):
+        """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's);
+        else rank 0 builds it from the recipe too."""
         if len(devices) < 2:
             raise ValueError(f"a worker pool needs at least 2 devices, got {len(devices)}; "
                              "one card runs without one")
@@ -106,6 +109,7 @@ class WorkerPool:
         self.sp_mode = sp_mode
         self.timeout_s = timeout_from_env() if timeout_s is None else timeout_s
         self.workers: list[_Worker] = []
+        self.rank0_model = rank0_model
         self.model = None
         self.setup = None
         self.control = None
@@ -139,7 +143,7 @@ class WorkerPool:
             self.control.send((BUILD, self.recipe, self.sp_mode, threads))
             problem = None
             try:
-                self.model = self.recipe.build(self.devices[0])
+                self.model = self.rank0_model or self.recipe.build(self.devices[0])
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             problems = self.control.statuses(problem)
@@ -185,6 +189,14 @@ class WorkerPool:
 
     def forward(self, x, timestep, context, transformer_options: dict | None = None, **kwargs):
         """One DiT forward over every rank; rank 0's result (the whole output)."""
+        kwargs["transformer_options"] = dict(transformer_options or {})
+        return self.forward_method(None, self.model, [x, timestep, context], kwargs)
+
+    def forward_method(self, method: str | None, rank0_forward, args: list, kwargs: dict,
+                       sent: tuple[list, dict] | None = None):
+        """`rank0_forward(*args, **kwargs)` here and the forward `method` of each worker's DiT
+        (None: the DiT itself) on what rank 0 sends: `sent` (args, kwargs), default the same
+        inputs. Each rank's transformer_options get its sequence-parallel set-up."""
         if self.comm is None:
             raise WorkerPoolError("the worker pool is closed; start a new one")
         threads = torch.get_num_threads()
@@ -192,11 +204,12 @@ class WorkerPool:
             rank_threads = self._rank_threads()
             if rank_threads:
                 torch.set_num_threads(rank_threads)
-            self.bytes_sent_per_forward.append(self.control.send((FORWARD, x, timestep, context, kwargs)))
-            options = dict(transformer_options or {})
-            self.setup.install(self.model, options)
+            sent_args, sent_kwargs = sent if sent is not None else (args, kwargs)
+            self.bytes_sent_per_forward.append(self.control.send((FORWARD, method, sent_args, sent_kwargs)))
+            args, kwargs = copy_for_rank((list(args), dict(kwargs)), self.devices[0])  # its own options
+            self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs))
             with torch.inference_mode():
-                return self.model(x, timestep, context, transformer_options=options, **kwargs)
+                return rank0_forward(*args, **kwargs)
         except Exception as exc:
             self._fail(exc, "a forward")
         finally:

@@ -19,6 +19,7 @@ import torch
 
 from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
+from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
 
@@ -52,12 +53,12 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
             return 0
         if message[0] != FORWARD:
             raise RuntimeError(f"rank {comm.rank}: unknown message {message[0]!r}")
-        _, x, timestep, context, kwargs = message
-        options: dict = {}
-        setup.install(model, options)
+        _, method, args, kwargs = message
+        args, kwargs = copy_for_rank((list(args), dict(kwargs)), device)
+        setup.install(model, transformer_options_of(args, kwargs))
+        forward = model if method is None else getattr(model, method)
         with torch.inference_mode():
-            model(copy_for_rank(x, device), copy_for_rank(timestep, device), copy_for_rank(context, device),
-                  transformer_options=options, **copy_for_rank(kwargs, device))
+            forward(*args, **kwargs)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,152 @@
+"""The process fan-out: a ComfyUI MODEL's DiT forward run over a worker pool.
+
+`ProcessFanOut` is a DIFFUSION_MODEL wrapper like sp/fan_out.py's: the wrappers after it run
+once here on rank 0, then the model's own forward runs on rank 0 (the MODEL's DiT) while each
+worker runs the same forward method of its rebuilt DiT on what rank 0 sends: the forward's
+arguments with transformer_options reduced to data. What only lives in this process
+(wrappers, callbacks, patch functions) cannot travel: a forward that carries patches the
+workers could not apply is refused, naming them, before anything is sent. The pool starts on
+the first forward and again when the MODEL's weight patches changed (their digest) or after
+a forward that lost a rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import weakref
+from typing import Any, Callable, Sequence
+
+from comfy.multidevice.sp.fan_out import transformer_options_of
+from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
+from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
+from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
+
+log = logging.getLogger(__name__)
+
+RANK0_ONLY = ("wrappers", "callbacks")  # run here on rank 0 (or not at all inside a forward)
+PATCH_KEYS = ("patches", "patches_replace")  # functions of this process: refused when present
+
+
+def travelling_options(options: dict) -> dict:
+    """transformer_options as a worker gets them: rank 0's runtime hooks left out; refused
+    (SequenceParallelError naming the key) when they hold patches or objects that cannot be
+    sent."""
+    out = {}
+    for key, value in options.items():
+        if key in RANK0_ONLY:
+            continue
+        if key in PATCH_KEYS and any(value.values() if isinstance(value, dict) else [value]):
+            raise SequenceParallelError(
+                f"ranks as processes cannot carry the transformer_options {key!r} of this forward "
+                f"({sorted(value) if isinstance(value, dict) else type(value).__name__}): they are functions "
+                "of the ComfyUI process; use ranks as threads for this workflow")
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - named in the error
+            raise SequenceParallelError(
+                f"ranks as processes cannot send transformer_options[{key!r}] ({type(value).__name__}: "
+                f"{exc}); use ranks as threads for this workflow") from None
+        out[key] = value
+    return out
+
+
+class ProcessFanOut:
+    """A DIFFUSION_MODEL wrapper running the DiT forward on rank 0 here and on every worker."""
+
+    def __init__(self, make_pool: Callable[[Any], WorkerPool], digest_of: Callable[[], str],
+                 transformer_options_index: int = 3):
+        """`make_pool(rank0_dit)`: a new, unstarted pool; `digest_of()`: the MODEL's weight
+        patches now (a new digest makes a new pool)."""
+        self.make_pool = make_pool
+        self.digest_of = digest_of
+        self.transformer_options_index = transformer_options_index
+        self._held: dict = {"pool": None}  # what the finalizer closes: no reference to self
+        self._digest = None
+        # a MODEL dropped (the node ran again, the server exits) takes its worker processes along
+        weakref.finalize(self, _close_held, self._held)
+
+    @property
+    def pool(self) -> WorkerPool | None:
+        return self._held["pool"]
+
+    @pool.setter
+    def pool(self, value: WorkerPool | None) -> None:
+        self._held["pool"] = value
+
+    def __call__(self, executor, *args, **kwargs):
+        rest = type(executor).new_class_executor(
+            lambda *a, **kw: self._on_ranks(executor, list(a), dict(kw)),
+            executor.class_obj, executor.wrappers, executor.idx)
+        return rest(*args, **kwargs)
+
+    def _on_ranks(self, executor, args: list, kwargs: dict):
+        sent_args, sent_kwargs = list(args), dict(kwargs)
+        options = transformer_options_of(sent_args, sent_kwargs, self.transformer_options_index)
+        travelling = travelling_options(options)  # refused here, before any process is asked
+        if len(sent_args) > self.transformer_options_index and sent_args[self.transformer_options_index] is options:
+            sent_args[self.transformer_options_index] = travelling
+        else:
+            sent_kwargs["transformer_options"] = travelling
+        pool = self._current_pool(executor.class_obj)
+        try:
+            return pool.forward_method(executor.original.__name__, executor.original, args, kwargs,
+                                       sent=(sent_args, sent_kwargs))
+        except WorkerPoolError:
+            self.pool = None  # the next forward starts a fresh pool
+            raise
+
+    def _current_pool(self, rank0_dit) -> WorkerPool:
+        digest = self.digest_of()
+        if self.pool is not None and digest != self._digest:
+            log.info("ranks as processes: the MODEL's weight patches changed; starting a new worker pool")
+            self.close()
+        if self.pool is None:
+            self.pool = self.make_pool(rank0_dit).start()
+            self._digest = digest
+        return self.pool
+
+    def close(self):
+        _close_held(self._held)
+
+
+def _close_held(held: dict) -> None:
+    pool, held["pool"] = held["pool"], None
+    if pool is not None:
+        pool.close()
+
+
+def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "allgather",
+                       timeout_s: float | None = None, prelude: Sequence[tuple[str, str]] = ()) -> ProcessFanOut:
+    """ComfyUI entry point, ranks as processes: `model_patcher`'s DiT forward runs on rank 0
+    (this process, devices[0]) and on one worker process per other device, each rebuilding the
+    DiT from the MODEL's loader and weight patches (workers/comfy_dit.py). Installs the wrapper
+    under sp/minimax_h3.py's WRAPPER_KEY and returns it; refuses a MODEL it cannot rebuild
+    (RecipeError) before changing the patcher."""
+    from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
+
+    comfy_dit_recipe(model_patcher, prelude)  # refused here when it cannot be made
+
+    def make_pool(rank0_dit):
+        return WorkerPool(devices, comfy_dit_recipe(model_patcher, prelude), sp_mode, timeout_s,
+                          rank0_model=rank0_dit)
+
+    def patch_set():
+        # ComfyUI records which patch set the shared model's weights carry; one added after
+        # this node (a LoRA loader after it) would be missing on the workers
+        applied = getattr(model_patcher.model, "current_weight_patches_uuid", None)
+        mine = getattr(model_patcher, "patches_uuid", None)
+        if applied is not None and mine is not None and applied != mine:
+            raise SequenceParallelError(
+                "the MODEL's weights carry patches added after the MultiNPUParallelConfig node (e.g. a "
+                "LoRA loader placed after it), which its worker processes do not have; with ranks as "
+                "processes put weight patches before the node")
+        return mine or patches_digest(model_patcher)[1]
+
+    fan_out = ProcessFanOut(make_pool, patch_set)
+    model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
+    model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)
+    log.info("ranks as processes (%s) on %d ranks: %s", sp_mode or "allgather", len(devices),
+             ", ".join(map(str, devices)))
+    return fan_out

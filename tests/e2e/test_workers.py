@@ -1,0 +1,75 @@
+"""Ranks as processes from a real server (COMFYUI_DIR, the pack installed by our installer): the
+node's dit_ranks=processes starts one worker process per other card at the first step.
+
+A tiny t2va prompt at 4 CPU cards with processes equals the same prompt at 1 card; a worker
+killed with SIGKILL between prompts fails the next prompt naming its rank, and the prompt
+after it (fresh workers) equals the 1-card prompt again. On v0.33.0 sequence parallel is
+refused by design (test_install_ways.py checks that), so this file skips there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import comfyui_server
+from tests.e2e.test_install_ways import error_text, make_tree, MAX_LEVELS, run_prompt, saved_frames, t2va_prompt
+from tests.e2e.test_install_ways import tiny_models  # noqa: F401 - a fixture
+
+
+def processes_prompt(prefix: str) -> dict:
+    prompt = t2va_prompt(4, prefix)
+    prompt["5"]["inputs"]["dit_ranks"] = "processes"
+    return prompt
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's worker processes (children running comfy.multidevice.workers.worker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == server_pid and b"comfy.multidevice.workers.worker" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_only(upstream, tiny_models,  # noqa: F811
+                                                                                tmp_path):
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_install_ways.py checks that)")
+    tree = make_tree(upstream, tmp_path, "patch", tiny_models)
+    server = comfyui_server.start(tree, tmp_path, args=("--cache-classic",))
+    try:
+        one = run_prompt(server, t2va_prompt(1, "one_card"))
+        assert one["status"]["status_str"] == "success", error_text(one)
+        reference = saved_frames(tree, "one_card")
+        assert reference.std() > 1, "the frames are flat: the comparison would say nothing"
+
+        first = run_prompt(server, processes_prompt("processes"))
+        assert first["status"]["status_str"] == "success", error_text(first) + server.log_text()[-3000:]
+        assert np.abs(saved_frames(tree, "processes") - reference).max() <= MAX_LEVELS
+        pids = worker_pids(server.process.pid)
+        assert len(pids) == 3, pids  # cards 1-3; card 0 is the server itself
+        assert "[rank 1]" in server.log_text()  # the workers' lines in ComfyUI's log, rank named
+
+        os.kill(pids[1], signal.SIGKILL)
+        failed = run_prompt(server, processes_prompt("after_kill"))
+        assert failed["status"]["status_str"] == "error"
+        assert "was killed by signal 9" in error_text(failed) and "rank 2" in error_text(failed), error_text(failed)
+        assert not set(pids) & set(worker_pids(server.process.pid))  # every old worker is gone
+
+        again = run_prompt(server, processes_prompt("fresh_pool"))
+        assert again["status"]["status_str"] == "success", error_text(again)
+        assert np.abs(saved_frames(tree, "fresh_pool") - reference).max() <= MAX_LEVELS
+    finally:
+        comfyui_server.stop(server)

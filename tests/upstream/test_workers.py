@@ -1,0 +1,75 @@
+"""Ranks as processes through upstream's own sampling path: the tiny H3 file loaded by
+`comfy.sd.load_diffusion_model`, sampled by `comfy.sample.sample` with the DiT forward on rank 0
+(this process) and on worker processes that rebuild the DiT from the MODEL's loader and weight
+patches (comfy/multidevice/workers/). Compared with the same sampling on one card (fp32,
+1e-5 of max |reference|, as test_sampling.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from comfy.multidevice.sp.plan import SequenceParallelError
+from tests.sp_cases import rel_diff
+from tests.upstream.test_h3_dit import FP32_TOL
+from tests.upstream.test_lora import lora, with_lora  # noqa: F401 - lora is a fixture
+from tests.upstream.test_sampling import sample
+
+PRELUDE = (("tests.upstream.standins", "install"),)  # the workers need the test's stand-ins too
+pytestmark = pytest.mark.timeout(300)
+
+
+def workers(model, world, **kwargs):
+    from comfy.multidevice.workers.fan_out import workers_on_patcher
+    parallel = model.clone()
+    return parallel, workers_on_patcher(parallel, ["cpu"] * world, prelude=PRELUDE, timeout_s=120, **kwargs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_workers_sample_like_one_card(upstream, hook, patcher, world):
+    reference = sample(patcher)
+    parallel, fan_out = workers(patcher, world)
+    try:
+        out = sample(parallel)
+        assert rel_diff(out, reference) <= FP32_TOL
+        assert fan_out.pool is not None and fan_out.pool.world_size == world
+        assert len(fan_out.pool.bytes_sent_per_forward) >= 3  # one message per step at least
+    finally:
+        fan_out.close()
+
+
+def test_workers_carry_the_models_lora_and_a_new_patch_set_makes_a_new_pool(upstream, hook, patcher, lora):
+    import torch
+    reference = sample(with_lora(patcher, lora))
+    parallel, fan_out = workers(with_lora(patcher, lora), 2)
+    try:
+        assert rel_diff(sample(parallel), reference) <= FP32_TOL  # the LoRA reached the worker
+        first = fan_out.pool
+        key, weight = next((k, w) for k, w in parallel.model_state_dict().items() if w.dim() == 2)
+        delta = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)) * 0.05
+        parallel.add_patches({key: (delta,)}, 1.0)  # a new patch set on the same MODEL
+        one_card = with_lora(patcher, lora)
+        one_card.add_patches({key: (delta,)}, 1.0)
+        assert rel_diff(sample(parallel), sample(one_card)) <= FP32_TOL
+        assert fan_out.pool is not first  # rebuilt for the new patches, not stale
+    finally:
+        fan_out.close()
+
+
+def test_a_lora_after_the_node_is_refused_naming_the_fix(upstream, hook, patcher, lora):
+    parallel, fan_out = workers(patcher, 2)
+    try:
+        with pytest.raises(SequenceParallelError, match="patches added after the MultiNPUParallelConfig node"):
+            sample(with_lora(parallel, lora))
+    finally:
+        fan_out.close()
+
+
+def test_a_forward_with_patch_functions_is_refused_before_any_worker_is_asked(upstream, hook, patcher):
+    parallel, fan_out = workers(patcher, 2)
+    parallel.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))
+    try:
+        with pytest.raises(SequenceParallelError, match="cannot carry the transformer_options 'patches'"):
+            sample(parallel)
+        assert fan_out.pool is None
+    finally:
+        fan_out.close()
