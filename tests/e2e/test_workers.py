@@ -21,9 +21,13 @@ from tests.e2e.test_install_ways import error_text, make_tree, MAX_LEVELS, run_p
 from tests.e2e.test_install_ways import tiny_models  # noqa: F401 - a fixture
 
 
-def processes_prompt(prefix: str) -> dict:
-    prompt = t2va_prompt(4, prefix)
-    prompt["5"]["inputs"]["dit_ranks"] = "processes"
+def prompt_with(prefix: str, seed: int, processes: bool) -> dict:
+    """The tiny t2va prompt at 4 cards with processes (else at 1 card), sampled with `seed`: a
+    new seed makes ComfyUI sample again instead of reusing the cached result."""
+    prompt = t2va_prompt(4 if processes else 1, prefix)
+    prompt["8"]["inputs"]["seed"] = seed
+    if processes:
+        prompt["5"]["inputs"]["dit_ranks"] = "processes"
     return prompt
 
 
@@ -50,12 +54,12 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
     tree = make_tree(upstream, tmp_path, "patch", tiny_models)
     server = comfyui_server.start(tree, tmp_path, args=("--cache-classic",))
     try:
-        one = run_prompt(server, t2va_prompt(1, "one_card"))
+        one = run_prompt(server, prompt_with("one_card", 7, processes=False))
         assert one["status"]["status_str"] == "success", error_text(one)
         reference = saved_frames(tree, "one_card")
         assert reference.std() > 1, "the frames are flat: the comparison would say nothing"
 
-        first = run_prompt(server, processes_prompt("processes"))
+        first = run_prompt(server, prompt_with("processes", 7, processes=True))
         assert first["status"]["status_str"] == "success", error_text(first) + server.log_text()[-3000:]
         assert np.abs(saved_frames(tree, "processes") - reference).max() <= MAX_LEVELS
         pids = worker_pids(server.process.pid)
@@ -63,13 +67,15 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
         assert "[rank 1]" in server.log_text()  # the workers' lines in ComfyUI's log, rank named
 
         os.kill(pids[1], signal.SIGKILL)
-        failed = run_prompt(server, processes_prompt("after_kill"))
+        failed = run_prompt(server, prompt_with("after_kill", 8, processes=True))
         assert failed["status"]["status_str"] == "error"
         assert "was killed by signal 9" in error_text(failed) and "rank 2" in error_text(failed), error_text(failed)
         assert not set(pids) & set(worker_pids(server.process.pid))  # every old worker is gone
 
-        again = run_prompt(server, processes_prompt("fresh_pool"))
+        again = run_prompt(server, prompt_with("fresh_pool", 9, processes=True))
         assert again["status"]["status_str"] == "success", error_text(again)
-        assert np.abs(saved_frames(tree, "fresh_pool") - reference).max() <= MAX_LEVELS
+        assert len(worker_pids(server.process.pid)) == 3  # a fresh pool
+        run_prompt(server, prompt_with("one_card_9", 9, processes=False))
+        assert np.abs(saved_frames(tree, "fresh_pool") - saved_frames(tree, "one_card_9")).max() <= MAX_LEVELS
     finally:
         comfyui_server.stop(server)
