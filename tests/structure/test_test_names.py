@@ -28,6 +28,7 @@ TOPIC_FILES = {
     "test_node_errors.py": "the sentence a ComfyUI user reads for every refusal",
     "test_runtime_scripts.py": "additional_files/runtime/ restart and stop scripts",
     "test_docs.py": "the user docs: examples, cited sections, links",
+    "workers/test_servers.py": "one worker pool over two servers (network namespaces)",
 }
 
 

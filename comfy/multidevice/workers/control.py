@@ -44,8 +44,9 @@ class ControlChannel:
         self._dist.broadcast(data, 0, group=self.group)
         return pickle.loads(data.numpy().tobytes())
 
-    def statuses(self, problem: str | None) -> list[str | None]:
-        """Every rank's problem (None: fine), in rank order, on every rank (a collective)."""
+    def statuses(self, status: Any) -> list:
+        """Every rank's status (its problem or None, its server, its pid), in rank order, on
+        every rank (a collective)."""
         out: list = [None] * self._dist.get_world_size(self.group)
-        self._dist.all_gather_object(out, problem, group=self.group)
+        self._dist.all_gather_object(out, status, group=self.group)
         return out

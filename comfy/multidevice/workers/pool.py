@@ -35,6 +35,7 @@ from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.liveness import Liveness, WorkerIdentity
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
 from comfy.multidevice.workers.worker import control_group
 
@@ -80,9 +81,9 @@ class _Worker:
         self.process.wait()
 
 
-def _free_port() -> int:
+def _free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 
@@ -94,17 +95,26 @@ def _worker_env() -> dict:
 
 
 class WorkerPool:
-    """Rank 0 in this process on devices[0], workers on devices[1:], one DiT from `recipe` each."""
+    """Rank 0 in this process on devices[0], workers on devices[1:] of this server, and
+    `remote` ranks on other servers (started by their users with `join_command`); one DiT from
+    `recipe` each."""
 
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
-                 timeout_s: float | None = None, rank0_model: torch.nn.Module | None = None):
+                 timeout_s: float | None = None, rank0_model: torch.nn.Module | None = None,
+                 remote: int = 0, address: str = "127.0.0.1"):
         """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's);
-        else rank 0 builds it from the recipe too."""
-        if len(devices) < 2:
-            raise ValueError(f"a worker pool needs at least 2 devices, got {len(devices)}; "
-                             "one card runs without one")
+        else rank 0 builds it from the recipe too. `address`: where the other servers reach
+        this one (its rendezvous and liveness ports are chosen here; open them in a firewall)."""
+        if len(devices) + remote < 2:
+            raise ValueError(f"a worker pool needs at least 2 ranks, got {len(devices)} device(s) and "
+                             f"{remote} remote rank(s); one card runs without one")
+        if remote < 0:
+            raise ValueError(f"remote={remote} ranks: give 0 or more")
         make_kv_strategy(sp_mode)  # a bad mode fails here, before any process starts
         self.devices = [resolve_device(d) for d in devices]
+        self.remote = remote
+        self.address = address
+        self.init = f"tcp://{address}:{_free_port(address)}"
         self.recipe = recipe
         self.sp_mode = sp_mode
         self.timeout_s = timeout_from_env() if timeout_s is None else timeout_s
@@ -114,51 +124,66 @@ class WorkerPool:
         self.setup = None
         self.control = None
         self.comm = None
+        self.liveness: Liveness | None = None
+        self.identities: list[WorkerIdentity] = []  # every rank's server and pid, once started
         self.start_seconds = None
         self.bytes_sent_per_forward: list[int] = []
 
     @property
     def world_size(self) -> int:
-        return len(self.devices)
+        return len(self.devices) + self.remote
 
     def _rank_threads(self) -> int | None:
         """CPU ranks on one server share its cores: each takes its part."""
         if self.devices[0].type != "cpu":
             return None
-        return max(1, (os.cpu_count() or 1) // self.world_size)
+        return max(1, (os.cpu_count() or 1) // len(self.devices))
+
+    def join_command(self, rank: int, device: str = "cpu", threads: int | None = None) -> str:
+        """What a user runs on another server for rank `rank` (a server with this repository and
+        the same model files at the same paths)."""
+        extra = f" --threads {threads}" if threads else ""
+        return (f"python -m comfy.multidevice.workers.worker --rank {rank} --world {self.world_size} "
+                f"--init {self.init} --device {device} --timeout {self.timeout_s:g}{extra}")
 
     def start(self) -> "WorkerPool":
         started = time.perf_counter()
-        init = f"tcp://127.0.0.1:{_free_port()}"
         env = _worker_env()
-        for rank in range(1, self.world_size):
+        threads = self._rank_threads()
+        for rank in range(1, len(self.devices)):
             command = [sys.executable, "-m", "comfy.multidevice.workers.worker", "--rank", str(rank),
-                       "--world", str(self.world_size), "--init", init, "--device", str(self.devices[rank]),
-                       "--timeout", str(self.timeout_s)]
+                       "--world", str(self.world_size), "--init", self.init, "--device", str(self.devices[rank]),
+                       "--timeout", str(self.timeout_s)] + (["--threads", str(threads)] if threads else [])
             self.workers.append(_Worker(rank, command, env))
+        for rank in range(len(self.devices), self.world_size):
+            log.info("worker pool: waiting for rank %d from another server: %s", rank, self.join_command(rank))
         try:
-            self.comm = self._join(init)
+            self.liveness = Liveness(self.address)
+            self.comm = self._join(self.init)
             self.control = ControlChannel(control_group(self.devices[0]))
-            threads = self._rank_threads()
-            self.control.send((BUILD, self.recipe, self.sp_mode, threads))
+            self.control.send((BUILD, self.recipe, self.sp_mode, self.liveness.address))
             problem = None
             try:
                 self.model = self.rank0_model or self.recipe.build(self.devices[0])
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
-            problems = self.control.statuses(problem)
+            statuses = self.control.statuses((problem, socket.gethostname(), os.getpid()))
         except Exception as exc:
             self._fail(exc, "starting the pool")
-        bad = [(r, p) for r, p in enumerate(problems) if p]
+        self.identities = [WorkerIdentity(r, server, pid) for r, (_, server, pid) in enumerate(statuses)]
+        bad = [(r, p) for r, (p, _, _) in enumerate(statuses) if p]
         if bad:
             self.close()
             raise RecipeError("the model recipe " + self.recipe.describe() + " failed on " +
-                              "; ".join(f"rank {r}: {p}" for r, p in bad))
+                              "; ".join(f"{self.identities[r].describe()}: {p}" for r, p in bad))
         self.setup = H3RankSetup(self.comm, self.sp_mode, final_rows_to="root")
         self.start_seconds = time.perf_counter() - started
-        log.info("worker pool: %d ranks (%s) started in %.1f s", self.world_size,
-                 ", ".join(map(str, self.devices)), self.start_seconds)
+        log.info("worker pool: %d ranks started in %.1f s: %s", self.world_size, self.start_seconds,
+                 ", ".join(f"{i.describe()} {self._device_of(i.rank)}" for i in self.identities))
         return self
+
+    def _device_of(self, rank: int) -> str:
+        return f"on {self.devices[rank]}" if rank < len(self.devices) else "(remote)"
 
     def _join(self, init: str):
         """Join the rendezvous as rank 0; a worker that dies first fails the start at once
@@ -216,10 +241,14 @@ class WorkerPool:
             torch.set_num_threads(threads)
 
     def _fail(self, exc: BaseException, during: str):
-        """Kill every worker, leave the process group, raise what happened naming the ranks."""
-        time.sleep(0.2)  # a dying worker's last line and exit status
-        gone = [w for w in self.workers if w.process.poll() is not None]
-        named = "; ".join(w.describe() for w in gone or self.workers)  # before they are killed
+        """Kill every worker here, leave the process group, raise what happened naming the
+        ranks that ended (a worker of another server: by its closed liveness connection)."""
+        time.sleep(0.2)  # a dying worker's last line, exit status and closed connection
+        gone = [w.describe() for w in self.workers if w.process.poll() is not None]
+        local = {w.rank for w in self.workers}
+        ended = self.liveness.ended() if self.liveness is not None else []
+        gone += [f"{i.describe()} ended (its connection closed)" for i in ended if i.rank not in local]
+        named = "; ".join(gone or [w.describe() for w in self.workers] or ["no worker ended"])
         self._teardown()
         raise WorkerPoolError(
             f"the worker pool failed during {during}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}; "
@@ -229,6 +258,9 @@ class WorkerPool:
         for worker in self.workers:
             worker.kill()
         self.workers = []
+        if self.liveness is not None:
+            self.liveness.close()
+            self.liveness = None
         self._leave_group()
 
     def _leave_group(self):
@@ -239,7 +271,8 @@ class WorkerPool:
 
     def close(self):
         """Tell the workers to stop, give them STOP_GRACE_S, then kill what is left."""
-        if self.comm is not None and all(w.process.poll() is None for w in self.workers):
+        if self.comm is not None and all(w.process.poll() is None for w in self.workers) and \
+                not (self.liveness is not None and self.liveness.ended()):
             try:
                 self.control.send((STOP,))
             except Exception as exc:  # noqa: BLE001 - closing anyway

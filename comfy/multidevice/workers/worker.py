@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 import traceback
 
@@ -22,6 +24,7 @@ from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.liveness import report_alive
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +37,17 @@ def control_group(device: torch.device):
 
 def serve(comm, control: ControlChannel, device: torch.device) -> int:
     """Build, then follow rank 0's forwards until it says stop; the exit status."""
-    kind, recipe, sp_mode, threads = control.receive()
+    kind, recipe, sp_mode, watch = control.receive()
     if kind != BUILD:
         raise RuntimeError(f"rank {comm.rank}: expected the build message first, got {kind!r}")
-    if threads:
-        torch.set_num_threads(threads)
+    alive = report_alive(watch, comm.rank)  # open until this process ends, however it ends
     problem, model = None, None
     try:
         model = recipe.build(device)
     except Exception as exc:  # reported to rank 0 through the statuses, not only here
         problem = f"{type(exc).__name__}: {exc}"
-    if any(control.statuses(problem)):
+    if any(p for p, _, _ in control.statuses((problem, socket.gethostname(), os.getpid()))):
+        alive.close()
         return 1
     setup = H3RankSetup(comm, sp_mode, final_rows_to="root")  # only rank 0's result is used
     while True:
@@ -68,9 +71,12 @@ def main(argv=None) -> int:
     parser.add_argument("--init", required=True, help="the rendezvous, tcp://HOST:PORT")
     parser.add_argument("--device", required=True)
     parser.add_argument("--timeout", type=float, required=True, help="collective timeout, seconds")
+    parser.add_argument("--threads", type=int, help="intra-op threads (CPU ranks share a server's cores)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         comm = init_process_group(args.rank, args.world, device, init_method=args.init,
                                   timeout_s=args.timeout)

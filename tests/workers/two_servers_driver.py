@@ -1,0 +1,68 @@
+"""Rank 0 of tests/workers/test_servers.py, run on the first "server" (a network namespace):
+a pool with two local ranks and two from the other server, driven line by line.
+
+stdout: `JOIN <init>` (start the other server's ranks now), `EXACT <rel_diff>`, `KILL-NOW`
+(kill one of them, then write a line to stdin), `FAILED <seconds> <message>`, a second
+`JOIN` / `EXACT` for a fresh pool, `DONE`. Exits non-zero on anything unexpected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from comfy.multidevice.miniature.h3 import load_miniature
+from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
+from comfy.multidevice.workers.recipe import ModelRecipe
+from tests.sp_cases import make_inputs, rel_diff
+
+
+def say(*words):
+    print(*words, flush=True)
+
+
+def exact(pool, reference, inputs) -> float:
+    x, t, ctx, kw = inputs
+    return rel_diff(pool.forward(x, t, ctx, **kw), reference)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--timeout", type=float, default=30)
+    args = parser.parse_args()
+    recipe = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint",
+                         {"path": args.checkpoint})
+    inputs = make_inputs("plain")
+    with torch.inference_mode():
+        reference = load_miniature(args.checkpoint)(inputs[0], inputs[1], inputs[2], **inputs[3])
+
+    def new_pool():
+        pool = WorkerPool(["cpu"] * 2, recipe, remote=2, address=args.address, timeout_s=args.timeout)
+        say("JOIN", pool.init)
+        return pool.start()
+
+    pool = new_pool()
+    say("EXACT", exact(pool, reference, inputs))
+    say("KILL-NOW")
+    sys.stdin.readline()
+    start = time.monotonic()
+    try:
+        exact(pool, reference, inputs)
+        say("NOT-FAILED")
+        return 1
+    except WorkerPoolError as exc:
+        say("FAILED", round(time.monotonic() - start, 2), " ".join(str(exc).split()))
+    pool = new_pool()
+    say("EXACT", exact(pool, reference, inputs))
+    pool.close()
+    say("DONE")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
