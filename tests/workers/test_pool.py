@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -106,5 +107,47 @@ def test_a_hung_worker_fails_the_forward_within_the_timeout_and_is_killed(checkp
         assert time.monotonic() - start < 5 + 10
         assert hung.process.poll() is not None  # killed, not left holding its card
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
+    finally:
+        dit.close()
+
+
+def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_up(checkpoint, monkeypatch):
+    """A stand-in for ComfyUI's model_management: its Cancel flag goes up as block 1 starts."""
+    import types
+    model, path = checkpoint
+    x, t, ctx, kw = make_inputs("plain")
+    with torch.inference_mode():
+        reference = model(x, t, ctx, **kw)
+
+    class Interrupted(Exception):
+        pass
+
+    checks = {"n": 0, "armed": False}
+    fake = types.ModuleType("comfy.model_management")
+
+    def processing_interrupted():
+        checks["n"] += 1
+        return checks["armed"] and checks["n"] == 2  # the check of block 1
+
+    def throw_exception_if_processing_interrupted():
+        if checks["armed"]:
+            checks["armed"] = False
+            raise Interrupted()
+
+    fake.processing_interrupted = processing_interrupted
+    fake.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
+    fake.InterruptProcessingException = Interrupted
+    monkeypatch.setitem(sys.modules, "comfy.model_management", fake)
+    dit = enable_sequence_parallel_workers(["cpu"] * 3, recipe(path), timeout_s=60)
+    try:
+        assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
+        pids = [w.process.pid for w in dit.pool.workers]
+        checks.update(n=0, armed=True)
+        with pytest.raises(Interrupted):
+            dit(x, t, ctx, **kw)
+        assert dit.pool.cancelled_at == [1]  # within one block of the flag
+        assert [w.process.pid for w in dit.pool.workers] == pids and all(
+            w.process.poll() is None for w in dit.pool.workers)
+        assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL  # the same pool, in step
     finally:
         dit.close()

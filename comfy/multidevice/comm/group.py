@@ -67,7 +67,7 @@ def abandoned_coordinator_count() -> int:
     return _abandoned_coordinators
 
 
-def _comfy_interrupt_flag():
+def comfy_interrupt_flag():
     """ComfyUI's model_management when its Cancel flag is set, else None.
 
     Only looked up when ComfyUI has already imported it: the core runs without ComfyUI, and
@@ -78,7 +78,7 @@ def _comfy_interrupt_flag():
     return module if probe is not None and probe() else None
 
 
-def _raise_comfy_interrupt(module) -> None:
+def raise_comfy_interrupt(module) -> None:
     """Raise ComfyUI's InterruptProcessingException the way its sampler does (clearing the flag)."""
     module.throw_exception_if_processing_interrupted()
     raise module.InterruptProcessingException()  # the flag was already cleared by someone else
@@ -314,7 +314,7 @@ class SequenceParallelCoordinator:
             if stuck:
                 self._abandon(stuck, fn)
             if cancel is not None:  # seen before any error: the errors are its consequences
-                _raise_comfy_interrupt(cancel[1])
+                raise_comfy_interrupt(cancel[1])
             if errors:
                 exc = self._first_error(errors)
                 if stuck:
@@ -336,7 +336,7 @@ class SequenceParallelCoordinator:
             if give_up_at is None:
                 if errors:
                     give_up_at = errors[0][0] + grace
-                elif cancel is None and (module := _comfy_interrupt_flag()) is not None:
+                elif cancel is None and (module := comfy_interrupt_flag()) is not None:
                     cancel = (now, module)
                     self._barrier.abort("cancelled from ComfyUI (interrupt)")
                     give_up_at = now + grace

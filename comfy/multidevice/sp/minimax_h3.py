@@ -140,12 +140,16 @@ class H3RankSetup:
     the shard plan with the RoPE rows and modulation spans sliced once for all blocks.
     """
 
-    def __init__(self, comm, sp_mode=None, block_weights=None, final_rows_to: str = "all"):
+    def __init__(self, comm, sp_mode=None, block_weights=None, final_rows_to: str = "all",
+                 before_block: Callable[[int], None] | None = None):
+        """`before_block(i)`: called on this rank as block i starts (e.g. a Cancel check that every
+        rank makes at the same block, so they stop in step)."""
         if final_rows_to not in FINAL_ROWS_TO:
             raise ValueError(f"final_rows_to {final_rows_to!r} must be one of {FINAL_ROWS_TO}")
         self.comm = comm
         self.block_weights = block_weights  # RankBlockWeights when dit_weights="shard", else None
         self.final_rows_to = final_rows_to
+        self.before_block = before_block
         self.strategy = make_kv_strategy(sp_mode)
         self.exchanging = ExchangingAttention(comm, self.strategy)
         self.model = None
@@ -209,6 +213,8 @@ class H3RankSetup:
         return cached[1]
 
     def _run_block(self, index, args, extra):
+        if self.before_block is not None:
+            self.before_block(index)
         h = args["img"]
         if index == 0:
             # H3 contract: block 0 receives the full hidden state [S, hidden] in packed order.

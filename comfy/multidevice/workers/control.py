@@ -44,6 +44,12 @@ class ControlChannel:
         self._dist.broadcast(data, 0, group=self.group)
         return pickle.loads(data.numpy().tobytes())
 
+    def flag(self, value: bool = False) -> bool:
+        """Rank 0's yes/no on every rank (rank 0 passes it, the workers read it): one byte."""
+        tensor = torch.tensor([1 if value else 0], dtype=torch.uint8)
+        self._dist.broadcast(tensor, 0, group=self.group)
+        return bool(tensor.item())
+
     def statuses(self, status: Any) -> list:
         """Every rank's status (its problem or None, its server, its pid), in rank order, on
         every rank (a collective)."""

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from comfy.multidevice.comm.group import comfy_interrupt_flag, raise_comfy_interrupt
 from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
@@ -37,7 +38,7 @@ from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.liveness import Liveness, WorkerIdentity
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
-from comfy.multidevice.workers.worker import control_group
+from comfy.multidevice.workers.worker import CancelledByRank0, control_group
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class WorkerPool:
         self.identities: list[WorkerIdentity] = []  # every rank's server and pid, once started
         self.start_seconds = None
         self.bytes_sent_per_forward: list[int] = []
+        self.cancelled_at: list[int] = []  # the block each cancelled forward stopped at
+        self._cancel_module = None
 
     @property
     def world_size(self) -> int:
@@ -176,7 +179,7 @@ class WorkerPool:
             self.close()
             raise RecipeError("the model recipe " + self.recipe.describe() + " failed on " +
                               "; ".join(f"{self.identities[r].describe()}: {p}" for r, p in bad))
-        self.setup = H3RankSetup(self.comm, self.sp_mode, final_rows_to="root")
+        self.setup = H3RankSetup(self.comm, self.sp_mode, final_rows_to="root", before_block=self._cancel_point)
         self.start_seconds = time.perf_counter() - started
         log.info("worker pool: %d ranks started in %.1f s: %s", self.world_size, self.start_seconds,
                  ", ".join(f"{i.describe()} {self._device_of(i.rank)}" for i in self.identities))
@@ -235,10 +238,22 @@ class WorkerPool:
             self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs))
             with torch.inference_mode():
                 return rank0_forward(*args, **kwargs)
+        except CancelledByRank0 as cancelled:
+            cancel = cancelled  # every rank stopped at this block; the pool stays up
         except Exception as exc:
             self._fail(exc, "a forward")
         finally:
             torch.set_num_threads(threads)
+        log.info("worker pool: the forward was cancelled from ComfyUI at block %d on every rank", cancel.block)
+        self.cancelled_at.append(cancel.block)
+        raise_comfy_interrupt(self._cancel_module)
+
+    def _cancel_point(self, index: int):
+        """Rank 0, as block `index` starts: ComfyUI's Cancel flag, told to every worker."""
+        module = comfy_interrupt_flag()
+        if self.control.flag(module is not None):
+            self._cancel_module = module
+            raise CancelledByRank0(index)
 
     def _fail(self, exc: BaseException, during: str):
         """Kill every worker here, leave the process group, raise what happened naming the

@@ -29,6 +29,14 @@ from comfy.multidevice.workers.liveness import report_alive
 log = logging.getLogger(__name__)
 
 
+class CancelledByRank0(Exception):
+    """Rank 0 said stop at this block (ComfyUI's Cancel); the pool stays up."""
+
+    def __init__(self, block: int):
+        super().__init__(f"cancelled at block {block}")
+        self.block = block
+
+
 def control_group(device: torch.device):
     """The CPU group that carries control: the default group itself when it is gloo."""
     import torch.distributed as dist
@@ -49,7 +57,11 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
     if any(p for p, _, _ in control.statuses((problem, socket.gethostname(), os.getpid()))):
         alive.close()
         return 1
-    setup = H3RankSetup(comm, sp_mode, final_rows_to="root")  # only rank 0's result is used
+    def cancel_point(index):  # rank 0 says at every block whether ComfyUI's Cancel was pressed
+        if control.flag():
+            raise CancelledByRank0(index)
+
+    setup = H3RankSetup(comm, sp_mode, final_rows_to="root", before_block=cancel_point)  # rank 0's result is used
     while True:
         message = control.receive()
         if message[0] == STOP:
@@ -60,8 +72,11 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
         args, kwargs = copy_for_rank((list(args), dict(kwargs)), device)
         setup.install(model, transformer_options_of(args, kwargs))
         forward = model if method is None else getattr(model, method)
-        with torch.inference_mode():
-            forward(*args, **kwargs)
+        try:
+            with torch.inference_mode():
+                forward(*args, **kwargs)
+        except CancelledByRank0 as cancelled:  # every rank stopped at the same block: wait for the next
+            log.info("rank %d: the forward was cancelled at block %d", comm.rank, cancelled.block)
 
 
 def main(argv=None) -> int:
