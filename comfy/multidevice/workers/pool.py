@@ -10,8 +10,11 @@ Per forward rank 0 sends only what a forward reads (latents, timestep, condition
 model's keyword inputs) and computes its own share; the workers compute theirs and keep
 their results (only rank 0's rows are assembled). A worker that dies fails the forward on
 rank 0 at once (gloo sees the closed connection), one that hangs within the collective
-timeout; either way every worker is then killed, the error names the rank, its process and
-the last line it wrote, and the next forward starts a fresh pool.
+timeout; either way every worker here is then killed, the error names the rank, its server,
+its process and the last line it wrote (workers/liveness.py tells which one ended), and the
+next forward starts a fresh pool. ComfyUI's Cancel is told to every rank as a block starts,
+so all stop at that block and the pool stays up. Ranks on other servers join the same
+rendezvous with the command `join_command` gives.
 """
 
 from __future__ import annotations
