@@ -10,25 +10,39 @@ refused by design (test_install_ways.py checks that), so this file skips there.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests import comfyui_server
+from tests.comfyui_server import request
 from tests.e2e.test_install_ways import error_text, make_tree, MAX_LEVELS, run_prompt, saved_frames, t2va_prompt
 from tests.e2e.test_install_ways import tiny_models  # noqa: F401 - a fixture
 
 
-def prompt_with(prefix: str, seed: int, processes: bool) -> dict:
+def prompt_with(prefix: str, seed: int, processes: bool, steps: int = 2) -> dict:
     """The tiny t2va prompt at 4 cards with processes (else at 1 card), sampled with `seed`: a
     new seed makes ComfyUI sample again instead of reusing the cached result."""
     prompt = t2va_prompt(4 if processes else 1, prefix)
-    prompt["8"]["inputs"]["seed"] = seed
+    prompt["8"]["inputs"].update(seed=seed, steps=steps)
     if processes:
         prompt["5"]["inputs"]["dit_ranks"] = "processes"
     return prompt
+
+
+def wait_for_end(server, prompt_id: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, history = request(f"{server.url}/history/{prompt_id}")
+        entry = (history or {}).get(prompt_id)
+        if entry and entry.get("status", {}).get("completed") is not None:
+            return entry
+        time.sleep(0.2)
+    raise AssertionError(f"prompt {prompt_id} did not end in {timeout_s} s")
 
 
 def worker_pids(server_pid: int) -> list[int]:
@@ -77,5 +91,22 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
         assert len(worker_pids(server.process.pid)) == 3  # a fresh pool
         run_prompt(server, prompt_with("one_card_9", 9, processes=False))
         assert np.abs(saved_frames(tree, "fresh_pool") - saved_frames(tree, "one_card_9")).max() <= MAX_LEVELS
+
+        # ComfyUI's Cancel in the middle of a 40-step sampling: the prompt ends interrupted and
+        # the same workers serve the next prompt
+        pids = worker_pids(server.process.pid)
+        status, answer = request(f"{server.url}/prompt", {"prompt": prompt_with("cancelled", 10, True, steps=40)})
+        assert status == 200, answer
+        deadline = time.monotonic() + 120
+        while not re.search(r"\b[1-9]\d*/40\b", server.log_text()):  # the sampler's progress bar
+            assert time.monotonic() < deadline, server.log_text()[-2000:]
+            time.sleep(0.1)
+        request(f"{server.url}/interrupt", {})
+        entry = wait_for_end(server, answer["prompt_id"])
+        assert any(m[0] == "execution_interrupted" for m in entry["status"]["messages"]), entry["status"]
+        assert worker_pids(server.process.pid) == pids  # the pool stayed up
+        after = run_prompt(server, prompt_with("after_cancel", 11, processes=True))
+        assert after["status"]["status_str"] == "success", error_text(after)
+        assert worker_pids(server.process.pid) == pids
     finally:
         comfyui_server.stop(server)

@@ -151,3 +151,22 @@ def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_u
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL  # the same pool, in step
     finally:
         dit.close()
+
+
+def test_a_new_pool_replaces_the_last_and_the_last_ones_owner_starts_afresh(checkpoint):
+    """One default process group per process: starting a pool closes the one before it (the node
+    ran again); the older WorkersDiT then starts a fresh pool at its next call, exact."""
+    model, path = checkpoint
+    x, t, ctx, kw = make_inputs("plain")
+    with torch.inference_mode():
+        reference = model(x, t, ctx, **kw)
+    first, second = (enable_sequence_parallel_workers(["cpu"] * 2, recipe(path)) for _ in range(2))
+    try:
+        assert rel_diff(first(x, t, ctx, **kw), reference) <= FP32_TOL
+        old = first.pool
+        assert rel_diff(second(x, t, ctx, **kw), reference) <= FP32_TOL
+        assert not old.running and not old.workers  # closed: its workers stopped
+        assert rel_diff(first(x, t, ctx, **kw), reference) <= FP32_TOL
+    finally:
+        first.close()
+        second.close()

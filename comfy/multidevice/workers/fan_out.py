@@ -99,6 +99,8 @@ class ProcessFanOut:
 
     def _current_pool(self, rank0_dit) -> WorkerPool:
         digest = self.digest_of()
+        if self.pool is not None and not self.pool.running:  # a newer pool of this process replaced it
+            self.pool = None
         if self.pool is not None and digest != self._digest:
             log.info("ranks as processes: the MODEL's weight patches changed; starting a new worker pool")
             self.close()

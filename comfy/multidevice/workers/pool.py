@@ -49,6 +49,10 @@ STOP_GRACE_S = 10.0  # a stopped worker's time to exit before it is killed
 _LOG_TAIL = 20  # lines of each worker's stderr kept for an error message
 
 
+_live: dict = {}  # "pool": the pool that holds this process's default process group
+_live_lock = threading.Lock()
+
+
 class WorkerPoolError(RuntimeError):
     """A pool that could not start or lost a rank; the message names the rank and the fix."""
 
@@ -139,6 +143,11 @@ class WorkerPool:
     def world_size(self) -> int:
         return len(self.devices) + self.remote
 
+    @property
+    def running(self) -> bool:
+        """Started and not closed (by its owner, a failure, or a newer pool)."""
+        return self.comm is not None
+
     def _rank_threads(self) -> int | None:
         """CPU ranks on one server share its cores: each takes its part."""
         if self.devices[0].type != "cpu":
@@ -154,6 +163,15 @@ class WorkerPool:
 
     def start(self) -> "WorkerPool":
         started = time.perf_counter()
+        # torch.distributed has one default process group per process: one pool at a time. A
+        # newer one (the node ran again, another MODEL) replaces the last; its owner starts a
+        # fresh pool at its next forward.
+        with _live_lock:
+            previous = _live.get("pool")
+            _live["pool"] = self
+        if previous is not None and previous is not self and previous.comm is not None:
+            log.info("worker pool: closing the previous pool (%d ranks) for a new one", previous.world_size)
+            previous.close()
         env = _worker_env()
         threads = self._rank_threads()
         for rank in range(1, len(self.devices)):
@@ -320,15 +338,20 @@ class WorkersDiT:
         self._started = False
 
     def __call__(self, x, timestep, context, transformer_options: dict | None = None, **kwargs):
+        if self._started and not self.pool.running:  # closed by a newer pool of this process
+            self._renew()
         if not self._started:
             self.pool.start()
             self._started = True
         try:
             return self.pool.forward(x, timestep, context, transformer_options, **kwargs)
         except WorkerPoolError:
-            self.pool = WorkerPool(self.pool.devices, self.pool.recipe, self.pool.sp_mode, self.pool.timeout_s)
-            self._started = False
+            self._renew()
             raise
+
+    def _renew(self):
+        self.pool = WorkerPool(self.pool.devices, self.pool.recipe, self.pool.sp_mode, self.pool.timeout_s)
+        self._started = False
 
     def close(self):
         if self._started:
