@@ -263,6 +263,14 @@ class WorkerPool:
             cancel = cancelled  # every rank stopped at this block; the pool stays up
         except Exception as exc:
             self._fail(exc, "a forward")
+        except BaseException:
+            # ComfyUI's own interrupt (a BaseException on newer trees, raised by its ops at any
+            # layer) left this rank mid-block while the workers wait in a collective: they
+            # cannot be brought back in step, so they are stopped; the next forward starts afresh
+            log.info("worker pool: the forward was interrupted inside a block; stopping its %d "
+                     "worker(s), the next forward starts a fresh pool", len(self.workers))
+            self._teardown()
+            raise
         finally:
             torch.set_num_threads(threads)
         log.info("worker pool: the forward was cancelled from ComfyUI at block %d on every rank", cancel.block)
