@@ -112,7 +112,8 @@ class WorkerPool:
                  remote: int = 0, address: str = "127.0.0.1"):
         """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's);
         else rank 0 builds it from the recipe too. `address`: where the other servers reach
-        this one (its rendezvous and liveness ports are chosen here; open them in a firewall)."""
+        this one (the rendezvous port is chosen here, the liveness port when the pool starts;
+        open both in a firewall)."""
         if len(devices) + remote < 2:
             raise ValueError(f"a worker pool needs at least 2 ranks, got {len(devices)} device(s) and "
                              f"{remote} remote rank(s); one card runs without one")
@@ -154,12 +155,16 @@ class WorkerPool:
             return None
         return max(1, (os.cpu_count() or 1) // len(self.devices))
 
+    def _worker_arguments(self, rank: int, device, threads: int | None) -> list[str]:
+        """The worker's command after `python`, for a worker started here or on another server."""
+        return (["-m", "comfy.multidevice.workers.worker", "--rank", str(rank), "--world", str(self.world_size),
+                 "--init", self.init, "--device", str(device), "--timeout", f"{self.timeout_s:g}"]
+                + (["--threads", str(threads)] if threads else []))
+
     def join_command(self, rank: int, device: str = "cpu", threads: int | None = None) -> str:
         """What a user runs on another server for rank `rank` (a server with this repository and
         the same model files at the same paths)."""
-        extra = f" --threads {threads}" if threads else ""
-        return (f"python -m comfy.multidevice.workers.worker --rank {rank} --world {self.world_size} "
-                f"--init {self.init} --device {device} --timeout {self.timeout_s:g}{extra}")
+        return " ".join(["python", *self._worker_arguments(rank, device, threads)])
 
     def start(self) -> "WorkerPool":
         started = time.perf_counter()
@@ -169,15 +174,13 @@ class WorkerPool:
         with _live_lock:
             previous = _live.get("pool")
             _live["pool"] = self
-        if previous is not None and previous is not self and previous.comm is not None:
+        if previous is not None and previous is not self and previous.running:
             log.info("worker pool: closing the previous pool (%d ranks) for a new one", previous.world_size)
             previous.close()
         env = _worker_env()
         threads = self._rank_threads()
         for rank in range(1, len(self.devices)):
-            command = [sys.executable, "-m", "comfy.multidevice.workers.worker", "--rank", str(rank),
-                       "--world", str(self.world_size), "--init", self.init, "--device", str(self.devices[rank]),
-                       "--timeout", str(self.timeout_s)] + (["--threads", str(threads)] if threads else [])
+            command = [sys.executable, *self._worker_arguments(rank, self.devices[rank], threads)]
             self.workers.append(_Worker(rank, command, env))
         for rank in range(len(self.devices), self.world_size):
             log.info("worker pool: waiting for rank %d from another server: %s", rank, self.join_command(rank))
@@ -188,7 +191,7 @@ class WorkerPool:
             self.control.send((BUILD, self.recipe, self.sp_mode, self.liveness.address))
             problem = None
             try:
-                self.model = self.rank0_model or self.recipe.build(self.devices[0])
+                self.model = self.rank0_model if self.rank0_model is not None else self.recipe.build(self.devices[0])
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             statuses = self.control.statuses((problem, socket.gethostname(), os.getpid()))
@@ -246,7 +249,7 @@ class WorkerPool:
         """`rank0_forward(*args, **kwargs)` here and the forward `method` of each worker's DiT
         (None: the DiT itself) on what rank 0 sends: `sent` (args, kwargs), default the same
         inputs. Each rank's transformer_options get its sequence-parallel set-up."""
-        if self.comm is None:
+        if not self.running:
             raise WorkerPoolError("the worker pool is closed; start a new one")
         threads = torch.get_num_threads()
         try:
@@ -315,7 +318,7 @@ class WorkerPool:
 
     def close(self):
         """Tell the workers to stop, give them STOP_GRACE_S, then kill what is left."""
-        if self.comm is not None and all(w.process.poll() is None for w in self.workers) and \
+        if self.running and all(w.process.poll() is None for w in self.workers) and \
                 not (self.liveness is not None and self.liveness.ended()):
             try:
                 self.control.send((STOP,))
