@@ -67,11 +67,14 @@ def anonymous_bytes(pid: int | str = "self") -> int:
 
 
 def bare_torch_anonymous_bytes() -> int:
-    """A process that imported torch and nothing else."""
-    probe = subprocess.run([sys.executable, "-c", "import torch, sys; sys.stdout.write(open('/proc/self/smaps_rollup')"
-                            ".read())"], capture_output=True, text=True, check=True).stdout
-    line = next(line for line in probe.splitlines() if line.startswith("Anonymous:"))
-    return int(line.split()[1]) * 1024
+    """A process that imported torch and nothing else (it says so, then waits to be read)."""
+    probe = subprocess.Popen([sys.executable, "-c", "import torch, sys; print(flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        probe.stdout.readline()  # torch is imported
+        return anonymous_bytes(probe.pid)
+    finally:
+        probe.communicate("")
 
 
 def input_bytes(value) -> int:
