@@ -29,6 +29,15 @@ def checkpoint(tmp_path_factory):
     return model, path
 
 
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    """The "plain" layout's inputs and the one-device forward of the checkpoint's model on them."""
+    model, _ = checkpoint
+    inputs = make_inputs("plain")
+    with torch.inference_mode():
+        return inputs, model(inputs[0], inputs[1], inputs[2], **inputs[3])
+
+
 def recipe(path) -> ModelRecipe:
     return ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint",
                        {"path": str(path)})
@@ -53,11 +62,9 @@ def test_workers_match_one_device_and_the_rank_threads(checkpoint, world):
         dit.close()
 
 
-def test_a_killed_worker_fails_the_forward_naming_its_rank_and_the_next_pool_is_exact(checkpoint):
-    model, path = checkpoint
-    x, t, ctx, kw = make_inputs("plain")
-    with torch.inference_mode():
-        reference = model(x, t, ctx, **kw)
+def test_a_killed_worker_fails_the_forward_naming_its_rank_and_the_next_pool_is_exact(checkpoint, plain):
+    _, path = checkpoint
+    (x, t, ctx, kw), reference = plain
     dit = enable_sequence_parallel_workers(["cpu"] * 3, recipe(path), timeout_s=60)
     try:
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
@@ -91,11 +98,9 @@ def test_bad_arguments_are_refused_before_any_process_starts():
         WorkerPool(["cpu"] * 2, ModelRecipe("m", "f"), sp_mode="bogus")
 
 
-def test_a_hung_worker_fails_the_forward_within_the_timeout_and_is_killed(checkpoint):
-    model, path = checkpoint
-    x, t, ctx, kw = make_inputs("plain")
-    with torch.inference_mode():
-        reference = model(x, t, ctx, **kw)
+def test_a_hung_worker_fails_the_forward_within_the_timeout_and_is_killed(checkpoint, plain):
+    _, path = checkpoint
+    (x, t, ctx, kw), reference = plain
     dit = enable_sequence_parallel_workers(["cpu"] * 2, recipe(path), timeout_s=5)
     try:
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
@@ -111,13 +116,11 @@ def test_a_hung_worker_fails_the_forward_within_the_timeout_and_is_killed(checkp
         dit.close()
 
 
-def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_up(checkpoint, monkeypatch):
+def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_up(checkpoint, plain, monkeypatch):
     """A stand-in for ComfyUI's model_management: its Cancel flag goes up as block 1 starts."""
     import types
-    model, path = checkpoint
-    x, t, ctx, kw = make_inputs("plain")
-    with torch.inference_mode():
-        reference = model(x, t, ctx, **kw)
+    _, path = checkpoint
+    (x, t, ctx, kw), reference = plain
 
     class Interrupted(Exception):
         pass
@@ -153,13 +156,11 @@ def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_u
         dit.close()
 
 
-def test_a_new_pool_replaces_the_last_and_the_last_ones_owner_starts_afresh(checkpoint):
+def test_a_new_pool_replaces_the_last_and_the_last_ones_owner_starts_afresh(checkpoint, plain):
     """One default process group per process: starting a pool closes the one before it (the node
     ran again); the older WorkersDiT then starts a fresh pool at its next call, exact."""
-    model, path = checkpoint
-    x, t, ctx, kw = make_inputs("plain")
-    with torch.inference_mode():
-        reference = model(x, t, ctx, **kw)
+    _, path = checkpoint
+    (x, t, ctx, kw), reference = plain
     first, second = (enable_sequence_parallel_workers(["cpu"] * 2, recipe(path)) for _ in range(2))
     try:
         assert rel_diff(first(x, t, ctx, **kw), reference) <= FP32_TOL
