@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
-from comfy.multidevice.roles.dit import DIT_RANKS
+from comfy.multidevice.roles.dit import DIT_RANKS, resolve_dit_ranks
 from comfy.multidevice.roles.memory_plan import DEFAULT_PLAN_TOKENS, MAX_PLAN_TOKENS
 from comfy.multidevice.roles.plan import plan_roles
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
@@ -71,12 +71,14 @@ NODE_SCHEMA = {
          "optional": True, "advanced": True,
          "tooltip": "The longest packed sequence this workflow samples, for the memory plan's activation "
                     f"estimate: {DEFAULT_PLAN_TOKENS} = 768p 15 s, 38592 = 768p 5 s."},
-        {"name": "dit_ranks", "type": "COMBO", "options": list(DIT_RANKS), "default": "threads",
+        {"name": "dit_ranks", "type": "COMBO", "options": list(DIT_RANKS), "default": "auto",
          "optional": True, "advanced": True,
          "tooltip": "How the DiT's cards run: threads = rank threads of this ComfyUI process (every "
                     "workflow); processes = one worker process per other card, which a hang or crash "
                     "cannot take down with ComfyUI (killed and restarted at the next prompt; the MODEL "
-                    "from a core loader, LoRAs before this node, no Fun ControlNet yet)."},
+                    "from a core loader, LoRAs before this node, no Fun ControlNet yet), and the only "
+                    "way to add the cards of other servers (COMFYUI_MULTI_DEVICE_REMOTE_RANKS); auto = "
+                    "processes when other servers' ranks are set, else threads."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",
@@ -102,7 +104,7 @@ def widget_defaults() -> list:
 
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                        device_kind="auto", devices="", inventory=None, dit_weights="auto",
-                       plan_tokens=DEFAULT_PLAN_TOKENS, free_memory=None, dit_ranks="threads"):
+                       plan_tokens=DEFAULT_PLAN_TOKENS, free_memory=None, dit_ranks="auto"):
     """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
 
     Every check (card count, device kind, visible cards, backend name, the four inputs'
@@ -119,6 +121,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
         raise ValueError(f"backend={backend!r} is unknown: set backend to one of {', '.join(BACKEND_CHOICES)}.")
     if dit_ranks not in DIT_RANKS:
         raise ValueError(f"dit_ranks={dit_ranks!r} is unknown: set dit_ranks to one of {', '.join(DIT_RANKS)}.")
+    dit_ranks = resolve_dit_ranks(dit_ranks, remote_ranks_of_environment())
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
     plan = plan_roles(npu_count)
     if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
@@ -142,6 +145,15 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
             f"{asked}, which cannot start on the {len(selected)} {str(selected[0]).split(':')[0]} cards "
             f"({exc}): set backend to "
             f"auto (it falls back to peer copies between the cards), or fix what stops it.") from exc
+
+
+def remote_ranks_of_environment() -> int:
+    """COMFYUI_MULTI_DEVICE_REMOTE_RANKS, refused in the node's words."""
+    from comfy.multidevice.comm.settings import remote_ranks_from_env, SettingError
+    try:
+        return remote_ranks_from_env()
+    except SettingError as exc:
+        raise SettingError(f"{exc}, then restart ComfyUI.") from None
 
 
 def check_multi_device_environment(backend: str = "default") -> None:
@@ -242,7 +254,7 @@ def node_class():
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                     device_kind="auto", devices="", dit_weights="auto", plan_tokens=DEFAULT_PLAN_TOKENS,
-                    dit_ranks="threads") -> io.NodeOutput:
+                    dit_ranks="auto") -> io.NodeOutput:
             try:
                 # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
                 # None) is refused by name instead of being cast

@@ -62,13 +62,13 @@ def test_schema_inputs_outputs_types_defaults():
     assert ins["devices"]["type"] == "STRING" and ins["devices"]["default"] == ""
     assert ins["dit_weights"]["options"] == ["auto", "replicate", "shard"] and ins["dit_weights"]["optional"]
     assert ins["plan_tokens"]["type"] == "INT" and ins["plan_tokens"]["advanced"]
-    assert ins["dit_ranks"]["options"] == ["threads", "processes"] and ins["dit_ranks"]["default"] == "threads"
+    assert ins["dit_ranks"]["options"] == ["auto", "threads", "processes"] and ins["dit_ranks"]["default"] == "auto"
     assert ins["dit_ranks"]["optional"] and ins["dit_ranks"]["advanced"]
     assert [o["type"] for o in NODE_SCHEMA["outputs"]] == ["MODEL", "CLIP", "VAE", "VAE"]
     assert [o["name"] for o in NODE_SCHEMA["outputs"]] == ["model", "clip", "video_vae", "audio_vae"]
     assert all(o["tooltip"] for o in NODE_SCHEMA["outputs"])  # every output says what it carries
     assert {"multi gpu", "multi npu", "sequence parallel"} <= set(NODE_SCHEMA["search_aliases"])
-    assert widget_defaults() == [4, "default", "auto", "", "auto", 109952, "threads"]
+    assert widget_defaults() == [4, "default", "auto", "", "auto", 109952, "auto"]
     json.dumps(NODE_SCHEMA)  # plain data, readable by tools without ComfyUI
 
 
@@ -105,7 +105,7 @@ def test_v3_node_is_built_from_the_plain_schema(monkeypatch, with_advanced):
     assert out == ("NodeOutput", ("m", "c", "v", "a"))
     assert seen["args"] == ("M", "C", "V", "A")
     assert seen["kwargs"] == {"npu_count": 2, "backend": "peer", "device_kind": "auto", "devices": "",
-                              "dit_weights": "auto", "plan_tokens": 109952, "dit_ranks": "threads"}
+                              "dit_weights": "auto", "plan_tokens": 109952, "dit_ranks": "auto"}
     assert list(inspect.signature(node.execute).parameters)[:4] == ["model", "clip", "video_vae", "audio_vae"]
 
 

@@ -1,11 +1,13 @@
-"""COMFYUI_MULTI_DEVICE_BACKEND / _TIMEOUT_S: one parser, one wording, refused before any work."""
+"""COMFYUI_MULTI_DEVICE_BACKEND / _TIMEOUT_S / _RENDEZVOUS / _REMOTE_RANKS: one parser, one wording,
+refused before any work."""
 
 from __future__ import annotations
 
 import pytest
 
-from comfy.multidevice.comm.settings import (backend_from_env, check_timeout, DEFAULT_TIMEOUT_S,
-                                             SettingError, timeout_from_env)
+from comfy.multidevice.comm.settings import (backend_from_env, check_environment, check_timeout, DEFAULT_TIMEOUT_S,
+                                             remote_ranks_from_env, rendezvous_from_env, SettingError,
+                                             timeout_from_env)
 
 
 @pytest.mark.parametrize("raw, seconds", [("30", 30.0), (" 2.5 ", 2.5), (".5", 0.5), ("86400", 86400.0),
@@ -76,3 +78,37 @@ def test_the_run_watchdog_and_the_weight_base_variables(monkeypatch):
         check_environment()
     with pytest.raises(SettingError, match=r"^mode=3 is not a weight base mode"):
         weight_base_from_env(3)
+
+
+@pytest.mark.parametrize("raw, expected", [("", ("127.0.0.1", 0)), ("10.0.0.1:29600", ("10.0.0.1", 29600)),
+                                           (" node-a:1 ", ("node-a", 1)), ("[fd00::1]:29600", ("fd00::1", 29600))])
+def test_the_rendezvous_variable(monkeypatch, raw, expected):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_RENDEZVOUS", raw)
+    assert rendezvous_from_env() == expected
+
+
+@pytest.mark.parametrize("raw", ["10.0.0.1", ":29600", "10.0.0.1:port", "10.0.0.1:65536", "10.0.0.1:-1",
+                                 "10.0.0.1:\uff11"])
+def test_a_bad_rendezvous_names_the_variable_and_the_fix(monkeypatch, raw):
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_RENDEZVOUS", raw)
+    with pytest.raises(SettingError, match=rf"^environment variable COMFYUI_MULTI_DEVICE_RENDEZVOUS={raw!r} "
+                                           r"is not HOST:PORT; set it to this server's address"):
+        rendezvous_from_env()
+
+
+def test_remote_ranks_need_a_count_and_a_fixed_rendezvous_port(monkeypatch):
+    monkeypatch.delenv("COMFYUI_MULTI_DEVICE_REMOTE_RANKS", raising=False)
+    monkeypatch.delenv("COMFYUI_MULTI_DEVICE_RENDEZVOUS", raising=False)
+    assert remote_ranks_from_env() == 0
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_REMOTE_RANKS", "4")
+    with pytest.raises(SettingError, match=r"REMOTE_RANKS='4' needs a fixed rendezvous port .* set "
+                                           r"COMFYUI_MULTI_DEVICE_RENDEZVOUS=ADDRESS:PORT too"):
+        remote_ranks_from_env()
+    with pytest.raises(SettingError, match="needs a fixed rendezvous port"):
+        check_environment()  # the node's early check reads it too
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_RENDEZVOUS", "10.0.0.1:29600")
+    assert remote_ranks_from_env() == 4
+    for raw in ("-1", "two", "1.5", "5000"):
+        monkeypatch.setenv("COMFYUI_MULTI_DEVICE_REMOTE_RANKS", raw)
+        with pytest.raises(SettingError, match=rf"REMOTE_RANKS={raw!r} is not a number of ranks \(0 to 4096\)"):
+            remote_ranks_from_env()

@@ -1,9 +1,10 @@
 """Rank 0 of tests/workers/test_servers.py, run on the first "server" (a network namespace):
 a pool with two local ranks and two from the other server, driven line by line.
 
-stdout: `JOIN <init>` (start the other server's ranks now), `EXACT <rel_diff>`, `KILL-NOW`
-(kill one of them, then write a line to stdin), `FAILED <seconds> <message>`, a second
-`JOIN` / `EXACT` for a fresh pool, `DONE`. Exits non-zero on anything unexpected.
+stdout: `JOIN <command>` (the other server's join command: start it now), `EXACT <rel_diff>`,
+`KILL-NOW` (kill one of its workers, then write a line to stdin), `FAILED <seconds> <message>`,
+`EXACT` for a fresh pool (the joined server's ranks back by themselves), `DONE`. Exits
+non-zero on anything unexpected.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def exact(pool, reference, inputs) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--address", required=True)
+    parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--timeout", type=float, default=30)
     args = parser.parse_args()
@@ -42,11 +44,11 @@ def main() -> int:
         reference = load_miniature(args.checkpoint)(inputs[0], inputs[1], inputs[2], **inputs[3])
 
     def new_pool():
-        pool = WorkerPool(["cpu"] * 2, recipe, remote=2, address=args.address, timeout_s=args.timeout)
-        say("JOIN", pool.init)
-        return pool.start()
+        return WorkerPool(["cpu"] * 2, recipe, remote=2, address=args.address, port=args.port, timeout_s=args.timeout)
 
     pool = new_pool()
+    say("JOIN", pool.join_command(devices=["cpu", "cpu"], threads=1))
+    pool.start()
     say("EXACT", exact(pool, reference, inputs))
     say("KILL-NOW")
     sys.stdin.readline()
@@ -57,7 +59,7 @@ def main() -> int:
         return 1
     except WorkerPoolError as exc:
         say("FAILED", round(time.monotonic() - start, 2), " ".join(str(exc).split()))
-    pool = new_pool()
+    pool = new_pool().start()
     say("EXACT", exact(pool, reference, inputs))
     pool.close()
     say("DONE")

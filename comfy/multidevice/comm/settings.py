@@ -7,6 +7,10 @@ COMFYUI_MULTI_DEVICE_TIMEOUT_S     seconds a rank waits for the others at a coll
 COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S seconds a coordinator's run() lets pass with no rank returning
                                    and none reaching a collective (default 3600)
 COMFYUI_MULTI_DEVICE_WEIGHT_BASE   map | pin: how a checkpoint's read-only base is held (default map)
+COMFYUI_MULTI_DEVICE_RENDEZVOUS    HOST:PORT where worker processes (and other servers) meet rank 0
+                                   (default 127.0.0.1 on a port the system picks)
+COMFYUI_MULTI_DEVICE_REMOTE_RANKS  DiT ranks on other servers that join rank 0's pool (default 0;
+                                   above 0 needs a fixed RENDEZVOUS port)
 
 Set by torchrun for each process it starts: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT (checked, TorchrunEnvError) and LOCAL_WORLD_SIZE.
@@ -35,8 +39,11 @@ BACKEND_ENV = "COMFYUI_MULTI_DEVICE_BACKEND"
 TIMEOUT_ENV = "COMFYUI_MULTI_DEVICE_TIMEOUT_S"
 RUN_TIMEOUT_ENV = "COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S"
 WEIGHT_BASE_ENV = "COMFYUI_MULTI_DEVICE_WEIGHT_BASE"
+RENDEZVOUS_ENV = "COMFYUI_MULTI_DEVICE_RENDEZVOUS"
+REMOTE_RANKS_ENV = "COMFYUI_MULTI_DEVICE_REMOTE_RANKS"
 VALID_BACKENDS = ("auto", "hccl", "nccl", "peer")
-MULTI_DEVICE_ENV_VARS = (BACKEND_ENV, TIMEOUT_ENV, RUN_TIMEOUT_ENV, WEIGHT_BASE_ENV)
+MULTI_DEVICE_ENV_VARS = (BACKEND_ENV, TIMEOUT_ENV, RUN_TIMEOUT_ENV, WEIGHT_BASE_ENV, RENDEZVOUS_ENV,
+                         REMOTE_RANKS_ENV)
 WEIGHT_BASE_MODES = ("map", "pin")  # read-only shared mapping (default) | anonymous RAM
 # The variable that decides which physical cards a process sees, per kind (and Ascend's
 # container-level one, shown beside it).
@@ -139,6 +146,47 @@ def weight_base_from_env(value: str | None = None) -> str:
     return mode
 
 
+def parse_rendezvous(text: str) -> tuple[str, int] | None:
+    """(host, port) of "HOST:PORT" (port 0: the system picks one), or None when malformed."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")  # an IPv6 address in brackets
+    if not sep or not host or not port.isascii() or not port.isdigit() or int(port) > 65535:
+        return None
+    return host, int(port)
+
+
+def rendezvous_from_env() -> tuple[str, int]:
+    """Where rank 0's worker pools meet their workers: COMFYUI_MULTI_DEVICE_RENDEZVOUS, else
+    loopback on a port the system picks."""
+    raw = os.environ.get(RENDEZVOUS_ENV, "")
+    if not raw.strip():
+        return "127.0.0.1", 0
+    parsed = parse_rendezvous(raw)
+    if parsed is None:
+        raise env_error(RENDEZVOUS_ENV, raw, "is not HOST:PORT",
+                        "set it to this server's address as the other servers reach it and a free "
+                        "port, e.g. 10.0.0.1:29600, or unset it for loopback")
+    return parsed
+
+
+def remote_ranks_from_env() -> int:
+    """COMFYUI_MULTI_DEVICE_REMOTE_RANKS: DiT ranks on other servers (default 0); above 0 it
+    needs a fixed rendezvous port, the one their join command names."""
+    raw = os.environ.get(REMOTE_RANKS_ENV, "")
+    if not raw.strip():
+        return 0
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or int(text) > 4096:
+        raise env_error(REMOTE_RANKS_ENV, raw, "is not a number of ranks (0 to 4096)",
+                        "set it to how many DiT ranks the other servers run, or unset it for 0")
+    count = int(text)
+    if count and rendezvous_from_env()[1] == 0:
+        raise env_error(REMOTE_RANKS_ENV, raw, "needs a fixed rendezvous port the other servers can reach",
+                        f"set {RENDEZVOUS_ENV}=ADDRESS:PORT too (this server's address, e.g. "
+                        "10.0.0.1:29600), or unset it for ranks on this server only")
+    return count
+
+
 def check_environment(backend: bool = True) -> None:
     """Raise SettingError for the first bad multi-device variable (before anything is built).
     `backend=False` leaves COMFYUI_MULTI_DEVICE_BACKEND out (an option given instead wins)."""
@@ -147,6 +195,7 @@ def check_environment(backend: bool = True) -> None:
     timeout_from_env()
     run_timeout_from_env()
     weight_base_from_env()
+    remote_ranks_from_env()  # reads the rendezvous too
 
 
 def read_variables(names=(), prefixes: tuple[str, ...] = ()) -> dict[str, str | None]:

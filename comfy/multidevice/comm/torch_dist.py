@@ -529,11 +529,12 @@ def _decode_metas(row: list[int], n_tensors: int, n_splits: int):
 
 def init_process_group(rank: int, world_size: int, device: torch.device | str | None = None,
                        init_method: str = "env://", backend: str | None = None,
-                       timeout_s: float | None = None) -> DistributedComm:
+                       timeout_s: float | None = None, store=None) -> DistributedComm:
     """Join (create) the default process group and return this process's communicator.
 
     `device` defaults to the CPU; the backend defaults to the one for the device kind
-    (gloo / nccl / hccl); `timeout_s` to COMFYUI_MULTI_DEVICE_TIMEOUT_S (600 s).
+    (gloo / nccl / hccl); `timeout_s` to COMFYUI_MULTI_DEVICE_TIMEOUT_S (600 s). `store`: a
+    torch.distributed store to meet in instead of `init_method` (a worker pool's generation).
     """
     import torch.distributed as dist
 
@@ -544,9 +545,10 @@ def init_process_group(rank: int, world_size: int, device: torch.device | str | 
     timeout_s = timeout_from_env() if timeout_s is None else check_timeout(timeout_s)
     set_thread_device(device)  # nccl/hccl bind the communicator to the current device
     log.info("rank %d/%d: joining the %s process group via %s on %s", rank, world_size, backend,
-             init_method, device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+             "a store" if store is not None else init_method, device)
+    meet = {"store": store} if store is not None else {"init_method": init_method}
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **meet)
     return DistributedComm(device, owns_group=True)
 
 

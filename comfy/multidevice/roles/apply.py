@@ -33,9 +33,9 @@ import torch
 
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.comm.group import prefetch_lane, SequenceParallelCoordinator
-from comfy.multidevice.comm.settings import backend_from_env
+from comfy.multidevice.comm.settings import backend_from_env, remote_ranks_from_env, rendezvous_from_env
 from comfy.multidevice.devices import resolve_device
-from comfy.multidevice.roles.dit import DIT_RANKS, place_dit, sequence_parallel_dit, workers_dit
+from comfy.multidevice.roles.dit import APPLIED_DIT_RANKS, place_dit, sequence_parallel_dit, workers_dit
 from comfy.multidevice.roles.model_management import manage_decoder_copies, manage_tensor_parallel_shards
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
 from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
@@ -259,12 +259,20 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     planned cards is used (started here when the plan needs more than one card).
     `dit_weights`: "replicate" or "shard" for a sequence-parallel DiT (roles/memory_plan.py
     resolves the node's "auto"). `dit_ranks`: the DiT's ranks as "threads" of this process or
-    as worker "processes" (roles/dit.py `workers_dit`; replicated weights).
+    as worker "processes" (roles/dit.py `workers_dit`; replicated weights), these joined by the
+    ranks of other servers COMFYUI_MULTI_DEVICE_REMOTE_RANKS counts.
     """
     if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
         raise RolePlanError(f"dit_weights={dit_weights!r}: apply_role_plan takes 'replicate' or 'shard'")
-    if dit_ranks not in DIT_RANKS:
-        raise RolePlanError(f"dit_ranks={dit_ranks!r}: apply_role_plan takes {' or '.join(map(repr, DIT_RANKS))}")
+    if dit_ranks not in APPLIED_DIT_RANKS:
+        raise RolePlanError(f"dit_ranks={dit_ranks!r}: apply_role_plan takes "
+                            f"{' or '.join(map(repr, APPLIED_DIT_RANKS))}")
+    remote_ranks = remote_ranks_from_env() if dit_ranks == "processes" else 0
+    if remote_ranks and plan.dit.mode != SEQUENCE_PARALLEL:
+        log.warning("COMFYUI_MULTI_DEVICE_REMOTE_RANKS=%d is not used by this node: at %d card(s) the DiT "
+                    "runs on one card; give the node 2 or more cards of this server to add the other "
+                    "servers' ranks", remote_ranks, plan.n_cards)
+        remote_ranks = 0
     if dit_ranks == "processes" and dit_weights == "shard" and plan.dit.mode == SEQUENCE_PARALLEL:
         raise RolePlanError("dit_ranks=processes keeps a full DiT on every card (each worker loads its own), "
                             "but the memory plan chose dit_weights=shard: set dit_weights to replicate if a "
@@ -285,7 +293,7 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
         raise RolePlanError(f"the coordinator runs on {coordinator.devices}, the plan on {devices}")
 
     if plan.dit.mode == SEQUENCE_PARALLEL and dit_ranks == "processes":
-        out_model = workers_dit(model, cards(plan.dit))
+        out_model = workers_dit(model, cards(plan.dit), remote_ranks, rendezvous_from_env())
     elif plan.dit.mode == SEQUENCE_PARALLEL:
         lane = shared_prefetch_lane(coordinator) if dit_weights == "shard" else None
         out_model = sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)

@@ -25,7 +25,22 @@ from comfy.multidevice.workers.fan_out import workers_on_patcher
 
 log = logging.getLogger(__name__)
 
-DIT_RANKS = ("threads", "processes")  # the node's dit_ranks: rank threads here, or worker processes
+APPLIED_DIT_RANKS = ("threads", "processes")  # rank threads of this process, or worker processes
+DIT_RANKS = ("auto", *APPLIED_DIT_RANKS)  # the node's dit_ranks
+
+
+def resolve_dit_ranks(choice: str, remote_ranks: int) -> str:
+    """The node's dit_ranks as applied: "auto" is processes when ranks of other servers join
+    (threads cannot leave this process), else threads (every workflow runs that way)."""
+    if choice not in DIT_RANKS:
+        raise RolePlanError(f"dit_ranks={choice!r} is unknown: set dit_ranks to one of {', '.join(DIT_RANKS)}")
+    if choice == "auto":
+        return "processes" if remote_ranks else "threads"
+    if choice == "threads" and remote_ranks:
+        raise RolePlanError(f"COMFYUI_MULTI_DEVICE_REMOTE_RANKS={remote_ranks} asks for DiT ranks on other "
+                            "servers, which rank threads cannot reach: set dit_ranks to processes or auto, "
+                            "or unset the variable and restart ComfyUI")
+    return choice
 
 # ----------------------------------------------------------------------------- DiT
 
@@ -241,9 +256,10 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
     return primary
 
 
-def workers_dit(model, devices):
+def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, int] = ("127.0.0.1", 0)):
     """The DiT's role with its ranks as processes: a clone of the MODEL whose forward runs on
-    devices[0] here and on one worker process per other card (workers/fan_out.py); the pool
+    devices[0] here, on one worker process per other card (workers/fan_out.py) and on
+    `remote_ranks` ranks of other servers meeting at `rendezvous` (host, port); the pool
     starts at the first step. Refused before anything is made for a bare module or a MODEL a
     worker cannot rebuild."""
     if not is_model_patcher(model):
@@ -253,7 +269,8 @@ def workers_dit(model, devices):
     if getattr(primary, "load_device", devices[0]) != devices[0]:
         log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
         primary.load_device = devices[0]
-    primary.multinpu_workers = workers_on_patcher(primary, devices)  # for close / inspection
+    primary.multinpu_workers = workers_on_patcher(primary, devices, remote=remote_ranks, address=rendezvous[0],
+                                                  port=rendezvous[1])  # for close / inspection
     return primary
 
 

@@ -17,11 +17,14 @@ import pickle
 import weakref
 from typing import Any, Callable, Sequence
 
+from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
+from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
+from comfy.multidevice.workers.rendezvous import format_address
 
 log = logging.getLogger(__name__)
 
@@ -120,19 +123,21 @@ def _close_held(held: dict) -> None:
 
 
 def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "allgather",
-                       timeout_s: float | None = None, prelude: Sequence[tuple[str, str]] = ()) -> ProcessFanOut:
+                       timeout_s: float | None = None, prelude: Sequence[tuple[str, str]] = (),
+                       remote: int = 0, address: str = "127.0.0.1", port: int = 0) -> ProcessFanOut:
     """ComfyUI entry point, ranks as processes: `model_patcher`'s DiT forward runs on rank 0
-    (this process, devices[0]) and on one worker process per other device, each rebuilding the
-    DiT from the MODEL's loader and weight patches (workers/comfy_dit.py). Installs the wrapper
-    under sp/minimax_h3.py's WRAPPER_KEY and returns it; refuses a MODEL it cannot rebuild
-    (RecipeError) before changing the patcher."""
+    (this process, devices[0]), on one worker process per other device, and on `remote` ranks
+    of other servers (their join command logged here; `address`:`port` the rendezvous), each
+    rebuilding the DiT from the MODEL's loader and weight patches (workers/comfy_dit.py).
+    Installs the wrapper under sp/minimax_h3.py's WRAPPER_KEY and returns it; refuses a MODEL
+    it cannot rebuild (RecipeError) before changing the patcher."""
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
     comfy_dit_recipe(model_patcher, prelude)  # refused here when it cannot be made
 
     def make_pool(rank0_dit):
         return WorkerPool(devices, comfy_dit_recipe(model_patcher, prelude), sp_mode, timeout_s,
-                          rank0_model=rank0_dit)
+                          rank0_model=rank0_dit, remote=remote, address=address, port=port)
 
     def patch_set():
         # ComfyUI records which patch set the shared model's weights carry; one added after
@@ -149,6 +154,11 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
     fan_out = ProcessFanOut(make_pool, patch_set)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)
-    log.info("ranks as processes (%s) on %d ranks: %s", sp_mode or "allgather", len(devices),
-             ", ".join(map(str, devices)))
+    log.info("ranks as processes (%s) on %d ranks: %s%s", sp_mode or "allgather", len(devices) + remote,
+             ", ".join(map(str, devices)), f" and {remote} on other servers" if remote else "")
+    if remote:
+        log.info("ranks %d-%d run on other servers: start them there once, e.g. for one server with "
+                 "all of them: %s", len(devices), len(devices) + remote - 1,
+                 join_command(format_address(address, port), len(devices), ["<card>"] * remote,
+                              timeout_from_env() if timeout_s is None else timeout_s))
     return fan_out

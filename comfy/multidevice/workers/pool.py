@@ -13,18 +13,17 @@ rank 0 at once (gloo sees the closed connection), one that hangs within the coll
 timeout; either way every worker here is then killed, the error names the rank, its server,
 its process and the last line it wrote (workers/liveness.py tells which one ended), and the
 next forward starts a fresh pool. ComfyUI's Cancel is told to every rank as a block starts,
-so all stop at that block and the pool stays up. Ranks on other servers join the same
-rendezvous with the command `join_command` gives.
+so all stop at that block and the pool stays up. The ranks meet at this process's rendezvous
+(workers/rendezvous.py), each pool a new generation of it; ranks on other servers are started
+once by their users with the command `join_command` gives, and join every later pool.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import Sequence
@@ -39,14 +38,16 @@ from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.liveness import Liveness, WorkerIdentity
+from comfy.multidevice.workers.process import WorkerProcess, worker_arguments
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
+from comfy.multidevice.workers.rendezvous import rendezvous_at
 from comfy.multidevice.workers.worker import CancelledByRank0, control_group
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0  # a stopped worker's time to exit before it is killed
-_LOG_TAIL = 20  # lines of each worker's stderr kept for an error message
 
 
 _live: dict = {}  # "pool": the pool that holds this process's default process group
@@ -57,51 +58,6 @@ class WorkerPoolError(RuntimeError):
     """A pool that could not start or lost a rank; the message names the rank and the fix."""
 
 
-class _Worker:
-    """One worker process and the thread that copies its stderr into this process's log."""
-
-    def __init__(self, rank: int, command: list[str], env: dict):
-        self.rank = rank
-        self.tail: collections.deque[str] = collections.deque(maxlen=_LOG_TAIL)
-        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, errors="replace")
-        self._reader = threading.Thread(target=self._forward_log, name=f"worker-{rank}-log", daemon=True)
-        self._reader.start()
-
-    def _forward_log(self):
-        for line in self.process.stderr:
-            line = line.rstrip()
-            if line:
-                self.tail.append(line)
-                log.info("[rank %d] %s", self.rank, line)
-
-    def describe(self) -> str:
-        """Its rank, pid and how it ended (or that it still runs), with its last line."""
-        code = self.process.poll()
-        state = "still runs" if code is None else (f"was killed by signal {-code}" if code < 0 else f"exited with {code}")
-        self._reader.join(0.5)  # its last lines, when it has ended
-        last = self.tail[-1] if self.tail else "(it wrote nothing)"
-        return f"rank {self.rank} (pid {self.process.pid}) {state}; its last line: {last}"
-
-    def kill(self):
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-
-
-def _free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
-def _worker_env() -> dict:
-    """This process's environment, with its import path: a worker imports what rank 0 does."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return env
-
-
 class WorkerPool:
     """Rank 0 in this process on devices[0], workers on devices[1:] of this server, and
     `remote` ranks on other servers (started by their users with `join_command`); one DiT from
@@ -109,11 +65,12 @@ class WorkerPool:
 
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
                  timeout_s: float | None = None, rank0_model: torch.nn.Module | None = None,
-                 remote: int = 0, address: str = "127.0.0.1"):
+                 remote: int = 0, address: str = "127.0.0.1", port: int = 0):
         """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's);
-        else rank 0 builds it from the recipe too. `address`: where the other servers reach
-        this one (the rendezvous port is chosen here, the liveness port when the pool starts;
-        open both in a firewall)."""
+        else rank 0 builds it from the recipe too. `address`, `port`: this process's
+        rendezvous, where the other servers reach this one (port 0: the system picks it;
+        ranks on other servers need a fixed one). The liveness port is chosen when the pool
+        starts."""
         if len(devices) + remote < 2:
             raise ValueError(f"a worker pool needs at least 2 ranks, got {len(devices)} device(s) and "
                              f"{remote} remote rank(s); one card runs without one")
@@ -123,11 +80,12 @@ class WorkerPool:
         self.devices = [resolve_device(d) for d in devices]
         self.remote = remote
         self.address = address
-        self.init = f"tcp://{address}:{_free_port(address)}"
         self.recipe = recipe
         self.sp_mode = sp_mode
         self.timeout_s = timeout_from_env() if timeout_s is None else timeout_s
-        self.workers: list[_Worker] = []
+        self.rendezvous = rendezvous_at(address, port, self.timeout_s)  # a port in use fails here
+        self.generation: int | None = None  # this pool's, once started
+        self.workers: list[WorkerProcess] = []
         self.rank0_model = rank0_model
         self.model = None
         self.setup = None
@@ -155,16 +113,13 @@ class WorkerPool:
             return None
         return max(1, (os.cpu_count() or 1) // len(self.devices))
 
-    def _worker_arguments(self, rank: int, device, threads: int | None) -> list[str]:
-        """The worker's command after `python`, for a worker started here or on another server."""
-        return (["-m", "comfy.multidevice.workers.worker", "--rank", str(rank), "--world", str(self.world_size),
-                 "--init", self.init, "--device", str(device), "--timeout", f"{self.timeout_s:g}"]
-                + (["--threads", str(threads)] if threads else []))
-
-    def join_command(self, rank: int, device: str = "cpu", threads: int | None = None) -> str:
-        """What a user runs on another server for rank `rank` (a server with this repository and
-        the same model files at the same paths)."""
-        return " ".join(["python", *self._worker_arguments(rank, device, threads)])
+    def join_command(self, first_rank: int | None = None, devices: Sequence[str] = ("cpu",),
+                     threads: int | None = None) -> str:
+        """What a user runs once on another server for its ranks `first_rank`, ... on `devices`
+        (default: the first remote rank; a server with this repository and the same model
+        files at the same paths). It joins this pool and every later one."""
+        first = len(self.devices) if first_rank is None else first_rank
+        return join_command(self.rendezvous.address, first, devices, self.timeout_s, threads)
 
     def start(self) -> "WorkerPool":
         started = time.perf_counter()
@@ -177,16 +132,21 @@ class WorkerPool:
         if previous is not None and previous is not self and previous.running:
             log.info("worker pool: closing the previous pool (%d ranks) for a new one", previous.world_size)
             previous.close()
-        env = _worker_env()
+        self.generation, store = self.rendezvous.open(self.world_size)
         threads = self._rank_threads()
         for rank in range(1, len(self.devices)):
-            command = [sys.executable, *self._worker_arguments(rank, self.devices[rank], threads)]
-            self.workers.append(_Worker(rank, command, env))
-        for rank in range(len(self.devices), self.world_size):
-            log.info("worker pool: waiting for rank %d from another server: %s", rank, self.join_command(rank))
+            self.workers.append(WorkerProcess(rank, worker_arguments(
+                rank, self.world_size, self.rendezvous.address, self.generation, self.devices[rank],
+                self.timeout_s, threads)))
+        if self.remote:
+            log.info("worker pool: waiting for ranks %d-%d from other servers at %s (started there with: %s)",
+                     len(self.devices), self.world_size - 1, self.rendezvous.address, self.join_command())
         try:
             self.liveness = Liveness(self.address)
-            self.comm = self._join(self.init)
+            try:
+                self.comm = self._join(store)
+            finally:
+                self.rendezvous.close(self.generation)  # a rank coming later waits for the next pool
             self.control = ControlChannel(control_group(self.devices[0]))
             self.control.send((BUILD, self.recipe, self.sp_mode, self.liveness.address))
             problem = None
@@ -212,14 +172,14 @@ class WorkerPool:
     def _device_of(self, rank: int) -> str:
         return f"on {self.devices[rank]}" if rank < len(self.devices) else "(remote)"
 
-    def _join(self, init: str):
-        """Join the rendezvous as rank 0; a worker that dies first fails the start at once
-        (the join itself would wait for it until the timeout)."""
+    def _join(self, store):
+        """Meet the workers in this pool's `store` as rank 0; a worker that dies first fails
+        the start at once (the meeting itself would wait for it until the timeout)."""
         joined: dict = {}
 
         def join():
             try:
-                joined["comm"] = init_process_group(0, self.world_size, self.devices[0], init_method=init,
+                joined["comm"] = init_process_group(0, self.world_size, self.devices[0], store=store,
                                                     timeout_s=self.timeout_s)
             except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
                 joined["error"] = exc
@@ -229,7 +189,7 @@ class WorkerPool:
         deadline = time.monotonic() + self.timeout_s
         while thread.is_alive():
             thread.join(0.1)
-            dead = [w for w in self.workers if w.process.poll() is not None]
+            dead = [w for w in self.workers if w.ended()]
             if dead and thread.is_alive():
                 raise WorkerPoolError(f"a worker ended before the pool started: {dead[0].describe()}")
             if time.monotonic() > deadline:
@@ -291,7 +251,7 @@ class WorkerPool:
         """Kill every worker here, leave the process group, raise what happened naming the
         ranks that ended (a worker of another server: by its closed liveness connection)."""
         time.sleep(0.2)  # a dying worker's last line, exit status and closed connection
-        gone = [w.describe() for w in self.workers if w.process.poll() is not None]
+        gone = [w.describe() for w in self.workers if w.ended()]
         local = {w.rank for w in self.workers}
         ended = self.liveness.ended() if self.liveness is not None else []
         gone += [f"{i.describe()} ended (its connection closed)" for i in ended if i.rank not in local]
@@ -318,7 +278,7 @@ class WorkerPool:
 
     def close(self):
         """Tell the workers to stop, give them STOP_GRACE_S, then kill what is left."""
-        if self.running and all(w.process.poll() is None for w in self.workers) and \
+        if self.running and not any(w.ended() for w in self.workers) and \
                 not (self.liveness is not None and self.liveness.ended()):
             try:
                 self.control.send((STOP,))
@@ -327,7 +287,7 @@ class WorkerPool:
         deadline = time.monotonic() + STOP_GRACE_S
         for worker in self.workers:
             try:
-                worker.process.wait(max(0.0, deadline - time.monotonic()))
+                worker.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("worker pool: %s; killing it", worker.describe())
         self._teardown()
@@ -361,7 +321,9 @@ class WorkersDiT:
             raise
 
     def _renew(self):
-        self.pool = WorkerPool(self.pool.devices, self.pool.recipe, self.pool.sp_mode, self.pool.timeout_s)
+        old = self.pool
+        self.pool = WorkerPool(old.devices, old.recipe, old.sp_mode, old.timeout_s, remote=old.remote,
+                               address=old.address, port=old.rendezvous.port)
         self._started = False
 
     def close(self):

@@ -1,8 +1,9 @@
 """One worker process of a pool: rank r of W on its own card, driven by rank 0.
 
-Started by `WorkerPool` as `python -m comfy.multidevice.workers.worker --rank r ...`. It joins
-the process group (rendezvous at rank 0's address), builds its DiT from the recipe rank 0
-sends, then runs every forward rank 0 announces on its share of the sequence (the K/V
+Started by `WorkerPool` (or by workers/join.py on another server) as
+`python -m comfy.multidevice.workers.worker --rank r ...`. It joins the process group of one
+pool (its generation at rank 0's rendezvous, workers/rendezvous.py), builds its DiT from the
+recipe rank 0 sends, then runs every forward rank 0 announces on its share of the sequence (the K/V
 exchange over the process group), until told to stop. Anything that goes wrong ends the
 process with one line on stderr and a non-zero status: the peers' collectives then fail at
 once (gloo sees the closed connection) instead of waiting for a rank that will never come.
@@ -19,12 +20,14 @@ import traceback
 
 import torch
 
+from comfy.multidevice.comm.settings import parse_rendezvous
 from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.liveness import report_alive
+from comfy.multidevice.workers.rendezvous import generation_store
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +82,19 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
             log.info("rank %d: the forward was cancelled at block %d", comm.rank, cancelled.block)
 
 
+def _address(text: str) -> tuple[str, int]:
+    parsed = parse_rendezvous(text)
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return parsed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="a MiniMax-H3 worker rank (started by WorkerPool)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--init", required=True, help="the rendezvous, tcp://HOST:PORT")
+    parser.add_argument("--rendezvous", required=True, type=_address, help="rank 0's rendezvous, HOST:PORT")
+    parser.add_argument("--generation", type=int, required=True, help="the pool to join at it")
     parser.add_argument("--device", required=True)
     parser.add_argument("--timeout", type=float, required=True, help="collective timeout, seconds")
     parser.add_argument("--threads", type=int, help="intra-op threads (CPU ranks share a server's cores)")
@@ -93,8 +104,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        comm = init_process_group(args.rank, args.world, device, init_method=args.init,
-                                  timeout_s=args.timeout)
+        store = generation_store(*args.rendezvous, args.generation, args.timeout)
+        comm = init_process_group(args.rank, args.world, device, timeout_s=args.timeout, store=store)
         return serve(comm, ControlChannel(control_group(device)), device)
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
