@@ -121,9 +121,10 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
         raise ValueError(f"backend={backend!r} is unknown: set backend to one of {', '.join(BACKEND_CHOICES)}.")
     if dit_ranks not in DIT_RANKS:
         raise ValueError(f"dit_ranks={dit_ranks!r} is unknown: set dit_ranks to one of {', '.join(DIT_RANKS)}.")
-    dit_ranks = resolve_dit_ranks(dit_ranks, remote_ranks_of_environment())
+    remote_ranks = remote_ranks_of_environment()
+    dit_ranks = resolve_dit_ranks(dit_ranks, remote_ranks)
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
-    plan = plan_roles(npu_count)
+    plan = plan_roles(npu_count, remote_ranks if dit_ranks == "processes" else 0)
     if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
         check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)

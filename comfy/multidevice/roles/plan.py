@@ -60,20 +60,23 @@ class RolePlan:
         return "; ".join(f"{r.component} -> cards {list(r.cards)} ({r.mode})" for r in self.roles())
 
 
-def plan_roles(n_cards: int) -> RolePlan:
+def plan_roles(n_cards: int, remote_ranks: int = 0) -> RolePlan:
     """Per component, the card(s) and the parallel mode for 1, 2, 4 or 8 cards (the table above).
 
     1: everything on card 0. 2: everything on card 0 but the audio VAE (card 1).
     4 and 8: DiT sequence parallel and text encoder tensor parallel on all cards, video VAE
     chunks decoded on all cards and merged on card 0, audio VAE on the last card.
+    `remote_ranks` (DiT ranks of other servers, COMFYUI_MULTI_DEVICE_REMOTE_RANKS): at 2 cards
+    the DiT is then sequence parallel over both, with those ranks.
     """
     n = check_card_count(n_cards)
     everyone = tuple(range(n))
     last = n - 1
     if n <= 2:
+        dit_with_others = n == 2 and remote_ranks > 0
         return RolePlan(
             n_cards=n,
-            dit=Role("dit", (0,), SINGLE),
+            dit=Role("dit", everyone, SEQUENCE_PARALLEL) if dit_with_others else Role("dit", (0,), SINGLE),
             text_encoder=Role("text_encoder", (0,), SINGLE),
             video_vae=Role("video_vae", (0,), SINGLE),
             audio_vae=Role("audio_vae", (last,), SINGLE),
