@@ -65,6 +65,7 @@ def test_one_dit_over_two_servers_through_the_node(upstream, tiny_models, tmp_pa
             read("KILL-NOW")
             os.kill(child_pid(join.pid, 3), signal.SIGKILL)
             seconds, message = read("FAILED").split(" ", 1)
+            record_property("failed_after_kill_s", float(seconds))
             assert float(seconds) < TIMEOUT_S + 10, message
             assert "rank 3 on " in message and f"[{servers.address_b}]" in message, message
             assert float(read("EXACT")) <= MAX_LEVELS

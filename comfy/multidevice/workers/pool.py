@@ -113,12 +113,13 @@ class WorkerPool:
             return None
         return max(1, (os.cpu_count() or 1) // len(self.devices))
 
-    def join_command(self, first_rank: int | None = None, devices: Sequence[str] = ("cpu",),
+    def join_command(self, first_rank: int | None = None, devices: Sequence[str] | None = None,
                      threads: int | None = None) -> str:
         """What a user runs once on another server for its ranks `first_rank`, ... on `devices`
-        (default: the first remote rank; a server with this repository and the same model
-        files at the same paths). It joins this pool and every later one."""
+        (default: every remote rank, on cards the user names; a server with this repository
+        and the same model files at the same paths). It joins this pool and every later one."""
         first = len(self.devices) if first_rank is None else first_rank
+        devices = ["<card>"] * self.remote if devices is None else devices
         return join_command(self.rendezvous.address, first, devices, self.timeout_s, threads)
 
     def start(self) -> "WorkerPool":
@@ -157,7 +158,9 @@ class WorkerPool:
             statuses = self.control.statuses((problem, socket.gethostname(), os.getpid()))
         except Exception as exc:
             self._fail(exc, "starting the pool")
-        self.identities = [WorkerIdentity(r, server, pid) for r, (_, server, pid) in enumerate(statuses)]
+        # a worker's own host name, with the address it connected from where it reported alive
+        self.identities = [(self.liveness.identity(r) if r else None) or WorkerIdentity(r, server, pid)
+                           for r, (_, server, pid) in enumerate(statuses)]
         bad = [(r, p) for r, (p, _, _) in enumerate(statuses) if p]
         if bad:
             self.close()
