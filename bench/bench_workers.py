@@ -13,6 +13,11 @@ figure is the median of the pairs' ratios.
 Last line, JSON, per W in --worlds:
   workers_vs_threads_step_ratio_wW   workers' forward / threads' forward (target <= 1.10: what
                                      rank 0 sends per step must be small against a step)
+  threads_step_s_wW, workers_step_s_wW  the medians of the two forwards, seconds
+  rank0_control_share_wW             the part of a workers forward rank 0 spends sending the step
+                                     and the per-block Cancel flags (the rest of the ratio: the K/V
+                                     exchange over gloo between processes against copies between
+                                     threads, and processes sharing the cores)
   rank0_bytes_per_step_wW            the control message of one forward (pickled inputs)
   rank0_bytes_vs_model_wW            that / the bytes of the forward's input tensors (the cost
                                      model: latents, timestep, text states, keyword tensors), ~1.0
@@ -126,10 +131,12 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
     pool = WorkerPool(["cpu"] * world, recipe).start()
     try:
         timed(lambda: pool.forward(x, t, context, **kwargs))  # warm-up pair
-        ratios = []
+        ratios, thread_times, worker_times = [], [], []
         for _ in range(forwards):
-            thread_s = timed(thread_forward)
-            ratios.append(timed(lambda: pool.forward(x, t, context, **kwargs)) / thread_s)
+            thread_times.append(timed(thread_forward))
+            worker_times.append(timed(lambda: pool.forward(x, t, context, **kwargs)))
+            ratios.append(worker_times[-1] / thread_times[-1])
+        control_share = statistics.median(c / w for c, w in zip(pool.control_seconds_per_forward[1:], worker_times))
         worker_anon = statistics.median(anonymous_bytes(w.process.pid) for w in pool.workers)
         sent = statistics.median(pool.bytes_sent_per_forward)
         start_s = pool.start_seconds
@@ -140,6 +147,9 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
     model_bytes = input_bytes((x, t, context, kwargs))
     return {f"workers_vs_threads_step_ratio_w{world}": round(statistics.median(ratios), 4),
             f"workers_vs_threads_by_pair_w{world}": [round(r, 3) for r in ratios],
+            f"threads_step_s_w{world}": round(statistics.median(thread_times), 4),
+            f"workers_step_s_w{world}": round(statistics.median(worker_times), 4),
+            f"rank0_control_share_w{world}": round(control_share, 4),
             f"rank0_bytes_per_step_w{world}": int(sent),
             f"rank0_bytes_vs_model_w{world}": round(sent / model_bytes, 4),
             f"pool_start_s_w{world}": round(start_s, 2),

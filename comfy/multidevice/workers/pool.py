@@ -37,7 +37,7 @@ from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
-from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.liveness import Liveness, WorkerIdentity
 from comfy.multidevice.workers.process import WorkerProcess, worker_arguments
@@ -90,11 +90,13 @@ class WorkerPool:
         self.model = None
         self.setup = None
         self.control = None
+        self.cancel_flag: BlockFlag | None = None
         self.comm = None
         self.liveness: Liveness | None = None
         self.identities: list[WorkerIdentity] = []  # every rank's server and pid, once started
         self.start_seconds = None
         self.bytes_sent_per_forward: list[int] = []
+        self.control_seconds_per_forward: list[float] = []  # rank 0's sends and Cancel flags
         self.cancelled_at: list[int] = []  # the block each cancelled forward stopped at
         self._cancel_module = None
 
@@ -148,7 +150,9 @@ class WorkerPool:
                 self.comm = self._join(store)
             finally:
                 self.rendezvous.close(self.generation)  # a rank coming later waits for the next pool
-            self.control = ControlChannel(control_group(self.devices[0]))
+            group = control_group(self.devices[0])
+            self.control = ControlChannel(group)
+            self.cancel_flag = BlockFlag(group)
             self.control.send((BUILD, self.recipe, self.sp_mode, self.liveness.address))
             problem = None
             try:
@@ -220,11 +224,15 @@ class WorkerPool:
             if rank_threads:
                 torch.set_num_threads(rank_threads)
             sent_args, sent_kwargs = sent if sent is not None else (args, kwargs)
+            control_before = self.control.seconds + self.cancel_flag.seconds
             self.bytes_sent_per_forward.append(self.control.send((FORWARD, method, sent_args, sent_kwargs)))
             args, kwargs = copy_for_rank((list(args), dict(kwargs)), self.devices[0])  # its own options
             self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs))
             with torch.inference_mode():
-                return rank0_forward(*args, **kwargs)
+                out = rank0_forward(*args, **kwargs)
+            self.cancel_flag.settle()  # the last block's flag, before the next message
+            self.control_seconds_per_forward.append(self.control.seconds + self.cancel_flag.seconds - control_before)
+            return out
         except CancelledByRank0 as cancelled:
             cancel = cancelled  # every rank stopped at this block; the pool stays up
         except Exception as exc:
@@ -244,10 +252,12 @@ class WorkerPool:
         raise_comfy_interrupt(self._cancel_module)
 
     def _cancel_point(self, index: int):
-        """Rank 0, as block `index` starts: ComfyUI's Cancel flag, told to every worker."""
+        """Rank 0, as block `index` starts: ComfyUI's Cancel flag, told to every worker; a
+        Cancel seen as block i starts stops every rank as block i + 1 starts."""
         module = comfy_interrupt_flag()
-        if self.control.flag(module is not None):
+        if module is not None:
             self._cancel_module = module
+        if self.cancel_flag.post(module is not None):
             raise CancelledByRank0(index)
 
     def _fail(self, exc: BaseException, during: str):

@@ -25,7 +25,7 @@ from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
-from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.liveness import report_alive
 from comfy.multidevice.workers.rendezvous import generation_store
 
@@ -60,8 +60,10 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
     if any(p for p, _, _ in control.statuses((problem, socket.gethostname(), os.getpid()))):
         alive.close()
         return 1
+    cancel_flag = BlockFlag(control.group)
+
     def cancel_point(index):  # rank 0 says at every block whether ComfyUI's Cancel was pressed
-        if control.flag():
+        if cancel_flag.post():
             raise CancelledByRank0(index)
 
     setup = H3RankSetup(comm, sp_mode, final_rows_to="root", before_block=cancel_point)  # rank 0's result is used
@@ -78,6 +80,7 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
         try:
             with torch.inference_mode():
                 forward(*args, **kwargs)
+            cancel_flag.settle()  # the last block's flag, before the next message
         except CancelledByRank0 as cancelled:  # every rank stopped at the same block: wait for the next
             log.info("rank %d: the forward was cancelled at block %d", comm.rank, cancelled.block)
 
