@@ -8,7 +8,8 @@ The dry run's miniature DiT and inputs (its own builders, its default size), on 
             cores/W intra-op threads each, the same recipe's weights (the shared read-only
             checkpoint mapped in every process)
 Forwards alternate, one of each back to back, --forwards pairs after one warm-up pair; the
-figure is the median of the pairs' ratios.
+figure is the median of the pairs' ratios. Each pair gets new latents (as a sampler's steps
+do), the same timestep and conditioning.
 
 Last line, JSON, per W in --worlds:
   workers_vs_threads_step_ratio_wW   workers' forward / threads' forward (target <= 1.10: what
@@ -19,8 +20,9 @@ Last line, JSON, per W in --worlds:
                                      exchange over gloo between processes against copies between
                                      threads, and processes sharing the cores)
   rank0_bytes_per_step_wW            the control message of one forward (pickled inputs)
-  rank0_bytes_vs_model_wW            that / the bytes of the forward's input tensors (the cost
-                                     model: latents, timestep, text states, keyword tensors), ~1.0
+  rank0_bytes_vs_model_wW            that / the cost model's bytes of a step: the latents and the
+                                     timestep (the conditioning went once, with the first step), ~1.0
+  rank0_first_bytes_vs_model_wW      the first forward's message / all its input tensors, ~1.0
   pool_start_s_wW                    start to ready: processes, rendezvous, every rank's build
   worker_anonymous_bytes_wW          a worker's anonymous memory (/proc/PID/smaps_rollup)
   thread_rank_anonymous_bytes_wW     what one more thread rank adds to this process's anonymous
@@ -119,9 +121,17 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
     before = anonymous_bytes()
     threads = enable_sequence_parallel(dry_run.build_replicas(path, ["cpu"] * world).modules, coord)
 
+    latents = {"x": x}
+
+    def step(i):  # a sampler's step i: new latents, the same conditioning
+        latents["x"] = [part + 1e-3 * i for part in x]
+
     def thread_forward():
         coord.run(lambda rank, comm: torch.set_num_threads(rank_threads))
-        threads(x, t, context, **kwargs)
+        threads(latents["x"], t, context, **kwargs)
+
+    def worker_forward():
+        pool.forward(latents["x"], t, context, **kwargs)
 
     timed(thread_forward)
     w_ranks = anonymous_bytes() - before
@@ -130,21 +140,24 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
     recipe = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint", {"path": str(path)})
     pool = WorkerPool(["cpu"] * world, recipe).start()
     try:
-        timed(lambda: pool.forward(x, t, context, **kwargs))  # warm-up pair
+        timed(worker_forward)  # warm-up pair
         ratios, thread_times, worker_times = [], [], []
-        for _ in range(forwards):
+        for i in range(1, forwards + 1):
+            step(i)
             thread_times.append(timed(thread_forward))
-            worker_times.append(timed(lambda: pool.forward(x, t, context, **kwargs)))
+            worker_times.append(timed(worker_forward))
             ratios.append(worker_times[-1] / thread_times[-1])
         control_share = statistics.median(c / w for c, w in zip(pool.control_seconds_per_forward[1:], worker_times))
         worker_anon = statistics.median(anonymous_bytes(w.process.pid) for w in pool.workers)
-        sent = statistics.median(pool.bytes_sent_per_forward)
+        first_sent = pool.bytes_sent_per_forward[0]
+        sent = statistics.median(pool.bytes_sent_per_forward[1:])
         start_s = pool.start_seconds
     finally:
         pool.close()
         coord.close()
         torch.set_num_threads(cores)
-    model_bytes = input_bytes((x, t, context, kwargs))
+    model_bytes = input_bytes((x, t))  # per step: the latents and the timestep
+    first_model_bytes = input_bytes((x, t, context, kwargs))
     return {f"workers_vs_threads_step_ratio_w{world}": round(statistics.median(ratios), 4),
             f"workers_vs_threads_by_pair_w{world}": [round(r, 3) for r in ratios],
             f"threads_step_s_w{world}": round(statistics.median(thread_times), 4),
@@ -152,6 +165,7 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
             f"rank0_control_share_w{world}": round(control_share, 4),
             f"rank0_bytes_per_step_w{world}": int(sent),
             f"rank0_bytes_vs_model_w{world}": round(sent / model_bytes, 4),
+            f"rank0_first_bytes_vs_model_w{world}": round(first_sent / first_model_bytes, 4),
             f"pool_start_s_w{world}": round(start_s, 2),
             f"worker_anonymous_bytes_w{world}": int(worker_anon),
             f"thread_rank_anonymous_bytes_w{world}": int(thread_rank),

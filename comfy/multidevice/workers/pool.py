@@ -6,8 +6,9 @@ process down. torch.distributed is the engine: a process group over the cards (g
 ranks, nccl / hccl on cards) carries the K/V exchange, a gloo group carries control
 (workers/control.py).
 
-Per forward rank 0 sends only what a forward reads (latents, timestep, conditioning, the
-model's keyword inputs) and computes its own share; the workers compute theirs and keep
+Per forward rank 0 sends only what a forward reads (latents, timestep, the model's keyword
+inputs; the tensors the previous forward carried, such as the conditioning, as their digest:
+workers/repeats.py) and computes its own share; the workers compute theirs and keep
 their results (only rank 0's rows are assembled). A worker that dies fails the forward on
 rank 0 at once (gloo sees the closed connection), one that hangs within the collective
 timeout; either way every worker here is then killed, the error names the rank, its server,
@@ -43,6 +44,7 @@ from comfy.multidevice.workers.liveness import Liveness, WorkerIdentity
 from comfy.multidevice.workers.process import WorkerProcess, worker_arguments
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
 from comfy.multidevice.workers.rendezvous import rendezvous_at
+from comfy.multidevice.workers.repeats import SentTensors
 from comfy.multidevice.workers.worker import CancelledByRank0, control_group
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class WorkerPool:
         self.setup = None
         self.control = None
         self.cancel_flag: BlockFlag | None = None
+        self.sent_tensors: SentTensors | None = None
         self.comm = None
         self.liveness: Liveness | None = None
         self.identities: list[WorkerIdentity] = []  # every rank's server and pid, once started
@@ -153,6 +156,7 @@ class WorkerPool:
             group = control_group(self.devices[0])
             self.control = ControlChannel(group)
             self.cancel_flag = BlockFlag(group)
+            self.sent_tensors = SentTensors()  # the workers start with nothing held
             self.control.send((BUILD, self.recipe, self.sp_mode, self.liveness.address))
             problem = None
             try:
@@ -225,7 +229,8 @@ class WorkerPool:
                 torch.set_num_threads(rank_threads)
             sent_args, sent_kwargs = sent if sent is not None else (args, kwargs)
             control_before = self.control.seconds + self.cancel_flag.seconds
-            self.bytes_sent_per_forward.append(self.control.send((FORWARD, method, sent_args, sent_kwargs)))
+            (packed_args, packed_kwargs), new = self.sent_tensors.pack((sent_args, sent_kwargs))
+            self.bytes_sent_per_forward.append(self.control.send((FORWARD, method, packed_args, packed_kwargs, new)))
             args, kwargs = copy_for_rank((list(args), dict(kwargs)), self.devices[0])  # its own options
             self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs))
             with torch.inference_mode():

@@ -28,6 +28,7 @@ from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.liveness import report_alive
 from comfy.multidevice.workers.rendezvous import generation_store
+from comfy.multidevice.workers.repeats import ReceivedTensors
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
         alive.close()
         return 1
     cancel_flag = BlockFlag(control.group)
+    received = ReceivedTensors()
 
     def cancel_point(index):  # rank 0 says at every block whether ComfyUI's Cancel was pressed
         if cancel_flag.post():
@@ -73,8 +75,11 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
             return 0
         if message[0] != FORWARD:
             raise RuntimeError(f"rank {comm.rank}: unknown message {message[0]!r}")
-        _, method, args, kwargs = message
-        args, kwargs = copy_for_rank((list(args), dict(kwargs)), device)
+        _, method, args, kwargs, new = message
+        args, kwargs = received.unpack((args, kwargs), new)
+        # held tensors are reused by the next forward: a block that writes into its input must
+        # not reach them (on a card the move to it is a copy anyway)
+        args, kwargs = copy_for_rank((list(args), dict(kwargs)), device, copy_tensors=device.type == "cpu")
         setup.install(model, transformer_options_of(args, kwargs))
         forward = model if method is None else getattr(model, method)
         try:
