@@ -3,7 +3,8 @@ node's dit_ranks=processes starts one worker process per other card at the first
 
 A tiny t2va prompt at 4 CPU cards with processes equals the same prompt at 1 card; a worker
 killed with SIGKILL between prompts fails the next prompt naming its rank, and the prompt
-after it (fresh workers) equals the 1-card prompt again. On v0.33.0 sequence parallel is
+after it (fresh workers) equals the 1-card prompt again; so does the prompt with
+dit_weights=shard (each process holding its rank's block weights). On v0.33.0 sequence parallel is
 refused by design (test_install_ways.py checks that), so this file skips there.
 """
 
@@ -24,13 +25,15 @@ from tests.e2e.test_install_ways import error_text, make_tree, MAX_LEVELS, run_p
 from tests.e2e.test_install_ways import tiny_models  # noqa: F401 - a fixture
 
 
-def prompt_with(prefix: str, seed: int, processes: bool, steps: int = 2) -> dict:
+def prompt_with(prefix: str, seed: int, processes: bool, steps: int = 2, dit_weights: str | None = None) -> dict:
     """The tiny t2va prompt at 4 cards with processes (else at 1 card), sampled with `seed`: a
     new seed makes ComfyUI sample again instead of reusing the cached result."""
     prompt = t2va_prompt(4 if processes else 1, prefix)
     prompt["8"]["inputs"].update(seed=seed, steps=steps)
     if processes:
         prompt["5"]["inputs"]["dit_ranks"] = "processes"
+    if dit_weights is not None:
+        prompt["5"]["inputs"]["dit_weights"] = dit_weights
     return prompt
 
 
@@ -116,5 +119,11 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
         assert len(now) == 3 and (now == pids) == kept, (now, pids, kept)  # no worker left behind
         run_prompt(server, prompt_with("one_card_11", 11, processes=False))
         assert np.abs(saved_frames(tree, "after_cancel") - saved_frames(tree, "one_card_11")).max() <= MAX_LEVELS
+
+        # dit_weights=shard: every process (the server's rank 0 included) keeps 1/4 of the blocks
+        sharded = run_prompt(server, prompt_with("sharded", 11, processes=True, dit_weights="shard"))
+        assert sharded["status"]["status_str"] == "success", error_text(sharded) + server.log_text()[-3000:]
+        assert "DiT shard of rank 0" in server.log_text()
+        assert np.abs(saved_frames(tree, "sharded") - saved_frames(tree, "one_card_11")).max() <= MAX_LEVELS
     finally:
         comfyui_server.stop(server)

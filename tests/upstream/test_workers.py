@@ -62,6 +62,35 @@ def test_workers_carry_the_models_lora_and_a_new_patch_set_makes_a_new_pool(upst
         fan_out.close()
 
 
+@pytest.mark.parametrize("with_a_lora", [False, True])
+def test_sharded_workers_sample_like_one_card_with_the_models_lora(upstream, hook, patcher, lora, with_a_lora):
+    """dit_weights="shard" with ranks as processes through the node's DiT role: rank 0's shard
+    is the MODEL ComfyUI samples here, each worker rebuilds the MODEL (with the LoRA loaded
+    before the node) and keeps its rank's block tensors only; the rest travel over gloo as
+    each block runs."""
+    from comfy.multidevice.roles.dit import workers_dit
+    from comfy.multidevice.weights.block_shards import block_tensors
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+    model = with_lora(patcher, lora) if with_a_lora else patcher
+    reference = sample(model)
+    parallel = workers_dit(model, ["cpu"] * 3, dit_weights="shard", prelude=PRELUDE)
+    fan_out = parallel.multinpu_workers
+    try:
+        assert rel_diff(sample(parallel), reference) <= FP32_TOL
+        pool = fan_out.pool
+        assert pool.world_size == 3 and pool.rank0_weights is not None
+        plan = pool.rank0_weights.family.plan
+        assert 0 < plan.owned_bytes(0) < sum(plan.block_bytes(i) for i in range(len(plan.owner))) / 2
+        # between steps rank 0's DiT keeps only its own block tensors (the others are empty)
+        dit = parallel.model.diffusion_model
+        held = {f"{i}.{n}" for i, block in enumerate(dit.blocks) for n, t in block_tensors(block).items() if t.numel()}
+        assert held == {f"{i}.{n}" for i in range(len(plan.owner)) for n in plan.names_of(i, 0)}
+        assert sum(pool.rank0_weights.family.gathered_bytes) > 0
+    finally:
+        fan_out.close()
+
+
 def test_a_lora_after_the_node_is_refused_naming_the_fix(upstream, hook, patcher, lora):
     parallel, fan_out = workers(patcher, 2)
     try:

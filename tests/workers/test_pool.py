@@ -62,6 +62,38 @@ def test_workers_match_one_device_and_the_rank_threads(checkpoint, world):
         dit.close()
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_workers_hold_their_blocks_only_and_match_one_device(checkpoint, world):
+    """dit_weights="shard" with ranks as processes: every rank (rank 0 here included) keeps the
+    non-block weights and its own block tensors, and gathers the rest over the process group
+    as each block runs; bit for bit what the replicated workers compute (the gathered tensors
+    are the owners' bytes), within FP32_TOL of one device."""
+    from comfy.multidevice.weights.block_shards import block_tensors
+    model, path = checkpoint
+    sharded = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_shard_from_shared_checkpoint",
+                          {"path": str(path)}, sharded=True)
+    dit = enable_sequence_parallel_workers(["cpu"] * world, sharded)
+    replicated = enable_sequence_parallel_workers(["cpu"] * world, recipe(path))
+    try:
+        for case in ("plain", "masked"):
+            x, t, ctx, kw = make_inputs(case)
+            with torch.inference_mode():
+                reference = model(x, t, ctx, **kw)
+            out = dit(x, t, ctx, **kw)
+            assert rel_diff(out, reference) <= FP32_TOL, case
+            assert all(torch.equal(a, b) for a, b in zip(out, replicated(x, t, ctx, **kw))), case
+            dit(x, t, ctx, **kw)  # the replicated pool replaced this one: a fresh sharded pool
+        weights = dit.pool.rank0_weights
+        held = sum(t.numel() for block in dit.pool.model.blocks for t in block_tensors(block).values())
+        total = sum(t.numel() for block in model.blocks for t in block_tensors(block).values())
+        assert weights is not None and held == weights.family.plan.owned_bytes(0) // 4  # fp32
+        assert held < total * (1 / world + 0.25), (held, total)  # about 1/W of the blocks
+        assert sum(weights.family.gathered_bytes) > 0
+    finally:
+        dit.close()
+        replicated.close()
+
+
 def test_a_killed_worker_fails_the_forward_naming_its_rank_and_the_next_pool_is_exact(checkpoint, plain):
     _, path = checkpoint
     (x, t, ctx, kw), reference = plain

@@ -259,7 +259,7 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     planned cards is used (started here when the plan needs more than one card).
     `dit_weights`: "replicate" or "shard" for a sequence-parallel DiT (roles/memory_plan.py
     resolves the node's "auto"). `dit_ranks`: the DiT's ranks as "threads" of this process or
-    as worker "processes" (roles/dit.py `workers_dit`; replicated weights), these joined by the
+    as worker "processes" (roles/dit.py `workers_dit`, either weight mode), these joined by the
     ranks of other servers COMFYUI_MULTI_DEVICE_REMOTE_RANKS counts.
     """
     if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
@@ -273,10 +273,6 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
                     "runs on one card; give the node 2 or more cards of this server to add the other "
                     "servers' ranks", remote_ranks, plan.n_cards)
         remote_ranks = 0
-    if dit_ranks == "processes" and dit_weights == "shard" and plan.dit.mode == SEQUENCE_PARALLEL:
-        raise RolePlanError("dit_ranks=processes keeps a full DiT on every card (each worker loads its own), "
-                            "but the memory plan chose dit_weights=shard: set dit_weights to replicate if a "
-                            "full DiT fits each card, or dit_ranks to threads")
     devices = [resolve_device(d) for d in devices]  # 'npu:i' needs torch_npu: imported here
     if len(devices) != plan.n_cards:
         raise RolePlanError(f"the plan is for {plan.n_cards} cards but {len(devices)} devices were given")
@@ -293,7 +289,7 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
         raise RolePlanError(f"the coordinator runs on {coordinator.devices}, the plan on {devices}")
 
     if plan.dit.mode == SEQUENCE_PARALLEL and dit_ranks == "processes":
-        out_model = workers_dit(model, cards(plan.dit), remote_ranks, rendezvous_from_env())
+        out_model = workers_dit(model, cards(plan.dit), remote_ranks, rendezvous_from_env(), dit_weights)
     elif plan.dit.mode == SEQUENCE_PARALLEL:
         lane = shared_prefetch_lane(coordinator) if dit_weights == "shard" else None
         out_model = sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane)

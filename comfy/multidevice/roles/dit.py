@@ -10,9 +10,9 @@ from typing import Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import dit_module, is_model_patcher
-from comfy.multidevice.devices import module_device
+from comfy.multidevice.devices import module_device, resolve_device
 from comfy.multidevice.progress import CardProgress
-from comfy.multidevice.roles.dit_shards import sharded_primary
+from comfy.multidevice.roles.dit_shards import rank0_shard_primary, sharded_primary
 from comfy.multidevice.roles.model_management import register_with_model
 from comfy.multidevice.roles.plan import RolePlanError
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel, enable_sequence_parallel_on_patcher
@@ -21,6 +21,7 @@ from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 from comfy.multidevice.weights.module_copies import replica_on
 from comfy.multidevice.weights.replicas import RankReplicas
+from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe
 from comfy.multidevice.workers.fan_out import workers_on_patcher
 
 log = logging.getLogger(__name__)
@@ -256,21 +257,35 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
     return primary
 
 
-def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, int] = ("127.0.0.1", 0)):
+def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, int] = ("127.0.0.1", 0),
+                dit_weights: str = "replicate", prelude: Sequence[tuple[str, str]] = ()):
     """The DiT's role with its ranks as processes: a clone of the MODEL whose forward runs on
     devices[0] here, on one worker process per other card (workers/fan_out.py) and on
     `remote_ranks` ranks of other servers meeting at `rendezvous` (host, port); the pool
-    starts at the first step. Refused before anything is made for a bare module or a MODEL a
-    worker cannot rebuild."""
+    starts at the first step. With dit_weights="shard" every rank holds 1/W of the block
+    weights: rank 0's shard is made here (the MODEL output runs it), each worker makes its own.
+    Refused before anything is made for a bare module or a MODEL a worker cannot rebuild.
+    `prelude`: functions a worker calls first (workers/comfy_dit.py; tests' stand-ins)."""
     if not is_model_patcher(model):
         raise RolePlanError("dit_ranks=processes needs a ComfyUI MODEL (its workers load it as ComfyUI "
                             f"did), got {type(model).__name__}; use dit_ranks=threads")
-    primary = model.clone()
-    if getattr(primary, "load_device", devices[0]) != devices[0]:
-        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
-        primary.load_device = devices[0]
+    devices = [resolve_device(d) for d in devices]
+    recipe, rank0_weights = None, None
+    if dit_weights == "shard":
+        comfy_dit_recipe(model, prelude)  # refused here, before the shard is made, when it cannot be made
+        primary, shard = rank0_shard_primary(model, devices[0], len(devices) + remote_ranks)
+        # from the input MODEL: the clone's patches are in rank 0's shard already, not on it
+        recipe, rank0_weights = comfy_dit_recipe(model, prelude, shard.layout.plan), shard.weights
+        log.info("DiT shard of rank 0 on %s: %.2f GiB of weights (1/%d of the blocks)", devices[0],
+                 (shard.layout.shared_bytes + shard.layout.plan.owned_bytes(0)) / 2 ** 30, len(devices) + remote_ranks)
+    else:
+        primary = model.clone()
+        if getattr(primary, "load_device", devices[0]) != devices[0]:
+            log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
+            primary.load_device = devices[0]
     primary.multinpu_workers = workers_on_patcher(primary, devices, remote=remote_ranks, address=rendezvous[0],
-                                                  port=rendezvous[1])  # for close / inspection
+                                                  port=rendezvous[1], recipe=recipe, prelude=prelude,
+                                                  rank0_weights=rank0_weights)  # for close / inspection
     return primary
 
 

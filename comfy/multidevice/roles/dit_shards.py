@@ -30,18 +30,14 @@ import torch
 from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.roles.plan import RolePlanError
-from comfy.multidevice.weights.block_shards import block_tensors, BlockShardPlan, ShardedBlockWeights
-from comfy.multidevice.tensor_bytes import tensor_nbytes
+from comfy.multidevice.weights.block_shards import ShardedBlockWeights
 from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
+from comfy.multidevice.weights.shard_layout import dit_blocks, rank_shard, ShardLayout
 
 log = logging.getLogger(__name__)
 
 SHARD_NEEDS_BASE = ("dit_weights=shard builds every card's DiT from the shared checkpoint base; "
                     "use dit_weights=replicate (or the INT8 DiT file) for this MODEL")
-
-
-def _blocks(model):
-    return model.blocks  # H3 contract: the transformer blocks are model.blocks[i]
 
 
 class DitShards:
@@ -64,20 +60,10 @@ class DitShards:
                 self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
         except Exception as exc:  # the base is what makes a card-by-card shard possible
             raise RolePlanError(f"{SHARD_NEEDS_BASE} ({type(exc).__name__}: {exc})") from exc
-        replica = self.replicas[0]
-        names = list(replica.names)
-        self.num_blocks = len(_blocks(replica.module))
-        sizes = [self._block_sizes(replica, i) for i in range(self.num_blocks)]
-        # a quantized layer's tensors go to one owner: its loader rebuilds (and patches) them as one
-        together = [{n: replica.loaded_with(f"blocks.{i}.{n}")[0] for n in b} for i, b in enumerate(sizes)]
-        self.plan = BlockShardPlan.balanced(sizes, len(self.devices), together)
-        self._block_names = {f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.nbytes[i]}
-        # a quantized block layer's scales and format record go with its weight, to its owner
-        # only: a card that rebuilt (and patched) every quantized layer would hold a replica
-        in_blocks = {m for n in self._block_names for m in replica.loaded_with(n)}
-        self._shared_names = [n for n in names if n not in in_blocks]
-        # bytes every card holds outside the blocks (embeddings, refiner, final layer)
-        self.shared_bytes = sum(replica.device_nbytes(n) for n in replica.sources if not n.startswith("blocks."))
+        self.layout = ShardLayout(self.replicas[0], len(self.devices))
+        self.plan = self.layout.plan
+        self.num_blocks = self.layout.num_blocks
+        self.shared_bytes = self.layout.shared_bytes
         self.family: ShardedBlockWeights | None = None
         self._lock = threading.RLock()  # rank threads resolve their DiT at once; ComfyUI evicts between prompts
         self.output_model = None  # the BaseModel ComfyUI loads for rank 0 (sharded_primary)
@@ -86,22 +72,9 @@ class DitShards:
     def _as_loaded(self):
         return torch.inference_mode() if self.inference else contextlib.nullcontext()
 
-    @staticmethod
-    def _block_sizes(replica, index: int) -> dict:
-        # bytes of each block tensor as the card will hold it (the loaded model's dtype); the
-        # replica is still bound to the base here
-        sizes = {}
-        for name, value in block_tensors(_blocks(replica.module)[index]).items():
-            full = f"blocks.{index}.{name}"
-            flattenable = hasattr(type(value), "__tensor_flatten__")  # e.g. a QuantizedTensor
-            sizes[name] = (tensor_nbytes(value) if flattenable
-                           else value.numel() * replica.target_dtype(full, value).itemsize)
-        return sizes
-
     def keep_names(self, rank: int) -> list[str]:
         """What card `rank` holds between blocks: the non-block weights and its own block tensors."""
-        owned = [f"blocks.{i}.{n}" for i in range(self.num_blocks) for n in self.plan.names_of(i, rank)]
-        return self._shared_names + [m for n in owned for m in self.replicas[rank].loaded_with(n)]
+        return self.layout.keep_names(self.replicas[rank], rank)
 
     def load(self) -> ShardedBlockWeights:
         """Make every card's shard resident (from RAM) and the block gathers ready."""
@@ -115,7 +88,7 @@ class DitShards:
             lane, own_lane = self.lane, False
             if lane is None and self.prefetch and len(self.devices) > 1:
                 lane, own_lane = prefetch_lane(self.coordinator), True
-            self.family = ShardedBlockWeights([r.module for r in self.replicas], _blocks, self.devices,
+            self.family = ShardedBlockWeights([r.module for r in self.replicas], dit_blocks, self.devices,
                                               lane=lane if self.prefetch else None, own_lane=own_lane,
                                               timeout_s=self.coordinator.timeout_s, plan=self.plan)
             log.info("DiT shards: %s", ", ".join(
@@ -238,28 +211,42 @@ def _base_model_with(base_model, diffusion_model):
     return light
 
 
-def sharded_primary(model, devices, coordinator, prefetch: bool = True, lane=None):
-    """The MODEL output for dit_weights=shard: a clone that runs rank 0's shard on card 0, and
-    the DitShards behind every rank (rank 0 included)."""
+def _primary_running(model, shard_module, devices):
+    """A clone of `model` on card 0 whose BaseModel runs `shard_module` (rank 0's shard)."""
     primary = model.clone()
     if getattr(primary, "load_device", devices[0]) != devices[0]:
         log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
         primary.load_device = devices[0]
-    shards = DitShards(primary, devices, coordinator, prefetch, lane)
-    shards.load()  # before ComfyUI loads card 0: it must find the shard there, not a full DiT
-    primary.model = _base_model_with(primary.model, shards.module(0))
+    primary.model = _base_model_with(primary.model, shard_module)
     primary.size = 0  # ComfyUI's model_size() is recounted from the shard
     # The patches are inside the shards already (ComfyUI's patch math on the base); a second
     # application by ComfyUI would patch card 0's weights twice.
     primary.patches = {}
     primary.patches_uuid = uuid.uuid4()
     primary.backup = {}
+    return primary
+
+
+def sharded_primary(model, devices, coordinator, prefetch: bool = True, lane=None):
+    """The MODEL output for dit_weights=shard: a clone that runs rank 0's shard on card 0, and
+    the DitShards behind every rank (rank 0 included)."""
+    shards = DitShards(model, devices, coordinator, prefetch, lane)
+    shards.load()  # before ComfyUI loads card 0: it must find the shard there, not a full DiT
+    primary = _primary_running(model, shards.module(0), devices)
     shards.output_model, shards.patches_uuid = primary.model, primary.patches_uuid
     return primary, shards
 
 
-def check_shard_input(model) -> None:
-    """The checks dit_weights=shard needs before anything is cloned or moved."""
-    if not hasattr(dit_module(model), "blocks"):
-        raise RolePlanError(f"dit_weights=shard needs a DiT with transformer blocks at .blocks; "
-                            f"{type(dit_module(model)).__name__} has none: use dit_weights=replicate")
+def rank0_shard_primary(model, device, world_size: int):
+    """dit_weights=shard with ranks as processes: rank 0's shard of `model`'s DiT made here on
+    `device` (weights/shard_layout.py; the other ranks make theirs in their own processes), and
+    the clone of `model` that runs it. Returns (clone, RankShard)."""
+    first = next(dit_module(model).parameters(), None)
+    inference = bool(first is not None and first.is_inference())  # as DitShards: the input's mode
+    try:
+        with torch.inference_mode() if inference else contextlib.nullcontext():
+            replica = comfy_diffusion_model_replicas(model, [device], load=False)[0]
+    except Exception as exc:  # the base is what makes a card-by-card shard possible
+        raise RolePlanError(f"{SHARD_NEEDS_BASE} ({type(exc).__name__}: {exc})") from exc
+    shard = rank_shard(replica, 0, world_size, inference=inference)
+    return _primary_running(model, shard.module, [device]), shard

@@ -69,10 +69,13 @@ class _LeafSpec:
 class _TensorSpec:
     """How to send one block tensor and rebuild it on a receiver (plain or flattenable)."""
 
-    def __init__(self, name: str, value: torch.Tensor, is_parameter: bool):
+    def __init__(self, name: str, value: torch.Tensor, is_parameter: bool, dtype: torch.dtype | None = None):
+        """`dtype`: a plain tensor's dtype on its owner, where `value` is another form of it."""
         self.name = name
         self.is_parameter = is_parameter
         self.leaves = [_LeafSpec(tuple(t.shape), t.dtype) for t in tensor_leaves(value)]
+        if dtype is not None and not is_flattenable(value):
+            self.leaves = [_LeafSpec(tuple(value.shape), dtype)]
         self.nbytes = sum(leaf.nbytes for leaf in self.leaves)
         # other subclasses (e.g. our read-only base views) arrive as plain tensors, same values
         self._rebuild = self._rebuild_fn(value) if is_flattenable(value) else None
@@ -208,11 +211,15 @@ class ShardedBlockWeights:
                 (a second coordinator): block i+1's gather is then prefetched there; closed
                 by `close()` when `own_lane` (a shared one is left running).
     timeout_s   how long a rank waits for a prefetched gather before it raises.
+    remote_dtype  for a plain tensor another process owns: (block, name, the local model's
+                tensor) -> the dtype its owner holds it in (the local model may hold it as the
+                checkpoint stores it); None: the local model's dtype.
     """
 
     def __init__(self, models: Sequence[torch.nn.Module], blocks_of: Callable[[Any], Sequence],
                  devices: Sequence[torch.device], lane=None, timeout_s: float = 600.0,
-                 plan: "BlockShardPlan | None" = None, own_lane: bool = True):
+                 plan: "BlockShardPlan | None" = None, own_lane: bool = True,
+                 remote_dtype: Callable[[int, str, torch.Tensor], torch.dtype] | None = None):
         if len(models) != len(devices):
             raise ValueError(f"ShardedBlockWeights got {len(models)} models for {len(devices)} devices")
         self.models = list(models)
@@ -245,11 +252,16 @@ class ShardedBlockWeights:
                              f"blocks, the models are {self.world_size} ranks of {self.num_blocks} blocks")
         self.plan = plan
         # What each tensor looks like, read from its owner (the only rank that must hold it now),
-        # or, for an owner in another process, from a local model that still holds it all.
-        def source(i, name):
+        # or, for an owner in another process, from a local model that still holds it (bound to
+        # the base, in the dtype remote_dtype says the owner's card holds).
+        def spec(i, name, is_parameter):
             owner = plan.owner[i][name]
-            return self._slots[owner if self._slots[owner] is not None else first][i][name]
-        self.specs = [{name: _TensorSpec(name, _get(source(i, name)), slot[2]) for name, slot in slots.items()}
+            if self._slots[owner] is not None:
+                return _TensorSpec(name, _get(self._slots[owner][i][name]), is_parameter)
+            value = _get(self._slots[first][i][name])
+            dtype = remote_dtype(i, name, value) if remote_dtype is not None else None
+            return _TensorSpec(name, value, is_parameter, dtype)
+        self.specs = [{name: spec(i, name, slot[2]) for name, slot in slots.items()}
                       for i, slots in enumerate(self._slots[first])]
         self._drop_unowned()
         self.lane = lane

@@ -6,8 +6,9 @@ record its multi-GPU clone re-runs), the patcher's weight patches (LoRAs: small 
 pickled once and named by their SHA-256, and ComfyUI's command-line settings. The worker
 (`build_comfy_dit`) sets those settings, re-runs the loader (the file is mapped: on one
 server the page cache holds it once), checks the patches against their hash, and builds its
-replica as the rank threads do (weights/comfy_replicas.py: ComfyUI's own patch math). A
-MODEL whose patch set changes gets a new recipe (`patches_digest` differs) and a new pool.
+replica as the rank threads do (weights/comfy_replicas.py: ComfyUI's own patch math), or
+with dit_weights="shard" only its rank's shard of it (weights/shard_layout.py). A MODEL whose
+patch set changes gets a new recipe (`patches_digest` differs) and a new pool.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
+from comfy.multidevice.weights.block_shards import BlockShardPlan
 from comfy.multidevice.weights.comfy_replicas import checkpoint_path_of, comfy_diffusion_model_replicas
+from comfy.multidevice.weights.shard_layout import rank_shard, RankShard
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
 
 
@@ -46,9 +49,11 @@ def _comfy_settings() -> dict:
     return settings
 
 
-def comfy_dit_recipe(model_patcher: Any, prelude: Sequence[tuple[str, str]] = ()) -> ModelRecipe:
+def comfy_dit_recipe(model_patcher: Any, prelude: Sequence[tuple[str, str]] = (),
+                     shard_plan: BlockShardPlan | None = None) -> ModelRecipe:
     """Rank 0: the recipe a worker rebuilds `model_patcher`'s DiT from. `prelude`: functions
-    (module, name) a worker calls first (e.g. stand-ins a test installs)."""
+    (module, name) a worker calls first (e.g. stand-ins a test installs). `shard_plan`: rank 0's
+    plan for dit_weights="shard"; each worker then builds its own rank's shard only."""
     init = getattr(model_patcher, "cached_patcher_init", None)
     if not (isinstance(init, tuple) and len(init) >= 2 and callable(init[0])):
         raise RecipeError("this MODEL does not record how it was loaded (cached_patcher_init), so a "
@@ -60,14 +65,32 @@ def comfy_dit_recipe(model_patcher: Any, prelude: Sequence[tuple[str, str]] = ()
         raise RecipeError(f"the MODEL's loader {getattr(init[0], '__name__', init[0])!r} cannot be named to a "
                           f"worker process ({exc}); use ranks as threads") from None
     blob, digest = patches_digest(model_patcher)
-    return ModelRecipe(__name__, "build_comfy_dit", {
-        "loader": loader, "patches": blob, "digest": digest, "path": checkpoint_path_of(model_patcher),
-        "settings": _comfy_settings(), "prelude": tuple(prelude)})
+    made = {"loader": loader, "patches": blob, "digest": digest, "path": checkpoint_path_of(model_patcher),
+            "settings": _comfy_settings(), "prelude": tuple(prelude)}
+    if shard_plan is not None:
+        return ModelRecipe(__name__, "build_comfy_dit_shard", {**made, "plan": shard_plan}, sharded=True)
+    return ModelRecipe(__name__, "build_comfy_dit", made)
 
 
 def build_comfy_dit(device: torch.device | str, loader: bytes, patches: bytes, digest: str,
                     path: str | None, settings: dict, prelude: tuple = ()) -> torch.nn.Module:
     """A worker: the DiT of the recipe on `device`, patched as rank 0's."""
+    patcher = _rebuilt_patcher(loader, patches, digest, settings, prelude)
+    return comfy_diffusion_model_replicas(patcher, [device], base=path, load=True)[0].module
+
+
+def build_comfy_dit_shard(device: torch.device | str, rank: int, world_size: int, plan: BlockShardPlan,
+                          loader: bytes, patches: bytes, digest: str, path: str | None, settings: dict,
+                          prelude: tuple = ()) -> RankShard:
+    """A worker: rank `rank`'s shard of the recipe's DiT on `device`, patched as rank 0's and
+    laid out as rank 0's `plan` (refused otherwise)."""
+    patcher = _rebuilt_patcher(loader, patches, digest, settings, prelude)
+    replica = comfy_diffusion_model_replicas(patcher, [device], base=path, load=False)[0]
+    return rank_shard(replica, rank, world_size, plan)
+
+
+def _rebuilt_patcher(loader: bytes, patches: bytes, digest: str, settings: dict, prelude: tuple):
+    """The MODEL as rank 0's loader made it, with rank 0's weight patches (checked by hash)."""
     for module, name in prelude:
         getattr(importlib.import_module(module), name)()
     import comfy.cli_args  # lazy: ComfyUI is optional for this module
@@ -82,4 +105,4 @@ def build_comfy_dit(device: torch.device | str, loader: bytes, patches: bytes, d
     if index is not None:
         patcher = patcher[index]
     patcher.patches = pickle.loads(patches)
-    return comfy_diffusion_model_replicas(patcher, [device], base=path, load=True)[0].module
+    return patcher

@@ -24,6 +24,7 @@ from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
+from comfy.multidevice.workers.recipe import ModelRecipe
 from comfy.multidevice.workers.rendezvous import format_address
 
 log = logging.getLogger(__name__)
@@ -124,20 +125,25 @@ def _close_held(held: dict) -> None:
 
 def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "allgather",
                        timeout_s: float | None = None, prelude: Sequence[tuple[str, str]] = (),
-                       remote: int = 0, address: str = "127.0.0.1", port: int = 0) -> ProcessFanOut:
+                       remote: int = 0, address: str = "127.0.0.1", port: int = 0,
+                       recipe: ModelRecipe | None = None, rank0_weights=None) -> ProcessFanOut:
     """ComfyUI entry point, ranks as processes: `model_patcher`'s DiT forward runs on rank 0
     (this process, devices[0]), on one worker process per other device, and on `remote` ranks
     of other servers (their join command logged here; `address`:`port` the rendezvous), each
     rebuilding the DiT from the MODEL's loader and weight patches (workers/comfy_dit.py).
     Installs the wrapper under sp/minimax_h3.py's WRAPPER_KEY and returns it; refuses a MODEL
-    it cannot rebuild (RecipeError) before changing the patcher."""
+    it cannot rebuild (RecipeError) before changing the patcher. `recipe`, `rank0_weights`:
+    for dit_weights="shard", the sharded recipe made from the MODEL before its patches went
+    into the shards, and rank 0's block-weights handle (roles/dit.py `workers_dit`)."""
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
-    comfy_dit_recipe(model_patcher, prelude)  # refused here when it cannot be made
+    if recipe is None:
+        comfy_dit_recipe(model_patcher, prelude)  # refused here when it cannot be made
 
     def make_pool(rank0_dit):
-        return WorkerPool(devices, comfy_dit_recipe(model_patcher, prelude), sp_mode, timeout_s,
-                          rank0_model=rank0_dit, remote=remote, address=address, port=port)
+        made = recipe if recipe is not None else comfy_dit_recipe(model_patcher, prelude)
+        return WorkerPool(devices, made, sp_mode, timeout_s, rank0_model=rank0_dit, remote=remote,
+                          address=address, port=port, rank0_weights=rank0_weights)
 
     def patch_set():
         # ComfyUI records which patch set the shared model's weights carry; one added after

@@ -67,9 +67,10 @@ class WorkerPool:
 
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
                  timeout_s: float | None = None, rank0_model: torch.nn.Module | None = None,
-                 remote: int = 0, address: str = "127.0.0.1", port: int = 0):
-        """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's);
-        else rank 0 builds it from the recipe too. `address`, `port`: this process's
+                 remote: int = 0, address: str = "127.0.0.1", port: int = 0, rank0_weights=None):
+        """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's),
+        with `rank0_weights`, its block-weights handle when it is rank 0's shard of a sharded
+        recipe (weights/shard_layout.py); else rank 0 builds it from the recipe too. `address`, `port`: this process's
         rendezvous, where the other servers reach this one (port 0: the system picks it;
         ranks on other servers need a fixed one). The liveness port is chosen when the pool
         starts."""
@@ -89,6 +90,9 @@ class WorkerPool:
         self.generation: int | None = None  # this pool's, once started
         self.workers: list[WorkerProcess] = []
         self.rank0_model = rank0_model
+        self.rank0_weights = rank0_weights
+        if recipe.sharded and rank0_model is not None and rank0_weights is None:
+            raise ValueError("a sharded recipe's rank 0 model needs its block weights (rank0_weights)")
         self.model = None
         self.setup = None
         self.control = None
@@ -160,7 +164,10 @@ class WorkerPool:
             self.control.send((BUILD, self.recipe, self.sp_mode, self.liveness.address))
             problem = None
             try:
-                self.model = self.rank0_model if self.rank0_model is not None else self.recipe.build(self.devices[0])
+                if self.rank0_model is not None:
+                    self.model = self.rank0_model
+                else:
+                    self.model, self.rank0_weights = self.recipe.build(self.devices[0], 0, self.world_size)
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             statuses = self.control.statuses((problem, socket.gethostname(), os.getpid()))
@@ -174,7 +181,8 @@ class WorkerPool:
             self.close()
             raise RecipeError("the model recipe " + self.recipe.describe() + " failed on " +
                               "; ".join(f"{self.identities[r].describe()}: {p}" for r, p in bad))
-        self.setup = H3RankSetup(self.comm, self.sp_mode, final_rows_to="root", before_block=self._cancel_point)
+        self.setup = H3RankSetup(self.comm, self.sp_mode, self.rank0_weights, final_rows_to="root",
+                                 before_block=self._cancel_point)
         self.start_seconds = time.perf_counter() - started
         log.info("worker pool: %d ranks started in %.1f s: %s", self.world_size, self.start_seconds,
                  ", ".join(f"{i.describe()} {self._device_of(i.rank)}" for i in self.identities))

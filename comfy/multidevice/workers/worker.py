@@ -4,7 +4,8 @@ Started by `WorkerPool` (or by workers/join.py on another server) as
 `python -m comfy.multidevice.workers.worker --rank r ...`. It joins the process group of one
 pool (its generation at rank 0's rendezvous, workers/rendezvous.py), builds its DiT from the
 recipe rank 0 sends, then runs every forward rank 0 announces on its share of the sequence (the K/V
-exchange over the process group), until told to stop. Anything that goes wrong ends the
+exchange over the process group; with a sharded recipe also the gathers of the block weights
+it does not hold), until told to stop. Anything that goes wrong ends the
 process with one line on stderr and a non-zero status: the peers' collectives then fail at
 once (gloo sees the closed connection) instead of waiting for a rank that will never come.
 """
@@ -53,9 +54,9 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
     if kind != BUILD:
         raise RuntimeError(f"rank {comm.rank}: expected the build message first, got {kind!r}")
     alive = report_alive(watch, comm.rank)  # open until this process ends, however it ends
-    problem, model = None, None
+    problem, model, block_weights = None, None, None
     try:
-        model = recipe.build(device)
+        model, block_weights = recipe.build(device, comm.rank, comm.world_size)
     except Exception as exc:  # reported to rank 0 through the statuses, not only here
         problem = f"{type(exc).__name__}: {exc}"
     if any(p for p, _, _ in control.statuses((problem, socket.gethostname(), os.getpid()))):
@@ -68,7 +69,8 @@ def serve(comm, control: ControlChannel, device: torch.device) -> int:
         if cancel_flag.post():
             raise CancelledByRank0(index)
 
-    setup = H3RankSetup(comm, sp_mode, final_rows_to="root", before_block=cancel_point)  # rank 0's result is used
+    setup = H3RankSetup(comm, sp_mode, block_weights, final_rows_to="root",  # rank 0's result is used
+                        before_block=cancel_point)
     while True:
         message = control.receive()
         if message[0] == STOP:
