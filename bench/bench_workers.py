@@ -9,7 +9,9 @@ The dry run's miniature DiT and inputs (its own builders, its default size), on 
             checkpoint mapped in every process)
 Forwards alternate, one of each back to back, --forwards pairs after one warm-up pair; the
 figure is the median of the pairs' ratios. Each pair gets new latents (as a sampler's steps
-do), the same timestep and conditioning.
+do), the same timestep and conditioning. `--dit-weights shard`: both sides keep 1/W of the
+block weights per rank (the threads with their prefetch lane, the workers gathering each block
+over the process group as it starts).
 
 Last line, JSON, per W in --worlds:
   workers_vs_threads_step_ratio_wW   workers' forward / threads' forward (target <= 1.10: what
@@ -33,8 +35,11 @@ Last line, JSON, per W in --worlds:
                                      interpreter, torch and its own activations)
   bare_torch_process_anonymous_bytes  a fresh `python -c "import torch"` beside it: the part of a
                                      worker's memory that any process with torch has
+  with --dit-weights shard also:
+  rank0_block_bytes_vs_full_wW       block bytes rank 0 keeps between blocks / a full replica's
+  rank0_gathered_bytes_per_step_wW   block bytes rank 0 received per forward
 
-  .venv/bin/python bench/bench_workers.py [--worlds 2 4] [--forwards 7]
+  .venv/bin/python bench/bench_workers.py [--worlds 2 4] [--forwards 7] [--dit-weights shard]
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def timed(forward) -> float:
     return time.perf_counter() - start
 
 
-def measure(world: int, forwards: int, out_dir: str) -> dict:
+def measure(world: int, forwards: int, out_dir: str, dit_weights: str = "replicate") -> dict:
     args = minimax_h3_parallel.build_parser().parse_args(
         ["run", "--cpu", "--devices", str(world), "--out", out_dir, "--no-progress"])
     settings = dry_run.make_settings(args)
@@ -119,7 +124,8 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
     del one
     coord = SequenceParallelCoordinator(["cpu"] * world, backend="peer")
     before = anonymous_bytes()
-    threads = enable_sequence_parallel(dry_run.build_replicas(path, ["cpu"] * world).modules, coord)
+    threads = enable_sequence_parallel(dry_run.build_replicas(path, ["cpu"] * world).modules, coord,
+                                       dit_weights=dit_weights)
 
     latents = {"x": x}
 
@@ -137,7 +143,10 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
     w_ranks = anonymous_bytes() - before
     thread_rank = max(0, w_ranks - one_rank) / (world - 1)
 
-    recipe = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint", {"path": str(path)})
+    shard = dit_weights == "shard"
+    recipe = ModelRecipe("comfy.multidevice.workers.recipe",
+                         "miniature_shard_from_shared_checkpoint" if shard else "miniature_from_shared_checkpoint",
+                         {"path": str(path)}, sharded=shard)
     pool = WorkerPool(["cpu"] * world, recipe).start()
     try:
         timed(worker_forward)  # warm-up pair
@@ -152,6 +161,12 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
         first_sent = pool.bytes_sent_per_forward[0]
         sent = statistics.median(pool.bytes_sent_per_forward[1:])
         start_s = pool.start_seconds
+        shard_figures = {}
+        if shard:
+            family = pool.rank0_weights.family
+            full = sum(family.plan.block_bytes(i) for i in range(family.num_blocks))
+            shard_figures = {f"rank0_block_bytes_vs_full_w{world}": round(family.plan.owned_bytes(0) / full, 4),
+                             f"rank0_gathered_bytes_per_step_w{world}": family.gathered_bytes[0] // (forwards + 1)}
     finally:
         pool.close()
         coord.close()
@@ -169,20 +184,22 @@ def measure(world: int, forwards: int, out_dir: str) -> dict:
             f"pool_start_s_w{world}": round(start_s, 2),
             f"worker_anonymous_bytes_w{world}": int(worker_anon),
             f"thread_rank_anonymous_bytes_w{world}": int(thread_rank),
-            f"worker_extra_rss_ratio_w{world}": round(worker_anon / thread_rank, 2) if thread_rank else None}
+            f"worker_extra_rss_ratio_w{world}": round(worker_anon / thread_rank, 2) if thread_rank else None,
+            **shard_figures}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--forwards", type=int, default=7)
+    parser.add_argument("--dit-weights", choices=("replicate", "shard"), default="replicate")
     args = parser.parse_args(argv)
     if any(w < 2 for w in args.worlds) or args.forwards < 1:
         parser.error("--worlds: each at least 2; --forwards at least 1")
-    summary: dict = {"cores": os.cpu_count(), "forwards": args.forwards}
+    summary: dict = {"cores": os.cpu_count(), "forwards": args.forwards, "dit_weights": args.dit_weights}
     with tempfile.TemporaryDirectory() as out_dir:
         for world in args.worlds:
-            summary.update(measure(world, args.forwards, out_dir))
+            summary.update(measure(world, args.forwards, out_dir, args.dit_weights))
             print({k: v for k, v in summary.items() if k.endswith(f"w{world}")}, file=sys.stderr)
     summary["bare_torch_process_anonymous_bytes"] = bare_torch_anonymous_bytes()
     ratios = [summary[f"workers_vs_threads_step_ratio_w{w}"] for w in args.worlds]

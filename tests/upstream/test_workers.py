@@ -91,6 +91,31 @@ def test_sharded_workers_sample_like_one_card_with_the_models_lora(upstream, hoo
         fan_out.close()
 
 
+def test_after_a_killed_sharded_worker_the_next_pool_serves_rank0s_same_shard(upstream, hook, patcher):
+    """Rank 0's shard is the MODEL ComfyUI holds: it outlives a pool that lost a rank, and the
+    fresh pool's workers gather with it again (on that pool's own prefetch group)."""
+    import os
+    import signal
+    from comfy.multidevice.roles.dit import workers_dit
+    from comfy.multidevice.workers.pool import WorkerPoolError
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+    reference = sample(patcher)
+    parallel = workers_dit(patcher, ["cpu"] * 3, dit_weights="shard", prelude=PRELUDE)
+    fan_out = parallel.multinpu_workers
+    try:
+        assert rel_diff(sample(parallel), reference) <= FP32_TOL
+        first, weights = fan_out.pool, fan_out.pool.rank0_weights
+        os.kill(first.workers[0].process.pid, signal.SIGKILL)
+        first.workers[0].process.wait()
+        with pytest.raises(WorkerPoolError, match=r"rank 1 \(pid \d+\) was killed by signal 9"):
+            sample(parallel)
+        assert rel_diff(sample(parallel), reference) <= FP32_TOL
+        assert fan_out.pool is not first and fan_out.pool.rank0_weights is weights
+    finally:
+        fan_out.close()
+
+
 def test_a_lora_after_the_node_is_refused_naming_the_fix(upstream, hook, patcher, lora):
     parallel, fan_out = workers(patcher, 2)
     try:

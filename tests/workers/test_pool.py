@@ -70,9 +70,7 @@ def test_sharded_workers_hold_their_blocks_only_and_match_one_device(checkpoint,
     are the owners' bytes), within FP32_TOL of one device."""
     from comfy.multidevice.weights.block_shards import block_tensors
     model, path = checkpoint
-    sharded = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_shard_from_shared_checkpoint",
-                          {"path": str(path)}, sharded=True)
-    dit = enable_sequence_parallel_workers(["cpu"] * world, sharded)
+    dit = enable_sequence_parallel_workers(["cpu"] * world, sharded_recipe(path))
     replicated = enable_sequence_parallel_workers(["cpu"] * world, recipe(path))
     try:
         for case in ("plain", "masked"):
@@ -89,6 +87,7 @@ def test_sharded_workers_hold_their_blocks_only_and_match_one_device(checkpoint,
         assert weights is not None and held == weights.family.plan.owned_bytes(0) // 4  # fp32
         assert held < total * (1 / world + 0.25), (held, total)  # about 1/W of the blocks
         assert sum(weights.family.gathered_bytes) > 0
+        assert weights.family.lane is not None  # the next block's gather overlapped this one's work
     finally:
         dit.close()
         replicated.close()
@@ -149,8 +148,16 @@ def test_a_hung_worker_fails_the_forward_within_the_timeout_and_is_killed(checkp
         dit.close()
 
 
-def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_up(checkpoint, plain, monkeypatch):
-    """A stand-in for ComfyUI's model_management: its Cancel flag goes up as block 1 starts."""
+def sharded_recipe(path) -> ModelRecipe:
+    return ModelRecipe("comfy.multidevice.workers.recipe", "miniature_shard_from_shared_checkpoint",
+                       {"path": str(path)}, sharded=True)
+
+
+@pytest.mark.parametrize("dit_weights", ["replicate", "shard"])
+def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_up(checkpoint, plain, monkeypatch,
+                                                                                dit_weights):
+    """A stand-in for ComfyUI's model_management: its Cancel flag goes up as block 1 starts.
+    With shard, the block gathers prefetched on their own group stay paired across the cancel."""
     import types
     _, path = checkpoint
     (x, t, ctx, kw), reference = plain
@@ -174,7 +181,8 @@ def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_u
     fake.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
     fake.InterruptProcessingException = Interrupted
     monkeypatch.setitem(sys.modules, "comfy.model_management", fake)
-    dit = enable_sequence_parallel_workers(["cpu"] * 3, recipe(path), timeout_s=60)
+    made = sharded_recipe(path) if dit_weights == "shard" else recipe(path)
+    dit = enable_sequence_parallel_workers(["cpu"] * 3, made, timeout_s=60)
     try:
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
         pids = [w.process.pid for w in dit.pool.workers]

@@ -15,7 +15,9 @@ outside the blocks (embeddings, text refiner, final layer) stays on every rank.
   `QuantizedTensor`) are sent as their inner tensors and rebuilt on the receiver.
 - Prefetch: with a `lane` (a second coordinator over the same cards: its rank threads are the
   helper threads) block i+1's gather runs there while block i computes on the rank threads.
-  Without one, each rank gathers through its own communicator just before the block.
+  With one rank per process (ranks as processes) the lane is `OwnRankLane`: a second process
+  group, driven from a helper thread of the process. Without one, each rank gathers through
+  its own communicator just before the block.
 
 The owner reads its tensors from the module at gather time, so a weight that ComfyUI patched
 or moved after set-up is sent as it is now.
@@ -230,8 +232,9 @@ class ShardedBlockWeights:
         self.local_ranks = [r for r, m in enumerate(self.models) if m is not None]
         if not self.local_ranks:
             raise ValueError("ShardedBlockWeights needs the model of at least one rank of this process")
-        if lane is not None and len(self.local_ranks) != self.world_size:
-            raise ValueError("a prefetch lane needs every rank in this process; pass lane=None")
+        if lane is not None and len(self.local_ranks) != self.world_size and not isinstance(lane, OwnRankLane):
+            raise ValueError("a prefetch lane needs every rank in this process, or an OwnRankLane for "
+                             "the one rank of this process; pass lane=None")
         first = self.local_ranks[0]
         self.num_blocks = len(list(blocks_of(self.models[first])))
         self._slots = [None] * self.world_size  # per local rank, per block: {name: slot}
@@ -264,12 +267,13 @@ class ShardedBlockWeights:
         self.specs = [{name: spec(i, name, slot[2]) for name, slot in slots.items()}
                       for i, slots in enumerate(self._slots[first])]
         self._drop_unowned()
-        self.lane = lane
+        self.lane = None
         self._own_lane = own_lane  # close() closes the lane only when it was made for this family
         self._lock = threading.Lock()
         self._pending: dict = {}  # (generation, block) -> [Future, ranks that took their part]
         self._generation = [0] * self.world_size
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="block-gather") if lane is not None else None
+        self._executor = None
+        self.use_lane(lane)
         self.gathered_bytes = [0] * self.world_size  # bytes each rank received in gathers, cumulative
         self._streams: dict = {}  # rank -> the side stream of its prefetches (cards only)
 
@@ -353,11 +357,26 @@ class ShardedBlockWeights:
         return result
 
     # -- prefetch on the lane
+    def use_lane(self, lane, timeout_s: float | None = None) -> None:
+        """Prefetch on `lane` from now on (None: gather on the rank's own communicator). Ranks as
+        processes give each new pool's OwnRankLane here; gathers still pending on the last lane
+        are dropped with it (they belong to that pool's collectives)."""
+        with self._lock:
+            old, self._executor = self._executor, None
+            self._pending.clear()
+            self.lane = lane
+            if lane is not None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="block-gather")
+            if timeout_s is not None:
+                self.timeout_s = timeout_s
+        if old is not None:
+            old.shutdown(wait=False, cancel_futures=True)  # a gather stuck in a dead pool stays behind
+
     def _submit(self, key) -> Future:
-        index = key[1]
+        index, lane = key[1], self.lane  # this lane's collectives, even if another replaces it
 
         def on_lane():
-            return self.lane.run(lambda rank, comm: self._gather_on_side_stream(rank, comm, index))
+            return lane.run(lambda rank, comm: self._gather_on_side_stream(rank, comm, index))
         return self._executor.submit(on_lane)
 
     def request(self, rank: int, index: int) -> None:
@@ -384,7 +403,7 @@ class ShardedBlockWeights:
                                   f"{self.timeout_s:.0f} s") from exc
         with self._lock:
             entry[1].add(rank)
-            if len(entry[1]) == self.world_size:
+            if len(entry[1]) == len(self.local_ranks):
                 self._pending.pop(key, None)  # every rank has its part: the family keeps nothing
         return results[rank]
 
@@ -402,6 +421,21 @@ class ShardedBlockWeights:
             self._executor = None
         if self._own_lane and self.lane is not None and callable(getattr(self.lane, "close", None)):
             self.lane.close()
+
+
+class OwnRankLane:
+    """The prefetch lane of the one rank of this process (ranks as processes): `comm` is a
+    communicator over a second process group beside the forward's, so a block's gather
+    travels on it from the family's helper thread while the rank thread computes. Every rank
+    requests the same blocks in the same order, so the gathers on it pair up."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def run(self, fn) -> list:
+        out = [None] * self.comm.world_size
+        out[self.comm.rank] = fn(self.comm.rank, self.comm)
+        return out
 
 
 class RankBlockWeights:

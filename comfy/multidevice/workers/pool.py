@@ -45,7 +45,7 @@ from comfy.multidevice.workers.process import WorkerProcess, worker_arguments
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
 from comfy.multidevice.workers.rendezvous import rendezvous_at
 from comfy.multidevice.workers.repeats import SentTensors
-from comfy.multidevice.workers.worker import CancelledByRank0, control_group
+from comfy.multidevice.workers.worker import block_gather_lane, CancelledByRank0, control_group
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +162,15 @@ class WorkerPool:
             self.cancel_flag = BlockFlag(group)
             self.sent_tensors = SentTensors()  # the workers start with nothing held
             self.control.send((BUILD, self.recipe, self.sp_mode, self.liveness.address))
+            lane = block_gather_lane(self.devices[0], self.timeout_s) if self.recipe.sharded else None
             problem = None
             try:
                 if self.rank0_model is not None:
                     self.model = self.rank0_model
                 else:
                     self.model, self.rank0_weights = self.recipe.build(self.devices[0], 0, self.world_size)
+                if self.rank0_weights is not None:  # this pool's lane (rank 0's shard outlives pools)
+                    self.rank0_weights.family.use_lane(lane, self.timeout_s)
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             statuses = self.control.statuses((problem, socket.gethostname(), os.getpid()))
@@ -298,6 +301,8 @@ class WorkerPool:
 
     def _leave_group(self):
         import torch.distributed as dist
+        if self.rank0_weights is not None:
+            self.rank0_weights.family.use_lane(None)  # its group goes with this pool's
         if self.comm is not None and dist.is_initialized():
             dist.destroy_process_group()
         self.comm = None

@@ -13,6 +13,7 @@ once (gloo sees the closed connection) instead of waiting for a rank that will n
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import socket
@@ -22,10 +23,11 @@ import traceback
 import torch
 
 from comfy.multidevice.comm.settings import parse_rendezvous
-from comfy.multidevice.comm.torch_dist import init_process_group
+from comfy.multidevice.comm.torch_dist import dist_backend_for, DistributedComm, init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
+from comfy.multidevice.weights.block_shards import OwnRankLane
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.liveness import report_alive
 from comfy.multidevice.workers.rendezvous import generation_store
@@ -48,15 +50,27 @@ def control_group(device: torch.device):
     return None if device.type == "cpu" else dist.new_group(backend="gloo")
 
 
-def serve(comm, control: ControlChannel, device: torch.device) -> int:
+def block_gather_lane(device: torch.device, timeout_s: float) -> OwnRankLane:
+    """A sharded recipe's prefetch lane: its block gathers on a process group of their own
+    beside the forward's. Every rank makes it at the same point (after the build message,
+    before the build), as torch.distributed requires of a new group."""
+    import torch.distributed as dist
+    group = dist.new_group(backend=dist_backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+    return OwnRankLane(DistributedComm(device, group=group))
+
+
+def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float) -> int:
     """Build, then follow rank 0's forwards until it says stop; the exit status."""
     kind, recipe, sp_mode, watch = control.receive()
     if kind != BUILD:
         raise RuntimeError(f"rank {comm.rank}: expected the build message first, got {kind!r}")
     alive = report_alive(watch, comm.rank)  # open until this process ends, however it ends
+    lane = block_gather_lane(device, timeout_s) if recipe.sharded else None
     problem, model, block_weights = None, None, None
     try:
         model, block_weights = recipe.build(device, comm.rank, comm.world_size)
+        if block_weights is not None:
+            block_weights.family.use_lane(lane, timeout_s)
     except Exception as exc:  # reported to rank 0 through the statuses, not only here
         problem = f"{type(exc).__name__}: {exc}"
     if any(p for p, _, _ in control.statuses((problem, socket.gethostname(), os.getpid()))):
@@ -116,7 +130,7 @@ def main(argv=None) -> int:
     try:
         store = generation_store(*args.rendezvous, args.generation, args.timeout)
         comm = init_process_group(args.rank, args.world, device, timeout_s=args.timeout, store=store)
-        return serve(comm, ControlChannel(control_group(device)), device)
+        return serve(comm, ControlChannel(control_group(device)), device, args.timeout)
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         print(f"worker rank {args.rank} stops: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
