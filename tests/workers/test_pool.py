@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -16,6 +17,7 @@ import torch
 from comfy.multidevice.miniature.h3 import save_miniature
 from comfy.multidevice.workers.pool import enable_sequence_parallel_workers, WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
+from tests.helpers import free_port_pair
 from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, run_sp, tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -121,6 +123,24 @@ def test_a_recipe_that_cannot_be_followed_is_refused_on_every_rank(checkpoint):
                                               r"RecipeError"):
         pool.start()
     assert all(w.process.poll() is not None for w in pool.workers) or not pool.workers
+
+
+def test_a_fixed_rendezvous_port_watches_the_workers_on_the_next_one(checkpoint, plain):
+    """A firewall can name both ports; the next port in use fails the start, naming it and the
+    fix, before any worker process starts."""
+    _, path = checkpoint
+    (x, t, ctx, kw), reference = plain
+    port = free_port_pair()
+    with WorkerPool(["cpu"] * 2, recipe(path), port=port, timeout_s=60) as pool:
+        assert pool.liveness.address == ("127.0.0.1", port + 1)
+        assert rel_diff(pool.forward(x, t, ctx, **kw), reference) <= FP32_TOL
+    taken = free_port_pair()
+    with socket.create_server(("127.0.0.1", taken + 1)):
+        blocked = WorkerPool(["cpu"] * 2, recipe(path), port=taken, timeout_s=60)
+        with pytest.raises(WorkerPoolError, match=rf"cannot watch the worker processes on 127.0.0.1:{taken + 1} "
+                                                  r".*a port whose next port is free"):
+            blocked.start()
+        assert blocked.workers == []
 
 
 def test_bad_arguments_are_refused_before_any_process_starts():

@@ -5,7 +5,8 @@ command (workers/join.py) for ranks 2 and 3, rendezvous over TCP between them, g
 
 Exact against one device; a worker on the second server killed with SIGKILL fails the next
 forward naming its rank and that server's address within the timeout, and a fresh pool, which
-the join command's ranks join again by themselves, is exact. Where namespaces cannot be made (no root,
+the join command's ranks join again by themselves, is exact; so is the pool of a new rank 0
+at the same address (ComfyUI restarted), which the join command finds again. Where namespaces cannot be made (no root,
 no `ip`), the same runs over loopback and the test says so in its report.
 """
 
@@ -23,7 +24,7 @@ import pytest
 from comfy.multidevice.miniature.h3 import save_miniature
 from tests.sp_cases import FP32_TOL, tiny_model
 from tests.comfyui_server import REPO
-from tests.helpers import free_port
+from tests.helpers import free_port_pair
 from tests.two_servers import child_pid, two_servers
 
 TIMEOUT_S = 30
@@ -38,17 +39,21 @@ def servers():
         yield pair.run_a, pair.address_a, pair.run_b, pair.namespaces
 
 
-def test_one_dit_over_two_servers_exact_and_a_killed_remote_worker_is_named(servers, tmp_path, record_property):
+def test_one_dit_over_two_servers_exact_a_killed_remote_worker_named_and_a_restart_found(servers, tmp_path, record_property):
     run_a, address, run_b, namespaces = servers
     record_property("network_namespaces", namespaces)
     path = tmp_path / "tiny.safetensors"
     save_miniature(tiny_model(seed=3), path)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    driver = subprocess.Popen([*run_a, sys.executable, str(REPO / "tests" / "workers" / "two_servers_driver.py"),
-                               "--address", address, "--port", str(free_port()), "--checkpoint", str(path),
-                               "--timeout", str(TIMEOUT_S)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.log", "w"),
-                              text=True, env=env, cwd=REPO)
+    port = free_port_pair()
+
+    def start_driver(*extra):
+        return subprocess.Popen([*run_a, sys.executable, str(REPO / "tests" / "workers" / "two_servers_driver.py"),
+                                 "--address", address, "--port", str(port), "--checkpoint", str(path),
+                                 "--timeout", str(TIMEOUT_S), *extra],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=open(tmp_path / "driver.log", "a"), text=True, env=env, cwd=REPO)
+    driver = start_driver()
     join = None
 
     def read(expected):
@@ -77,6 +82,15 @@ def test_one_dit_over_two_servers_exact_and_a_killed_remote_worker_is_named(serv
         log = (tmp_path / "join.log").read_text()
         assert "joining pool 1 " in log and "joining pool 2 " in log and "was killed by signal 9" in log, log[-3000:]
         assert driver.wait(timeout=60) == 0
+
+        # ComfyUI restarted: a new rank 0 at the same address; the join command finds it by itself
+        driver = start_driver("--exact-only")
+        read("JOIN")
+        assert float(read("EXACT")) <= FP32_TOL
+        read("DONE")
+        assert driver.wait(timeout=60) == 0
+        log = (tmp_path / "join.log").read_text()
+        assert "reconnecting" in log and log.count("joining pool 1 ") == 2, log[-3000:]
     finally:
         for p in [driver, join]:
             if p is not None and p.poll() is None:

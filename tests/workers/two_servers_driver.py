@@ -3,8 +3,9 @@ a pool with two local ranks and two from the other server, driven line by line.
 
 stdout: `JOIN <command>` (the other server's join command: start it now), `EXACT <rel_diff>`,
 `KILL-NOW` (kill one of its workers, then write a line to stdin), `FAILED <seconds> <message>`,
-`EXACT` for a fresh pool (the joined server's ranks back by themselves), `DONE`. Exits
-non-zero on anything unexpected.
+`EXACT` for a fresh pool (the joined server's ranks back by themselves), `DONE`. With
+`--exact-only` (ComfyUI restarted: a new rank 0 at the same address) `JOIN`, `EXACT`, `DONE`.
+Exits non-zero on anything unexpected.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--timeout", type=float, default=30)
+    parser.add_argument("--exact-only", action="store_true")
     args = parser.parse_args()
     recipe = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint",
                          {"path": args.checkpoint})
@@ -50,6 +52,10 @@ def main() -> int:
     say("JOIN", pool.join_command(devices=["cpu", "cpu"], threads=1))
     pool.start()
     say("EXACT", exact(pool, reference, inputs))
+    if args.exact_only:
+        pool.close()
+        say("DONE")
+        return 0
     say("KILL-NOW")
     sys.stdin.readline()
     start = time.monotonic()

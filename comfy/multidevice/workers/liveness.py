@@ -26,11 +26,21 @@ class WorkerIdentity:
         return f"rank {self.rank} on {self.server} (pid {self.pid})"
 
 
-class Liveness:
-    """Rank 0's side: accepts the workers' connections on `address` (port chosen by the OS)."""
+class LivenessError(RuntimeError):
+    """Rank 0 cannot listen for its workers' connections; the message names the port and the fix."""
 
-    def __init__(self, address: str):
-        self._listener = socket.create_server((address, 0))
+
+class Liveness:
+    """Rank 0's side: accepts the workers' connections on `address`, `port` (0: the OS picks one)."""
+
+    def __init__(self, address: str, port: int = 0):
+        try:
+            self._listener = socket.create_server((address, port))
+        except OSError as exc:
+            raise LivenessError(
+                f"cannot watch the worker processes on {address}:{port} ({exc}); a pool with a fixed "
+                "rendezvous port listens on the port after it too: give COMFYUI_MULTI_DEVICE_RENDEZVOUS "
+                "a port whose next port is free as well") from None
         self.address = (address, self._listener.getsockname()[1])
         self._connections: dict[int, tuple[socket.socket, WorkerIdentity]] = {}
         self._lock = threading.Lock()
@@ -75,7 +85,12 @@ class Liveness:
         return gone
 
     def close(self):
+        try:  # wakes the accepting thread (a bare close would leave its accept holding the port)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
+        self._accepting.join(5)
         with self._lock:
             for conn, _ in self._connections.values():
                 conn.close()

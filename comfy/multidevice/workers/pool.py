@@ -40,7 +40,7 @@ from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.join import join_command
-from comfy.multidevice.workers.liveness import Liveness, WorkerIdentity
+from comfy.multidevice.workers.liveness import Liveness, LivenessError, WorkerIdentity
 from comfy.multidevice.workers.process import WorkerProcess, worker_arguments
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
 from comfy.multidevice.workers.rendezvous import rendezvous_at
@@ -72,8 +72,9 @@ class WorkerPool:
         with `rank0_weights`, its block-weights handle when it is rank 0's shard of a sharded
         recipe (weights/shard_layout.py); else rank 0 builds it from the recipe too. `address`, `port`: this process's
         rendezvous, where the other servers reach this one (port 0: the system picks it;
-        ranks on other servers need a fixed one). The liveness port is chosen when the pool
-        starts."""
+        ranks on other servers need a fixed one). With a fixed port P the pool watches its
+        workers on P + 1 (workers/liveness.py), so a firewall can name both; else on a port
+        the system picks when the pool starts."""
         if len(devices) + remote < 2:
             raise ValueError(f"a worker pool needs at least 2 ranks, got {len(devices)} device(s) and "
                              f"{remote} remote rank(s); one card runs without one")
@@ -87,6 +88,8 @@ class WorkerPool:
         self.sp_mode = sp_mode
         self.timeout_s = timeout_from_env() if timeout_s is None else timeout_s
         self.rendezvous = rendezvous_at(address, port, self.timeout_s)  # a port in use fails here
+        self.requested_port = port  # what a renewed pool asks for again (0 stays the system's pick)
+        self.liveness_port = port + 1 if port else 0
         self.generation: int | None = None  # this pool's, once started
         self.workers: list[WorkerProcess] = []
         self.rank0_model = rank0_model
@@ -142,6 +145,10 @@ class WorkerPool:
         if previous is not None and previous is not self and previous.running:
             log.info("worker pool: closing the previous pool (%d ranks) for a new one", previous.world_size)
             previous.close()
+        try:  # before any process starts: a port in use fails here
+            self.liveness = Liveness(self.address, self.liveness_port)
+        except LivenessError as exc:
+            raise WorkerPoolError(f"the worker pool cannot start: {exc}") from None
         self.generation, store = self.rendezvous.open(self.world_size)
         threads = self._rank_threads()
         for rank in range(1, len(self.devices)):
@@ -152,7 +159,6 @@ class WorkerPool:
             log.info("worker pool: waiting for ranks %d-%d from other servers at %s (started there with: %s)",
                      len(self.devices), self.world_size - 1, self.rendezvous.address, self.join_command())
         try:
-            self.liveness = Liveness(self.address)
             try:
                 self.comm = self._join(store)
             finally:
@@ -354,7 +360,7 @@ class WorkersDiT:
     def _renew(self):
         old = self.pool
         self.pool = WorkerPool(old.devices, old.recipe, old.sp_mode, old.timeout_s, remote=old.remote,
-                               address=old.address, port=old.rendezvous.port)
+                               address=old.address, port=old.requested_port)
         self._started = False
 
     def close(self):
