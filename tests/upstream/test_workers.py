@@ -116,6 +116,35 @@ def test_after_a_killed_sharded_worker_the_next_pool_serves_rank0s_same_shard(up
         fan_out.close()
 
 
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise"])
+@pytest.mark.parametrize("dit_weights", ["replicate", "shard"])
+def test_workers_of_a_quantized_file_sample_like_the_rank_threads(upstream, hook, tmp_path, fmt, dit_weights):
+    """A DiT file made by upstream's own quantizers: each worker loads it through comfy.sd
+    again and holds its layers as QuantizedTensors (gathered whole under shard); the latents
+    equal the rank threads' of the same mode within fp32 rounding (test_dit_shards.py
+    `like_replicate` says why not bit for bit)."""
+    from comfy.multidevice.roles.dit import workers_dit
+    from tests.upstream.test_dit_shards import like_replicate, node_dit
+    from tests.upstream.test_quantized_files import load, quantized_state_dict
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+    model = load(upstream, quantized_state_dict(upstream, fmt), tmp_path, fmt)
+    assert type(model.model.diffusion_model.blocks[0].attn.qkv_proj.weight).__name__ == "QuantizedTensor"
+    coord, threads = node_dit(model, 3, dit_weights)
+    with coord:
+        reference = sample(threads)
+        if dit_weights == "shard":
+            threads.multinpu_dit_shards.family.close()
+    parallel = workers_dit(model, ["cpu"] * 3, dit_weights=dit_weights, prelude=PRELUDE)
+    fan_out = parallel.multinpu_workers
+    try:
+        assert like_replicate(sample(parallel), reference)
+        if dit_weights == "shard":
+            assert sum(fan_out.pool.rank0_weights.family.gathered_bytes) > 0
+    finally:
+        fan_out.close()
+
+
 def test_a_lora_after_the_node_is_refused_naming_the_fix(upstream, hook, patcher, lora):
     parallel, fan_out = workers(patcher, 2)
     try:
