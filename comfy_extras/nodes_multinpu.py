@@ -124,12 +124,13 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     remote_ranks = remote_ranks_of_environment()
     dit_ranks = resolve_dit_ranks(dit_ranks, remote_ranks)
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
-    plan = plan_roles(npu_count, remote_ranks if dit_ranks == "processes" else 0)
+    joining = remote_ranks if dit_ranks == "processes" else 0  # other servers' DiT ranks
+    plan = plan_roles(npu_count, joining)
     if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
         check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
     memory = plan_memory(plan, selected, model, clip, video_vae, audio_vae, dit_weights=dit_weights,
-                         tokens=plan_tokens, free=free_memory)
+                         tokens=plan_tokens, free=free_memory, remote_ranks=joining)
     log.info("%s: %d card(s) %s; %s\n%s", NODE_ID, npu_count, ", ".join(map(str, selected)),
              plan.describe(), memory.table())
     memory.check()

@@ -58,6 +58,19 @@ def test_dit_stage_counts_the_weights_and_the_activation_estimate():
         assert card.stage_total("DiT") < nbytes(dit) + act
 
 
+def test_other_servers_ranks_share_the_sequence_and_the_blocks():
+    """Ranks as processes with 2 ranks of other servers beside this server's 2 cards: W = 4 for
+    the activations and the block shards, so each card plans 1/4 of the blocks."""
+    model, clip, video, audio = inputs()
+    dit = model.model.diffusion_model
+    plan = plan_roles(2, remote_ranks=2)
+    shard = plan_memory(plan, CPU4[:2], model, clip, video, audio, dit_weights="shard", tokens=TOKENS,
+                        remote_ranks=2)
+    alone = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="shard", tokens=TOKENS)
+    assert [c.stages["DiT"] for c in shard.cards] == [c.stages["DiT"] for c in alone.cards[:2]]
+    assert shard.cards[0].stages["DiT"]["activations"] == activation_bytes(dit_shape_of(dit), TOKENS, 4)
+
+
 @pytest.mark.parametrize("world", [4, 8])  # 8: KV heads replicated (the miniature has 2)
 def test_text_encoder_share_is_what_the_built_shards_and_the_clip_hold(world):
     # Planned before anything is built; then the split apply makes, counted: each rank's shard

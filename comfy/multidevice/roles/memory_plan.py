@@ -215,9 +215,12 @@ def _shared_host(cards, dit_cards, free) -> SharedHost | None:
 
 
 def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: str = "auto",
-                tokens: int = DEFAULT_PLAN_TOKENS, free: dict | None = None) -> MemoryPlan:
+                tokens: int = DEFAULT_PLAN_TOKENS, free: dict | None = None,
+                remote_ranks: int = 0) -> MemoryPlan:
     """The per-card memory plan for a role plan; `auto` resolved. `free` overrides the probed
-    free bytes per device name (tests)."""
+    free bytes per device name (tests). `remote_ranks`: DiT ranks of other servers that join a
+    sequence-parallel DiT (ranks as processes): this server's cards then hold 1/W of the
+    sequence and, with shard, of the blocks, W counting them too."""
     if dit_weights not in DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown: set dit_weights to one of "
                          f"{', '.join(DIT_WEIGHT_MODES)}.")
@@ -236,21 +239,23 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
     if dit_weights == "auto":
         chosen = "replicate"
         if sequence_parallel and plan.n_cards > 1:
-            trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free)
+            trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free,
+                           remote_ranks)
             if any(stage == "DiT" for _, stage, _ in trial.problems()):
                 chosen = "shard"
         dit_weights = chosen
-    return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free)
+    return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks)
 
 
-def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free) -> MemoryPlan:
+def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free,
+           remote_ranks: int = 0) -> MemoryPlan:
     cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
              for d in devices]
     dit = dit_module(model)
     dit_bytes = module_bytes(dit)
     shape = dit_shape_of(dit)
     dit_cards = list(plan.dit.cards)
-    world = len(dit_cards) if plan.dit.mode == SEQUENCE_PARALLEL else 1
+    world = len(dit_cards) + remote_ranks if plan.dit.mode == SEQUENCE_PARALLEL else 1
     act = activation_bytes(shape, tokens, world) if shape is not None else 0
     if dit_weights == "shard":
         sizes = _block_sizes(dit)
