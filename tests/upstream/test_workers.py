@@ -145,6 +145,38 @@ def test_workers_of_a_quantized_file_sample_like_the_rank_threads(upstream, hook
         fan_out.close()
 
 
+def test_a_fun_controlnet_with_upstreams_tower_travels_to_the_workers(upstream, hook, patcher):
+    """Upstream's own Fun ControlNet tower (MiniMaxH3FunControl, tiny and seeded, as
+    test_fun_controlnet.py builds it) in block patches with upstream's semantics on one card
+    (tests/sp/test_fun_controlnet.py's stand-in: this tree has no MiniMaxH3FunControlNetApply),
+    placed on the MODEL as the apply node places them; sampled by comfy.sample.sample. With
+    ranks as processes the tower goes to each worker with the first step of the pool and every
+    rank drives the control stream: within 1e-5 of one card."""
+    import types
+    import torch
+    from tests.sp.test_fun_controlnet import _FunBlockPatchStandIn
+    from tests.upstream.test_fun_controlnet import control_model_patch, INJECTION_LAYERS
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+    tower = control_model_patch(upstream).model
+    latent = torch.randn(1, 24, 7, 2, 4, generator=torch.Generator().manual_seed(9))  # the video latent's shape
+    control = types.SimpleNamespace(active=True, strength=0.8, control_latent=latent,
+                                    model_patch=types.SimpleNamespace(model=tower))
+    controlled = patcher.clone()
+    for index in INJECTION_LAYERS:
+        controlled.set_model_patch_replace(_FunBlockPatchStandIn(control, index), "dit", "double_block", index)
+    reference = sample(controlled)
+    assert rel_diff(reference, sample(patcher)) > 1e-3  # the control acts
+    parallel, fan_out = workers(controlled, 3)
+    try:
+        assert rel_diff(sample(parallel), reference) <= FP32_TOL
+        sent = fan_out.pool.bytes_sent_per_forward
+        tower_bytes = sum(t.nbytes for t in tower.state_dict().values())
+        assert sent[0] > tower_bytes > max(sent[1:])  # the tower with the first step only
+    finally:
+        fan_out.close()
+
+
 def test_a_lora_after_the_node_is_refused_naming_the_fix(upstream, hook, patcher, lora):
     parallel, fan_out = workers(patcher, 2)
     try:

@@ -3,9 +3,10 @@
 `ProcessFanOut` is a DIFFUSION_MODEL wrapper like sp/fan_out.py's: the wrappers after it run
 once here on rank 0, then the model's own forward runs on rank 0 (the MODEL's DiT) while each
 worker runs the same forward method of its rebuilt DiT on what rank 0 sends: the forward's
-arguments with transformer_options reduced to data. What only lives in this process
-(wrappers, callbacks, patch functions) cannot travel: a forward that carries patches the
-workers could not apply is refused, naming them, before anything is sent. The pool starts on
+arguments with transformer_options reduced to data (upstream's Fun ControlNet block patches
+included: workers/fun_travel.py). What only lives in this process (wrappers, callbacks, other
+patch functions) cannot travel: a forward that carries patches the workers could not apply is
+refused, naming them, before anything is sent. The pool starts on
 the first forward and again when the MODEL's weight patches changed (their digest) or after
 a forward that lost a rank.
 """
@@ -22,6 +23,7 @@ from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
+from comfy.multidevice.workers.fun_travel import travelling_dit_patches
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe
@@ -33,15 +35,18 @@ RANK0_ONLY = ("wrappers", "callbacks")  # run here on rank 0 (or not at all insi
 PATCH_KEYS = ("patches", "patches_replace")  # functions of this process: refused when present
 
 
-def travelling_options(options: dict) -> dict:
-    """transformer_options as a worker gets them: rank 0's runtime hooks left out; refused
-    (SequenceParallelError naming the key) when they hold patches or objects that cannot be
-    sent."""
+def travelling_options(options: dict, sent_towers: dict | None = None) -> dict:
+    """transformer_options as a worker gets them: rank 0's runtime hooks left out, upstream's
+    Fun ControlNet block patches as data (workers/fun_travel.py; `sent_towers`: the towers the
+    pool's workers have); refused (SequenceParallelError naming the key) when they hold other
+    patches or objects that cannot be sent."""
     out = {}
     for key, value in options.items():
         if key in RANK0_ONLY:
             continue
-        if key in PATCH_KEYS and any(value.values() if isinstance(value, dict) else [value]):
+        if key == "patches_replace" and isinstance(value, dict) and value.get("dit"):
+            value = {**value, "dit": travelling_dit_patches(value["dit"], {} if sent_towers is None else sent_towers)}
+        if key in PATCH_KEYS and _holds_functions(key, value):
             raise SequenceParallelError(
                 f"ranks as processes cannot carry the transformer_options {key!r} of this forward "
                 f"({sorted(value) if isinstance(value, dict) else type(value).__name__}): they are functions "
@@ -56,6 +61,13 @@ def travelling_options(options: dict) -> dict:
     return out
 
 
+def _holds_functions(key: str, value) -> bool:
+    """Patches of this process's functions: every patch but the Fun ControlNet's (made data above)."""
+    if not isinstance(value, dict):
+        return bool(value)
+    return any(v for name, v in value.items() if not (key == "patches_replace" and name == "dit"))
+
+
 class ProcessFanOut:
     """A DIFFUSION_MODEL wrapper running the DiT forward on rank 0 here and on every worker."""
 
@@ -68,6 +80,7 @@ class ProcessFanOut:
         self.transformer_options_index = transformer_options_index
         self._held: dict = {"pool": None}  # what the finalizer closes: no reference to self
         self._digest = None
+        self._sent_towers: dict = {}  # Fun ControlNet towers the current pool's workers hold
         # a MODEL dropped (the node ran again, the server exits) takes its worker processes along
         weakref.finalize(self, _close_held, self._held)
 
@@ -88,12 +101,15 @@ class ProcessFanOut:
     def _on_ranks(self, executor, args: list, kwargs: dict):
         sent_args, sent_kwargs = list(args), dict(kwargs)
         options = transformer_options_of(sent_args, sent_kwargs, self.transformer_options_index)
-        travelling = travelling_options(options)  # refused here, before any process is asked
+        digest = self.digest_of()
+        towers = {} if self._needs_new_pool(digest) else self._sent_towers  # fresh workers hold none
+        travelling = travelling_options(options, towers)  # refused here, before any process is asked
         if len(sent_args) > self.transformer_options_index and sent_args[self.transformer_options_index] is options:
             sent_args[self.transformer_options_index] = travelling
         else:
             sent_kwargs["transformer_options"] = travelling
-        pool = self._current_pool(executor.class_obj)
+        pool = self._current_pool(executor.class_obj, digest)
+        self._sent_towers = towers
         try:
             return pool.forward_method(executor.original.__name__, executor.original, args, kwargs,
                                        sent=(sent_args, sent_kwargs))
@@ -101,8 +117,10 @@ class ProcessFanOut:
             self.pool = None  # the next forward starts a fresh pool
             raise
 
-    def _current_pool(self, rank0_dit) -> WorkerPool:
-        digest = self.digest_of()
+    def _needs_new_pool(self, digest: str) -> bool:
+        return self.pool is None or not self.pool.running or digest != self._digest
+
+    def _current_pool(self, rank0_dit, digest: str) -> WorkerPool:
         if self.pool is not None and not self.pool.running:  # a newer pool of this process replaced it
             self.pool = None
         if self.pool is not None and digest != self._digest:
