@@ -177,13 +177,31 @@ def test_a_fun_controlnet_with_upstreams_tower_travels_to_the_workers(upstream, 
         fan_out.close()
 
 
-def test_a_lora_after_the_node_is_refused_naming_the_fix(upstream, hook, patcher, lora):
+def test_a_lora_after_the_node_reaches_the_workers_and_leaving_it_out_again_too(upstream, hook, patcher, lora):
+    """A LoRA loader placed after the node: ComfyUI samples a clone of the node's MODEL with
+    more patches (BaseModel.current_patcher says which); the workers are started with that
+    clone's patches, and the node's MODEL sampled again gets a pool without them."""
     parallel, fan_out = workers(patcher, 2)
     try:
-        with pytest.raises(SequenceParallelError, match="patches added after the MultiNPUParallelConfig node"):
-            sample(with_lora(parallel, lora))
+        assert rel_diff(sample(with_lora(parallel, lora)), sample(with_lora(patcher, lora))) <= FP32_TOL
+        with_it = fan_out.pool
+        assert rel_diff(sample(parallel), sample(patcher)) <= FP32_TOL
+        assert fan_out.pool is not with_it
     finally:
         fan_out.close()
+
+
+def test_a_lora_after_a_sharded_node_is_refused_naming_the_fix(upstream, hook, patcher, lora):
+    from comfy.multidevice.roles.dit import workers_dit
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+    parallel = workers_dit(patcher, ["cpu"] * 2, dit_weights="shard", prelude=PRELUDE)
+    try:
+        with pytest.raises(SequenceParallelError, match="patches added after the MultiNPUParallelConfig node .* "
+                                                        "reach card 0's shard only: place the LoRA loader before"):
+            sample(with_lora(parallel, lora))
+    finally:
+        parallel.multinpu_workers.close()
 
 
 def test_a_forward_with_patch_functions_is_refused_before_any_worker_is_asked(upstream, hook, patcher):

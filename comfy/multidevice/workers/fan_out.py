@@ -7,8 +7,8 @@ arguments with transformer_options reduced to data (upstream's Fun ControlNet bl
 included: workers/fun_travel.py). What only lives in this process (wrappers, callbacks, other
 patch functions) cannot travel: a forward that carries patches the workers could not apply is
 refused, naming them, before anything is sent. The pool starts on
-the first forward and again when the MODEL's weight patches changed (their digest) or after
-a forward that lost a rank.
+the first forward and again when the weight patches of the MODEL that samples changed (a new
+patch set, or a clone with a LoRA loaded after the node) or after a forward that lost a rank.
 """
 
 from __future__ import annotations
@@ -158,22 +158,31 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
     if recipe is None:
         comfy_dit_recipe(model_patcher, prelude)  # refused here when it cannot be made
 
+    def sampling_patcher():
+        # ComfyUI sets BaseModel.current_patcher to the patcher that samples as it starts: this
+        # one, or a clone of it with more weight patches (a LoRA loader placed after the node)
+        current = getattr(model_patcher.model, "current_patcher", None)
+        return current if current is not None and current.model is model_patcher.model else model_patcher
+
     def make_pool(rank0_dit):
-        made = recipe if recipe is not None else comfy_dit_recipe(model_patcher, prelude)
+        made = recipe if recipe is not None else comfy_dit_recipe(sampling_patcher(), prelude)
         return WorkerPool(devices, made, sp_mode, timeout_s, rank0_model=rank0_dit, remote=remote,
                           address=address, port=port, rank0_weights=rank0_weights)
 
     def patch_set():
-        # ComfyUI records which patch set the shared model's weights carry; one added after
-        # this node (a LoRA loader after it) would be missing on the workers
+        if recipe is None:  # the workers load the sampling patcher's own patches: a new set, a new pool
+            current = sampling_patcher()
+            return getattr(current, "patches_uuid", None) or patches_digest(current)[1]
+        # rank 0's shard carries the patches the node had; ComfyUI records which patch set the
+        # shared model's weights carry, and another one was added after the node
         applied = getattr(model_patcher.model, "current_weight_patches_uuid", None)
         mine = getattr(model_patcher, "patches_uuid", None)
         if applied is not None and mine is not None and applied != mine:
             raise SequenceParallelError(
                 "the MODEL's weights carry patches added after the MultiNPUParallelConfig node (e.g. a "
-                "LoRA loader placed after it), which its worker processes do not have; with ranks as "
-                "processes put weight patches before the node")
-        return mine or patches_digest(model_patcher)[1]
+                "LoRA loader placed after it); with dit_weights=shard they would reach card 0's shard only: place the "
+                "LoRA loader before the node, or use dit_weights=replicate")
+        return mine
 
     fan_out = ProcessFanOut(make_pool, patch_set)
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
