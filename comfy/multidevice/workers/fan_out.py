@@ -102,7 +102,8 @@ class ProcessFanOut:
         sent_args, sent_kwargs = list(args), dict(kwargs)
         options = transformer_options_of(sent_args, sent_kwargs, self.transformer_options_index)
         digest = self.digest_of()
-        towers = {} if self._needs_new_pool(digest) else self._sent_towers  # fresh workers hold none
+        # the towers the workers will hold once this forward is sent (fresh workers hold none)
+        towers = {} if self._needs_new_pool(digest) else dict(self._sent_towers)
         travelling = travelling_options(options, towers)  # refused here, before any process is asked
         if len(sent_args) > self.transformer_options_index and sent_args[self.transformer_options_index] is options:
             sent_args[self.transformer_options_index] = travelling
