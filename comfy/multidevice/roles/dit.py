@@ -21,7 +21,7 @@ from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 from comfy.multidevice.weights.module_copies import replica_on
 from comfy.multidevice.weights.replicas import RankReplicas
-from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe
+from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, sharded_recipe
 from comfy.multidevice.workers.fan_out import workers_on_patcher
 
 log = logging.getLogger(__name__)
@@ -272,10 +272,11 @@ def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, in
     devices = [resolve_device(d) for d in devices]
     recipe, rank0_weights = None, None
     if dit_weights == "shard":
-        comfy_dit_recipe(model, prelude)  # refused here, before the shard is made, when it cannot be made
+        # from the input MODEL (the clone's patches go into rank 0's shard), refused here, before
+        # the shard is made, when it cannot be made
+        plain = comfy_dit_recipe(model, prelude)
         primary, shard = rank0_shard_primary(model, devices[0], len(devices) + remote_ranks)
-        # from the input MODEL: the clone's patches are in rank 0's shard already, not on it
-        recipe, rank0_weights = comfy_dit_recipe(model, prelude, shard.layout.plan), shard.weights
+        recipe, rank0_weights = sharded_recipe(plain, shard.layout.plan), shard.weights
         log.info("DiT shard of rank 0 on %s: %.2f GiB of weights (1/%d of the blocks)", devices[0],
                  (shard.layout.shared_bytes + shard.layout.plan.owned_bytes(0)) / 2 ** 30, len(devices) + remote_ranks)
     else:

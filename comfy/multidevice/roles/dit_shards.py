@@ -40,6 +40,13 @@ SHARD_NEEDS_BASE = ("dit_weights=shard builds every card's DiT from the shared c
                     "use dit_weights=replicate (or the INT8 DiT file) for this MODEL")
 
 
+def loaded_in_inference_mode(model) -> bool:
+    """Whether the MODEL's DiT weights are inference tensors (ComfyUI loads inside a prompt's
+    inference mode); a shard built for it is made in the same mode."""
+    first = next(dit_module(model).parameters(), None)
+    return bool(first is not None and first.is_inference())
+
+
 class DitShards:
     """Per-rank sharded DiTs of a ComfyUI MODEL; `entries()` are what the SP adapter resolves."""
 
@@ -53,8 +60,7 @@ class DitShards:
         # inference tensors; card 0's shard is loaded by ComfyUI in their place, and upstream's
         # quantized layers can only be moved there (ops._quantized_apply re-wraps each weight)
         # when they are inference tensors too. So every shard is built in the input's mode.
-        first = next(dit_module(primary).parameters(), None)
-        self.inference = bool(first is not None and first.is_inference())
+        self.inference = loaded_in_inference_mode(primary)
         try:
             with self._as_loaded():
                 self.replicas = comfy_diffusion_model_replicas(primary, self.devices, load=False)
@@ -211,12 +217,12 @@ def _base_model_with(base_model, diffusion_model):
     return light
 
 
-def _primary_running(model, shard_module, devices):
-    """A clone of `model` on card 0 whose BaseModel runs `shard_module` (rank 0's shard)."""
+def _primary_running(model, shard_module, device):
+    """A clone of `model` on card 0 (`device`) whose BaseModel runs `shard_module` (rank 0's shard)."""
     primary = model.clone()
-    if getattr(primary, "load_device", devices[0]) != devices[0]:
-        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
-        primary.load_device = devices[0]
+    if getattr(primary, "load_device", device) != device:
+        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, device)
+        primary.load_device = device
     primary.model = _base_model_with(primary.model, shard_module)
     primary.size = 0  # ComfyUI's model_size() is recounted from the shard
     # The patches are inside the shards already (ComfyUI's patch math on the base); a second
@@ -232,7 +238,7 @@ def sharded_primary(model, devices, coordinator, prefetch: bool = True, lane=Non
     the DitShards behind every rank (rank 0 included)."""
     shards = DitShards(model, devices, coordinator, prefetch, lane)
     shards.load()  # before ComfyUI loads card 0: it must find the shard there, not a full DiT
-    primary = _primary_running(model, shards.module(0), devices)
+    primary = _primary_running(model, shards.module(0), devices[0])
     shards.output_model, shards.patches_uuid = primary.model, primary.patches_uuid
     return primary, shards
 
@@ -241,12 +247,11 @@ def rank0_shard_primary(model, device, world_size: int):
     """dit_weights=shard with ranks as processes: rank 0's shard of `model`'s DiT made here on
     `device` (weights/shard_layout.py; the other ranks make theirs in their own processes), and
     the clone of `model` that runs it. Returns (clone, RankShard)."""
-    first = next(dit_module(model).parameters(), None)
-    inference = bool(first is not None and first.is_inference())  # as DitShards: the input's mode
+    inference = loaded_in_inference_mode(model)  # as DitShards: the input's mode
     try:
         with torch.inference_mode() if inference else contextlib.nullcontext():
             replica = comfy_diffusion_model_replicas(model, [device], load=False)[0]
     except Exception as exc:  # the base is what makes a card-by-card shard possible
         raise RolePlanError(f"{SHARD_NEEDS_BASE} ({type(exc).__name__}: {exc})") from exc
     shard = rank_shard(replica, 0, world_size, inference=inference)
-    return _primary_running(model, shard.module, [device]), shard
+    return _primary_running(model, shard.module, device), shard

@@ -19,17 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from comfy.multidevice.tensor_bytes import tensor_nbytes
+from comfy.multidevice.tensor_bytes import is_flattenable, tensor_nbytes
 from comfy.multidevice.weights.block_shards import (block_tensors, BlockShardError, BlockShardPlan,
                                                     RankBlockWeights, ShardedBlockWeights)
 
 
 def dit_blocks(model):
     return model.blocks  # H3 contract: the transformer blocks are model.blocks[i]
-
-
-def is_flattenable_tensor(value) -> bool:
-    return hasattr(type(value), "__tensor_flatten__")  # e.g. upstream's QuantizedTensor
 
 
 class ShardLayout:
@@ -55,7 +51,7 @@ class ShardLayout:
         sizes = {}
         for name, value in block_tensors(dit_blocks(replica.module)[index]).items():
             full = f"blocks.{index}.{name}"
-            sizes[name] = (tensor_nbytes(value) if is_flattenable_tensor(value)
+            sizes[name] = (tensor_nbytes(value) if is_flattenable(value)  # e.g. a QuantizedTensor
                            else value.numel() * replica.target_dtype(full, value).itemsize)
         return sizes
 
@@ -83,12 +79,7 @@ class RankShard:
 
     module: torch.nn.Module
     weights: RankBlockWeights
-    replica: object
     layout: ShardLayout
-
-    @property
-    def resident_bytes(self) -> int:
-        return self.replica.resident_bytes
 
 
 def rank_shard(replica, rank: int, world_size: int, rank0_plan: BlockShardPlan | None = None,
@@ -110,4 +101,4 @@ def rank_shard(replica, rank: int, world_size: int, rank0_plan: BlockShardPlan |
         return replica.target_dtype(f"blocks.{index}.{name}", value)
 
     family = ShardedBlockWeights(models, dit_blocks, devices, plan=layout.plan, remote_dtype=loaded_dtype)
-    return RankShard(replica.module, family.rank_view(rank), replica, layout)
+    return RankShard(replica.module, family.rank_view(rank), layout)

@@ -49,11 +49,9 @@ def _comfy_settings() -> dict:
     return settings
 
 
-def comfy_dit_recipe(model_patcher: Any, prelude: Sequence[tuple[str, str]] = (),
-                     shard_plan: BlockShardPlan | None = None) -> ModelRecipe:
+def comfy_dit_recipe(model_patcher: Any, prelude: Sequence[tuple[str, str]] = ()) -> ModelRecipe:
     """Rank 0: the recipe a worker rebuilds `model_patcher`'s DiT from. `prelude`: functions
-    (module, name) a worker calls first (e.g. stand-ins a test installs). `shard_plan`: rank 0's
-    plan for dit_weights="shard"; each worker then builds its own rank's shard only."""
+    (module, name) a worker calls first (e.g. stand-ins a test installs)."""
     init = getattr(model_patcher, "cached_patcher_init", None)
     if not (isinstance(init, tuple) and len(init) >= 2 and callable(init[0])):
         raise RecipeError("this MODEL does not record how it was loaded (cached_patcher_init), so a "
@@ -65,11 +63,15 @@ def comfy_dit_recipe(model_patcher: Any, prelude: Sequence[tuple[str, str]] = ()
         raise RecipeError(f"the MODEL's loader {getattr(init[0], '__name__', init[0])!r} cannot be named to a "
                           f"worker process ({exc}); use ranks as threads") from None
     blob, digest = patches_digest(model_patcher)
-    made = {"loader": loader, "patches": blob, "digest": digest, "path": checkpoint_path_of(model_patcher),
-            "settings": _comfy_settings(), "prelude": tuple(prelude)}
-    if shard_plan is not None:
-        return ModelRecipe(__name__, "build_comfy_dit_shard", {**made, "plan": shard_plan}, sharded=True)
-    return ModelRecipe(__name__, "build_comfy_dit", made)
+    return ModelRecipe(__name__, "build_comfy_dit", {
+        "loader": loader, "patches": blob, "digest": digest, "path": checkpoint_path_of(model_patcher),
+        "settings": _comfy_settings(), "prelude": tuple(prelude)})
+
+
+def sharded_recipe(recipe: ModelRecipe, plan: BlockShardPlan) -> ModelRecipe:
+    """`comfy_dit_recipe`'s recipe for dit_weights="shard": each worker builds its own rank's
+    shard only, laid out as rank 0's `plan`."""
+    return ModelRecipe(__name__, "build_comfy_dit_shard", {**recipe.kwargs, "plan": plan}, sharded=True)
 
 
 def build_comfy_dit(device: torch.device | str, loader: bytes, patches: bytes, digest: str,

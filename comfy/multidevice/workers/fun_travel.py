@@ -12,13 +12,13 @@ block its index. Every rank then drives the control stream as the rank threads d
 
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
 
 import torch
 
 from comfy.multidevice.sp.fun_controlnet import fun_control_patches
 from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.weights.module_copies import replica_on
 
 _held_towers: dict[int, torch.nn.Module] = {}  # a worker's towers, by rank 0's key (one pool per process)
 
@@ -64,12 +64,9 @@ class TravellingFunPatch:
 
 def _on_cpu(module: torch.nn.Module) -> torch.nn.Module:
     """The module with its tensors on the CPU (itself when they are there already), to pickle."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if all(t.device.type == "cpu" for t in tensors):
+    if all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers())):
         return module
-    memo = {id(t): (torch.nn.Parameter(t.detach().cpu(), requires_grad=False) if isinstance(t, torch.nn.Parameter)
-                    else t.detach().cpu()) for t in tensors}
-    return copy.deepcopy(module, memo)
+    return replica_on(module, "cpu")
 
 
 def travelling_dit_patches(dit: dict, sent_towers: dict) -> dict:

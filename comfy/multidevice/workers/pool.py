@@ -70,7 +70,8 @@ class WorkerPool:
                  remote: int = 0, address: str = "127.0.0.1", port: int = 0, rank0_weights=None):
         """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's),
         with `rank0_weights`, its block-weights handle when it is rank 0's shard of a sharded
-        recipe (weights/shard_layout.py); else rank 0 builds it from the recipe too. `address`, `port`: this process's
+        recipe (weights/shard_layout.py); else rank 0 builds it from the recipe too.
+        `address`, `port`: this process's
         rendezvous, where the other servers reach this one (port 0: the system picks it;
         ranks on other servers need a fixed one). With a fixed port P the pool watches its
         workers on P + 1 (workers/liveness.py), so a firewall can name both; else on a port
@@ -89,7 +90,6 @@ class WorkerPool:
         self.timeout_s = timeout_from_env() if timeout_s is None else timeout_s
         self.rendezvous = rendezvous_at(address, port, self.timeout_s)  # a port in use fails here
         self.requested_port = port  # what a renewed pool asks for again (0 stays the system's pick)
-        self.liveness_port = port + 1 if port else 0
         self.generation: int | None = None  # this pool's, once started
         self.workers: list[WorkerProcess] = []
         self.rank0_model = rank0_model
@@ -109,6 +109,12 @@ class WorkerPool:
         self.control_seconds_per_forward: list[float] = []  # rank 0's sends and Cancel flags
         self.cancelled_at: list[int] = []  # the block each cancelled forward stopped at
         self._cancel_module = None
+
+    @property
+    def liveness_port(self) -> int:
+        """Where the pool watches its workers: the port after a fixed rendezvous port, else 0
+        (the system picks one)."""
+        return self.requested_port + 1 if self.requested_port else 0
 
     @property
     def world_size(self) -> int:
