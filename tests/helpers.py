@@ -10,35 +10,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A free port P whose P + 1 is free too (a worker pool with a fixed rendezvous port P
-    watches its workers on P + 1)."""
-    for _ in range(100):
-        port = free_port()
-        if port >= 65535:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
-def recording_progress_bar(steps: list):
-    """A stand-in for ComfyUI's comfy.utils.ProgressBar that appends ("new", total) and
-    ("step", value) to `steps`; the sampler's own update_absolute is ignored."""
-
-    class RecordingBar:
-        def __init__(self, total):
-            steps.append(("new", total))
-
-        def update(self, value):
-            steps.append(("step", value))
-
-        def update_absolute(self, value, total=None, preview=None):
-            pass
-    return RecordingBar

@@ -49,10 +49,10 @@ def two_servers():
         ok = ok and _ip(*step)
     try:
         if ok:
-            # gloo advertises the address of GLOO_SOCKET_IFNAME's interface (else the host name's,
-            # which is loopback here): each server names its own
-            yield TwoServers(["ip", "netns", "exec", a, "env", f"GLOO_SOCKET_IFNAME={va}"], ADDRESS_A,
-                             ["ip", "netns", "exec", b, "env", f"GLOO_SOCKET_IFNAME={vb}"], ADDRESS_B, True)
+            # gloo would advertise the host name's address (loopback here): the pools pick each
+            # server's interface themselves (rank 0: the one holding the rendezvous address; a
+            # join command: the one routing to it), so GLOO_SOCKET_IFNAME is left unset
+            yield TwoServers(["ip", "netns", "exec", a], ADDRESS_A, ["ip", "netns", "exec", b], ADDRESS_B, True)
         else:
             yield TwoServers([], "127.0.0.1", [], "127.0.0.1", False)
     finally:

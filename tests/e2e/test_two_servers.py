@@ -24,7 +24,7 @@ import pytest
 from tests.comfyui_server import REPO
 from tests.e2e.test_install_ways import make_tree, MAX_LEVELS
 from tests.e2e.test_install_ways import tiny_models  # noqa: F401 - a fixture
-from tests.helpers import free_port_pair
+from tests.helpers import free_port
 from tests.two_servers import child_pid, two_servers
 
 TIMEOUT_S = 60  # the collective timeout on both servers
@@ -39,7 +39,7 @@ def test_one_dit_over_two_servers_through_the_node(upstream, tiny_models, tmp_pa
         record_property("network_namespaces", servers.namespaces)
         if not servers.namespaces:
             warnings.warn("network namespaces could not be made here: the two servers run over loopback")
-        rendezvous = f"{servers.address_a}:{free_port_pair()}"
+        rendezvous = f"{servers.address_a}:{free_port()}"
         driver = subprocess.Popen(
             [*servers.run_a, sys.executable, str(REPO / "tests" / "e2e" / "two_servers_driver.py"), "--tree", str(tree),
              "--root", str(tmp_path), "--rendezvous", rendezvous, "--timeout", str(TIMEOUT_S)],

@@ -17,7 +17,8 @@ import torch
 from comfy.multidevice.miniature.h3 import save_miniature
 from comfy.multidevice.workers.pool import enable_sequence_parallel_workers, WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
-from tests.helpers import free_port_pair
+from comfy.multidevice.workers.rendezvous import RendezvousError
+from tests.helpers import free_port
 from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, run_sp, tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -57,7 +58,9 @@ def test_workers_match_one_device_and_the_rank_threads(checkpoint, world):
             out = dit(x, t, ctx, **kw)
             threads, _, _ = run_sp(model, world, "peer", case)
             assert rel_diff(out, reference) <= FP32_TOL, case
-            assert all(torch.equal(a, b) for a, b in zip(out, threads)), case  # same algorithm, same bits
+            # the same algorithm, but the workers run cores // W intra-op threads and the rank
+            # threads another count: sums may come out in another order (seen on AMD EPYC)
+            assert rel_diff(out, threads) <= FP32_TOL, case
         assert dit.pool.start_seconds > 0
         assert all(0 < n < 1 << 20 for n in dit.pool.bytes_sent_per_forward)  # the inputs only
     finally:
@@ -125,22 +128,20 @@ def test_a_recipe_that_cannot_be_followed_is_refused_on_every_rank(checkpoint):
     assert all(w.process.poll() is not None for w in pool.workers) or not pool.workers
 
 
-def test_a_fixed_rendezvous_port_watches_the_workers_on_the_next_one(checkpoint, plain):
-    """A firewall can name both ports; the next port in use fails the start, naming it and the
-    fix, before any worker process starts."""
+def test_a_fixed_rendezvous_port_is_the_door_and_a_taken_one_fails_before_any_process_starts(checkpoint, plain):
+    """One port for a firewall to name (the door: workers, their store, join commands); a port
+    in use fails naming it and the fix, before any worker process starts."""
     _, path = checkpoint
     (x, t, ctx, kw), reference = plain
-    port = free_port_pair()
+    port = free_port()
     with WorkerPool(["cpu"] * 2, recipe(path), port=port, timeout_s=60) as pool:
-        assert pool.liveness.address == ("127.0.0.1", port + 1)
+        assert pool.rendezvous.port == port
         assert rel_diff(pool.forward(x, t, ctx, **kw), reference) <= FP32_TOL
-    taken = free_port_pair()
-    with socket.create_server(("127.0.0.1", taken + 1)):
-        blocked = WorkerPool(["cpu"] * 2, recipe(path), port=taken, timeout_s=60)
-        with pytest.raises(WorkerPoolError, match=rf"cannot watch the worker processes on 127.0.0.1:{taken + 1} "
-                                                  r".*a port whose next port is free"):
-            blocked.start()
-        assert blocked.workers == []
+    taken = free_port()
+    with socket.create_server(("127.0.0.1", taken)):
+        with pytest.raises(RendezvousError, match=rf"cannot serve the worker rendezvous on 127.0.0.1:{taken} "
+                                                  r".*COMFYUI_MULTI_DEVICE_RENDEZVOUS"):
+            WorkerPool(["cpu"] * 2, recipe(path), port=taken, timeout_s=60)
 
 
 def test_bad_arguments_are_refused_before_any_process_starts():

@@ -1,7 +1,10 @@
 """One DiT across two servers: two network namespaces joined by a veth pair stand for two
 servers on one machine (root makes them; only addresses inside them are used). The first runs
 rank 0 (tests/workers/two_servers_driver.py) with one local worker, the second the pool's join
-command (workers/join.py) for ranks 2 and 3, rendezvous over TCP between them, gloo underneath.
+command (workers/join.py) for ranks 2 and 3, rendezvous over TCP between them, gloo underneath,
+both with the same cluster secret file. A stranger on the second server (the join command with
+another secret, and a torch.distributed store client at the rendezvous port) is refused, named
+in rank 0's log by its address, and stops saying why; the pool goes on with the right ranks.
 
 Exact against one device; a worker on the second server killed with SIGKILL fails the next
 forward naming its rank and that server's address within the timeout, and a fresh pool, which
@@ -24,10 +27,17 @@ import pytest
 from comfy.multidevice.miniature.h3 import save_miniature
 from tests.sp_cases import FP32_TOL, tiny_model
 from tests.comfyui_server import REPO
-from tests.helpers import free_port_pair
+from tests.helpers import free_port
 from tests.two_servers import child_pid, two_servers
 
 TIMEOUT_S = 30
+# a torch.distributed store client at rank 0's rendezvous port: the audit's stranger read the
+# pool's generation there; prints STORE-OK if the port answered as a store
+STORE_CLIENT = """
+import datetime, sys, torch.distributed as dist
+store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=5))
+print(store.get("generation"), "STORE-OK")
+"""
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -44,8 +54,12 @@ def test_one_dit_over_two_servers_exact_a_killed_remote_worker_named_and_a_resta
     record_property("network_namespaces", namespaces)
     path = tmp_path / "tiny.safetensors"
     save_miniature(tiny_model(seed=3), path)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    port = free_port_pair()
+    secret = tmp_path / "pool.secret"
+    secret.write_text(os.urandom(32).hex())
+    other = tmp_path / "other.secret"
+    other.write_text(os.urandom(32).hex())
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COMFYUI_MULTI_DEVICE_SECRET_FILE": str(secret)}
+    port = free_port()
 
     def start_driver(*extra):
         return subprocess.Popen([*run_a, sys.executable, str(REPO / "tests" / "workers" / "two_servers_driver.py"),
@@ -64,6 +78,15 @@ def test_one_dit_over_two_servers_exact_a_killed_remote_worker_named_and_a_resta
     try:
         command = shlex.split(read("JOIN"))
         assert command[:3] == ["python", "-m", "comfy.multidevice.workers.join"], command
+        # a stranger first: the join command with another secret, and a store client at the port
+        stranger = subprocess.run([*run_b, sys.executable, *command[1:]], cwd=REPO, timeout=60,
+                                  env={**env, "COMFYUI_MULTI_DEVICE_SECRET_FILE": str(other)},
+                                  capture_output=True, text=True)
+        assert stranger.returncode == 3, stranger.stderr[-2000:]
+        assert "does not prove the pool's secret" in stranger.stderr and "This join command stops" in stranger.stderr
+        probe = subprocess.run([*run_b, sys.executable, "-c", STORE_CLIENT, address, str(port)], cwd=REPO,
+                               env=env, capture_output=True, text=True, timeout=60)
+        assert probe.returncode != 0 and "STORE-OK" not in probe.stdout, probe.stdout
         join = subprocess.Popen([*run_b, sys.executable, *command[1:]], env=env, cwd=REPO,
                                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "join.log", "w"))
         assert float(read("EXACT")) <= FP32_TOL
@@ -82,6 +105,10 @@ def test_one_dit_over_two_servers_exact_a_killed_remote_worker_named_and_a_resta
         log = (tmp_path / "join.log").read_text()
         assert "joining pool 1 " in log and "joining pool 2 " in log and "was killed by signal 9" in log, log[-3000:]
         assert driver.wait(timeout=60) == 0
+        driver_log = (tmp_path / "driver.log").read_text()
+        stranger_address = "10.213.0.2" if namespaces else "127.0.0.1"
+        assert f"refused {stranger_address}:" in driver_log and "does not prove the pool's secret" in driver_log, \
+            driver_log[-3000:]
 
         # ComfyUI restarted: a new rank 0 at the same address; the join command finds it by itself
         driver = start_driver("--exact-only")

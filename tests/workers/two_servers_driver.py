@@ -11,6 +11,7 @@ Exits non-zero on anything unexpected.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -39,6 +40,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=30)
     parser.add_argument("--exact-only", action="store_true")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     recipe = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint",
                          {"path": args.checkpoint})
     inputs = make_inputs("plain")

@@ -8,10 +8,13 @@ COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S seconds a coordinator's run() lets pass with 
                                    and none reaching a collective (default 3600)
 COMFYUI_MULTI_DEVICE_WEIGHT_BASE   map | pin: how a checkpoint's read-only base is held (default map)
 COMFYUI_MULTI_DEVICE_RENDEZVOUS    HOST:PORT where worker processes (and other servers) meet rank 0
-                                   (default 127.0.0.1 on a port the system picks); a fixed PORT
-                                   takes PORT + 1 too (rank 0 watches its workers there)
+                                   (default 127.0.0.1 on a port the system picks); without remote
+                                   ranks every listener stays on 127.0.0.1 whatever HOST says
 COMFYUI_MULTI_DEVICE_REMOTE_RANKS  DiT ranks on other servers that join rank 0's pool (default 0;
-                                   above 0 needs a fixed RENDEZVOUS port)
+                                   above 0 needs a fixed RENDEZVOUS port and the cluster secret)
+COMFYUI_MULTI_DEVICE_SECRET_FILE   a file holding the cluster secret that ranks of other servers
+                                   prove (the same file on every server; or the secret itself in
+                                   COMFYUI_MULTI_DEVICE_SECRET)
 
 Set by torchrun for each process it starts: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT (checked, TorchrunEnvError) and LOCAL_WORLD_SIZE.
@@ -167,9 +170,6 @@ def rendezvous_from_env() -> tuple[str, int]:
         raise env_error(RENDEZVOUS_ENV, raw, "is not HOST:PORT",
                         "set it to this server's address as the other servers reach it and a free "
                         "port, e.g. 10.0.0.1:29600, or unset it for loopback")
-    if parsed[1] == 65535:
-        raise env_error(RENDEZVOUS_ENV, raw, "leaves no port after it, where rank 0 watches its workers",
-                        "use a port from 1 to 65534 whose next port is free too, e.g. 29600")
     return parsed
 
 

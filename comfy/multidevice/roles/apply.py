@@ -45,6 +45,7 @@ from comfy.multidevice.tp.clip import (check_tensor_parallel_clip, language_mode
 from comfy.multidevice.tp.layers import QuantizedWeightsError, TensorParallelError
 from comfy.multidevice.vae.chunked import H3ChunkInterface, with_parallel_decode
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
+from comfy.multidevice.workers.pool import stop_unused_pool
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,10 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     if len(devices) != plan.n_cards:
         raise RolePlanError(f"the plan is for {plan.n_cards} cards but {len(devices)} devices were given")
     check_inputs(plan, model, clip, video_vae, audio_vae)
+    # the node ran again: a worker pool of an earlier run serves a MODEL this prompt replaces
+    # (a processes run starts its own pool at its first step)
+    stop_unused_pool(f"the MultiNPUParallelConfig node ran again (the DiT on {len(plan.dit.cards)} card(s)"
+                     + (f", ranks as {dit_ranks})" if len(plan.dit.cards) > 1 else ")"))
 
     def cards(role):
         return [devices[c] for c in role.cards]

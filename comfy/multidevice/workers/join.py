@@ -8,36 +8,49 @@ each new pool, starts one worker process per device for ranks first-rank, first-
 of that pool, waits for them to end (the pool closed, or failed: a killed or stuck worker
 ends its pool on every rank) and waits for the next pool. A ComfyUI server that restarts is
 found again. Their logs go to this command's stderr, each line under its rank.
+
+It needs the cluster secret of the ComfyUI server (COMFYUI_MULTI_DEVICE_SECRET_FILE, the same
+file on both): it follows rank 0 only once rank 0 proved it, and stops, saying so, when the
+program at the address does not (another secret, or not rank 0 at all), or when rank 0
+refuses this server's ranks (overlapping another server's, or rank 0's own).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
 from comfy.multidevice.comm.settings import DEFAULT_TIMEOUT_S, parse_rendezvous
-from comfy.multidevice.workers.process import WorkerProcess, worker_arguments
-from comfy.multidevice.workers.rendezvous import PoolFollower, RendezvousError, format_address
+from comfy.multidevice.workers.admission import AdmissionError, cluster_secret, SecretError
+from comfy.multidevice.workers.door import format_address, RendezvousError
+from comfy.multidevice.workers.door_client import Following, RankZeroLost
+from comfy.multidevice.workers.process import WorkerProcess, worker_arguments, worker_env
+from comfy.multidevice.workers.rendezvous import interface_towards
 
 log = logging.getLogger("comfy.multidevice.workers.join")
 
 RETRY_S = 2.0  # between tries to reach a rank 0 that is not (yet) serving
+REFUSED = 3  # the exit status when rank 0 refused this server or did not prove the secret
 
 
 def join_command(rendezvous: str, first_rank: int, devices, timeout_s: float, threads: int | None = None) -> str:
-    """The command a user runs once on another server for its ranks `first_rank`, ... on `devices`."""
+    """The command a user runs once on another server for its ranks `first_rank`, ... on `devices`
+    (with the cluster secret placed there: COMFYUI_MULTI_DEVICE_SECRET_FILE)."""
     return " ".join(["python", "-m", "comfy.multidevice.workers.join", "--rendezvous", rendezvous,
                      "--first-rank", str(first_rank), "--devices", ",".join(map(str, devices)),
                      "--timeout", f"{timeout_s:g}"] + (["--threads", str(threads)] if threads else []))
 
 
-def _connect(host: str, port: int, timeout_s: float) -> PoolFollower:
+def _follow(host: str, port: int, base: bytes, first_rank: int, count: int) -> Following:
+    """Rank 0's door, once it serves and proves the secret; retried every RETRY_S while it is
+    not there (ComfyUI restarting), with one log line."""
     said = False
     while True:
         try:
-            return PoolFollower(host, port, timeout_s)
+            return Following(host, port, base, first_rank, count)
         except RendezvousError as exc:
             if not said:
                 log.info("%s; waiting for it (every %g s)", exc, RETRY_S)
@@ -45,36 +58,61 @@ def _connect(host: str, port: int, timeout_s: float) -> PoolFollower:
             time.sleep(RETRY_S)
 
 
+def _fits(generation: int, world: int, local: int, first_rank: int, count: int) -> str | None:
+    """Why this server's ranks cannot take part in an announced pool, or None."""
+    last = first_rank + count - 1
+    if last >= world:
+        return (f"pool {generation} has {world} ranks, so ranks {first_rank}-{last} of this server do not fit: set "
+                "COMFYUI_MULTI_DEVICE_REMOTE_RANKS on the ComfyUI server to count them, or --first-rank / "
+                "--devices here")
+    if first_rank < local:
+        return (f"pool {generation} runs ranks 0-{local - 1} on the ComfyUI server, so --first-rank {first_rank} "
+                f"overlaps them: give --first-rank {local} or more")
+    return None
+
+
 def serve_pools(host: str, port: int, first_rank: int, devices: list[str], timeout_s: float,
-                threads: int | None, pools: int | None = None) -> int:
-    """Join pools until `pools` were served (None: for ever); the worst exit status."""
+                threads: int | None, pools: int | None = None, base: bytes | None = None) -> int:
+    """Join pools until `pools` were served (None: for ever); the worst exit status. `base`:
+    the cluster secret (default: this server's COMFYUI_MULTI_DEVICE_SECRET_FILE)."""
+    base = cluster_secret(required=True) if base is None else base
     rendezvous = format_address(host, port)
-    follower, served, worst, count = None, 0, 0, 0
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME") or interface_towards(host, port)
+    following, served, worst, count = None, 0, 0, 0
     while pools is None or count < pools:
         try:
-            follower = follower or _connect(host, port, timeout_s)
-            generation, world = follower.next_pool(served)
-        except Exception as exc:  # noqa: BLE001 - rank 0 went away (restarted): find it again
+            following = following or _follow(host, port, base, first_rank, len(devices))
+            generation, world, local, key = following.next_pool()
+        except AdmissionError as exc:  # not our rank 0, another secret, or these ranks refused
+            log.error("%s. This join command stops.", exc)
+            return REFUSED
+        except RankZeroLost as exc:  # rank 0 went away (restarted): find it again
             log.info("lost rank 0 at %s (%s); reconnecting", rendezvous, " ".join(str(exc).split())[:200])
-            follower, served = None, 0
+            following.close()
+            following, served = None, 0
+            continue
+        if generation <= served:
+            log.warning("rank 0 announced pool %d after pool %d; skipping it", generation, served)
             continue
         served, count = generation, count + 1
-        last = first_rank + len(devices) - 1
-        if last >= world:
-            log.error("pool %d has %d ranks, so ranks %d-%d of this server do not fit: set "
-                      "COMFYUI_MULTI_DEVICE_REMOTE_RANKS on the ComfyUI server to count them, or "
-                      "--first-rank / --devices here", generation, world, first_rank, last)
+        problem = _fits(generation, world, local, first_rank, len(devices))
+        if problem:
+            log.error("%s", problem)
             worst = max(worst, 2)
             continue
+        last = first_rank + len(devices) - 1
         log.info("joining pool %d (%d ranks) as ranks %d-%d on %s", generation, world, first_rank, last,
                  ", ".join(devices))
         workers = [WorkerProcess(first_rank + i, worker_arguments(first_rank + i, world, rendezvous, generation,
-                                                                   device, timeout_s, threads))
+                                                                   device, timeout_s, threads),
+                                 key, env=worker_env(ifname))
                    for i, device in enumerate(devices)]
         for worker in workers:
             code = worker.wait()
             worst = max(worst, 0 if code == 0 else 1)
             log.info("pool %d: %s", generation, worker.describe())
+    if following is not None:
+        following.close()
     return worst
 
 
@@ -100,8 +138,12 @@ def main(argv=None) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if not devices:
         parser.error("--devices names no device")
+    try:
+        base = cluster_secret(required=True)
+    except SecretError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    return serve_pools(*address, args.first_rank, devices, args.timeout, args.threads, args.pools)
+    return serve_pools(*address, args.first_rank, devices, args.timeout, args.threads, args.pools, base)
 
 
 if __name__ == "__main__":

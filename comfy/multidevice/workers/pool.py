@@ -12,11 +12,15 @@ workers/repeats.py) and computes its own share; the workers compute theirs and k
 their results (only rank 0's rows are assembled). A worker that dies fails the forward on
 rank 0 at once (gloo sees the closed connection), one that hangs within the collective
 timeout; either way every worker here is then killed, the error names the rank, its server,
-its process and the last line it wrote (workers/liveness.py tells which one ended), and the
-next forward starts a fresh pool. ComfyUI's Cancel is told to every rank as a block starts,
-so all stop at that block and the pool stays up. The ranks meet at this process's rendezvous
-(workers/rendezvous.py), each pool a new generation of it; ranks on other servers are started
-once by their users with the command `join_command` gives, and join every later pool.
+its process and the last line it wrote (its live connection to the door tells which one
+ended), and the next forward starts a fresh pool. ComfyUI's Cancel is told to every rank as a
+block starts, so all stop at that block and the pool stays up. Between forwards the workers
+wait on the door for rank 0's "go", not in a collective: an idle pool outlives any pause.
+
+The ranks meet at this process's door (workers/door.py, workers/rendezvous.py), each pool a
+new generation with its own key: a rank takes part only once it proved that key; ranks on
+other servers are started once by their users with the command `join_command` gives, and
+join every later pool. Nothing a rank receives is unpickled (workers/wire.py).
 """
 
 from __future__ import annotations
@@ -40,20 +44,35 @@ from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.join import join_command
-from comfy.multidevice.workers.liveness import Liveness, LivenessError, WorkerIdentity
-from comfy.multidevice.workers.process import WorkerProcess, worker_arguments
+from comfy.multidevice.workers.door import PoolAdmission, WorkerIdentity
+from comfy.multidevice.workers.process import WorkerProcess, worker_arguments, worker_env
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
-from comfy.multidevice.workers.rendezvous import rendezvous_at
+from comfy.multidevice.workers.rendezvous import gloo_interface, gloo_interface_for, rendezvous_at
 from comfy.multidevice.workers.repeats import SentTensors
 from comfy.multidevice.workers.worker import block_gather_lane, CancelledByRank0, control_group
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0  # a stopped worker's time to exit before it is killed
+START_GRACE_S = 60.0  # at least this long for the ranks to reach the door: a process starting
+# (importing torch and the card's runtime) is not a collective, and a local one that dies is seen at once
 
 
 _live: dict = {}  # "pool": the pool that holds this process's default process group
 _live_lock = threading.Lock()
+
+
+def stop_unused_pool(why: str) -> bool:
+    """Stop this process's running pool, if any, because the prompt about to run will not use
+    it (`why`, logged): its workers hold a DiT each that another mode may need the memory of.
+    The MODEL it served starts a fresh pool if it is ever sampled again."""
+    with _live_lock:
+        pool = _live.pop("pool", None)
+    if pool is None or not pool.running:
+        return False
+    log.info("worker pool: stopping its %d rank(s) of other processes: %s", pool.world_size - 1, why)
+    pool.close()
+    return True
 
 
 class WorkerPoolError(RuntimeError):
@@ -72,10 +91,8 @@ class WorkerPool:
         with `rank0_weights`, its block-weights handle when it is rank 0's shard of a sharded
         recipe (weights/shard_layout.py); else rank 0 builds it from the recipe too.
         `address`, `port`: this process's
-        rendezvous, where the other servers reach this one (port 0: the system picks it;
-        ranks on other servers need a fixed one). With a fixed port P the pool watches its
-        workers on P + 1 (workers/liveness.py), so a firewall can name both; else on a port
-        the system picks when the pool starts."""
+        door, where its workers and the other servers reach this one (port 0: the system
+        picks it; ranks on other servers need a fixed one, and the cluster secret)."""
         if len(devices) + remote < 2:
             raise ValueError(f"a worker pool needs at least 2 ranks, got {len(devices)} device(s) and "
                              f"{remote} remote rank(s); one card runs without one")
@@ -88,7 +105,9 @@ class WorkerPool:
         self.recipe = recipe
         self.sp_mode = sp_mode
         self.timeout_s = timeout_from_env() if timeout_s is None else timeout_s
-        self.rendezvous = rendezvous_at(address, port, self.timeout_s)  # a port in use fails here
+        # nothing needs to be reachable from another machine without remote ranks: loopback
+        door_host = address if remote else "127.0.0.1"
+        self.rendezvous = rendezvous_at(door_host, port, self.timeout_s, remote)  # a port in use fails here
         self.requested_port = port  # what a renewed pool asks for again (0 stays the system's pick)
         self.generation: int | None = None  # this pool's, once started
         self.workers: list[WorkerProcess] = []
@@ -102,19 +121,13 @@ class WorkerPool:
         self.cancel_flag: BlockFlag | None = None
         self.sent_tensors: SentTensors | None = None
         self.comm = None
-        self.liveness: Liveness | None = None
+        self.admission: PoolAdmission | None = None  # this pool at the door, once started
         self.identities: list[WorkerIdentity] = []  # every rank's server and pid, once started
         self.start_seconds = None
         self.bytes_sent_per_forward: list[int] = []
         self.control_seconds_per_forward: list[float] = []  # rank 0's sends and Cancel flags
         self.cancelled_at: list[int] = []  # the block each cancelled forward stopped at
         self._cancel_module = None
-
-    @property
-    def liveness_port(self) -> int:
-        """Where the pool watches its workers: the port after a fixed rendezvous port, else 0
-        (the system picks one)."""
-        return self.requested_port + 1 if self.requested_port else 0
 
     @property
     def world_size(self) -> int:
@@ -151,30 +164,31 @@ class WorkerPool:
         if previous is not None and previous is not self and previous.running:
             log.info("worker pool: closing the previous pool (%d ranks) for a new one", previous.world_size)
             previous.close()
-        try:  # before any process starts: a port in use fails here
-            self.liveness = Liveness(self.address, self.liveness_port)
-        except LivenessError as exc:
-            raise WorkerPoolError(f"the worker pool cannot start: {exc}") from None
-        self.generation, store = self.rendezvous.open(self.world_size)
+        self.admission = pool = self.rendezvous.open_pool(self.world_size, len(self.devices))
+        self.generation = pool.generation
+        ifname = gloo_interface_for(self.rendezvous.host)  # loopback's without remote ranks
         threads = self._rank_threads()
         for rank in range(1, len(self.devices)):
             self.workers.append(WorkerProcess(rank, worker_arguments(
                 rank, self.world_size, self.rendezvous.address, self.generation, self.devices[rank],
-                self.timeout_s, threads)))
+                self.timeout_s, threads), pool.key, env=worker_env(ifname)))
         if self.remote:
             log.info("worker pool: waiting for ranks %d-%d from other servers at %s (started there with: %s)",
                      len(self.devices), self.world_size - 1, self.rendezvous.address, self.join_command())
         try:
             try:
-                self.comm = self._join(store)
+                self._wait_admitted()
+                store = self._dist().PrefixStore(pool.store_prefix, self.rendezvous.store)
+                with gloo_interface(ifname):
+                    self.comm = self._join(store)
+                    group = control_group(self.devices[0])
+                    self.control = ControlChannel(group)
+                    self.cancel_flag = BlockFlag(group)
+                    self.sent_tensors = SentTensors()  # the workers start with nothing held
+                    self._send((BUILD, self.recipe, self.sp_mode))
+                    lane = block_gather_lane(self.devices[0], self.timeout_s) if self.recipe.sharded else None
             finally:
-                self.rendezvous.close(self.generation)  # a rank coming later waits for the next pool
-            group = control_group(self.devices[0])
-            self.control = ControlChannel(group)
-            self.cancel_flag = BlockFlag(group)
-            self.sent_tensors = SentTensors()  # the workers start with nothing held
-            self.control.send((BUILD, self.recipe, self.sp_mode, self.liveness.address))
-            lane = block_gather_lane(self.devices[0], self.timeout_s) if self.recipe.sharded else None
+                self.rendezvous.close_pool(pool)  # a rank coming later waits for the next pool
             problem = None
             try:
                 if self.rank0_model is not None:
@@ -186,11 +200,11 @@ class WorkerPool:
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             statuses = self.control.statuses((problem, socket.gethostname(), os.getpid()))
+            # a worker's own host name, with the address it connected from
+            self.identities = [(pool.identity(r) if r else None) or WorkerIdentity(r, server, pid)
+                               for r, (_, server, pid) in enumerate(statuses)]
         except Exception as exc:
             self._fail(exc, "starting the pool")
-        # a worker's own host name, with the address it connected from where it reported alive
-        self.identities = [(self.liveness.identity(r) if r else None) or WorkerIdentity(r, server, pid)
-                           for r, (_, server, pid) in enumerate(statuses)]
         bad = [(r, p) for r, (p, _, _) in enumerate(statuses) if p]
         if bad:
             self.close()
@@ -206,9 +220,42 @@ class WorkerPool:
     def _device_of(self, rank: int) -> str:
         return f"on {self.devices[rank]}" if rank < len(self.devices) else "(remote)"
 
+    @staticmethod
+    def _dist():
+        import torch.distributed as dist
+        return dist
+
+    def _wait_admitted(self):
+        """Until every rank proved the pool's key at the door; a local worker that ends first
+        fails the start at once, a rank missing at the timeout is named with who should
+        have brought it."""
+        wait_s = max(self.timeout_s, START_GRACE_S)
+        deadline = time.monotonic() + wait_s
+        while missing := self.admission.missing():
+            dead = [w for w in self.workers if w.ended()]
+            if dead:
+                raise WorkerPoolError(f"a worker ended before the pool started: {dead[0].describe()}")
+            if time.monotonic() > deadline:
+                local = [r for r in missing if r < len(self.devices)]
+                remote = [r for r in missing if r >= len(self.devices)]
+                named = [f"rank {r} (pid {self.workers[r - 1].process.pid}, on this server) did not reach the "
+                         "door" for r in local]
+                named += [f"rank {r} from another server: {self.rendezvous.covering(r)}" for r in remote]
+                refused = self.rendezvous.refusals[-3:]
+                raise WorkerPoolError(f"ranks {missing} did not join within {wait_s:.0f} s: "
+                                      + "; ".join(named)
+                                      + (f". Refused at the door: {'; '.join(refused)}" if refused else ""))
+            time.sleep(0.05)
+
+    def _send(self, message) -> int:
+        """A control message to every worker: a "go" on each live connection wakes them
+        from their idle wait, then the message itself over the control group."""
+        self.admission.go()
+        return self.control.send(message)
+
     def _join(self, store):
-        """Meet the workers in this pool's `store` as rank 0; a worker that dies first fails
-        the start at once (the meeting itself would wait for it until the timeout)."""
+        """Meet the admitted workers in this pool's `store` as rank 0; a worker that dies
+        first fails the start at once (the meeting itself would wait for it until the timeout)."""
         joined: dict = {}
 
         def join():
@@ -253,7 +300,7 @@ class WorkerPool:
             sent_args, sent_kwargs = sent if sent is not None else (args, kwargs)
             control_before = self.control.seconds + self.cancel_flag.seconds
             (packed_args, packed_kwargs), new = self.sent_tensors.pack((sent_args, sent_kwargs))
-            self.bytes_sent_per_forward.append(self.control.send((FORWARD, method, packed_args, packed_kwargs, new)))
+            self.bytes_sent_per_forward.append(self._send((FORWARD, method, packed_args, packed_kwargs, new)))
             args, kwargs = copy_for_rank((list(args), dict(kwargs)), self.devices[0])  # its own options
             self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs))
             with torch.inference_mode():
@@ -290,11 +337,11 @@ class WorkerPool:
 
     def _fail(self, exc: BaseException, during: str):
         """Kill every worker here, leave the process group, raise what happened naming the
-        ranks that ended (a worker of another server: by its closed liveness connection)."""
+        ranks that ended (a worker of another server: by its closed live connection)."""
         time.sleep(0.2)  # a dying worker's last line, exit status and closed connection
         gone = [w.describe() for w in self.workers if w.ended()]
         local = {w.rank for w in self.workers}
-        ended = self.liveness.ended() if self.liveness is not None else []
+        ended = self.admission.ended() if self.admission is not None else []
         gone += [f"{i.describe()} ended (its connection closed)" for i in ended if i.rank not in local]
         named = "; ".join(gone or [w.describe() for w in self.workers] or ["no worker ended"])
         self._teardown()
@@ -306,9 +353,8 @@ class WorkerPool:
         for worker in self.workers:
             worker.kill()
         self.workers = []
-        if self.liveness is not None:
-            self.liveness.close()
-            self.liveness = None
+        if self.admission is not None:  # closes the live connections: a remote worker then ends
+            self.rendezvous.close_pool(self.admission, drop=True)
         self._leave_group()
 
     def _leave_group(self):
@@ -322,9 +368,9 @@ class WorkerPool:
     def close(self):
         """Tell the workers to stop, give them STOP_GRACE_S, then kill what is left."""
         if self.running and not any(w.ended() for w in self.workers) and \
-                not (self.liveness is not None and self.liveness.ended()):
+                not (self.admission is not None and self.admission.ended()):
             try:
-                self.control.send((STOP,))
+                self._send((STOP,))
             except Exception as exc:  # noqa: BLE001 - closing anyway
                 log.warning("worker pool: the stop message failed (%s); killing the workers", exc)
         deadline = time.monotonic() + STOP_GRACE_S

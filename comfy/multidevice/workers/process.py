@@ -22,28 +22,38 @@ LOG_TAIL = 20  # lines of each worker's stderr kept for an error message
 
 def worker_arguments(rank: int, world_size: int, rendezvous: str, generation: int, device,
                      timeout_s: float, threads: int | None) -> list[str]:
-    """The worker's command after `python`."""
+    """The worker's command after `python` (`rendezvous`: rank 0's door)."""
     return (["-m", "comfy.multidevice.workers.worker", "--rank", str(rank), "--world", str(world_size),
              "--rendezvous", rendezvous, "--generation", str(generation), "--device", str(device),
              "--timeout", f"{timeout_s:g}"] + (["--threads", str(threads)] if threads else []))
 
 
-def worker_env() -> dict:
-    """This process's environment, with its import path: a worker imports what this one does."""
+def worker_env(gloo_ifname: str | None = None) -> dict:
+    """This process's environment, with its import path (a worker imports what this one does)
+    and the interface its gloo groups bind to."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    if gloo_ifname:
+        env["GLOO_SOCKET_IFNAME"] = gloo_ifname
     return env
 
 
 class WorkerProcess:
-    """A started worker and the thread that copies its stderr into this process's log."""
+    """A started worker and the thread that copies its stderr into this process's log. The
+    pool's key reaches it on its stdin: never in its command line or environment, which other
+    users of the server can read."""
 
-    def __init__(self, rank: int, arguments: list[str], env: dict | None = None):
+    def __init__(self, rank: int, arguments: list[str], key: bytes, env: dict | None = None):
         self.rank = rank
         self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
         self.process = subprocess.Popen([sys.executable, *arguments], env=worker_env() if env is None else env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, errors="replace")
+        try:
+            self.process.stdin.write(key.hex() + "\n")
+            self.process.stdin.close()
+        except OSError:  # it ended at once: describe() tells how
+            pass
         self._reader = threading.Thread(target=self._forward_log, name=f"worker-{rank}-log", daemon=True)
         self._reader.start()
 
@@ -72,3 +82,16 @@ class WorkerProcess:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+
+
+def key_from_stdin() -> bytes:
+    """A worker's side: the pool's key, the one line its starter wrote on its stdin."""
+    line = sys.stdin.readline(200).strip()
+    try:
+        key = bytes.fromhex(line)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise RuntimeError("no pool key on stdin: a worker is started by its pool or a join command, "
+                           "which write it there")
+    return key

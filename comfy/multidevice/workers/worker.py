@@ -1,11 +1,13 @@
 """One worker process of a pool: rank r of W on its own card, driven by rank 0.
 
 Started by `WorkerPool` (or by workers/join.py on another server) as
-`python -m comfy.multidevice.workers.worker --rank r ...`. It joins the process group of one
-pool (its generation at rank 0's rendezvous, workers/rendezvous.py), builds its DiT from the
-recipe rank 0 sends, then runs every forward rank 0 announces on its share of the sequence (the K/V
-exchange over the process group; with a sharded recipe also the gathers of the block weights
-it does not hold), until told to stop. Anything that goes wrong ends the
+`python -m comfy.multidevice.workers.worker --rank r ...`, the pool's key on its stdin. It
+proves that key at rank 0's door (workers/door.py), which checks rank 0's proof too, joins
+the process group of one pool (its generation's store, reached through the door), builds its
+DiT from the recipe rank 0 sends, then runs every forward rank 0 announces on its share of the
+sequence (the K/V exchange over the process group; with a sharded recipe also the gathers of
+the block weights it does not hold), until told to stop. Between forwards it waits on the
+door for rank 0's "go", for as long as rank 0 beats there. Anything that goes wrong ends the
 process with one line on stderr and a non-zero status: the peers' collectives then fail at
 once (gloo sees the closed connection) instead of waiting for a rank that will never come.
 """
@@ -28,9 +30,10 @@ from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.weights.block_shards import OwnRankLane
+from comfy.multidevice.workers.admission import store_prefix
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
-from comfy.multidevice.workers.liveness import report_alive
-from comfy.multidevice.workers.rendezvous import generation_store
+from comfy.multidevice.workers.door_client import RankLink, store_through_door
+from comfy.multidevice.workers.process import key_from_stdin
 from comfy.multidevice.workers.repeats import ReceivedTensors
 
 log = logging.getLogger(__name__)
@@ -59,12 +62,12 @@ def block_gather_lane(device: torch.device, timeout_s: float) -> OwnRankLane:
     return OwnRankLane(DistributedComm(device, group=group))
 
 
-def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float) -> int:
+def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float, link: RankLink) -> int:
     """Build, then follow rank 0's forwards until it says stop; the exit status."""
-    kind, recipe, sp_mode, watch = control.receive()
+    link.wait_for_go()
+    kind, recipe, sp_mode = control.receive()
     if kind != BUILD:
         raise RuntimeError(f"rank {comm.rank}: expected the build message first, got {kind!r}")
-    alive = report_alive(watch, comm.rank)  # open until this process ends, however it ends
     lane = block_gather_lane(device, timeout_s) if recipe.sharded else None
     problem, model, block_weights = None, None, None
     try:
@@ -74,7 +77,6 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float)
     except Exception as exc:  # reported to rank 0 through the statuses, not only here
         problem = f"{type(exc).__name__}: {exc}"
     if any(p for p, _, _ in control.statuses((problem, socket.gethostname(), os.getpid()))):
-        alive.close()
         return 1
     cancel_flag = BlockFlag(control.group)
     received = ReceivedTensors()
@@ -86,6 +88,7 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float)
     setup = H3RankSetup(comm, sp_mode, block_weights, final_rows_to="root",  # rank 0's result is used
                         before_block=cancel_point)
     while True:
+        link.wait_for_go()  # idle: no collective timeout here
         message = control.receive()
         if message[0] == STOP:
             return 0
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="a MiniMax-H3 worker rank (started by WorkerPool)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--rendezvous", required=True, type=_address, help="rank 0's rendezvous, HOST:PORT")
+    parser.add_argument("--rendezvous", required=True, type=_address, help="rank 0's door, HOST:PORT")
     parser.add_argument("--generation", type=int, required=True, help="the pool to join at it")
     parser.add_argument("--device", required=True)
     parser.add_argument("--timeout", type=float, required=True, help="collective timeout, seconds")
@@ -128,9 +131,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        store = generation_store(*args.rendezvous, args.generation, args.timeout)
+        key = key_from_stdin()
+        link = RankLink(*args.rendezvous, key, args.rank, args.generation)  # open until this process ends
+        client, _tunnel = store_through_door(*args.rendezvous, key, args.rank, args.generation, args.timeout)
+        import torch.distributed as dist
+        store = dist.PrefixStore(store_prefix(key), client)
         comm = init_process_group(args.rank, args.world, device, timeout_s=args.timeout, store=store)
-        return serve(comm, ControlChannel(control_group(device)), device, args.timeout)
+        return serve(comm, ControlChannel(control_group(device)), device, args.timeout, link)
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         print(f"worker rank {args.rank} stops: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,127 @@
+"""The other side of rank 0's door (workers/door.py): a worker's live link and store tunnel,
+and a join command's connection that follows rank 0's pools.
+
+Each connection proves the secret and checks rank 0's proof first (workers/admission.py), so
+a worker never takes orders from, nor a join command starts workers for, a program that only
+holds rank 0's address.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+
+from comfy.multidevice.workers import admission
+from comfy.multidevice.workers.admission import AdmissionError
+from comfy.multidevice.workers.door import format_address, HEARTBEAT_S, pipe, RendezvousError
+
+BEATS_MISSED = 6  # rank 0 is taken for lost after this many heartbeats without a line
+CONNECT_S = 30.0
+
+
+class RankZeroLost(RuntimeError):
+    """Rank 0 closed the link or stopped beating."""
+
+
+def _connect(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_connection((host, port), timeout=CONNECT_S)
+    except OSError as exc:
+        raise RendezvousError(f"rank 0 is not serving {format_address(host, port)} ({exc.strerror or exc})") from None
+
+
+def _identity() -> dict:
+    import os
+    return {"server": socket.gethostname(), "pid": os.getpid()}
+
+
+class RankLink:
+    """A worker's live connection to rank 0: open for the worker's life; rank 0 beats on it
+    and says "go" before each control message."""
+
+    def __init__(self, host: str, port: int, key: bytes, rank: int, generation: int):
+        self.conn = _connect(host, port)
+        self.peer = format_address(host, port)
+        self.reader = admission.prove_to_rank0(self.conn, self.peer, key, "live", rank, generation, _identity())
+
+    def wait_for_go(self) -> None:
+        """Block until rank 0 says go, however long it idles, as long as it beats."""
+        while True:
+            try:
+                line = self.reader.read(HEARTBEAT_S * BEATS_MISSED)
+            except AdmissionError as exc:
+                raise RankZeroLost(f"rank 0 at {self.peer} went silent ({exc})") from None
+            if line is None:
+                raise RankZeroLost(f"rank 0 at {self.peer} closed the pool")
+            if line.get("go"):
+                return
+
+    def close(self):
+        self.conn.close()
+
+
+def store_through_door(host: str, port: int, key: bytes, rank: int, generation: int, timeout_s: float):
+    """A client of pool `generation`'s store, reached through the door: a loopback listener
+    here pipes each connection torch's store client makes to an admitted door connection."""
+    import torch.distributed as dist
+    local = socket.create_server(("127.0.0.1", 0))
+    failures: list[str] = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = local.accept()
+            except OSError:
+                return
+            try:
+                remote = _connect(host, port)
+                admission.prove_to_rank0(remote, format_address(host, port), key, "store", rank, generation)
+            except (AdmissionError, RendezvousError, OSError) as exc:
+                failures.append(str(exc))
+                conn.close()
+                continue
+            remote.settimeout(None)
+            pipe(conn, remote)
+
+    threading.Thread(target=serve, name="pool-store-door", daemon=True).start()
+    try:
+        client = dist.TCPStore("127.0.0.1", local.getsockname()[1], is_master=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - named with the door's answer
+        raise RendezvousError(f"pool {generation}'s store at {format_address(host, port)} could not be reached: "
+                              f"{failures[-1] if failures else exc}") from None
+    return client, local  # the listener lives as long as the caller keeps it
+
+
+class Following:
+    """A join command's connection to rank 0: the pools that take its ranks, as they open."""
+
+    def __init__(self, host: str, port: int, base: bytes, first_rank: int, count: int):
+        self.conn = _connect(host, port)
+        self.peer = format_address(host, port)
+        self.base = base
+        self.reader = admission.prove_to_rank0(self.conn, self.peer, admission.follow_key(base), "follow",
+                                               first_rank, 0, {"count": count, **_identity()})
+
+    def next_pool(self) -> tuple[int, int, int, bytes]:
+        """(generation, world size, local ranks of rank 0's server, the pool's key) of the
+        next pool rank 0 announces; RankZeroLost when rank 0 goes away."""
+        while True:
+            try:
+                line = self.reader.read(HEARTBEAT_S * BEATS_MISSED)
+            except AdmissionError as exc:
+                raise RankZeroLost(f"rank 0 at {self.peer} went silent ({exc})") from None
+            if line is None:
+                raise RankZeroLost(f"rank 0 at {self.peer} closed the connection")
+            if "pool" not in line:
+                continue
+            try:
+                generation, world, local = (admission.field(line, n, int, self.peer) for n in ("pool", "world", "local"))
+                nonce = admission.field(line, "nonce", str, self.peer)
+            except AdmissionError as exc:
+                raise RankZeroLost(f"rank 0 at {self.peer} announced a malformed pool ({exc})") from None
+            return generation, world, local, admission.pool_key(self.base, generation, nonce)
+
+    def close(self):
+        self.conn.close()
