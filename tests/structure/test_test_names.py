@@ -29,6 +29,7 @@ TOPIC_FILES = {
     "test_runtime_scripts.py": "additional_files/runtime/ restart and stop scripts",
     "test_docs.py": "the user docs: examples, cited sections, links",
     "workers/test_servers.py": "one worker pool over two servers (network namespaces)",
+    "workers/test_hardening.py": "ranks as processes against the audit's stranger, on one server",
 }
 
 

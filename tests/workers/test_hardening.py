@@ -22,7 +22,7 @@ from comfy.multidevice.workers import admission, control, pool as pool_module
 from comfy.multidevice.workers.admission import AdmissionError
 from comfy.multidevice.workers.door_client import RankLink
 from comfy.multidevice.workers.pool import stop_unused_pool, WorkerPool, WorkerPoolError
-from comfy.multidevice.workers.recipe import ModelRecipe
+from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
 from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -160,3 +160,19 @@ def test_a_cluster_secret_is_needed_before_any_process_starts(checkpoint, monkey
     monkeypatch.delenv(admission.SECRET_ENV, raising=False)
     with pytest.raises(admission.SecretError, match="COMFYUI_MULTI_DEVICE_SECRET_FILE"):
         WorkerPool(["cpu"] * 2, _recipe(path), remote=1, address="127.0.0.1", port=0, timeout_s=30)
+
+
+def test_a_dit_file_replaced_at_the_same_path_is_refused_naming_it_and_the_rank(checkpoint, tmp_path):
+    """The audit replaced the DiT file after rank 0 had loaded it: the workers loaded the new
+    one, the result was wrong without an error. Now every worker checks rank 0's identity of
+    the file (taken when the pool was made) before it builds."""
+    path, _, _ = checkpoint
+    mine = tmp_path / "dit.safetensors"
+    mine.write_bytes(path.read_bytes())
+    pool = WorkerPool(["cpu"] * 2, _recipe(mine), timeout_s=60)  # rank 0's identity: now
+    save_miniature(tiny_model(seed=6), tmp_path / "other.safetensors")  # other weights, same layout
+    os.replace(tmp_path / "other.safetensors", mine)
+    with pytest.raises(RecipeError, match=rf"rank 1 on .*the DiT file at {re.escape(str(mine))} on rank 1 on "
+                                          r".* differs from rank 0's in its sampled data"):
+        pool.start()
+    assert not pool.running and pool.workers == []

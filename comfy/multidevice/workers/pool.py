@@ -44,6 +44,7 @@ from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.join import join_command
+from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door import PoolAdmission, WorkerIdentity
 from comfy.multidevice.workers.process import WorkerProcess, worker_arguments, worker_env
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
@@ -86,13 +87,17 @@ class WorkerPool:
 
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
                  timeout_s: float | None = None, rank0_model: torch.nn.Module | None = None,
-                 remote: int = 0, address: str = "127.0.0.1", port: int = 0, rank0_weights=None):
+                 remote: int = 0, address: str = "127.0.0.1", port: int = 0, rank0_weights=None,
+                 dit_file: "DitFile | None" = None):
         """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's),
         with `rank0_weights`, its block-weights handle when it is rank 0's shard of a sharded
         recipe (weights/shard_layout.py); else rank 0 builds it from the recipe too.
         `address`, `port`: this process's
         door, where its workers and the other servers reach this one (port 0: the system
-        picks it; ranks on other servers need a fixed one, and the cluster secret)."""
+        picks it; ranks on other servers need a fixed one, and the cluster secret).
+        `dit_file`: the DiT file rank 0's weights came from and its identity, which every
+        worker checks its own file against before it loads (default: the recipe's `path`
+        as it is now)."""
         if len(devices) + remote < 2:
             raise ValueError(f"a worker pool needs at least 2 ranks, got {len(devices)} device(s) and "
                              f"{remote} remote rank(s); one card runs without one")
@@ -103,6 +108,7 @@ class WorkerPool:
         self.remote = remote
         self.address = address
         self.recipe = recipe
+        self.dit_file = dit_file if dit_file is not None else DitFile.of_recipe(recipe)
         self.sp_mode = sp_mode
         self.timeout_s = timeout_from_env() if timeout_s is None else timeout_s
         # nothing needs to be reachable from another machine without remote ranks: loopback
@@ -185,7 +191,8 @@ class WorkerPool:
                     self.control = ControlChannel(group)
                     self.cancel_flag = BlockFlag(group)
                     self.sent_tensors = SentTensors()  # the workers start with nothing held
-                    self._send((BUILD, self.recipe, self.sp_mode))
+                    self._send((BUILD, self.recipe, self.sp_mode,
+                                None if self.dit_file is None else self.dit_file.to_data()))
                     lane = block_gather_lane(self.devices[0], self.timeout_s) if self.recipe.sharded else None
             finally:
                 self.rendezvous.close_pool(pool)  # a rank coming later waits for the next pool
@@ -194,6 +201,8 @@ class WorkerPool:
                 if self.rank0_model is not None:
                     self.model = self.rank0_model
                 else:
+                    if self.dit_file is not None:  # rank 0 builds from the file too: the same check
+                        self.dit_file.check(f"rank 0 on {socket.gethostname()}")
                     self.model, self.rank0_weights = self.recipe.build(self.devices[0], 0, self.world_size)
                 if self.rank0_weights is not None:  # this pool's lane (rank 0's shard outlives pools)
                     self.rank0_weights.family.use_lane(lane, self.timeout_s)
@@ -412,7 +421,7 @@ class WorkersDiT:
     def _renew(self):
         old = self.pool
         self.pool = WorkerPool(old.devices, old.recipe, old.sp_mode, old.timeout_s, remote=old.remote,
-                               address=old.address, port=old.requested_port)
+                               address=old.address, port=old.requested_port, dit_file=old.dit_file)
         self._started = False
 
     def close(self):

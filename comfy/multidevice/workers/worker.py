@@ -32,6 +32,7 @@ from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.weights.block_shards import OwnRankLane
 from comfy.multidevice.workers.admission import store_prefix
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door_client import RankLink, store_through_door
 from comfy.multidevice.workers.process import key_from_stdin
 from comfy.multidevice.workers.repeats import ReceivedTensors
@@ -65,12 +66,14 @@ def block_gather_lane(device: torch.device, timeout_s: float) -> OwnRankLane:
 def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float, link: RankLink) -> int:
     """Build, then follow rank 0's forwards until it says stop; the exit status."""
     link.wait_for_go()
-    kind, recipe, sp_mode = control.receive()
+    kind, recipe, sp_mode, dit_file = control.receive()
     if kind != BUILD:
         raise RuntimeError(f"rank {comm.rank}: expected the build message first, got {kind!r}")
     lane = block_gather_lane(device, timeout_s) if recipe.sharded else None
     problem, model, block_weights = None, None, None
     try:
+        if dit_file is not None:  # the same weights as rank 0's, or no build at all
+            DitFile.from_data(dit_file).check(f"rank {comm.rank} on {socket.gethostname()}")
         model, block_weights = recipe.build(device, comm.rank, comm.world_size)
         if block_weights is not None:
             block_weights.family.use_lane(lane, timeout_s)
