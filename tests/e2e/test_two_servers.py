@@ -40,10 +40,13 @@ def test_one_dit_over_two_servers_through_the_node(upstream, tiny_models, tmp_pa
         if not servers.namespaces:
             warnings.warn("network namespaces could not be made here: the two servers run over loopback")
         rendezvous = f"{servers.address_a}:{free_port()}"
+        secret = tmp_path / "pool.secret"  # the README's cluster secret, the same file on both servers
+        secret.write_text(os.urandom(32).hex())
+        with_secret = {**os.environ, "COMFYUI_MULTI_DEVICE_SECRET_FILE": str(secret)}
         driver = subprocess.Popen(
             [*servers.run_a, sys.executable, str(REPO / "tests" / "e2e" / "two_servers_driver.py"), "--tree", str(tree),
              "--root", str(tmp_path), "--rendezvous", rendezvous, "--timeout", str(TIMEOUT_S)],
-            stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.log", "w"), text=True, cwd=REPO)
+            stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.log", "w"), text=True, cwd=REPO, env=with_secret)
         join = None
 
         def read(expected):
@@ -56,7 +59,7 @@ def test_one_dit_over_two_servers_through_the_node(upstream, tiny_models, tmp_pa
             read("READY")
             # server B: the same files at the same paths (the README's requirement), ComfyUI's tree
             # on the import path as on server A, the stand-ins of this machine's torch too
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(tree)])}
+            env = {**with_secret, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(tree)])}
             join = subprocess.Popen(
                 [*servers.run_b, sys.executable, "-m", "comfy.multidevice.workers.join", "--rendezvous", rendezvous,
                  "--first-rank", "2", "--devices", "cpu,cpu", "--threads", "1", "--timeout", str(TIMEOUT_S)],

@@ -6,6 +6,7 @@ reachable only through the door (it listens on loopback). Refusals are named by 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import threading
@@ -149,7 +150,7 @@ def test_the_store_listens_on_loopback_and_only_admitted_ranks_reach_it_through_
     tunnel.close()
 
 
-def test_a_join_command_follows_pools_with_remote_ranks_and_overlaps_are_refused(door):
+def test_a_join_command_follows_pools_with_remote_ranks_and_overlaps_are_refused(door, caplog):
     base = b"s" * 32
     cluster = Door("127.0.0.1", 0, timeout_s=10, base_secret=base)
     try:
@@ -160,6 +161,10 @@ def test_a_join_command_follows_pools_with_remote_ranks_and_overlaps_are_refused
         with pytest.raises(AdmissionError, match="does not prove the pool's secret"):
             Following("127.0.0.1", cluster.port, b"t" * 32, 4, 1)  # another secret
         cluster.open_pool(world=2, local=2)  # no remote ranks: not announced
+        with caplog.at_level(logging.WARNING, logger="comfy.multidevice.workers.door"):
+            misfit = cluster.open_pool(world=4, local=3)  # ranks 0-2 here: 2-3 overlap
+        assert following.next_pool()[0] == misfit.generation  # announced: the join command says why it skips
+        assert f"runs ranks 2-3, which do not fit pool {misfit.generation} (ranks 0-2 on this server" in caplog.text
         pool = cluster.open_pool(world=4, local=2)
         assert following.next_pool() == (pool.generation, 4, 2, pool.key)
         assert "no join command" in cluster.covering(5) and "ranks 2-3" in cluster.covering(3)

@@ -178,6 +178,11 @@ class Door:
             self.pools[pool.generation] = pool
             followers = list(self.followers) if world > local else []
         for follower in followers:
+            if follower.first < local or follower.last >= world:  # the join command says so too
+                log.warning("worker pool door: the join command at %s runs ranks %d-%d, which do not fit pool %d "
+                            "(ranks 0-%d on this server, %d in all): fix its --first-rank / --devices or "
+                            "COMFYUI_MULTI_DEVICE_REMOTE_RANKS here", follower.peer, follower.first, follower.last,
+                            pool.generation, local - 1, world)
             self._announce(follower, pool)
         return pool
 
