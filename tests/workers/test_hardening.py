@@ -9,7 +9,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -48,6 +50,20 @@ def _forward(pool, inputs):
     return pool.forward(x, t, ctx, **kw)
 
 
+class _Marker:
+    """Unpickled, it would create its file: a harmless stand-in for a stranger's code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def marker_pickle(path) -> bytes:
+    return pickle.dumps(_Marker(path))
+
+
 def _listeners(pids: set[int]) -> list[str]:
     """The local addresses the processes `pids` listen on (TCP)."""
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
@@ -72,11 +88,13 @@ def test_a_default_pool_listens_on_loopback_only_and_binds_gloo_there(checkpoint
             assert pool.admission.key.hex().encode() not in cmdline
 
 
-def test_a_stranger_at_the_door_or_the_store_neither_joins_nor_changes_the_result(checkpoint, caplog):
+def test_a_stranger_at_the_door_or_the_store_neither_joins_nor_changes_the_result(checkpoint, caplog, tmp_path):
     """The audit's stranger took the last rank of the next pool (reading `generation` from the
     store) and, once joined, sent pickles to every rank and changed the result; now it is
     refused at the door, named by address, and cannot name the pool's store keys."""
     path, inputs, reference = checkpoint
+    marker = tmp_path / "marker"
+    payload = marker_pickle(marker)
     pool = WorkerPool(["cpu"] * 2, _recipe(path), timeout_s=60)
     door = pool.rendezvous
     stop = threading.Event()
@@ -87,9 +105,15 @@ def test_a_stranger_at_the_door_or_the_store_neither_joins_nor_changes_the_resul
         store = dist.TCPStore("127.0.0.1", door.store_port, is_master=False, timeout=datetime.timedelta(seconds=5))
         while not stop.is_set():
             generation = door.generation + 1
-            # the old way in: the old store keys of the next pool
+            # the old way in: the old store keys of the next pool, and a pickle that would run code
             store.set(f"pool{generation}/world", "2")
             store.set("generation", "999")
+            store.set(f"pool{generation}/0", payload)
+            try:
+                with socket.create_connection(("127.0.0.1", door.port)) as conn:
+                    conn.sendall(payload + b"\n")
+            except OSError:
+                pass
             try:
                 RankLink("127.0.0.1", door.port, os.urandom(32), 1, max(1, door.generation)).close()
                 tries["admitted"] += 1
@@ -114,6 +138,7 @@ def test_a_stranger_at_the_door_or_the_store_neither_joins_nor_changes_the_resul
         thread.join(10)
         pool.close()
     assert tries["refused"] >= 1 and tries["admitted"] == 0
+    assert not marker.exists()  # no process unpickled the stranger's bytes
     assert "refused 127.0.0.1:" in caplog.text and "does not prove the pool's secret" in caplog.text
 
 
@@ -176,3 +201,33 @@ def test_a_dit_file_replaced_at_the_same_path_is_refused_naming_it_and_the_rank(
                                           r".* differs from rank 0's in its sampled data"):
         pool.start()
     assert not pool.running and pool.workers == []
+
+
+def test_ranks_admitted_early_wait_for_a_late_remote_rank_beyond_the_timeout(checkpoint, monkeypatch, tmp_path):
+    """A local worker is admitted at once; the other server's rank comes when its user starts
+    the join command, later than the collective timeout: the admitted ranks wait on the door,
+    not in the store's rendezvous, and meet once every rank is admitted."""
+    from comfy.multidevice.workers.join import serve_pools
+    from tests.helpers import free_port
+    path, inputs, reference = checkpoint
+    secret = tmp_path / "pool.secret"
+    secret.write_text(os.urandom(32).hex())
+    monkeypatch.setenv(admission.SECRET_FILE_ENV, str(secret))
+    port = free_port()
+    pool = WorkerPool(["cpu"] * 2, _recipe(path), remote=1, address="127.0.0.1", port=port, timeout_s=3)
+    started: dict = {}
+    starting = threading.Thread(target=lambda: started.update(pool=pool.start()), daemon=True)
+    starting.start()
+    time.sleep(7)  # past twice the timeout before the other server's user starts its command
+    joined: dict = {}
+    join = threading.Thread(target=lambda: joined.update(code=serve_pools("127.0.0.1", port, 2, ["cpu"], 3, 1, pools=1)),
+                            daemon=True)
+    join.start()
+    starting.join(120)
+    try:
+        assert started.get("pool") is pool and pool.running
+        assert rel_diff(_forward(pool, inputs), reference) <= FP32_TOL
+    finally:
+        pool.close()
+    join.join(60)
+    assert joined.get("code") == 0

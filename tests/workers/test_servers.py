@@ -31,10 +31,17 @@ from tests.helpers import free_port
 from tests.two_servers import child_pid, two_servers
 
 TIMEOUT_S = 30
-# a torch.distributed store client at rank 0's rendezvous port: the audit's stranger read the
-# pool's generation there; prints STORE-OK if the port answered as a store
-STORE_CLIENT = """
-import datetime, sys, torch.distributed as dist
+# a stranger at rank 0's rendezvous port: a pickle that would create the file argv[3] if any
+# process unpickled it, then a torch.distributed store client (the audit's stranger read the
+# pool's generation there); prints STORE-OK if the port answered as a store
+STRANGER = """
+import datetime, pickle, socket, sys, torch.distributed as dist
+class Marker:
+    def __reduce__(self):
+        return open, (sys.argv[3], "w")
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
+    conn.sendall(pickle.dumps(Marker()) + b"\\n")
+    print("door:", conn.recv(4096)[:200])
 store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=5))
 print(store.get("generation"), "STORE-OK")
 """
@@ -84,9 +91,11 @@ def test_one_dit_over_two_servers_exact_a_killed_remote_worker_named_and_a_resta
                                   capture_output=True, text=True)
         assert stranger.returncode == 3, stranger.stderr[-2000:]
         assert "does not prove the pool's secret" in stranger.stderr and "This join command stops" in stranger.stderr
-        probe = subprocess.run([*run_b, sys.executable, "-c", STORE_CLIENT, address, str(port)], cwd=REPO,
+        marker = tmp_path / "marker"
+        probe = subprocess.run([*run_b, sys.executable, "-c", STRANGER, address, str(port), str(marker)], cwd=REPO,
                                env=env, capture_output=True, text=True, timeout=60)
         assert probe.returncode != 0 and "STORE-OK" not in probe.stdout, probe.stdout
+        assert "refused" in probe.stdout, probe.stdout + probe.stderr[-2000:]
         join = subprocess.Popen([*run_b, sys.executable, *command[1:]], env=env, cwd=REPO,
                                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "join.log", "w"))
         assert float(read("EXACT")) <= FP32_TOL
@@ -109,6 +118,7 @@ def test_one_dit_over_two_servers_exact_a_killed_remote_worker_named_and_a_resta
         stranger_address = "10.213.0.2" if namespaces else "127.0.0.1"
         assert f"refused {stranger_address}:" in driver_log and "does not prove the pool's secret" in driver_log, \
             driver_log[-3000:]
+        assert "sent a line that is not JSON" in driver_log and not marker.exists()  # nobody unpickled it
 
         # ComfyUI restarted: a new rank 0 at the same address; the join command finds it by itself
         driver = start_driver("--exact-only")

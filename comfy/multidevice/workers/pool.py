@@ -184,6 +184,7 @@ class WorkerPool:
         try:
             try:
                 self._wait_admitted()
+                pool.go()  # the admitted ranks meet now, in the collective timeout from here on
                 store = self._dist().PrefixStore(pool.store_prefix, self.rendezvous.store)
                 with gloo_interface(ifname):
                     self.comm = self._join(store)

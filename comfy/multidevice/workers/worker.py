@@ -136,6 +136,7 @@ def main(argv=None) -> int:
     try:
         key = key_from_stdin()
         link = RankLink(*args.rendezvous, key, args.rank, args.generation)  # open until this process ends
+        link.wait_for_go()  # every rank is admitted: meet (however long the other servers' ranks took)
         client, _tunnel = store_through_door(*args.rendezvous, key, args.rank, args.generation, args.timeout)
         import torch.distributed as dist
         store = dist.PrefixStore(store_prefix(key), client)
