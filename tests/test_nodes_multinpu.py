@@ -285,6 +285,30 @@ def test_one_and_two_card_plans_place_each_component(fake_patcher_extension):
     assert m.load_device == other and model.load_device == cpu
 
 
+
+def test_the_node_running_again_stops_an_earlier_worker_pool_saying_why(fake_patcher_extension, monkeypatch, caplog):
+    """A processes run's workers each hold a DiT: when the node runs again (here: one card, then
+    threads on four) they are stopped before the new run loads anything, with one log line
+    (the real pool's stop: tests/workers/test_hardening.py)."""
+    import logging
+    from comfy.multidevice.workers import pool as pool_module
+
+    class RunningPool:
+        world_size, running, closed = 3, True, 0
+
+        def close(self):
+            self.closed += 1
+            self.running = False
+
+    for plan, devices in ((plan_roles(1), [torch.device("cpu")]), (plan_roles(4), [torch.device("cpu")] * 4)):
+        earlier = RunningPool()
+        monkeypatch.setitem(pool_module._live, "pool", earlier)
+        with caplog.at_level(logging.INFO, logger=pool_module.__name__):
+            apply_role_plan(plan, devices, *inputs())
+        assert earlier.closed == 1 and "pool" not in pool_module._live
+        assert f"stopping its 2 rank(s) of other processes: the MultiNPUParallelConfig node ran again (the DiT on " \
+               f"{len(devices)} card(s)" in caplog.text
+
 # ----------------------------------------------------------------------------- official workflows
 
 TEMPLATES_PACKAGE = "comfyui_workflow_templates_json"
