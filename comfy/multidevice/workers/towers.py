@@ -29,6 +29,13 @@ from comfy.multidevice.workers.wire import check_sendable, wire_record, WireType
 H3_FUN_CONTROL = "comfy.ldm.minimax.controlnet:MiniMaxH3FunControl"
 OPERATIONS = ("disable_weight_init", "manual_cast")  # comfy.ops classes an upstream tower may use
 THREADS_FIX = "use ranks as threads for this workflow"
+# What ComfyUI's ModelPatcher writes on a model and its layers as it loads them
+# (comfy/model_patcher.py): rank 0's loading state, not the tower's; left out of `structure`
+LOADING_STATE = frozenset({
+    "device", "current_patcher", "current_weight_patches_uuid", "model_loaded_weight_memory", "model_lowvram",
+    "model_offload_buffer_memory", "lowvram_patch_counter", "skip_injection", "dynamic_vbars", "dynamic_pins",
+    "dynamic_patchers", "comfy_cast_weights", "prev_comfy_cast_weights", "comfy_force_cast_weights",
+    "comfy_patched_weights", "weight_function", "bias_function", "seed_key"})
 
 
 def _h3_fun_control_arguments(tower) -> dict:
@@ -98,7 +105,8 @@ def _plain(value):
 def structure(module: torch.nn.Module) -> dict:
     """{submodule path: (its class, its plain attributes, its tensors' names)}: what, beside its
     weights, makes two towers compute the same."""
-    return {path: (class_name(type(m)), {k: _plain(v) for k, v in vars(m).items() if not k.startswith("_")},
+    return {path: (class_name(type(m)), {k: _plain(v) for k, v in vars(m).items()
+                                         if not k.startswith("_") and k not in LOADING_STATE},
                    [n for n, _ in chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))])
             for path, m in module.named_modules()}
 
