@@ -21,6 +21,7 @@ from comfy.multidevice.weights.block_shards import BlockShardPlan
 from comfy.multidevice.workers.control import BUILD, ControlChannel, FORWARD, MAX_MESSAGE_BYTES
 from comfy.multidevice.workers.recipe import ModelRecipe
 from comfy.multidevice.workers.repeats import ReceivedTensors, Repeat, SentTensors
+from comfy.multidevice.workers import wire
 from comfy.multidevice.workers.wire import (decode, DTYPES, encode, MAGIC, PREFIX, SCHEMA_VERSION, wire_record,
                                             WireError, WireTypeError)
 
@@ -211,13 +212,18 @@ def test_what_does_not_parse_is_a_wire_error_naming_the_fault(data, fault):
         decode(data, max_bytes=CAP, what="a test message")
 
 
-def test_a_message_over_the_cap_or_truncated_anywhere_is_refused():
+def test_a_message_over_the_cap_or_truncated_anywhere_is_refused(monkeypatch):
     data = encode({"t": torch.randn(100), "s": "x" * 100})
     with pytest.raises(WireError, match=rf"{len(data)} bytes, more than the 100 this process takes"):
         decode(data, max_bytes=100, what="a test message")
     for cut in range(0, len(data), 7):
         with pytest.raises(WireError):
             decode(data[:cut], max_bytes=CAP, what="a test message")
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 64)  # the header cap, small enough to test cheaply
+    with pytest.raises(WireError, match=r"a \d+-byte header, more than the 64 this process parses"):
+        decode(data, max_bytes=CAP, what="a test message")
+    with pytest.raises(WireTypeError, match=r"the message: its structure needs a \d+-byte header, more than the 64"):
+        encode({"t": torch.randn(100), "s": "x" * 100})
 
 
 class _Marker:

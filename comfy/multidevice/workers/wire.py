@@ -33,6 +33,9 @@ MAGIC = b"MMH3WIRE"
 PREFIX = struct.Struct("<8sIQ")  # magic, schema version, header length
 ALIGN = 64  # each raw part starts on a 64-byte boundary, as a torch allocation does
 MAX_DEPTH = 64  # containers nested deeper are refused both ways (no recursion blow-up)
+# The JSON tree is parsed into Python objects many times its size; real headers are KBs to a
+# few MB (a LoRA's thousands of keys), the bulk of a message is its raw bytes
+MAX_HEADER_BYTES = 64 << 20
 
 # The dtypes a tensor may have, by the name the header uses; a newer torch's extra ones only
 # where this torch has them (a name it lacks is refused when it arrives).
@@ -83,11 +86,15 @@ def wire_record(name: str, *, make: Callable[..., Any] | None = None):
 
 # ----------------------------------------------------------------------------- encoding
 
+# A path inside a value is (parent path, step), formatted only for an error message
+_STEP_TEXT = {"root": "{}", "index": "[{}]", "item": "[{!r}]", "key": "<key {!r}>", "field": ".{}"}
+
+
 def _path_text(path) -> str:
     steps = []
     while path is not None:
-        path, step = path
-        steps.append(step)
+        path, (kind, at) = path
+        steps.append(_STEP_TEXT[kind].format(at))
     return "".join(reversed(steps))
 
 
@@ -127,12 +134,12 @@ class _Encoder:
         if kind is float:
             return value if math.isfinite(value) else {"$": "float", "value": repr(value)}
         if kind is list:
-            return [self.node(v, (path, f"[{i}]"), depth + 1) for i, v in enumerate(value)]
+            return [self.node(v, (path, ("index", i)), depth + 1) for i, v in enumerate(value)]
         if kind is tuple:
-            return {"$": "tuple", "items": [self.node(v, (path, f"[{i}]"), depth + 1) for i, v in enumerate(value)]}
+            return {"$": "tuple", "items": [self.node(v, (path, ("index", i)), depth + 1) for i, v in enumerate(value)]}
         if kind is dict:
-            return {"$": "dict", "items": [[self.node(k, (path, f"<key {k!r}>"), depth + 1),
-                                            self.node(v, (path, f"[{k!r}]"), depth + 1)] for k, v in value.items()]}
+            return {"$": "dict", "items": [[self.node(k, (path, ("key", k)), depth + 1),
+                                            self.node(v, (path, ("item", k)), depth + 1)] for k, v in value.items()]}
         if kind in (torch.Tensor, torch.nn.Parameter):
             return self.tensor(value, path)
         if kind in (bytes, bytearray):  # a bytearray arrives as bytes
@@ -170,7 +177,7 @@ class _Encoder:
             self.refuse(path, f"a {type(value).__name__} that contains itself")
         self.open.add(key)
         name = _RECORD_NAMES[type(value)]
-        fields = {f: self.node(getattr(value, f), (path, f".{f}"), depth + 1) for f in _RECORDS[name].fields}
+        fields = {f: self.node(getattr(value, f), (path, ("field", f)), depth + 1) for f in _RECORDS[name].fields}
         self.open.discard(key)
         self.records[key] = len(self.records)
         self.keep.append(value)
@@ -180,7 +187,7 @@ class _Encoder:
 def check_sendable(value: Any, *, name: str = "the value") -> None:
     """Raise WireTypeError, naming the path inside `value` (called `name`), if any part of it
     cannot travel; copies nothing."""
-    _Encoder(collect=False).node(value, (None, name))
+    _Encoder(collect=False).node(value, (None, ("root", name)))
 
 
 def _raw(part) -> memoryview:
@@ -195,7 +202,7 @@ def encode(value: Any, *, name: str = "the message") -> bytearray:
     if sys.byteorder != "little":
         raise WireError("this schema's tensors are little-endian; this machine is big-endian")
     encoder = _Encoder(collect=True)
-    tree = encoder.node(value, (None, name))
+    tree = encoder.node(value, (None, ("root", name)))
     raws = [_raw(p) for p in encoder.parts]
     spans, at = [], 0
     for raw in raws:
@@ -203,6 +210,9 @@ def encode(value: Any, *, name: str = "the message") -> bytearray:
         spans.append([at, raw.nbytes])
         at += raw.nbytes
     header = json.dumps({"value": tree, "parts": spans}, separators=(",", ":"), allow_nan=False).encode()
+    if len(header) > MAX_HEADER_BYTES:
+        raise WireTypeError(f"{name}: its structure needs a {len(header)}-byte header, more than the "
+                            f"{MAX_HEADER_BYTES} a receiver parses; send fewer, larger tensors")
     start = -(-(PREFIX.size + len(header)) // ALIGN) * ALIGN
     out = bytearray(start + at)
     PREFIX.pack_into(out, 0, MAGIC, SCHEMA_VERSION, start - PREFIX.size)
@@ -378,6 +388,8 @@ def decode(data, *, max_bytes: int, what: str) -> Any:
                         "same version of this project on every rank")
     if header_size > view.nbytes - PREFIX.size:
         raise WireError(f"{what}: a {header_size}-byte header in {view.nbytes} bytes (truncated)")
+    if header_size > MAX_HEADER_BYTES:
+        raise WireError(f"{what}: a {header_size}-byte header, more than the {MAX_HEADER_BYTES} this process parses")
     start = PREFIX.size + header_size
     try:
         header = json.loads(bytes(view[PREFIX.size:start]), parse_constant=_refuse_constant, parse_float=_finite)
