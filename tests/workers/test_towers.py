@@ -27,6 +27,12 @@ class _TowerHere(torch.nn.Module):
         self.mode = "dense"
 
 
+class _TowerOfAWidth(torch.nn.Module):
+    def __init__(self, width: int):  # an argument nothing reads back: a trusted class is built without any
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+
 class _TowerWithACache(_TowerHere):
     def __init__(self):
         super().__init__()
@@ -77,3 +83,6 @@ def test_a_tower_that_would_not_come_out_the_same_is_refused_at_rank0(monkeypatc
         tower_data(tower)
     with pytest.raises(SequenceParallelError, match=r"has tensors outside its state dict \(\['cache'\]\)"):
         tower_data(_TowerWithACache())
+    with pytest.raises(SequenceParallelError, match=r"_TowerOfAWidth cannot be rebuilt from its arguments and "
+                                                    r"weights \(TypeError: .*width"):
+        tower_data(_TowerOfAWidth(4))

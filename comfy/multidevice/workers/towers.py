@@ -122,9 +122,14 @@ class TowerData:
     def build(self) -> torch.nn.Module:
         """The tower, its weights the sent tensors; SequenceParallelError if it differs from rank 0's."""
         cls = tower_class(self.cls)
-        with torch.device("meta"):  # the structure only: the weights are the state's tensors
-            tower = UPSTREAM_TOWERS[self.cls][1](cls, self.arguments) if self.cls in UPSTREAM_TOWERS else cls(**self.arguments)
-        tower.load_state_dict(self.state, strict=True, assign=True)
+        make = UPSTREAM_TOWERS[self.cls][1] if self.cls in UPSTREAM_TOWERS else lambda c, kw: c(**kw)
+        try:
+            with torch.device("meta"):  # the structure only: the weights are the state's tensors
+                tower = make(cls, self.arguments)
+            tower.load_state_dict(self.state, strict=True, assign=True)
+        except (TypeError, ValueError, RuntimeError, KeyError) as exc:
+            raise SequenceParallelError(f"the Fun ControlNet tower {self.cls} cannot be rebuilt from its arguments "
+                                        f"and weights ({type(exc).__name__}: {str(exc)[:300]}); {THREADS_FIX}") from None
         left = [n for n, t in chain(tower.named_parameters(), tower.named_buffers()) if t.is_meta]
         if left:
             raise SequenceParallelError(f"the Fun ControlNet tower {self.cls} has tensors outside its state dict "
@@ -148,7 +153,11 @@ def tower_data(tower: torch.nn.Module) -> TowerData:
     if tower_class(name) is not type(tower):
         raise SequenceParallelError(f"the Fun ControlNet tower's class {name} is not the one its module names; "
                                     f"{THREADS_FIX}")
-    arguments = UPSTREAM_TOWERS[name][0](tower) if name in UPSTREAM_TOWERS else {}
+    try:
+        arguments = UPSTREAM_TOWERS[name][0](tower) if name in UPSTREAM_TOWERS else {}
+    except AttributeError as exc:  # an upstream version whose tower this project does not know yet
+        raise SequenceParallelError(f"the Fun ControlNet tower {name}'s constructor arguments cannot be read back "
+                                    f"from it ({exc}); {THREADS_FIX}") from None
     data = TowerData(name, arguments, dict(tower.state_dict()), structure(tower))
     try:
         check_sendable(data, name="the Fun ControlNet tower")
