@@ -21,7 +21,7 @@ Last line, JSON, per W in --worlds:
                                      and the per-block Cancel flags (the rest of the ratio: the K/V
                                      exchange over gloo between processes against copies between
                                      threads, and processes sharing the cores)
-  rank0_bytes_per_step_wW            the control message of one forward (pickled inputs)
+  rank0_bytes_per_step_wW            the control message of one forward (the inputs as wire data)
   rank0_bytes_vs_model_wW            that / the cost model's bytes of a step: the latents and the
                                      timestep (the conditioning went once, with the first step), ~1.0
   rank0_first_bytes_vs_model_wW      the first forward's message / all its input tensors, ~1.0

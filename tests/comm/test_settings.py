@@ -112,3 +112,17 @@ def test_remote_ranks_need_a_count_and_a_fixed_rendezvous_port(monkeypatch):
         monkeypatch.setenv("COMFYUI_MULTI_DEVICE_REMOTE_RANKS", raw)
         with pytest.raises(SettingError, match=rf"REMOTE_RANKS={raw!r} is not a number of ranks \(0 to 4096\)"):
             remote_ranks_from_env()
+
+
+def test_trusted_modules_are_dotted_names_or_nothing(monkeypatch):
+    from comfy.multidevice.comm.settings import trusted_modules_from_env
+    monkeypatch.delenv("COMFYUI_MULTI_DEVICE_TRUSTED_MODULES", raising=False)
+    assert trusted_modules_from_env() == ()
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TRUSTED_MODULES", " tests.upstream.standins, my_pkg ,")
+    assert trusted_modules_from_env() == ("tests.upstream.standins", "my_pkg")
+    monkeypatch.setenv("COMFYUI_MULTI_DEVICE_TRUSTED_MODULES", "os:system")
+    with pytest.raises(SettingError, match=r"TRUSTED_MODULES='os:system' names \['os:system'\], which are no Python "
+                                           r"module names; list dotted module names"):
+        trusted_modules_from_env()
+    with pytest.raises(SettingError, match="TRUSTED_MODULES"):
+        check_environment()

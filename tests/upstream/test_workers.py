@@ -18,6 +18,13 @@ PRELUDE = (("tests.upstream.standins", "install"),)  # the workers need the test
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.fixture(autouse=True)
+def trusted_stand_ins(monkeypatch):
+    """A worker calls the prelude only from a module its environment trusts (it inherits this)."""
+    from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
+    monkeypatch.setenv(TRUSTED_MODULES_ENV, PRELUDE[0][0])
+
+
 def workers(model, world, **kwargs):
     from comfy.multidevice.workers.fan_out import workers_on_patcher
     parallel = model.clone()
@@ -213,3 +220,30 @@ def test_a_forward_with_patch_functions_is_refused_before_any_worker_is_asked(up
         assert fan_out.pool is None
     finally:
         fan_out.close()
+
+
+@pytest.mark.parametrize("operations", ["disable_weight_init", "manual_cast"])
+def test_upstreams_tower_travels_as_its_class_arguments_and_weights(upstream, hook, operations):
+    """MiniMaxH3FunControl described by workers/towers.py, rebuilt from the wire bytes: the same
+    class, arguments and structure, its weights views of the message and equal to rank 0's."""
+    import torch
+    import comfy.ops
+    from comfy.ldm.minimax.controlnet import MiniMaxH3FunControl
+    from comfy.multidevice.workers.towers import tower_data
+    from comfy.multidevice.workers.wire import decode, encode
+    from tests.upstream.test_fun_controlnet import control_model_patch
+    tower = control_model_patch(upstream).model
+    if operations == "manual_cast":
+        state = tower.state_dict()
+        with torch.device("meta"):
+            tower = MiniMaxH3FunControl(**{**tower_data(tower).arguments, "operations": comfy.ops.manual_cast})
+        tower.load_state_dict(state, assign=True)
+    data = tower_data(tower)
+    assert data.arguments["operations"] == operations and data.arguments["injection_layers"] == (0, 2)
+    buffer = torch.frombuffer(encode(data), dtype=torch.uint8).clone()
+    built = decode(buffer.numpy(), max_bytes=buffer.numel(), what="the tower").build()
+    assert type(built) is MiniMaxH3FunControl and type(built.control_proj_in) is getattr(comfy.ops, operations).Linear
+    weight = built.control_blocks[0].attn.qkv_proj.weight
+    assert buffer.data_ptr() <= weight.data_ptr() < buffer.data_ptr() + buffer.numel()
+    for name, t in tower.state_dict().items():
+        assert torch.equal(built.state_dict()[name], t), name

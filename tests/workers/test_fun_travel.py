@@ -6,20 +6,26 @@ ranks give the single-device result (FP32_TOL of tests/sp_cases.py)."""
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 
+from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
 from comfy.multidevice.miniature.h3 import load_miniature, save_miniature
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.fan_out import travelling_options
 from comfy.multidevice.workers.pool import WorkerPool
 from comfy.multidevice.workers.recipe import ModelRecipe
+from comfy.multidevice.workers.wire import encode
 from tests.sp.test_fun_controlnet import _fun_options, _FunBlockPatchStandIn
 from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, tiny_model
 
 pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(autouse=True)
+def trusted_stand_ins(monkeypatch):
+    """The stand-in tower's module, trusted here and by the workers (they inherit the variable)."""
+    monkeypatch.setenv(TRUSTED_MODULES_ENV, "tests.sp.test_fun_controlnet")
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +66,8 @@ def test_fun_controlnet_over_worker_processes_equals_one_device(path, world):
 def test_the_tower_travels_once_and_other_block_patches_are_refused_naming_them():
     options, control = _fun_options()
     towers = {}
-    first = pickle.dumps(travelling_options(options, towers))
-    later = pickle.dumps(travelling_options(options, towers))
+    first = encode(travelling_options(options, towers))
+    later = encode(travelling_options(options, towers))
     assert len(later) < len(first)  # the tower's key only
     dit = options["patches_replace"]["dit"]
     with pytest.raises(SequenceParallelError, match=r"block patches \[\('double_block', 1\)\] of this forward"):

@@ -4,12 +4,11 @@ missing tensor."""
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 
 from comfy.multidevice.workers.repeats import ReceivedTensors, Repeat, SentTensors
+from comfy.multidevice.workers.wire import decode, encode
 
 
 def _step(latents, context, small):
@@ -24,7 +23,7 @@ def test_the_conditioning_travels_once_and_every_step_arrives_whole():
         latents = torch.randn(16, 64) + step  # new every step
         message = _step(latents, context.clone(), small)  # a new tensor of the same values, as ComfyUI's cat makes
         packed, new = sent.pack(message)
-        wire = pickle.loads(pickle.dumps((packed, new)))
+        wire = decode(encode((packed, new)), max_bytes=1 << 20, what="a step")
         got = received.unpack(*wire)
         assert torch.equal(got[0][0], latents) and torch.equal(got[0][2], context)
         assert torch.equal(got[1]["transformer_options"]["ref"][0], context)

@@ -15,6 +15,11 @@ COMFYUI_MULTI_DEVICE_REMOTE_RANKS  DiT ranks on other servers that join rank 0's
 COMFYUI_MULTI_DEVICE_SECRET_FILE   a file holding the cluster secret that ranks of other servers
                                    prove (the same file on every server; or the secret itself in
                                    COMFYUI_MULTI_DEVICE_SECRET)
+COMFYUI_MULTI_DEVICE_TRUSTED_MODULES
+                                   Python modules (comma-separated; a package trusts its
+                                   submodules) whose functions and classes a worker process may
+                                   use when rank 0 names them, besides the ones this project
+                                   registered (default none; tests' stand-ins)
 
 Set by torchrun for each process it starts: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT (checked, TorchrunEnvError) and LOCAL_WORLD_SIZE.
@@ -45,9 +50,10 @@ RUN_TIMEOUT_ENV = "COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S"
 WEIGHT_BASE_ENV = "COMFYUI_MULTI_DEVICE_WEIGHT_BASE"
 RENDEZVOUS_ENV = "COMFYUI_MULTI_DEVICE_RENDEZVOUS"
 REMOTE_RANKS_ENV = "COMFYUI_MULTI_DEVICE_REMOTE_RANKS"
+TRUSTED_MODULES_ENV = "COMFYUI_MULTI_DEVICE_TRUSTED_MODULES"
 VALID_BACKENDS = ("auto", "hccl", "nccl", "peer")
 MULTI_DEVICE_ENV_VARS = (BACKEND_ENV, TIMEOUT_ENV, RUN_TIMEOUT_ENV, WEIGHT_BASE_ENV, RENDEZVOUS_ENV,
-                         REMOTE_RANKS_ENV)
+                         REMOTE_RANKS_ENV, TRUSTED_MODULES_ENV)
 WEIGHT_BASE_MODES = ("map", "pin")  # read-only shared mapping (default) | anonymous RAM
 # The variable that decides which physical cards a process sees, per kind (and Ascend's
 # container-level one, shown beside it).
@@ -191,6 +197,18 @@ def remote_ranks_from_env() -> int:
     return count
 
 
+def trusted_modules_from_env() -> tuple[str, ...]:
+    """COMFYUI_MULTI_DEVICE_TRUSTED_MODULES: dotted module names (default none)."""
+    raw = os.environ.get(TRUSTED_MODULES_ENV, "")
+    names = tuple(name.strip() for name in raw.split(",") if name.strip())
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad:
+        raise env_error(TRUSTED_MODULES_ENV, raw, f"names {bad}, which are no Python module names",
+                        "list dotted module names separated by commas (e.g. tests.upstream.standins), "
+                        "or unset it")
+    return names
+
+
 def check_environment(backend: bool = True) -> None:
     """Raise SettingError for the first bad multi-device variable (before anything is built).
     `backend=False` leaves COMFYUI_MULTI_DEVICE_BACKEND out (an option given instead wins)."""
@@ -200,6 +218,7 @@ def check_environment(backend: bool = True) -> None:
     run_timeout_from_env()
     weight_base_from_env()
     remote_ranks_from_env()  # reads the rendezvous too
+    trusted_modules_from_env()
 
 
 def read_variables(names=(), prefixes: tuple[str, ...] = ()) -> dict[str, str | None]:

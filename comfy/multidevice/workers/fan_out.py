@@ -14,7 +14,6 @@ patch set, or a clone with a LoRA loaded after the node) or after a forward that
 from __future__ import annotations
 
 import logging
-import pickle
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -28,11 +27,15 @@ from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe
 from comfy.multidevice.workers.rendezvous import format_address
+from comfy.multidevice.workers.wire import check_sendable, WireTypeError
 
 log = logging.getLogger(__name__)
 
 RANK0_ONLY = ("wrappers", "callbacks")  # run here on rank 0 (or not at all inside a forward)
 PATCH_KEYS = ("patches", "patches_replace")  # functions of this process: refused when present
+# Caches a worker's DiT rebuilds from the rest of its input: upstream's prebuilt PackedLayout
+# (an object of the ComfyUI process; the DiT makes the same layout from the payload's data)
+REBUILT_BY_THE_WORKER = {"minimax_payload": ("layout",)}
 
 
 def travelling_options(options: dict, sent_towers: dict | None = None) -> dict:
@@ -51,14 +54,25 @@ def travelling_options(options: dict, sent_towers: dict | None = None) -> dict:
                 f"ranks as processes cannot carry the transformer_options {key!r} of this forward "
                 f"({sorted(value) if isinstance(value, dict) else type(value).__name__}): they are functions "
                 "of the ComfyUI process; use ranks as threads for this workflow")
-        try:
-            pickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001 - named in the error
-            raise SequenceParallelError(
-                f"ranks as processes cannot send transformer_options[{key!r}] ({type(value).__name__}: "
-                f"{exc}); use ranks as threads for this workflow") from None
+        _check_sendable(value, f"transformer_options[{key!r}]")
         out[key] = value
     return out
+
+
+def travelling_kwargs(kwargs: dict) -> dict:
+    """A forward's keyword inputs as a worker gets them: the caches it rebuilds left out."""
+    out = dict(kwargs)
+    for name, caches in REBUILT_BY_THE_WORKER.items():
+        if isinstance(out.get(name), dict):
+            out[name] = {k: v for k, v in out[name].items() if k not in caches}
+    return out
+
+
+def _check_sendable(value, name: str) -> None:
+    try:
+        check_sendable(value, name=name)
+    except WireTypeError as exc:  # names the path inside the value
+        raise SequenceParallelError(f"ranks as processes: {exc}; use ranks as threads for this workflow") from None
 
 
 def _holds_functions(key: str, value) -> bool:
@@ -99,7 +113,7 @@ class ProcessFanOut:
         return rest(*args, **kwargs)
 
     def _on_ranks(self, executor, args: list, kwargs: dict):
-        sent_args, sent_kwargs = list(args), dict(kwargs)
+        sent_args, sent_kwargs = list(args), travelling_kwargs(kwargs)
         options = transformer_options_of(sent_args, sent_kwargs, self.transformer_options_index)
         digest = self.digest_of()
         # the towers the workers will hold once this forward is sent (fresh workers hold none)
@@ -109,6 +123,8 @@ class ProcessFanOut:
             sent_args[self.transformer_options_index] = travelling
         else:
             sent_kwargs["transformer_options"] = travelling
+        _check_sendable(sent_args, "the forward's arguments")  # before any process is asked
+        _check_sendable(sent_kwargs, "the forward's keyword arguments")
         pool = self._current_pool(executor.class_obj, digest)
         self._sent_towers = towers
         try:

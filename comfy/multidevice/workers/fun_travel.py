@@ -3,70 +3,73 @@
 A Fun ControlNet block patch (sp/fun_controlnet.py says which of its parts the adapter reads)
 lives in the ComfyUI process: it holds the control tower (a small DiT) and the step's control
 latent, which its own wrapper sets on rank 0 before every forward. A worker gets the same
-facts as data, per forward: for each control patch its `active`, `strength` and control
-latent (a tensor: after the first step held by digest, workers/repeats.py) and the tower,
-sent with the first forward of a pool that uses it and named by a key after that; for each
-block its index. Every rank then drives the control stream as the rank threads do
+facts as data (workers/wire.py records), per forward: for each control patch its `active`,
+`strength` and control latent (a tensor: after the first step held by digest,
+workers/repeats.py) and the tower (its class, constructor arguments and weights:
+workers/towers.py), sent with the first forward of a pool that uses it and named by a key after
+that; for each block its index. Every rank then drives the control stream as the rank threads do
 (`RankFunControl`: the stream over the whole sequence, each rank adding its own rows), exact.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
-
-import torch
 
 from comfy.multidevice.sp.fun_controlnet import fun_control_patches
 from comfy.multidevice.sp.plan import SequenceParallelError
-from comfy.multidevice.weights.module_copies import replica_on
+from comfy.multidevice.workers.towers import tower_data, TowerData
+from comfy.multidevice.workers.wire import wire_record
 
-_held_towers: dict[int, torch.nn.Module] = {}  # a worker's towers, by rank 0's key (one pool per process)
+_held_towers: dict = {}  # a worker's towers, by rank 0's key (one pool per process)
 
 
+@dataclass(eq=False)  # one object per control patch, shared by its block patches
 class TravellingControl:
-    """What a rank reads of one control patch; unpickled in a worker, it holds the tower sent
-    with it under its key for the later forwards that name only the key."""
+    """What a rank reads of one control patch. Received, it rebuilds the tower sent with it
+    (workers/towers.py) and holds it under its key for the later forwards that name only the key."""
 
-    def __init__(self, key: int, active: bool, strength: float, control_latent, tower=None):
-        self.key = key
-        self.active = active
-        self.strength = strength
-        self.control_latent = control_latent
-        self.tower = tower  # only in the first forward of a pool that uses it
+    key: int
+    active: bool
+    strength: float
+    control_latent: object
+    tower: TowerData | None = None  # only in the first forward of a pool that uses it
 
-    def __setstate__(self, state):
-        tower = state.pop("tower", None)
+    @classmethod
+    def received(cls, key: int, active: bool, strength: float, control_latent, tower: TowerData | None):
+        if type(key) is not int or type(active) is not bool or type(strength) is not float:
+            raise TypeError(f"a control patch is (key: int, active: bool, strength: float, ...), not "
+                            f"({type(key).__name__}, {type(active).__name__}, {type(strength).__name__}, ...)")
         if tower is not None:
-            _held_towers[state["key"]] = tower
-        self.__dict__.update(state, tower=None)
+            if not isinstance(tower, TowerData):
+                raise TypeError(f"a control patch's tower is sent as TowerData, not {type(tower).__name__}")
+            _held_towers[key] = tower.build()
+        return cls(key, active, strength, control_latent)
 
     @property
     def model_patch(self):
-        tower = self.tower if self.tower is not None else _held_towers.get(self.key)
+        tower = _held_towers.get(self.key)
         if tower is None:
             raise RuntimeError(f"the Fun ControlNet tower {self.key} never reached this worker; the pool "
                                "is out of step with rank 0, run the prompt again")
         return SimpleNamespace(model=tower)
 
 
+wire_record("fun_control", make=TravellingControl.received)(TravellingControl)
+
+
+@wire_record("fun_block_patch")
+@dataclass(eq=False)
 class TravellingFunPatch:
     """A block's Fun ControlNet patch as a worker sees it; the adapter drives it (never called)."""
 
-    def __init__(self, control_patch: TravellingControl, block_index: int):
-        self.control_patch = control_patch
-        self.block_index = block_index
-        self.previous = None
+    control_patch: TravellingControl
+    block_index: int
+    previous = None  # what a block patch chains: never anything here (refused at rank 0)
 
     def __call__(self, args, extra):
         raise SequenceParallelError("a travelling Fun ControlNet patch runs only through the sequence-parallel "
                                     "adapter (sp/minimax_h3.py)")
-
-
-def _on_cpu(module: torch.nn.Module) -> torch.nn.Module:
-    """The module with its tensors on the CPU (itself when they are there already), to pickle."""
-    if all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers())):
-        return module
-    return replica_on(module, "cpu")
 
 
 def travelling_dit_patches(dit: dict, sent_towers: dict) -> dict:
@@ -93,11 +96,10 @@ def travelling_dit_patches(dit: dict, sent_towers: dict) -> dict:
         if travelling is None:
             tower = control.model_patch.model
             key = id(tower)  # held in sent_towers for the pool's life: the id is not reused meanwhile
-            first = key not in sent_towers
-            if first:
-                sent_towers[key] = tower
+            sent = None if key in sent_towers else tower_data(tower)  # refused here when it cannot travel
+            sent_towers[key] = tower
             travelling = controls[id(control)] = TravellingControl(
                 key, bool(control.active), float(control.strength), getattr(control, "control_latent", None),
-                tower=_on_cpu(tower) if first else None)
+                tower=sent)
         out[("double_block", index)] = TravellingFunPatch(travelling, index)
     return out

@@ -8,7 +8,7 @@ message carried is replaced by a `Repeat` of it, the others kept aside to travel
 worker (`ReceivedTensors.unpack`) puts them back. Both sides keep exactly the previous
 message's tensors (the worker their values, rank 0 their digests), so they agree on what a
 digest means without more messages; one the worker does not hold is an error, never a
-stale value.
+stale value. A `Repeat` travels as a wire record (workers/wire.py).
 """
 
 from __future__ import annotations
@@ -20,13 +20,19 @@ from typing import Any
 import torch
 
 from comfy.multidevice.tensor_bytes import tensor_nbytes
+from comfy.multidevice.workers.wire import wire_record
 
 MIN_BYTES = 16 * 1024  # below this, hashing a tensor costs more than sending it
 
 
+@wire_record("repeat")
 @dataclass(frozen=True)
 class Repeat:
     digest: str
+
+    def __post_init__(self):
+        if type(self.digest) is not str:
+            raise TypeError(f"a Repeat names its tensor by a digest string, not {type(self.digest).__name__}")
 
 
 def tensor_digest(t: torch.Tensor) -> str:
