@@ -6,7 +6,9 @@ namespace joined by a veth pair (tests/two_servers.py), rendezvous over TCP, glo
 The node's dit_ranks=auto (processes, as other servers' ranks are set) samples through the
 server's KSampler (comfy.sample.sample) like 1 card; a rank on B killed with SIGKILL while a
 40-step prompt samples fails that prompt naming the rank and B's address within the timeout;
-the next prompt, with B's ranks back by themselves, is exact again. Where namespaces cannot be
+the next prompt, with B's ranks back by themselves, is exact again. A stranger on B that sends
+the rendezvous port a pickle (which would create a marker file if unpickled) is refused, named
+in ComfyUI's log by its address, and nothing is unpickled. Where namespaces cannot be
 made, both servers are loopback and the test says so. On v0.33.0 sequence parallel is refused
 by design (test_install_ways.py), so this file skips there.
 """
@@ -28,6 +30,20 @@ from tests.helpers import free_port
 from tests.two_servers import child_pid, two_servers
 
 TIMEOUT_S = 60  # the collective timeout on both servers
+STRANGER = """
+import pickle, socket, sys, time
+class Marker:
+    def __reduce__(self):
+        return open, (sys.argv[3], "w")
+for _ in range(600):  # the door opens with the first prompt that uses the other server
+    try:
+        conn = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+        break
+    except OSError:
+        time.sleep(0.25)
+conn.sendall(pickle.dumps(Marker()) + bytes([10]))
+print("door:", conn.recv(4096)[:200])
+"""
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -47,7 +63,7 @@ def test_one_dit_over_two_servers_through_the_node(upstream, tiny_models, tmp_pa
             [*servers.run_a, sys.executable, str(REPO / "tests" / "e2e" / "two_servers_driver.py"), "--tree", str(tree),
              "--root", str(tmp_path), "--rendezvous", rendezvous, "--timeout", str(TIMEOUT_S)],
             stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.log", "w"), text=True, cwd=REPO, env=with_secret)
-        join = None
+        join = stranger = None
 
         def read(expected):
             line = driver.stdout.readline().split(" ", 1)
@@ -60,11 +76,18 @@ def test_one_dit_over_two_servers_through_the_node(upstream, tiny_models, tmp_pa
             # server B: the same files at the same paths (the README's requirement), ComfyUI's tree
             # on the import path as on server A, the stand-ins of this machine's torch too
             env = {**with_secret, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(tree)])}
+            # a stranger on server B first: a pickle that would create `marker` if ComfyUI unpickled it
+            marker = tmp_path / "marker"
+            host, port = rendezvous.rsplit(":", 1)
+            stranger = subprocess.Popen([*servers.run_b, sys.executable, "-c", STRANGER, host, port, str(marker)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             join = subprocess.Popen(
                 [*servers.run_b, sys.executable, "-m", "comfy.multidevice.workers.join", "--rendezvous", rendezvous,
                  "--first-rank", "2", "--devices", "cpu,cpu", "--threads", "1", "--timeout", str(TIMEOUT_S)],
                 cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "join.log", "w"))
             assert float(read("EXACT")) <= MAX_LEVELS
+            out, err = stranger.communicate(timeout=60)
+            assert "refused" in out, out + err[-2000:]
             read("KILL-NOW")
             os.kill(child_pid(join.pid, 3), signal.SIGKILL)
             seconds, message = read("FAILED").split(" ", 1)
@@ -78,8 +101,10 @@ def test_one_dit_over_two_servers_through_the_node(upstream, tiny_models, tmp_pa
             log = (tmp_path / "join.log").read_text()
             assert "was killed by signal 9" in log and "[rank 2]" in log, log[-3000:]
             server_log = (tmp_path / "comfyui.log").read_text()
+            assert f"refused {servers.address_b}:" in server_log and "not JSON" in server_log, server_log[-3000:]
+            assert not marker.exists()  # the server unpickled nothing
             assert "ranks 2-3 run on other servers: start them there once" in server_log
         finally:
-            for p in (driver, join):
+            for p in (driver, join, stranger):
                 if p is not None and p.poll() is None:
                     p.kill()

@@ -87,9 +87,11 @@ def serve_pools(host: str, port: int, first_rank: int, devices: list[str], timeo
             log.error("%s. This join command stops.", exc)
             return REFUSED
         except RankZeroLost as exc:  # rank 0 went away (restarted): find it again
-            log.info("lost rank 0 at %s (%s); reconnecting", rendezvous, " ".join(str(exc).split())[:200])
+            log.info("lost rank 0 at %s (%s); reconnecting in %g s", rendezvous, " ".join(str(exc).split())[:200],
+                     RETRY_S)
             following.close()
             following, served = None, 0
+            time.sleep(RETRY_S)  # never a tight loop, whatever rank 0 did
             continue
         if generation <= served:
             log.warning("rank 0 announced pool %d after pool %d; skipping it", generation, served)
