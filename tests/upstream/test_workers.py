@@ -247,3 +247,27 @@ def test_upstreams_tower_travels_as_its_class_arguments_and_weights(upstream, ho
     assert buffer.data_ptr() <= weight.data_ptr() < buffer.data_ptr() + buffer.numel()
     for name, t in tower.state_dict().items():
         assert torch.equal(built.state_dict()[name], t), name
+
+
+def test_a_dit_file_replaced_after_the_node_ran_is_refused_naming_it(upstream, hook, tmp_path):
+    """The audit replaced the DiT file after ComfyUI had loaded it: the workers loaded the new
+    bytes and the result was wrong without an error. The node takes the file's identity when
+    it runs; every worker checks its own file against it before it loads."""
+    import os
+
+    import comfy.sd
+    import safetensors.torch
+
+    from tests.upstream.test_h3_dit import tiny_state_dict
+    path = tmp_path / "dit.safetensors"
+    weights = tiny_state_dict(upstream)
+    safetensors.torch.save_file(weights, str(path))
+    patcher = comfy.sd.load_diffusion_model(str(path))
+    parallel, fan_out = workers(patcher, 2)
+    try:
+        safetensors.torch.save_file({k: v * 1.05 for k, v in weights.items()}, str(tmp_path / "other.safetensors"))
+        os.replace(tmp_path / "other.safetensors", path)  # same path, same size, other weights
+        with pytest.raises(Exception, match=rf"the DiT file at {path} on rank 1 on .* differs from rank 0's"):
+            sample(parallel)
+    finally:
+        fan_out.close()

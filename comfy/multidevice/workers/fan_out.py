@@ -22,6 +22,7 @@ from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
+from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.fun_travel import travelling_dit_patches
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
@@ -172,8 +173,9 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
     into the shards, and rank 0's block-weights handle (roles/dit.py `workers_dit`)."""
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
-    if recipe is None:
-        comfy_dit_recipe(model_patcher, prelude)  # refused here when it cannot be made
+    # refused here when it cannot be made; its DiT file as it is now, when the node runs (the
+    # workers check theirs against it: a file replaced later is refused, not loaded)
+    dit_file = DitFile.of_recipe(recipe if recipe is not None else comfy_dit_recipe(model_patcher, prelude))
 
     def sampling_patcher():
         # ComfyUI sets BaseModel.current_patcher to the patcher that samples as it starts: this
@@ -184,7 +186,7 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
     def make_pool(rank0_dit):
         made = recipe if recipe is not None else comfy_dit_recipe(sampling_patcher(), prelude)
         return WorkerPool(devices, made, sp_mode, timeout_s, rank0_model=rank0_dit, remote=remote,
-                          address=address, port=port, rank0_weights=rank0_weights)
+                          address=address, port=port, rank0_weights=rank0_weights, dit_file=dit_file)
 
     def patch_set():
         if recipe is None:  # the workers load the sampling patcher's own patches: a new set, a new pool
