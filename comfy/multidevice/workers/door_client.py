@@ -36,6 +36,18 @@ def _identity() -> dict:
     return {"server": socket.gethostname(), "pid": os.getpid()}
 
 
+def _next_line(reader: admission.LineReader, closed: str) -> dict:
+    """Rank 0's next line (a beat included); RankZeroLost when it closed the connection (saying
+    `closed`) or sent nothing for BEATS_MISSED heartbeats."""
+    try:
+        line = reader.read(HEARTBEAT_S * BEATS_MISSED)
+    except AdmissionError as exc:
+        raise RankZeroLost(f"rank 0 at {reader.peer} went silent ({exc})") from None
+    if line is None:
+        raise RankZeroLost(f"rank 0 at {reader.peer} {closed}")
+    return line
+
+
 class RankLink:
     """A worker's live connection to rank 0: open for the worker's life; rank 0 beats on it
     and says "go" before each control message."""
@@ -47,15 +59,8 @@ class RankLink:
 
     def wait_for_go(self) -> None:
         """Block until rank 0 says go, however long it idles, as long as it beats."""
-        while True:
-            try:
-                line = self.reader.read(HEARTBEAT_S * BEATS_MISSED)
-            except AdmissionError as exc:
-                raise RankZeroLost(f"rank 0 at {self.peer} went silent ({exc})") from None
-            if line is None:
-                raise RankZeroLost(f"rank 0 at {self.peer} closed the pool")
-            if line.get("go"):
-                return
+        while not _next_line(self.reader, "closed the pool").get("go"):
+            pass
 
     def close(self):
         self.conn.close()
@@ -108,12 +113,7 @@ class Following:
         """(generation, world size, local ranks of rank 0's server, the pool's key) of the
         next pool rank 0 announces; RankZeroLost when rank 0 goes away."""
         while True:
-            try:
-                line = self.reader.read(HEARTBEAT_S * BEATS_MISSED)
-            except AdmissionError as exc:
-                raise RankZeroLost(f"rank 0 at {self.peer} went silent ({exc})") from None
-            if line is None:
-                raise RankZeroLost(f"rank 0 at {self.peer} closed the connection")
+            line = _next_line(self.reader, "closed the connection")
             if "pool" not in line:
                 continue
             try:
