@@ -75,7 +75,8 @@ def test_another_version_is_refused_on_both_sides_naming_both_versions(door):
     admission.send_line(conn, {"hello": "minimax-h3 pool", "project": "0.0.9", "protocol": 2, "purpose": "live",
                                "rank": 1, "generation": pool.generation, "nonce": "n"})
     refused = admission.LineReader(conn, "door").read(5)["refused"]
-    assert "runs MiniMax-H3 multi-device '0.0.9' (pool protocol 2) and rank 0 runs '0.1.0'" in refused
+    assert ("runs MiniMax-H3 multi-device '0.0.9' (pool protocol 2, message schema None) and rank 0 runs '0.1.0' "
+            "(pool protocol 3, message schema 1)") in refused
     assert "install the same version on every server" in refused
     conn.close()
     # a worker meets an older rank 0 (here: a program answering as one)
@@ -83,12 +84,13 @@ def test_another_version_is_refused_on_both_sides_naming_both_versions(door):
         def answer():
             peer, _ = old.accept()
             admission.LineReader(peer, "worker").read(5)
-            admission.send_line(peer, {"project": "0.0.9", "protocol": 2, "nonce": "m", "proof": "0" * 64})
+            admission.send_line(peer, {"project": "0.1.0", "protocol": 3, "schema": 2, "nonce": "m", "proof": "0" * 64})
             time.sleep(0.5)
             peer.close()
         threading.Thread(target=answer, daemon=True).start()
-        with pytest.raises(AdmissionError, match=r"rank 0 at .* runs MiniMax-H3 multi-device '0.0.9' \(pool protocol 2\) "
-                                                 r"and this server runs '0.1.0' \(pool protocol 3\)"):
+        with pytest.raises(AdmissionError, match=r"rank 0 at .* runs MiniMax-H3 multi-device '0.1.0' \(pool protocol 3, "
+                                                 r"message schema 2\) and this server runs '0.1.0' \(pool protocol 3, "
+                                                 r"message schema 1\)"):
             RankLink("127.0.0.1", old.getsockname()[1], pool.key, 1, pool.generation)
 
 

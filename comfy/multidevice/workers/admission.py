@@ -29,8 +29,10 @@ import secrets
 import socket
 import time
 
+from comfy.multidevice.workers.wire import SCHEMA_VERSION
+
 PROJECT_VERSION = "0.1.0"  # pyproject.toml's; a pool's ranks must all run the same
-PROTOCOL_VERSION = 3  # the door's handshake and messages (2: the store and liveness of before)
+PROTOCOL_VERSION = 3  # the door's handshake and lines (2: the store and liveness of before)
 MAX_LINE = 4096  # bytes of one door line, newline included
 HANDSHAKE_S = 10.0  # a connection that has not proved the secret by then is dropped
 
@@ -175,16 +177,18 @@ def field(message: dict, name: str, kind: type, peer: str):
 
 
 def check_versions(message: dict, peer: str, mine: str) -> None:
-    """Refuse a peer of another project or protocol version, naming both (`mine`: this side)."""
-    project, protocol = message.get("project"), message.get("protocol")
-    if project != PROJECT_VERSION or protocol != PROTOCOL_VERSION:
+    """Refuse a peer of another project, protocol or message schema version, naming both
+    (`mine`: this side)."""
+    theirs = (message.get("project"), message.get("protocol"), message.get("schema"))
+    if theirs != (PROJECT_VERSION, PROTOCOL_VERSION, SCHEMA_VERSION):
         raise AdmissionError(
-            f"{peer} runs MiniMax-H3 multi-device {project!r} (pool protocol {protocol!r}) and {mine} runs "
-            f"{PROJECT_VERSION!r} (pool protocol {PROTOCOL_VERSION}): install the same version on every server")
+            f"{peer} runs MiniMax-H3 multi-device {theirs[0]!r} (pool protocol {theirs[1]!r}, message schema "
+            f"{theirs[2]!r}) and {mine} runs {PROJECT_VERSION!r} (pool protocol {PROTOCOL_VERSION}, message schema "
+            f"{SCHEMA_VERSION}): install the same version on every server")
 
 
 def versions() -> dict:
-    return {"project": PROJECT_VERSION, "protocol": PROTOCOL_VERSION}
+    return {"project": PROJECT_VERSION, "protocol": PROTOCOL_VERSION, "schema": SCHEMA_VERSION}
 
 
 # -- the two sides of the challenge -------------------------------------------------------

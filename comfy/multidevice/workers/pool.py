@@ -203,7 +203,7 @@ class WorkerPool:
                     self.model = self.rank0_model
                 else:
                     if self.dit_file is not None:  # rank 0 builds from the file too: the same check
-                        self.dit_file.check(f"rank 0 on {socket.gethostname()}")
+                        self.dit_file.check(f"rank 0 on {socket.gethostname()} now")
                     self.model, self.rank0_weights = self.recipe.build(self.devices[0], 0, self.world_size)
                 if self.rank0_weights is not None:  # this pool's lane (rank 0's shard outlives pools)
                     self.rank0_weights.family.use_lane(lane, self.timeout_s)
