@@ -271,3 +271,15 @@ def test_a_dit_file_replaced_after_the_node_ran_is_refused_naming_it(upstream, h
             sample(parallel)
     finally:
         fan_out.close()
+
+
+def test_remote_ranks_without_the_cluster_secret_are_refused_before_the_model_changes(upstream, hook, patcher,
+                                                                                       monkeypatch):
+    from comfy.multidevice.workers.admission import SecretError
+    from comfy.multidevice.workers.fan_out import workers_on_patcher
+    monkeypatch.delenv("COMFYUI_MULTI_DEVICE_SECRET_FILE", raising=False)
+    monkeypatch.delenv("COMFYUI_MULTI_DEVICE_SECRET", raising=False)
+    parallel = patcher.clone()
+    with pytest.raises(SecretError, match="COMFYUI_MULTI_DEVICE_SECRET_FILE .*secrets.token_hex"):
+        workers_on_patcher(parallel, ["cpu"] * 2, remote=2, address="127.0.0.1", port=29600)
+    assert not parallel.wrappers.get("diffusion_model")

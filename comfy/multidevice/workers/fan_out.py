@@ -21,6 +21,7 @@ from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.workers.admission import cluster_secret
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.fun_travel import travelling_dit_patches
@@ -173,6 +174,8 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
     into the shards, and rank 0's block-weights handle (roles/dit.py `workers_dit`)."""
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
+    if remote:  # refused now, naming how to make and place it, not at the first step
+        cluster_secret(required=True)
     # refused here when it cannot be made; its DiT file as it is now, when the node runs (the
     # workers check theirs against it: a file replaced later is refused, not loaded)
     dit_file = DitFile.of_recipe(recipe if recipe is not None else comfy_dit_recipe(model_patcher, prelude))
