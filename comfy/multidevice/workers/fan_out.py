@@ -21,7 +21,7 @@ from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.plan import SequenceParallelError
-from comfy.multidevice.workers.admission import cluster_secret
+from comfy.multidevice.workers.admission import cluster_secret, SECRET_FILE_ENV
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.fun_travel import travelling_dit_patches
@@ -213,7 +213,8 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
              ", ".join(map(str, devices)), f" and {remote} on other servers" if remote else "")
     if remote:
         log.info("ranks %d-%d run on other servers: start them there once, e.g. for one server with "
-                 "all of them: %s", len(devices), len(devices) + remote - 1,
+                 "all of them (%s naming a copy of this server's secret file): %s", len(devices),
+                 len(devices) + remote - 1, SECRET_FILE_ENV,
                  join_command(format_address(address, port), len(devices), ["<card>"] * remote,
                               timeout_from_env() if timeout_s is None else timeout_s))
     return fan_out

@@ -44,6 +44,7 @@ from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.join import join_command
+from comfy.multidevice.workers.admission import SECRET_FILE_ENV
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door import PoolAdmission, WorkerIdentity
 from comfy.multidevice.workers.process import WorkerProcess, worker_arguments, worker_env
@@ -179,8 +180,9 @@ class WorkerPool:
                 rank, self.world_size, self.rendezvous.address, self.generation, self.devices[rank],
                 self.timeout_s, threads), pool.key, env=worker_env(ifname)))
         if self.remote:
-            log.info("worker pool: waiting for ranks %d-%d from other servers at %s (started there with: %s)",
-                     len(self.devices), self.world_size - 1, self.rendezvous.address, self.join_command())
+            log.info("worker pool: waiting for ranks %d-%d from other servers at %s (started there with: %s, "
+                     "%s naming a copy of this server's secret file)", len(self.devices), self.world_size - 1,
+                     self.rendezvous.address, self.join_command(), SECRET_FILE_ENV)
         try:
             try:
                 self._wait_admitted()
