@@ -12,6 +12,8 @@ two modes' operands sit at other alignments, e.g. views of a file whose tensors 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -220,6 +222,57 @@ def test_flattenable_tensor_subclasses_travel_as_their_inner_tensors():
             assert cls is two_tensor.TwoTensor
             assert torch.equal(a, originals[i].a) and torch.equal(b, originals[i].b)
             assert torch.equal(norm, torch.arange(4.0))
+
+
+def test_every_tensor_made_on_the_prefetch_stream_is_kept_for_the_compute_stream(monkeypatch):
+    """On a card the gather runs on a side stream and release() drops the tensors while block i
+    may still run: the flat buffer and the clones a quantized weight's rebuild made of its
+    inner tensors must all be record_stream-ed on the compute stream, or the allocator hands
+    their memory to block i + 2's prefetch (CARDS.md). Seen here through a stand-in card API."""
+    from comfy.multidevice.weights import block_shards
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    recorded: list[tuple[int, str]] = []
+
+    class Card:  # torch.cuda / torch.npu as bind() and the side-stream gather use them
+        class Stream:
+            def __init__(self, device):
+                pass
+
+            def synchronize(self):
+                pass
+
+        @staticmethod
+        def stream(stream):
+            return contextlib.nullcontext()
+
+        @staticmethod
+        def current_stream(device):
+            return "compute"
+
+    monkeypatch.setattr(block_shards, "accelerator_api", lambda kind: Card)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: recorded.append((self.untyped_storage().data_ptr(), stream)))
+    world = 2
+    g = torch.Generator().manual_seed(0)
+    originals = [two_tensor.TwoTensor(torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g))
+                 for _ in range(3)]
+    towers = [_Tower([t.clone() for t in originals]) for _ in range(world)]
+    family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * world, lane=_Lane(world))
+    views = [family.rank_view(r) for r in range(world)]
+    unrecorded = []
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        def forward(rank, comm):
+            views[rank].begin_forward()
+            for i in range(3):
+                views[rank].bind(i, comm)
+                w = towers[rank].blocks[i].weight
+                if family.plan.owner[i]["weight"] != rank:  # gathered: inner tensors are clones
+                    unrecorded.extend(leaf for leaf in (w.a, w.b)
+                                      if (leaf.untyped_storage().data_ptr(), "compute") not in recorded)
+                views[rank].release(i)
+        coord.run(forward)
+    family.close()
+    assert recorded and not unrecorded
 
 
 def test_a_weight_whose_layout_changed_is_an_error_naming_it():

@@ -438,6 +438,17 @@ class OwnRankLane:
         return out
 
 
+def _made_on_the_prefetch_stream(flat: torch.Tensor, gathered: dict) -> list[torch.Tensor]:
+    """The flat buffer and every leaf of the gathered tensors held in other memory (the
+    clones of a flattenable subclass's inner tensors); empty ones left out."""
+    storage = flat.untyped_storage().data_ptr() if flat.numel() else None
+    out = [flat] if flat.numel() else []
+    for value in gathered.values():
+        out += [leaf for leaf in tensor_leaves(value)
+                if leaf.numel() and leaf.untyped_storage().data_ptr() != storage]
+    return out
+
+
 class RankBlockWeights:
     """One rank's handle: `with weights.block(i, comm):` binds block i's gathered tensors."""
 
@@ -458,10 +469,14 @@ class RankBlockWeights:
         family.request(self.rank, index + 1)  # block i+1 travels while block i computes
         device = family.devices[self.rank]
         api = accelerator_api(device.type)
-        if api is not None and flat.numel():
-            # made on the prefetch stream, used on this one: the allocator must not hand the
-            # memory to the next prefetch before this stream is done with it
-            flat.record_stream(api.current_stream(device))
+        if api is not None:
+            # made on the prefetch stream, used on this one: the allocator must not hand their
+            # memory to the next prefetch before this stream is done with it (release() drops
+            # them while block i may still run) - the flat buffer and the clones a tensor
+            # subclass's rebuild made of its inner tensors alike
+            stream = api.current_stream(device)
+            for tensor in _made_on_the_prefetch_stream(flat, gathered):
+                tensor.record_stream(stream)
         slots = family._slots[self.rank][index]
         for name, value in gathered.items():
             _set(slots[name], value)
