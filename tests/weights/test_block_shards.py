@@ -275,6 +275,29 @@ def test_every_tensor_made_on_the_prefetch_stream_is_kept_for_the_compute_stream
     assert recorded and not unrecorded
 
 
+def test_the_processes_lane_sets_its_device_in_the_thread_that_gathers(monkeypatch):
+    """Ranks as processes gather the next block from the family's helper thread: that thread
+    must make the rank's card current first (torch_npu opens card 0 for a thread that did not)."""
+    import threading
+    from types import SimpleNamespace
+
+    from comfy.multidevice.weights import block_shards
+    calls = []
+    monkeypatch.setattr(block_shards, "set_thread_device", lambda device: calls.append((device, threading.get_ident())))
+    comm = SimpleNamespace(device=torch.device("cpu"), rank=1, world_size=3)
+    lane = block_shards.OwnRankLane(comm)
+    seen = {}
+
+    def gather(rank, got):
+        seen.update(rank=rank, thread=threading.get_ident(), calls=list(calls))
+        return "block"
+    helper = threading.Thread(target=lambda: seen.update(out=lane.run(gather)))
+    helper.start()
+    helper.join(10)
+    assert seen["out"] == [None, "block", None] and seen["rank"] == 1
+    assert seen["calls"] == [(comm.device, seen["thread"])]  # set before the gather, in its thread
+
+
 def test_a_weight_whose_layout_changed_is_an_error_naming_it():
     towers = [_Tower([torch.randn(3, 5) for _ in range(2)]) for _ in range(2)]
     family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * 2)

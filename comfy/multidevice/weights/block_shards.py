@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from comfy.multidevice.devices import accelerator_api
+from comfy.multidevice.devices import accelerator_api, set_thread_device
 from comfy.multidevice.tensor_bytes import is_flattenable, tensor_leaves, tensor_nbytes
 
 log = logging.getLogger(__name__)
@@ -433,6 +433,9 @@ class OwnRankLane:
         self.comm = comm
 
     def run(self, fn) -> list:
+        # the family's helper thread, not the rank's: without its device set, torch_npu would
+        # open a context and streams on card 0 for it (CARDS.md), memory no plan counts
+        set_thread_device(self.comm.device)
         out = [None] * self.comm.world_size
         out[self.comm.rank] = fn(self.comm.rank, self.comm)
         return out
