@@ -24,6 +24,7 @@ weights (ComfyUI's clone semantics) and carry the parallel set-up.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import threading
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _COORDINATORS: dict = {}
 _COORDINATORS_LOCK = threading.Lock()
+_CLOSE_AT_EXIT: list = []  # non-empty once close_shared_coordinators is registered with atexit
 
 
 def shared_coordinator(devices: Sequence[torch.device], backend: str | None = None,
@@ -81,6 +83,12 @@ def _kept(key, make) -> SequenceParallelCoordinator:
         coordinator = _COORDINATORS.get(key)
         if coordinator is None or coordinator.closed:
             coordinator = _COORDINATORS[key] = make()
+            if not _CLOSE_AT_EXIT and any(d.split(":")[0] in ("npu", "cuda") for d in key[0]):
+                # torch_npu's own atexit shutdown resets the devices; exit handlers run last
+                # registered first, and torch_npu was imported before this coordinator was
+                # made, so registering now destroys the communicators before that reset
+                atexit.register(close_shared_coordinators)
+                _CLOSE_AT_EXIT.append(True)
         return coordinator
 
 
