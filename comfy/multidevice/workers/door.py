@@ -165,6 +165,10 @@ class Door:
     def address(self) -> str:
         return format_address(self.host, self.port)
 
+    def store_of(self, pool: PoolAdmission):
+        """`pool`'s view of the store: its keys under the prefix only its key's holders can name."""
+        return self._dist.PrefixStore(pool.store_prefix, self.store)
+
     # -- pools ------------------------------------------------------------------------------
 
     def open_pool(self, world: int, local: int) -> PoolAdmission:
@@ -329,17 +333,19 @@ class Door:
     def _refuse(self, conn: socket.socket, peer: str, reason: str) -> None:
         reason = " ".join(reason.split())[:400]
         log.warning("worker pool door: refused %s: %s", peer, reason)
-        with self._lock:
-            self.refusals = (self.refusals + [f"{peer}: {reason}"])[-REFUSALS_KEPT:]
+        self._remember_refusal(peer, reason)
         try:
             send_line(conn, {"refused": reason})
         except (OSError, ValueError):
             pass
 
     def _refuse_quietly(self, conn: socket.socket, peer: str, reason: str) -> None:
+        self._remember_refusal(peer, reason)
+        _close(conn)
+
+    def _remember_refusal(self, peer: str, reason: str) -> None:
         with self._lock:
             self.refusals = (self.refusals + [f"{peer}: {reason}"])[-REFUSALS_KEPT:]
-        _close(conn)
 
     def _beat(self):
         while not self._closed.wait(HEARTBEAT_S):

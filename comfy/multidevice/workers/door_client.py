@@ -67,8 +67,9 @@ class RankLink:
 
 
 def store_through_door(host: str, port: int, key: bytes, rank: int, generation: int, timeout_s: float):
-    """A client of pool `generation`'s store, reached through the door: a loopback listener
-    here pipes each connection torch's store client makes to an admitted door connection."""
+    """Pool `generation`'s store (under its key's prefix), reached through the door: a
+    loopback listener here pipes each connection torch's store client makes to an admitted
+    door connection. Returns (the store, the listener: it lives as long as the caller keeps it)."""
     import torch.distributed as dist
     local = socket.create_server(("127.0.0.1", 0))
     failures: list[str] = []
@@ -96,7 +97,7 @@ def store_through_door(host: str, port: int, key: bytes, rank: int, generation: 
     except Exception as exc:  # noqa: BLE001 - named with the door's answer
         raise RendezvousError(f"pool {generation}'s store at {format_address(host, port)} could not be reached: "
                               f"{failures[-1] if failures else exc}") from None
-    return client, local  # the listener lives as long as the caller keeps it
+    return dist.PrefixStore(admission.store_prefix(key), client), local
 
 
 class Following:

@@ -42,9 +42,9 @@ from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
+from comfy.multidevice.workers.admission import SECRET_FILE_ENV
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.join import join_command
-from comfy.multidevice.workers.admission import SECRET_FILE_ENV
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door import PoolAdmission, WorkerIdentity
 from comfy.multidevice.workers.process import WorkerProcess, worker_arguments, worker_env
@@ -187,9 +187,8 @@ class WorkerPool:
             try:
                 self._wait_admitted()
                 pool.go()  # the admitted ranks meet now, in the collective timeout from here on
-                store = self._dist().PrefixStore(pool.store_prefix, self.rendezvous.store)
                 with gloo_interface(ifname):
-                    self.comm = self._join(store)
+                    self.comm = self._join(self.rendezvous.store_of(pool))
                     group = control_group(self.devices[0])
                     self.control = ControlChannel(group)
                     self.cancel_flag = BlockFlag(group)
@@ -231,11 +230,6 @@ class WorkerPool:
 
     def _device_of(self, rank: int) -> str:
         return f"on {self.devices[rank]}" if rank < len(self.devices) else "(remote)"
-
-    @staticmethod
-    def _dist():
-        import torch.distributed as dist
-        return dist
 
     def _wait_admitted(self):
         """Until every rank proved the pool's key at the door; a local worker that ends first

@@ -30,7 +30,6 @@ from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.weights.block_shards import OwnRankLane
-from comfy.multidevice.workers.admission import store_prefix
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door_client import RankLink, store_through_door
@@ -137,9 +136,7 @@ def main(argv=None) -> int:
         key = key_from_stdin()
         link = RankLink(*args.rendezvous, key, args.rank, args.generation)  # open until this process ends
         link.wait_for_go()  # every rank is admitted: meet (however long the other servers' ranks took)
-        client, _tunnel = store_through_door(*args.rendezvous, key, args.rank, args.generation, args.timeout)
-        import torch.distributed as dist
-        store = dist.PrefixStore(store_prefix(key), client)
+        store, _tunnel = store_through_door(*args.rendezvous, key, args.rank, args.generation, args.timeout)
         comm = init_process_group(args.rank, args.world, device, timeout_s=args.timeout, store=store)
         return serve(comm, ControlChannel(control_group(device)), device, args.timeout, link)
     except Exception as exc:
