@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_weights import drop_from_page_cache  # noqa: E402  (this folder: the same fsync + fadvise)
 from comfy.multidevice.weights.file_identity import (clear_file_identities, file_identity,  # noqa: E402
                                                      identity_bytes_read)
 
@@ -66,17 +67,6 @@ def write_checkpoint(path: str, total: int) -> None:
             left -= n
         f.flush()
         os.fsync(f.fileno())
-
-
-def drop_cache(path: str) -> None:
-    """Drop the file's pages from the page cache: fsync, then POSIX_FADV_DONTNEED (this file
-    only, no root needed; the system's whole cache, drop_caches, is not ours to drop)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def disk_read_bytes() -> int | None:
@@ -138,7 +128,7 @@ def main() -> None:
             for state in ("cold", "warm"):
                 clear_file_identities()
                 if state == "cold":
-                    drop_cache(path)
+                    drop_from_page_cache(path)
                 disk_before = disk_read_bytes()
                 seconds, read = timed(path)
                 disk = None if disk_before is None else disk_read_bytes() - disk_before

@@ -195,16 +195,22 @@ class _Lane:
         self.coordinator.close()
 
 
-def test_flattenable_tensor_subclasses_travel_as_their_inner_tensors():
-    """Upstream's QuantizedTensor follows torch's __tensor_flatten__ protocol; so does TwoTensor."""
-    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
-    world = 2
+def _two_tensor_blocks(two_tensor, world: int):
+    """Three blocks whose weight is a TwoTensor (a flattenable subclass, as upstream's
+    QuantizedTensor), one tower per rank, sharded: (originals, towers, family, rank views)."""
     g = torch.Generator().manual_seed(0)
     originals = [two_tensor.TwoTensor(torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g))
                  for _ in range(3)]
     towers = [_Tower([t.clone() for t in originals]) for _ in range(world)]
     family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * world, lane=_Lane(world))
-    views = [family.rank_view(r) for r in range(world)]
+    return originals, towers, family, [family.rank_view(r) for r in range(world)]
+
+
+def test_flattenable_tensor_subclasses_travel_as_their_inner_tensors():
+    """Upstream's QuantizedTensor follows torch's __tensor_flatten__ protocol; so does TwoTensor."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    world = 2
+    originals, towers, family, views = _two_tensor_blocks(two_tensor, world)
     with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
         def forward(rank, comm):
             views[rank].begin_forward()
@@ -253,12 +259,7 @@ def test_every_tensor_made_on_the_prefetch_stream_is_kept_for_the_compute_stream
     monkeypatch.setattr(torch.Tensor, "record_stream",
                         lambda self, stream: recorded.append((self.untyped_storage().data_ptr(), stream)))
     world = 2
-    g = torch.Generator().manual_seed(0)
-    originals = [two_tensor.TwoTensor(torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g))
-                 for _ in range(3)]
-    towers = [_Tower([t.clone() for t in originals]) for _ in range(world)]
-    family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * world, lane=_Lane(world))
-    views = [family.rank_view(r) for r in range(world)]
+    _, towers, family, views = _two_tensor_blocks(two_tensor, world)
     unrecorded = []
     with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
         def forward(rank, comm):
