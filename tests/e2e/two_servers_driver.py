@@ -89,4 +89,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception as exc:
+        say("ERROR", " ".join(str(exc).split())[:3000])
+        raise

@@ -17,7 +17,7 @@ import pytest
 from comfy.multidevice.workers import admission
 from comfy.multidevice.workers.admission import AdmissionError
 from comfy.multidevice.workers.door import Door, MAX_UNPROVEN, RendezvousError
-from comfy.multidevice.workers.door_client import Following, RankLink, store_through_door
+from comfy.multidevice.workers.door_client import Following, RankLink, RankZeroLost, store_through_door
 from comfy.multidevice.workers.rendezvous import interface_of, rendezvous_at
 
 pytestmark = pytest.mark.timeout(60)
@@ -225,3 +225,22 @@ def test_a_silent_rank0_is_taken_for_lost(door, monkeypatch):
     door.close_pool(pool, drop=True)  # rank 0 tore the pool down
     with pytest.raises(RankZeroLost, match="closed the pool"):
         link.wait_for_go()
+
+
+def test_a_dropped_pool_is_seen_by_a_worker_busy_elsewhere_and_not_after_it_finished(door):
+    # a worker blocked in a collective never calls wait_for_go: the link's own reader must
+    # tell it (gloo may keep the collective waiting for its whole timeout)
+    pool = door.open_pool(world=3, local=3)
+    told, finished_told = [], []
+    busy = RankLink("127.0.0.1", door.port, pool.key, 1, pool.generation, on_lost=told.append)
+    done = RankLink("127.0.0.1", door.port, pool.key, 2, pool.generation, on_lost=finished_told.append)
+    done.finish()  # it received STOP and is ending by itself
+    door.close_pool(pool, drop=True)
+    _wait(lambda: told)
+    assert "closed the pool" in str(told[0])
+    with pytest.raises(RankZeroLost, match="closed the pool"):
+        busy.wait_for_go()
+    time.sleep(0.3)
+    assert finished_told == []
+    busy.close()
+    done.close()

@@ -9,8 +9,10 @@ holds rank 0's address.
 from __future__ import annotations
 
 import datetime
+import queue
 import socket
 import threading
+from typing import Callable
 
 from comfy.multidevice.workers import admission
 from comfy.multidevice.workers.admission import AdmissionError
@@ -50,19 +52,50 @@ def _next_line(reader: admission.LineReader, closed: str) -> dict:
 
 class RankLink:
     """A worker's live connection to rank 0: open for the worker's life; rank 0 beats on it
-    and says "go" before each control message."""
+    and says "go" before each control message.
 
-    def __init__(self, host: str, port: int, key: bytes, rank: int, generation: int):
+    A helper thread reads it all the time, so a link rank 0 closes (it dropped the pool) is
+    seen even while the worker is blocked in a collective: dropping a pool does not always
+    close the collectives' own sockets (gloo keeps a group's pairs open while any reference to
+    it lives), and a peer blocked on one would wait the whole collective timeout - long enough
+    for rank 0's next pool to give up on this server's ranks. `on_lost(RankZeroLost)` is called
+    from that thread when rank 0 is lost, unless `finish()` was called first."""
+
+    def __init__(self, host: str, port: int, key: bytes, rank: int, generation: int,
+                 on_lost: Callable[[RankZeroLost], None] | None = None):
         self.conn = _connect(host, port)
         self.peer = format_address(host, port)
         self.reader = admission.prove_to_rank0(self.conn, self.peer, key, "live", rank, generation, _identity())
+        self._on_lost = on_lost
+        self._finished = False
+        self._events: queue.Queue = queue.Queue()  # True per "go", then the RankZeroLost that ended it
+        threading.Thread(target=self._watch, name="pool-link", daemon=True).start()
+
+    def _watch(self):
+        while True:
+            try:
+                line = _next_line(self.reader, "closed the pool")
+            except RankZeroLost as lost:
+                self._events.put(lost)
+                if self._on_lost is not None and not self._finished:
+                    self._on_lost(lost)
+                return
+            if line.get("go"):
+                self._events.put(True)
 
     def wait_for_go(self) -> None:
         """Block until rank 0 says go, however long it idles, as long as it beats."""
-        while not _next_line(self.reader, "closed the pool").get("go"):
-            pass
+        event = self._events.get()
+        if isinstance(event, RankZeroLost):
+            self._events.put(event)  # every later wait fails alike
+            raise event
+
+    def finish(self) -> None:
+        """This worker is ending by itself: rank 0 closing the link now is expected."""
+        self._finished = True
 
     def close(self):
+        self._finished = True
         self.conn.close()
 
 

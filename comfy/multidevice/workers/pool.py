@@ -367,6 +367,9 @@ class WorkerPool:
         import torch.distributed as dist
         if self.rank0_weights is not None:
             self.rank0_weights.family.use_lane(None)  # its group goes with this pool's
+        # gloo closes a group's connections only when its last reference goes: drop ours
+        # first, so a worker blocked on one fails now instead of at its timeout
+        self.control = self.cancel_flag = self.setup = None
         if self.comm is not None and dist.is_initialized():
             dist.destroy_process_group()
         self.comm = None

@@ -93,6 +93,7 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
         link.wait_for_go()  # idle: no collective timeout here
         message = control.receive()
         if message[0] == STOP:
+            link.finish()
             return 0
         if message[0] != FORWARD:
             raise RuntimeError(f"rank {comm.rank}: unknown message {message[0]!r}")
@@ -109,6 +110,13 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
             cancel_flag.settle()  # the last block's flag, before the next message
         except CancelledByRank0 as cancelled:  # every rank stopped at the same block: wait for the next
             log.info("rank %d: the forward was cancelled at block %d", comm.rank, cancelled.block)
+
+
+def stop_now(rank: int, lost: Exception) -> None:
+    """Rank 0 dropped the pool (or vanished) while this worker may be blocked in a collective
+    that would only fail at its timeout: end the process now, its peers then fail at once too."""
+    print(f"worker rank {rank} stops: {type(lost).__name__}: {lost}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -134,7 +142,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     try:
         key = key_from_stdin()
-        link = RankLink(*args.rendezvous, key, args.rank, args.generation)  # open until this process ends
+        link = RankLink(*args.rendezvous, key, args.rank, args.generation,  # open until this process ends
+                        on_lost=lambda lost: stop_now(args.rank, lost))
         link.wait_for_go()  # every rank is admitted: meet (however long the other servers' ranks took)
         store, _tunnel = store_through_door(*args.rendezvous, key, args.rank, args.generation, args.timeout)
         comm = init_process_group(args.rank, args.world, device, timeout_s=args.timeout, store=store)
