@@ -156,3 +156,45 @@ def test_too_many_cpu_ranks_are_refused_naming_the_cores():
     from comfy.multidevice.cli.options import max_cpu_ranks
     with pytest.raises(doctor.DoctorFailure, match=f"use --devices {max_cpu_ranks()} or fewer"):
         doctor.self_test_devices("cpu", 500, inventory())
+
+
+# ----------------------------------------------------------------------------- --deep
+
+DEEP = ("exchange_between_nonzero_ranks", "shard_gather_beside_exchange", "quantized_gather_and_release",
+        "stuck_rank_recovered")
+
+
+@pytest.mark.parametrize("backend", ["peer", "hccl", "nccl"])
+def test_deep_checks_pass_over_every_backend_on_three_cpu_ranks(backend, monkeypatch, fake_hccl_path, fake_nccl_path):
+    # the fake libraries enforce the vendors' rules (tests/fakes): a path that breaks one fails here
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    report = doctor.collect_report(device_kind="cpu", count=3, backend=backend, timeout_s=20, deep=True)
+    assert list(report["deep"]) == list(DEEP)
+    assert report["ok"], report["reason"]
+    assert all(v["ok"] for v in report["deep"].values()), report["deep"]
+    assert "exact on rank(s) [0, 1, 2]" in report["deep"]["exchange_between_nonzero_ranks"]["detail"]
+    assert "naming rank 2: True" in report["deep"]["stuck_rank_recovered"]["detail"]
+
+
+def test_deep_checks_default_to_three_cpu_ranks_and_print_one_line_each():
+    proc = run_doctor("--deep")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("deep ")]
+    assert [line.split()[1].rstrip(":") for line in lines] == list(DEEP)
+    assert all(": ok in " in line for line in lines)
+
+
+def test_a_deep_check_that_finds_wrong_data_fails_the_report(monkeypatch):
+    from comfy.multidevice.weights import block_shards
+    real = block_shards.ShardedBlockWeights.gather
+
+    def stale(self, rank, comm, index):  # a gather that hands out the previous block's bytes
+        out, flat = real(self, rank, comm, index)
+        return (real(self, rank, comm, index - 1) if index else (out, flat))
+    monkeypatch.setattr(block_shards.ShardedBlockWeights, "gather", stale)
+    report = doctor.collect_report(device_kind="cpu", count=3, backend="peer", timeout_s=20, deep=True)
+    assert not report["ok"]
+    assert "quantized_gather_and_release" in report["reason"]
+    assert not report["deep"]["shard_gather_beside_exchange"]["ok"]
+    assert report["deep"]["exchange_between_nonzero_ranks"]["ok"]

@@ -28,6 +28,12 @@ EXTERNAL_PRIVATE = {
     "_replace",
     # H3 contract: upstream's video VAE decodes one temporal chunk with _adaptive_decode
     "_adaptive_decode",
+    # how torch's subclass guide builds a wrapper tensor: doctor --deep's stand-in for a
+    # quantized weight (cli/deep_checks.py)
+    "_make_wrapper_subclass",
+    # the documented exit without clean-up: a worker blocked in a collective ends at once when
+    # rank 0 drops its pool (workers/worker.py)
+    "_exit",
 }
 
 

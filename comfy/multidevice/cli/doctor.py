@@ -30,6 +30,7 @@ import time
 import torch
 
 from comfy.multidevice.cards import auto_kind, DEVICE_KINDS, DeviceInventory, visible_device_names
+from comfy.multidevice.cli.deep_checks import deep_checks
 from comfy.multidevice.cli.options import integer, max_cpu_ranks, seconds
 from comfy.multidevice.comm import torch_dist as multinode
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
@@ -258,8 +259,16 @@ def distributed_self_test(device_kind: str, timeout_s: float) -> dict:
 
 # ----------------------------------------------------------------------------- report
 
+def deep_devices(devices: list[str], count: int | None) -> list[str]:
+    """The deep checks' ranks: the self-test's, but 3 CPU ranks when the CPU stands in for
+    cards by default (a pair of ranks other than 0 needs 3)."""
+    if count is None and all(d == "cpu" for d in devices) and len(devices) < 3:
+        return ["cpu"] * 3
+    return devices
+
+
 def collect_report(device_kind: str = "auto", count: int | None = None, backend: str | None = None,
-                   timeout_s: float = 60.0) -> dict:
+                   timeout_s: float = 60.0, deep: bool = False) -> dict:
     report = {"ok": False, "reason": None, "platform": platform_report(), "versions": versions_report()}
     report["devices"] = devices_report()
     report["backends"] = backends_report()
@@ -280,12 +289,23 @@ def collect_report(device_kind: str = "auto", count: int | None = None, backend:
             report["reason"] = str(exc)
             return report
         report["self_test"] = self_test(devices, requested, timeout_s)
+        if deep:
+            report["deep"] = deep_checks(deep_devices(devices, count), requested, timeout_s)
     test = report["self_test"]
     report["ok"] = bool(test["ok"])
     if not test["ok"]:
         failed = [k for k, v in test.get("checks", {}).items() if not v]
         report["reason"] = (f"self-test failed: {test['error']}" if test["error"]
                             else f"self-test results wrong: {', '.join(failed) or 'on another rank'}")
+    elif deep and "deep" not in report:
+        report["ok"] = False
+        report["reason"] = "--deep runs rank threads of one process: run it without torchrun"
+    elif deep:
+        failed = [name for name, verdict in report["deep"].items() if not verdict["ok"]]
+        report["ok"] = not failed
+        if failed:
+            report["reason"] = "deep check(s) failed: " + "; ".join(
+                f"{name}: {report['deep'][name]['detail']}" for name in failed)
     return report
 
 
@@ -326,6 +346,9 @@ def format_text(report: dict) -> str:
                      + ("passed" if test["ok"] else "FAILED") + f" in {test['seconds']:.3f}s")
         if test.get("fallback_reason"):
             lines.append(f"           note: auto fell back to peer-copy: {test['fallback_reason']}")
+    for name, verdict in (report.get("deep") or {}).items():
+        lines.append(f"deep       {name}: " + ("ok" if verdict["ok"] else "FAILED")
+                     + f" in {verdict['seconds']:.3f}s: {verdict['detail']}")
     lines.append("result     " + ("OK" if report["ok"] else f"NOT OK: {report['reason']}"))
     return "\n".join(lines)
 
@@ -339,13 +362,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which devices: auto = NPUs, else CUDA GPUs, else the CPU (default auto)")
     parser.add_argument("--backend", choices=VALID_BACKENDS, default=None,
                         help=f"collective backend to test (default: ${BACKEND_ENV} or auto)")
+    parser.add_argument("--deep", action="store_true",
+                        help="also run a few seconds on each risky card path (exchange between ranks other "
+                             "than 0, shard gathers beside the K/V exchange, quantized weights gathered and "
+                             "released, a stuck rank recovered); the first thing to run on new cards")
     parser.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
                         help="seconds a self-test collective may wait for the other ranks "
                              f"(default 60, at most {MAX_TIMEOUT_S:g})")
 
 
 def main(args: argparse.Namespace) -> int:
-    report = collect_report(args.device_kind, args.devices, args.backend, args.timeout)
+    report = collect_report(args.device_kind, args.devices, args.backend, args.timeout, getattr(args, "deep", False))
     test = report.get("self_test") or {}
     quiet = test.get("mode") == "torch.distributed" and test.get("rank") not in (0, None)
     if not quiet:

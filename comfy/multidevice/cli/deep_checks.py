@@ -1,0 +1,220 @@
+"""`doctor --deep`: a few seconds on each path a first card run is most likely to break.
+
+Each check runs rank threads over the selected cards and backend, as the node does, and
+returns one verdict ({"ok": bool, "seconds": float, "detail": str}); none raises. The paths
+(`../shared/CARDS.md` has the vendors' rules behind each):
+
+  exchange_between_nonzero_ranks  an all-gather-V whose every shard was made on its own card
+      (never copied from card 0), under ComfyUI's allocator setting: NCCL reads peers' buffers
+      directly, and stream-ordered pool memory is peer-readable only where access was granted
+  shard_gather_beside_exchange    sharded block weights gathered (the product's own prefetch
+      choice) while the ranks exchange K/V between blocks, block outputs checked against the
+      full weights: one card may not run two collectives at a time
+  quantized_gather_and_release    tensor-subclass weights (data + scale, as upstream's quantized
+      tensors) gathered, bound, released and gathered again twice over: clones made on a side
+      stream must outlive their use on the main one
+  stuck_rank_recovered            one rank stalls past a short timeout: the others fail naming
+      it, and a fresh coordinator on the same cards then exchanges correctly
+
+On CPU they run against whatever libraries the backend loads (the tests' fakes enforce the
+vendors' rules), so the suite runs them too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import torch
+
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.sp.minimax_h3 import shard_dit_blocks
+from comfy.multidevice.weights.block_shards import ShardedBlockWeights
+
+COMFYUI_ALLOC_CONF = "backend:cudaMallocAsync"  # what ComfyUI sets on torch 2.x CUDA builds
+STUCK_TIMEOUT_S = 2.0
+BLOCKS, WIDTH = 4, 16
+
+
+def _verdict(check) -> dict:
+    start = time.perf_counter()
+    try:
+        ok, detail = check()
+    except Exception as exc:  # noqa: BLE001 - a verdict, never a crash
+        ok, detail = False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+    return {"ok": bool(ok), "seconds": round(time.perf_counter() - start, 3), "detail": detail}
+
+
+def _with_comfyui_allocator(devices) -> str:
+    """ComfyUI's allocator setting for CUDA cards, when the user left it unset and CUDA is not
+    initialised yet (after that it cannot change); what applies, in words."""
+    if not any(torch.device(d).type == "cuda" for d in devices):
+        return "no CUDA card: allocator setting not applicable"
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and not torch.cuda.is_initialized():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = COMFYUI_ALLOC_CONF
+    return f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '(unset)')}"
+
+
+def exchange_between_nonzero_ranks(devices, backend, timeout_s) -> tuple[bool, str]:
+    if len(devices) < 3:
+        return True, f"skipped: {len(devices)} card(s) have no pair of ranks other than 0 (needs 3 or more)"
+    allocator = _with_comfyui_allocator(devices)
+
+    def rank(r, comm):
+        mine = torch.full((r + 2, 8), float(r + 1), device=comm.device)  # made here, uneven
+        got = comm.exchange([mine], [0])[0].cpu()
+        want = torch.cat([torch.full((q + 2, 8), float(q + 1)) for q in range(comm.world_size)])
+        return torch.equal(got, want)
+
+    with SequenceParallelCoordinator(devices, backend=backend, timeout_s=timeout_s) as coord:
+        oks = coord.run(rank)
+    return all(oks), f"{allocator}; exact on rank(s) {[r for r, ok in enumerate(oks) if ok]}"
+
+
+class _Blocks(torch.nn.Module):
+    """The H3 contract the shard code relies on: `model.blocks[i]`."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in weights)
+        for block, weight in zip(self.blocks, weights):
+            block.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+
+
+def shard_gather_beside_exchange(devices, backend, timeout_s) -> tuple[bool, str]:
+    weights = [torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(BLOCKS)]
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(99))
+    want = x
+    for w in weights:
+        want = want @ w.T
+    with SequenceParallelCoordinator(devices, backend=backend, timeout_s=timeout_s) as coord:
+        models = [_Blocks(weights).to(d) for d in coord.devices]
+        family = shard_dit_blocks(models, coord)
+        try:
+            def rank(r, comm):
+                view = family.rank_view(r)
+                view.begin_forward()
+                h = x.to(comm.device)
+                for i in range(BLOCKS):
+                    view.bind(i, comm)
+                    comm.exchange([h[:1].clone(), h[1:2].clone()], [0, 0])  # the block's K/V beside the gather
+                    h = models[r].blocks[i](h)
+                    view.release(i)
+                return torch.equal(h.cpu(), want)
+
+            oks = coord.run(rank)
+        finally:
+            family.close()
+    lane = "a prefetch lane" if family.lane is not None else "the ranks' own communicator"
+    return all(oks), f"{BLOCKS} blocks gathered on {lane}; outputs exact against the full weights: {all(oks)}"
+
+
+class ScaledWeight(torch.Tensor):
+    """A stand-in for a quantized weight: int8 data and one fp32 scale per row, travelling as
+    its two inner tensors (torch's __tensor_flatten__ protocol, as upstream's quantized
+    tensors do). Ops that keep the layout act on both parts; any other op sees the value."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32, device=data.device)
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor):
+        self.data_int8, self.scale = data, scale
+
+    def __tensor_flatten__(self):
+        return ["data_int8", "scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return ScaledWeight(inner["data_int8"], inner["scale"])
+
+    def value(self) -> torch.Tensor:
+        return self.data_int8.float() * self.scale[:, None]
+
+    _LAYOUT_OPS = ("detach", "alias", "clone", "_to_copy")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in cls._LAYOUT_OPS and isinstance(args[0], ScaledWeight):
+            w = args[0]
+            return ScaledWeight(func(w.data_int8, *args[1:], **{k: v for k, v in kwargs.items() if k != "dtype"}),
+                                func(w.scale, *args[1:], **{k: v for k, v in kwargs.items() if k != "dtype"}))
+        plain = [a.value() if isinstance(a, ScaledWeight) else a for a in args]
+        return func(*plain, **kwargs)
+
+
+def quantized_gather_and_release(devices, backend, timeout_s) -> tuple[bool, str]:
+
+    def parts(i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randint(-127, 128, (WIDTH, WIDTH), generator=g, dtype=torch.int8), torch.rand(WIDTH, generator=g)
+
+    weights = [parts(i) for i in range(BLOCKS)]
+
+    def model_on(device):
+        model = _Blocks([torch.zeros(WIDTH, WIDTH)] * BLOCKS)
+        for block, (data, scale) in zip(model.blocks, weights):
+            block.weight = torch.nn.Parameter(ScaledWeight(data.to(device), scale.to(device)), requires_grad=False)
+        return model
+
+    with SequenceParallelCoordinator(devices, backend=backend, timeout_s=timeout_s) as coord:
+        models = [model_on(d) for d in coord.devices]
+        family = ShardedBlockWeights(models, lambda m: m.blocks, coord.devices, timeout_s=timeout_s)
+        try:
+            def rank(r, comm):
+                view = family.rank_view(r)
+                ok = True
+                for _ in range(2):  # the second pass reuses what the first released
+                    view.begin_forward()
+                    for i in range(BLOCKS):
+                        view.bind(i, comm)
+                        weight = models[r].blocks[i].weight
+                        ok &= (torch.equal(weight.data_int8.cpu(), weights[i][0])
+                               and torch.equal(weight.scale.cpu(), weights[i][1]))
+                        view.release(i)
+                return ok
+
+            oks = coord.run(rank)
+        finally:
+            family.close()
+    return all(oks), f"{BLOCKS} blocks of int8 data + scale, two passes: every bound weight exact: {all(oks)}"
+
+
+def stuck_rank_recovered(devices, backend, timeout_s) -> tuple[bool, str]:
+    stalled = len(devices) - 1
+
+    def rank(r, comm):
+        if r == stalled:
+            time.sleep(STUCK_TIMEOUT_S * 2)
+        return comm.exchange([torch.ones(2, 2, device=comm.device)], [0])[0].shape[0]
+
+    coord = SequenceParallelCoordinator(devices, backend=backend, timeout_s=STUCK_TIMEOUT_S)
+    try:
+        coord.run(rank)
+        return False, f"rank {stalled} stalled {STUCK_TIMEOUT_S * 2:g} s past a {STUCK_TIMEOUT_S:g} s timeout: no error"
+    except Exception as exc:  # noqa: BLE001 - the expected failure, checked for its words
+        text = " ".join([str(exc), *getattr(exc, "__notes__", [])])
+        named = bool(re.search(rf"rank {stalled}\b|rank\(s\) \[[^\]]*\b{stalled}\b", text))
+        failure = f"{type(exc).__name__} naming rank {stalled}: {named}"
+    finally:
+        coord.close()
+    with SequenceParallelCoordinator(devices, backend=backend, timeout_s=timeout_s) as fresh:
+        rows = fresh.run(lambda r, comm: comm.exchange([torch.ones(2, 2, device=comm.device)], [0])[0].shape[0])
+    usable = rows == [2 * len(devices)] * len(devices)
+    return named and usable, f"{failure}; a fresh coordinator on the same cards exchanged correctly: {usable}"
+
+
+DEEP_CHECKS = {
+    "exchange_between_nonzero_ranks": exchange_between_nonzero_ranks,
+    "shard_gather_beside_exchange": shard_gather_beside_exchange,
+    "quantized_gather_and_release": quantized_gather_and_release,
+    "stuck_rank_recovered": stuck_rank_recovered,
+}
+
+
+def deep_checks(devices: list[str], backend: str, timeout_s: float) -> dict:
+    """Every check's verdict, by name, in the order above."""
+    return {name: _verdict(lambda check=check: check(devices, backend, timeout_s))
+            for name, check in DEEP_CHECKS.items()}
