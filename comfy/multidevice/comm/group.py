@@ -57,14 +57,14 @@ log = logging.getLogger(__name__)
 ABANDON_GRACE_MAX_S = 10.0  # enough for a busy rank to finish its current block of the real H3
 _INTERRUPT_POLL_S = 0.05  # how often run() looks at ComfyUI's Cancel flag
 
-_abandoned_coordinators = 0  # how many coordinators closed themselves after a stuck rank
+_abandoned_coordinators = 0  # how many coordinators closed themselves after a stuck rank / an abort
 _abandoned_lock = threading.Lock()
 
 
 def abandoned_coordinator_count() -> int:
-    """Changes whenever a coordinator is closed after abandoning ranks: the node uses it as its
-    fingerprint, so ComfyUI runs it again (and it builds a fresh coordinator) instead of
-    reusing cached outputs bound to the closed one."""
+    """Changes whenever a coordinator is closed after abandoning ranks or aborting its
+    communicators: the node uses it as its fingerprint, so ComfyUI runs it again (and it builds
+    a fresh coordinator) instead of reusing cached outputs bound to the closed one."""
     return _abandoned_coordinators
 
 
