@@ -130,7 +130,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
         check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
     memory = plan_memory(plan, selected, model, clip, video_vae, audio_vae, dit_weights=dit_weights,
-                         tokens=plan_tokens, free=free_memory, remote_ranks=joining)
+                         tokens=plan_tokens, free=free_memory, remote_ranks=joining,
+                         backend=None if backend == "default" else backend, dit_ranks=dit_ranks)
     log.info("%s: %d card(s) %s; %s\n%s", NODE_ID, npu_count, ", ".join(map(str, selected)),
              plan.describe(), memory.table())
     memory.check()

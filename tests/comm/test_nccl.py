@@ -225,9 +225,11 @@ def test_function_table_matches_nccl_h():
     names = [f.name for f in NCCL_FUNCTIONS]
     assert names == ["ncclGetErrorString", "ncclCommInitAll", "ncclCommDestroy", "ncclGroupStart",
                      "ncclGroupEnd", "ncclBroadcast", "ncclAllGather", "ncclAllReduce",
-                     "ncclSend", "ncclRecv"]
-    # only the point-to-point calls (NCCL >= 2.7, for all-to-all-V) may be missing
-    assert [f.name for f in NCCL_FUNCTIONS if f.optional] == ["ncclSend", "ncclRecv"]
+                     "ncclSend", "ncclRecv", "ncclCommAbort", "ncclCommGetAsyncError"]
+    # only the point-to-point calls (NCCL >= 2.7, for all-to-all-V) and abort / async errors
+    # (NCCL >= 2.4, for stuck collectives) may be missing
+    assert [f.name for f in NCCL_FUNCTIONS if f.optional] == ["ncclSend", "ncclRecv", "ncclCommAbort",
+                                                              "ncclCommGetAsyncError"]
     table = {f.name: f for f in NCCL_FUNCTIONS}
     # ncclSend(const void*, size_t count, ncclDataType_t, int peer, ncclComm_t, cudaStream_t)
     assert table["ncclSend"].argtypes[1] is ctypes.c_size_t and table["ncclRecv"].argtypes[3] is ctypes.c_int
@@ -235,6 +237,8 @@ def test_function_table_matches_nccl_h():
     assert table["ncclBroadcast"].argtypes[2] is ctypes.c_size_t
     assert table["ncclBroadcast"].argtypes[4] is ctypes.c_int
     assert len(table["ncclAllReduce"].argtypes) == 7 and table["ncclGroupStart"].argtypes == ()
+    # ncclCommGetAsyncError(ncclComm_t, ncclResult_t *asyncError): the result is written through a pointer
+    assert table["ncclCommGetAsyncError"].argtypes[1]._type_ is ctypes.c_int
 
 
 def test_comm_init_all_marshaling():

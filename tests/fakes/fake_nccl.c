@@ -385,3 +385,97 @@ ncclResult_t ncclRecv(void *recvbuff, size_t count, int datatype, int peer, nccl
     return point_to_point(K_RECV, "ncclRecv", NULL, recvbuff, count, datatype, peer, comm);
 }
 #endif
+
+/* ---------------------------------------------------------------- abort and async errors
+ *
+ * ncclCommAbort(comm): every rank of comm's group that waits in a rendezvous returns at once
+ * with an error, and every rendezvous of the group from then on completes alone. The fake
+ * frees nothing (a rank may still be inside a call on the group when it is aborted), and a
+ * call issued on an aborted communicator afterwards is the caller's bug, as in NCCL, where
+ * the abort frees the communicator. Without touching the rendezvous above, the abort works
+ * through the group's state:
+ *   - run_batch goes through exactly two rendezvous, so an even generation means the
+ *     pending one is a batch's first: nobody is reading the peers' operations yet. Then
+ *     every rank's list is replaced by `aborted_ops`, whose kind is no operation, so a
+ *     waiter's perform() fails with ncclInternalError before it reads any peer's buffer.
+ *   - at an odd generation the pending rendezvous is a batch's second: the waiters have
+ *     performed their part already, and keep their (correct) results.
+ *   - the group's size becomes 1 and the waiters are woken, so they and every later
+ *     rendezvous of the group complete alone instead of waiting for the timeout.
+ * fakeNcclAbortCount() counts the communicators aborted in this process, fakeNcclWaiting(comm)
+ * the ranks of comm's group waiting in a rendezvous now (tests read them).
+ *
+ * ncclCommGetAsyncError(comm, &error): error is ncclSuccess, or the code in
+ * FAKE_NCCL_ASYNC_ERROR=code (read on every call) for every communicator: a link that failed
+ * while a collective was in flight, as NCCL's proxy thread reports it.
+ */
+#define ABORTED_KIND 99 /* no Kind: perform() returns ncclInternalError for it */
+
+static Op aborted_ops[MAX_GROUP_OPS];
+static int aborted_ops_ready;
+static Group *aborted_groups[4096];
+static int n_aborted_groups;
+static int n_aborted_comms;
+static pthread_mutex_t abort_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int group_was_aborted(Group *g) {
+    for (int i = 0; i < n_aborted_groups; i++)
+        if (aborted_groups[i] == g) return 1;
+    return 0;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    int code = fail_code("ncclCommAbort");
+    if (code) return code;
+    Comm *c = comm;
+    if (!c) return ncclInvalidArgument;
+    Group *g = c->group;
+    pthread_mutex_lock(&abort_mu);
+    n_aborted_comms++;
+    if (!aborted_ops_ready) {
+        for (int i = 0; i < MAX_GROUP_OPS; i++) aborted_ops[i].kind = (Kind)ABORTED_KIND;
+        aborted_ops_ready = 1;
+    }
+    int first = !group_was_aborted(g);
+    if (first && n_aborted_groups < (int)(sizeof aborted_groups / sizeof aborted_groups[0]))
+        aborted_groups[n_aborted_groups++] = g;
+    pthread_mutex_unlock(&abort_mu);
+    if (!first) return ncclSuccess;
+    pthread_mutex_lock(&g->mu);
+    if (g->generation % 2 == 0) {
+        for (int k = 0; k < MAX_RANKS; k++) {
+            g->ops[k] = aborted_ops;
+            g->nops[k] = 0;
+        }
+    }
+    g->size = 1;
+    g->arrived = 0;
+    g->generation += 2; /* wakes the waiters and keeps the parity */
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
+    int code = fail_code("ncclCommGetAsyncError");
+    if (code) return code;
+    if (!comm || !asyncError) return ncclInvalidArgument;
+    const char *spec = getenv("FAKE_NCCL_ASYNC_ERROR");
+    *asyncError = spec ? atoi(spec) : ncclSuccess;
+    return ncclSuccess;
+}
+
+int fakeNcclAbortCount(void) {
+    pthread_mutex_lock(&abort_mu);
+    int n = n_aborted_comms;
+    pthread_mutex_unlock(&abort_mu);
+    return n;
+}
+
+int fakeNcclWaiting(ncclComm_t comm) {
+    Group *g = ((Comm *)comm)->group;
+    pthread_mutex_lock(&g->mu);
+    int n = g->arrived;
+    pthread_mutex_unlock(&g->mu);
+    return n;
+}

@@ -241,3 +241,124 @@ def test_cpu_cards_are_checked_together_against_the_hosts_memory(fake_patcher_ex
     assert roles_apply._COORDINATORS == {}  # refused before any rank started
     one = plan_memory(plan_roles(1), CPU4[:1], model, clip, video, audio, tokens=TOKENS)
     assert one.host is None  # one rank: upstream's own sizing, nothing shared
+
+
+# ----------------------------------------------------------------------------- communicators, quantized copies
+
+NPU4 = ["npu:0", "npu:1", "npu:2", "npu:3"]  # names only: the plan makes no device of them
+CUDA4 = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+MIB = 2 ** 20
+
+
+def roomy(devices):
+    return {d: 2 ** 40 for d in devices}
+
+
+@pytest.fixture
+def library_defaults(monkeypatch):
+    for name in ("HCCL_BUFFSIZE", "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS", "COMFYUI_MULTI_DEVICE_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def grown(devices, backend, **kw):
+    """Per card and stage, how many bytes `backend`'s plan holds more than peer copies'."""
+    model, clip, video, audio = inputs()
+    plans = [plan_memory(plan_roles(4), devices, model, clip, video, audio, tokens=TOKENS, free=roomy(devices),
+                         backend=b, **kw) for b in ("peer", backend)]
+    return [{s: card.stage_total(s) - base.stage_total(s) for s in card.stages}
+            for base, card in zip(plans[0].cards, plans[1].cards)], plans[1]
+
+
+@pytest.mark.parametrize("buffsize_mb,expected", [(None, 400 * MIB), ("100", 200 * MIB)])
+def test_an_hccl_communicator_takes_twice_hccl_buffsize_on_every_card_in_every_stage(
+        library_defaults, monkeypatch, buffsize_mb, expected):
+    if buffsize_mb is not None:
+        monkeypatch.setenv("HCCL_BUFFSIZE", buffsize_mb)
+    growth, memory = grown(NPU4, "hccl", dit_weights="replicate")
+    # one communicator per card (the cards' coordinator), whatever stage runs
+    assert growth == [{s: expected for s in card.stages} for card in memory.cards]
+    assert all(card.stages["DiT"]["HCCL communicators"] == expected for card in memory.cards)
+    assert f"HCCL communicators {expected / 2 ** 30:.2f}" in memory.table()
+    # auto on NPUs is HCCL too
+    assert grown(NPU4, "auto", dit_weights="replicate")[0] == growth
+
+
+def test_nccl_buffers_per_peer_and_channel(library_defaults, monkeypatch):
+    growth, memory = grown(CUDA4, "nccl", dit_weights="replicate")
+    assert all(g == 2 * 4 * MIB * 32 * 3 for card in growth for g in card.values())  # 768 MiB at W = 4
+    monkeypatch.setenv("NCCL_BUFFSIZE", str(MIB))
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "8")
+    growth, memory = grown(CUDA4, "nccl", dit_weights="replicate")
+    assert memory.cards[0].stages["DiT"]["NCCL communicators"] == 2 * MIB * 8 * 3
+
+
+def test_ranks_as_processes_add_the_process_groups_and_the_gather_lane(library_defaults):
+    model, clip, video, audio = inputs()
+
+    def held(backend, dit_weights):
+        memory = plan_memory(plan_roles(4), NPU4, model, clip, video, audio, tokens=TOKENS, free=roomy(NPU4),
+                             backend=backend, dit_weights=dit_weights, dit_ranks="processes")
+        return [c.stages["DiT"]["HCCL communicators"] for c in memory.cards]
+    # the cards' coordinator's, the process group's and, with shard, the block-gather lane's
+    assert held("hccl", "shard") == [3 * 400 * MIB] * 4
+    assert held("hccl", "replicate") == [2 * 400 * MIB] * 4
+    # peer copies between the cards leave the process groups (HCCL on NPUs whatever the backend)
+    assert held("peer", "replicate") == [400 * MIB] * 4
+
+
+def test_cpu_cards_and_one_card_hold_no_communicator(library_defaults):
+    model, clip, video, audio = inputs()
+    memory = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=TOKENS, backend="hccl")
+    assert not any("communicators" in item for c in memory.cards for s in c.stages.values() for item in s)
+    one = plan_memory(plan_roles(1), NPU4[:1], model, clip, video, audio, tokens=TOKENS, free=roomy(NPU4),
+                      backend="hccl")
+    assert not any("communicators" in item for s in one.cards[0].stages.values() for item in s)
+
+
+def quantize(dit, plain_twin=False, name="adaln_proj.linear.weight"):
+    """Make one weight of every block a TwoTensor, a tensor subclass of inner tensors as
+    upstream's QuantizedTensor is (`plain_twin`: a plain tensor of the same bytes instead).
+    Returns one block's bytes of that weight."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    for block in dit.blocks:
+        owner, leaf = block.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+        w = getattr(owner, leaf).detach()
+        value = torch.cat([w, w]) if plain_twin else TwoTensor(w.clone(), w.clone())
+        setattr(owner, leaf, torch.nn.Parameter(value, requires_grad=False))
+    return 2 * w.numel() * w.element_size()
+
+
+def test_shard_counts_the_quantized_tensors_of_the_gathered_blocks_twice():
+    plans = {}
+    for quantized in (False, True):
+        model, clip, video, audio = inputs()
+        weight_bytes = quantize(model.model.diffusion_model, plain_twin=not quantized)
+        plans[quantized] = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="shard",
+                                       tokens=TOKENS)
+    # the same bytes either way, so the same shards; the 3 blocks' quantized weights are owned by
+    # ranks 0, 1 and 2, so every rank gathers one, and holds it twice for each block in flight
+    for plain, card in zip(plans[False].cards, plans[True].cards):
+        assert plain.stages["DiT"]["quantized copies"] == 0
+        assert card.stages["DiT"]["quantized copies"] == IN_FLIGHT_BLOCKS * weight_bytes
+        assert card.stage_total("DiT") - plain.stage_total("DiT") == IN_FLIGHT_BLOCKS * weight_bytes
+    assert "quantized copies" in plans[True].table()
+
+
+def test_a_gathered_quantized_tensor_is_a_copy_beside_the_gathered_bytes():
+    """What the figure above counts: the rebuilt quantized tensor does not live in the gathered
+    flat buffer, which the block keeps while it is bound (plain tensors are views of it)."""
+    import copy
+    from comfy.multidevice.weights.block_shards import ShardedBlockWeights
+    model, *_ = inputs()
+    dit = model.model.diffusion_model
+    quantize(dit)
+    models = [copy.deepcopy(dit) for _ in range(2)]
+    family = ShardedBlockWeights(models, lambda m: m.blocks, [torch.device("cpu")] * 2)
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer") as coord:
+        gathered = coord.run(lambda rank, comm: family.gather(rank, comm, 0))
+    for rank, (tensors, flat) in enumerate(gathered):
+        start, end = flat.untyped_storage().data_ptr(), flat.untyped_storage().data_ptr() + flat.untyped_storage().nbytes()
+        for name, value in tensors.items():
+            inside = [start <= leaf.untyped_storage().data_ptr() < end
+                      for leaf in ([value.a, value.b] if hasattr(value, "a") else [value])]
+            assert all(inside) != (name == "adaln_proj.linear.weight"), (rank, name)

@@ -14,7 +14,8 @@ Every collective first passes an abortable barrier that publishes each rank's
 tensor shapes. A rank that fails aborts the barrier, so no other rank blocks on
 it; a rank that never arrives makes the barrier time out with its rank named.
 A run in which no rank returns and none reaches a collective for `run_timeout_s`
-(COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S, default 3600) is ended by a watchdog.
+(COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S, default 3600) is ended by a watchdog. A rank stuck inside
+a library collective is ended by aborting the communicators (comm/abort.py).
 
 Every collective also adds to per-rank byte counters (`byte_counts()`), counted here from
 the shapes, whatever the backend: the logical bytes each rank sends to / receives from
@@ -56,14 +57,14 @@ log = logging.getLogger(__name__)
 ABANDON_GRACE_MAX_S = 10.0  # enough for a busy rank to finish its current block of the real H3
 _INTERRUPT_POLL_S = 0.05  # how often run() looks at ComfyUI's Cancel flag
 
-_abandoned_coordinators = 0  # how many coordinators closed themselves after a stuck rank
+_abandoned_coordinators = 0  # how many coordinators closed themselves after a stuck rank / an abort
 _abandoned_lock = threading.Lock()
 
 
 def abandoned_coordinator_count() -> int:
-    """Changes whenever a coordinator is closed after abandoning ranks: the node uses it as its
-    fingerprint, so ComfyUI runs it again (and it builds a fresh coordinator) instead of
-    reusing cached outputs bound to the closed one."""
+    """Changes whenever a coordinator is closed after abandoning ranks or aborting its
+    communicators: the node uses it as its fingerprint, so ComfyUI runs it again (and it builds
+    a fresh coordinator) instead of reusing cached outputs bound to the closed one."""
     return _abandoned_coordinators
 
 
@@ -210,6 +211,7 @@ class SequenceParallelCoordinator:
         self._traffic = [TrafficCounter() for _ in range(self.world_size)]  # each rank writes its own
         self._run_lock = threading.Lock()
         self._closed = False
+        self._last_run_failed = False  # then close() aborts the communicators instead of destroying them
         self.broken_reason: str | None = None  # set when ranks were abandoned
         # How long ranks get to stop once told to (a failure, a Cancel) before they are abandoned.
         self.abandon_grace_s = min(self.timeout_s, ABANDON_GRACE_MAX_S)
@@ -261,7 +263,11 @@ class SequenceParallelCoordinator:
         has not returned is abandoned (its daemon thread and its memory stay until it returns by
         itself), the coordinator is closed, and the error is raised; `closed` tells the next user
         to build a fresh coordinator. A Cancel that every rank obeyed leaves it usable and raises
-        ComfyUI's own InterruptProcessingException.
+        ComfyUI's own InterruptProcessingException. With a library backend that can abort (NCCL),
+        a communicator that reports an error, or ranks inside a library collective for
+        `timeout_s`, end the run the same way at once: the communicators are aborted (the ranks
+        inside return) and the coordinator is closed; abandoned ranks' communicators are aborted
+        too (comm/abort.py).
 
         fn must not call run() on this same coordinator (it would wait for itself): that raises
         CollectiveError at once.
@@ -311,8 +317,11 @@ class SequenceParallelCoordinator:
                 running.clear()  # from here on, a late rank's result is dropped
             for slots in (*self._meta_slots, *self._data_slots):  # don't pin the last tensors
                 slots[:] = [None] * self.world_size
+            self._last_run_failed = bool(errors)
             if stuck:
                 self._abandon(stuck, fn)
+            elif getattr(self.backend, "aborted", None) is not None:  # the watch aborted them
+                self._retire(set())
             if cancel is not None:  # seen before any error: the errors are its consequences
                 raise_comfy_interrupt(cancel[1])
             if errors:
@@ -336,6 +345,13 @@ class SequenceParallelCoordinator:
             if give_up_at is None:
                 if errors:
                     give_up_at = errors[0][0] + grace
+                elif (fault := self._library_fault()) is not None:
+                    # A rank stuck inside the library never comes back by itself: abort it there.
+                    errors.append((now, fault[0], fault[1]))
+                    reason = describe_error(fault[1])
+                    self._barrier.abort(reason)
+                    self._abort_communicators(reason)
+                    give_up_at = now + grace
                 elif cancel is None and (module := comfy_interrupt_flag()) is not None:
                     cancel = (now, module)
                     self._barrier.abort("cancelled from ComfyUI (interrupt)")
@@ -376,10 +392,30 @@ class SequenceParallelCoordinator:
         log.error("multi-device: %s; its thread and the memory it holds stay until it returns by "
                   "itself. This coordinator is closed; the next use builds a new one.",
                   self.broken_reason)
-        self._close(abandoned=set(ranks))
+        self._retire(set(ranks))
+
+    def _retire(self, abandoned: set) -> None:
+        """Close for good after ranks were abandoned or the communicators aborted, and count it
+        (abandoned_coordinator_count), so the node builds a fresh coordinator."""
+        if self.broken_reason is None:
+            self.broken_reason = f"its {self.backend_name} communicators were aborted ({self.backend.aborted})"
+        self._close(abandoned=abandoned)
         global _abandoned_coordinators
         with _abandoned_lock:
             _abandoned_coordinators += 1
+
+    def _library_fault(self):
+        """(rank, error) when the backend's library reports an error or a rank stuck inside it
+        (comm/abort.py); None when all is well or the backend has no such watch."""
+        watch = getattr(self.backend, "collective_fault", None)
+        return None if watch is None else watch(self.timeout_s)
+
+    def _abort_communicators(self, reason: str) -> bool:
+        """Abort the backend's communicators instead of destroying them: a rank inside a call
+        returns, a kernel waiting for a peer stops, the cards are free of them. False when the
+        backend cannot (peer has none; a library without an abort call)."""
+        abort = getattr(self.backend, "abort", None)
+        return abort is not None and abort(reason)
 
     @staticmethod
     def _first_error(errors):
@@ -581,15 +617,21 @@ class SequenceParallelCoordinator:
             return
         self._closed = True
         self._barrier.abort("coordinator closed")
+        # After abandoned ranks or a failed run a communicator may be stuck (a rank inside a
+        # call, a kernel waiting for a peer): abort it, before the joins, instead of destroying it.
+        aborted = (abandoned or self._last_run_failed) and self._abort_communicators(
+            self.broken_reason or "the coordinator closed after a failed run")
         for w in self._workers:
             w.jobs.put(None)
         for w in self._workers:
             if w.rank not in abandoned:
                 w.join(timeout=self.timeout_s)
+        if aborted:
+            return
         if abandoned and self.backend.name != "peer":
             # A native communicator cannot be destroyed under a thread still inside a call.
             log.warning("multi-device: the %s communicator of the abandoned coordinator is left "
-                        "open", self.backend.name)
+                        "open (its library cannot abort it)", self.backend.name)
             return
         self.backend.close()
 

@@ -16,16 +16,20 @@ All-to-all-V is one group of `ncclSend` / `ncclRecv` per peer (NCCL >= 2.7; with
 the coordinator all-gathers the packed send buffers instead); the rank's own chunk is a
 local copy.
 
+A collective stuck in NCCL (a peer that never comes, a failed link) is ended by
+`ncclCommAbort`, with `ncclCommGetAsyncError` polled meanwhile: comm/abort.py.
+
 Library: `NCCL_SO_PATH`, else `libnccl.so.2` from the loader path (the CUDA builds of
 torch ship it).
 """
 
 from __future__ import annotations
 
-from ctypes import c_char_p, c_int, c_size_t, c_void_p, POINTER
+from ctypes import byref, c_char_p, c_int, c_size_t, c_void_p, POINTER
 
 import torch
 
+from comfy.multidevice.comm.abort import WatchedCommunicators
 from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
                                                CollectiveLibraryError, CommunicatorBackend,
                                                dtype_code)
@@ -53,6 +57,7 @@ NCCL_RESULTS = {
     8: "ncclTimeout",
 }
 NCCL_SUCCESS = 0
+NCCL_IN_PROGRESS = 7
 
 # Values of ncclDataType_t (nccl.h).
 NCCL_DTYPES = {
@@ -91,6 +96,13 @@ NCCL_FUNCTIONS = (
               (buffer, c_size_t, ncclDataType_t, c_int, ncclComm_t, cudaStream_t), optional=True),
     CFunction("ncclRecv", ncclResult_t,
               (buffer, c_size_t, ncclDataType_t, c_int, ncclComm_t, cudaStream_t), optional=True),
+    # ncclCommAbort(comm): frees the communicator without waiting for its pending work and stops
+    # its kernels, even while a peer never comes: the only way to get a card back from a stuck
+    # collective (destroy would wait for it). ncclCommGetAsyncError(comm, *asyncError): a
+    # failure NCCL saw while a kernel waits (a peer or a link gone), safe to poll from another
+    # thread. Both NCCL >= 2.4; without them a stuck communicator is left open.
+    CFunction("ncclCommAbort", ncclResult_t, (ncclComm_t,), optional=True),
+    CFunction("ncclCommGetAsyncError", ncclResult_t, (ncclComm_t, POINTER(ncclResult_t)), optional=True),
 )
 
 
@@ -150,8 +162,28 @@ class NcclLibrary(CollectiveLibrary):
     def recv(self, buf, count, dtype, peer, comm, stream) -> None:
         self.call("ncclRecv", buf, count, dtype, peer, comm, stream)
 
+    @property
+    def can_abort(self) -> bool:
+        return self.lib.has("ncclCommAbort")
 
-class NcclBackend(CommunicatorBackend):
+    def comm_abort(self, comm) -> None:
+        self.call("ncclCommAbort", comm)
+
+    def async_error(self, comm) -> NcclError | None:
+        """The error NCCL saw on `comm` while its work ran (ncclCommGetAsyncError), else None
+        (also when the library is too old to say)."""
+        if not self.lib.has("ncclCommGetAsyncError"):
+            return None
+        code = ncclResult_t(NCCL_SUCCESS)
+        self.call("ncclCommGetAsyncError", comm, byref(code))
+        if code.value in (NCCL_SUCCESS, NCCL_IN_PROGRESS):  # in progress: a non-blocking call runs
+            return None
+        text = self.lib[self.error_string](code.value)
+        return NcclError("ncclCommGetAsyncError", code.value,
+                         text.decode(errors="replace") if text else "unknown error")
+
+
+class NcclBackend(WatchedCommunicators, CommunicatorBackend):
     name = "nccl"
     device_kind = "cuda"
     hardware = "NVIDIA GPUs"
@@ -162,6 +194,7 @@ class NcclBackend(CommunicatorBackend):
         return self.library
 
     def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
+        self._entering_library(rank)
         dtype = nccl_dtype(send.dtype)
         comm = self.comms[rank]
         if len(set(counts)) == 1:  # every rank knows all counts, so all take the same branch
@@ -190,6 +223,7 @@ class NcclBackend(CommunicatorBackend):
 
     def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
                            recv_displs, stream):
+        self._entering_library(rank)
         recv.narrow(0, recv_displs[rank], recv_counts[rank]).copy_(
             send.narrow(0, send_displs[rank], send_counts[rank]))
         dtype = nccl_dtype(send.dtype)

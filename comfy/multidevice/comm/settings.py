@@ -26,7 +26,11 @@ MASTER_PORT (checked, TorchrunEnvError) and LOCAL_WORLD_SIZE.
 
 Read, not checked (other programs own them): the visible-devices variables of each card kind
 (ASCEND_RT_VISIBLE_DEVICES, ASCEND_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES), a collective
-library's path override (HCCL_SO_PATH, NCCL_SO_PATH), and what the doctor shows.
+library's path override (HCCL_SO_PATH, NCCL_SO_PATH), and what the doctor shows. Read where
+they are used: the libraries' buffer sizes for the memory plan (HCCL_BUFFSIZE, NCCL_BUFFSIZE,
+NCCL_MAX_NCHANNELS: roles/communicator_memory.py) and their error handling, which ComfyUI's
+process sets before it makes a process group (TORCH_NCCL_ASYNC_ERROR_HANDLING,
+HCCL_ASYNC_ERROR_HANDLING, HCCL_EXEC_TIMEOUT: comm/async_errors.py).
 
 Every bad value raises SettingError worded as an environment-variable error: the variable, the
 value, what is wrong and what to set instead. The command line and the node call these same

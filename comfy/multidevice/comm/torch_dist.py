@@ -19,7 +19,9 @@ shards are equally long, otherwise one broadcast per root rank into that root's 
 
 Failures: every collective has the process group's timeout (COMFYUI_MULTI_DEVICE_TIMEOUT_S);
 a peer process that dies closes its connections, so the others fail at their next
-collective with a `CollectiveError` that says so instead of hanging.
+collective with a `CollectiveError` that says so instead of hanging. In ComfyUI's process a
+failed or timed-out nccl/hccl collective raises instead of ending the process
+(comm/async_errors.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from comfy.multidevice.comm.async_errors import set_collective_error_handling
 from comfy.multidevice.comm.settings import check_timeout, read_torchrun_env, timeout_from_env, TorchrunEnvError
 from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
                                            check_all_to_all_metadata, check_all_to_all_plans,
@@ -529,12 +532,15 @@ def _decode_metas(row: list[int], n_tensors: int, n_splits: int):
 
 def init_process_group(rank: int, world_size: int, device: torch.device | str | None = None,
                        init_method: str = "env://", backend: str | None = None,
-                       timeout_s: float | None = None, store=None) -> DistributedComm:
+                       timeout_s: float | None = None, store=None,
+                       server_process: bool = False) -> DistributedComm:
     """Join (create) the default process group and return this process's communicator.
 
     `device` defaults to the CPU; the backend defaults to the one for the device kind
     (gloo / nccl / hccl); `timeout_s` to COMFYUI_MULTI_DEVICE_TIMEOUT_S (600 s). `store`: a
     torch.distributed store to meet in instead of `init_method` (a worker pool's generation).
+    `server_process`: this is ComfyUI's process, which a failed collective must not end
+    (comm/async_errors.py sets the libraries' error handling before the group is made).
     """
     import torch.distributed as dist
 
@@ -544,6 +550,7 @@ def init_process_group(rank: int, world_size: int, device: torch.device | str | 
         raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
     timeout_s = timeout_from_env() if timeout_s is None else check_timeout(timeout_s)
     set_thread_device(device)  # nccl/hccl bind the communicator to the current device
+    set_collective_error_handling(backend, timeout_s, server_process)  # read when the group is made
     log.info("rank %d/%d: joining the %s process group via %s on %s", rank, world_size, backend,
              "a store" if store is not None else init_method, device)
     meet = {"store": store} if store is not None else {"init_method": init_method}

@@ -9,9 +9,13 @@ can evict one stage's models before the next loads):
                  input embedding, a vision tower: all but the split layers); else all of it
   DiT            `replicate`: the whole DiT; `shard`: the non-block weights, the block tensors
                  the card owns (the exact whole-tensor split of weights/block_shards.py) and
-                 two gathered blocks (the running one and the prefetch); plus the activation
-                 estimate for the planned sequence length (sp/cost_model.py)
+                 two gathered blocks (the running one and the prefetch), whose quantized
+                 tensors exist twice while bound (the gathered bytes and the tensors rebuilt
+                 from copies of them); plus the activation estimate for the planned sequence
+                 length (sp/cost_model.py)
   VAE decode     a video VAE copy on every chunk card, the audio VAE on its card
+  every stage    the HCCL / NCCL communicators the card holds (roles/communicator_memory.py:
+                 2 x HCCL_BUFFSIZE per HCCL communicator, NCCL's buffers per peer and channel)
 
 Sizes are counted from the objects themselves (bytes of their tensors). Free memory is the
 card's. CPU "cards" share the host's RAM: their DiT stage is checked together against the
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import available_memory_bytes, free_memory_bytes
 from comfy.multidevice.roles.apply import has_chunk_interface, text_encoder_split_problem
+from comfy.multidevice.roles.communicator_memory import card_communicators, card_kind
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
 from comfy.multidevice.sp.attention_budget import FREE_SHARE, shares_host_memory
 from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
@@ -36,7 +41,7 @@ from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.tp.clip import language_model_of
 from comfy.multidevice.tp.shard import planned_shard_bytes, TensorParallelDecoder
 from comfy.multidevice.weights.block_shards import block_tensors, BlockShardPlan, DIT_WEIGHT_MODES
-from comfy.multidevice.tensor_bytes import tensor_nbytes
+from comfy.multidevice.tensor_bytes import is_flattenable, tensor_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,20 @@ def dit_shape_of(dit) -> DiTShape | None:
 
 def _block_sizes(dit) -> list[dict]:
     return [{n: tensor_nbytes(t) for n, t in block_tensors(block).items()} for block in dit.blocks]
+
+
+def _quantized_names(dit) -> list[set]:
+    """Per block, its quantized tensors (tensor subclasses made of inner tensors)."""
+    return [{n for n, t in block_tensors(block).items() if is_flattenable(t)} for block in dit.blocks]
+
+
+def _quantized_copy_bytes(shard_plan: BlockShardPlan, quantized: list[set], rank: int) -> int:
+    """A gathered quantized tensor is rebuilt from copies of its inner tensors while the gathered
+    bytes stay held with the block (weights/block_shards.py), so the quantized tensors other
+    ranks own exist twice on this card while their block is bound: per block in flight."""
+    per_block = [sum(n for name, n in sizes.items() if name in names and owner[name] != rank)
+                 for owner, sizes, names in zip(shard_plan.owner, shard_plan.nbytes, quantized)]
+    return IN_FLIGHT_BLOCKS * max(per_block, default=0)
 
 
 @dataclass
@@ -201,7 +220,8 @@ def _items(items: dict) -> str:
 def _shared_host(cards, dit_cards, free) -> SharedHost | None:
     """The CPU DiT ranks' stage together: weights once (the ranks share the base), activations
     and gathered blocks per rank, and the attention's budget of the available memory."""
-    on_host = [cards[c] for c in dit_cards if shares_host_memory(cards[c].device)]
+    on_host = [cards[c] for c in dit_cards
+               if card_kind(cards[c].device) == "cpu" and shares_host_memory(cards[c].device)]
     if len(on_host) < 2:
         return None
     available = free["host"] if free is not None and "host" in free else available_memory_bytes()
@@ -216,11 +236,14 @@ def _shared_host(cards, dit_cards, free) -> SharedHost | None:
 
 def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: str = "auto",
                 tokens: int = DEFAULT_PLAN_TOKENS, free: dict | None = None,
-                remote_ranks: int = 0) -> MemoryPlan:
+                remote_ranks: int = 0, backend: str | None = None,
+                dit_ranks: str = "threads") -> MemoryPlan:
     """The per-card memory plan for a role plan; `auto` resolved. `free` overrides the probed
     free bytes per device name (tests). `remote_ranks`: DiT ranks of other servers that join a
     sequence-parallel DiT (ranks as processes): this server's cards then hold 1/W of the
-    sequence and, with shard, of the blocks, W counting them too."""
+    sequence and, with shard, of the blocks, W counting them too. `backend` (None: from the
+    environment) and `dit_ranks` ("threads" / "processes") say which communicators the cards
+    will hold."""
     if dit_weights not in DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown: set dit_weights to one of "
                          f"{', '.join(DIT_WEIGHT_MODES)}.")
@@ -240,15 +263,16 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
         chosen = "replicate"
         if sequence_parallel and plan.n_cards > 1:
             trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free,
-                           remote_ranks)
+                           remote_ranks, backend, dit_ranks)
             if any(stage == "DiT" for _, stage, _ in trial.problems()):
                 chosen = "shard"
         dit_weights = chosen
-    return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks)
+    return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks,
+                  backend, dit_ranks)
 
 
 def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free,
-           remote_ranks: int = 0) -> MemoryPlan:
+           remote_ranks: int = 0, backend: str | None = None, dit_ranks: str = "threads") -> MemoryPlan:
     cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
              for d in devices]
     dit = dit_module(model)
@@ -262,10 +286,13 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
         shard_plan = BlockShardPlan.balanced(sizes, world)
         block_total = sum(shard_plan.block_bytes(i) for i in range(len(sizes)))
         gathered = IN_FLIGHT_BLOCKS * max(shard_plan.block_bytes(i) for i in range(len(sizes)))
+        quantized = _quantized_names(dit)
         for rank, c in enumerate(dit_cards):
             cards[c].stages["DiT"] = {"non-block weights": dit_bytes - block_total,
                                       "own blocks": shard_plan.owned_bytes(rank),
-                                      "gathered blocks": gathered, "activations": act}
+                                      "gathered blocks": gathered,
+                                      "quantized copies": _quantized_copy_bytes(shard_plan, quantized, rank),
+                                      "activations": act}
     else:
         for c in dit_cards:
             cards[c].stages["DiT"] = {"weights": dit_bytes, "activations": act}
@@ -285,4 +312,11 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
         cards[c].stages.setdefault("VAE decode", {})["video VAE"] = video
     for c in plan.audio_vae.cards:
         cards[c].stages.setdefault("VAE decode", {})["audio VAE"] = audio
+    # the communicators live as long as the coordinator / the worker pool: in every stage
+    held = card_communicators(plan, devices, backend, dit_ranks, dit_weights, world)
+    for card, items in zip(cards, held):
+        if items and not card.stages:
+            card.stages["communicators"] = {}
+        for stage in card.stages.values():
+            stage.update(items)
     return MemoryPlan(dit_weights, int(tokens), cards, _shared_host(cards, dit_cards, free))

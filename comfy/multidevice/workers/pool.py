@@ -267,7 +267,7 @@ class WorkerPool:
         def join():
             try:
                 joined["comm"] = init_process_group(0, self.world_size, self.devices[0], store=store,
-                                                    timeout_s=self.timeout_s)
+                                                    timeout_s=self.timeout_s, server_process=True)
             except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
                 joined["error"] = exc
 
