@@ -238,6 +238,20 @@ def test_other_chips_use_allgatherv(monkeypatch, chip):
     assert len(functions["HcclAllGatherV"].calls) == 1 and functions["HcclBroadcast"].calls == []
 
 
+def test_a_chip_name_that_cannot_be_read_leaves_the_choice_to_the_library_and_says_so(monkeypatch, caplog):
+    from comfy.multidevice.comm import hccl
+
+    def unreadable(device):
+        raise RuntimeError("no device properties")
+    monkeypatch.setattr(hccl, "chip_name", unreadable)
+    lib, functions = fake_hccl_library()
+    with caplog.at_level(logging.WARNING, logger="comfy.multidevice.comm.hccl"):
+        backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 2), library=lib)
+    assert backend.uses_all_gather_v
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "no device properties" in line and "COMFYUI_MULTI_DEVICE_BACKEND=peer" in line
+
+
 def test_forced_hccl_with_missing_library_raises(monkeypatch, tmp_path):
     missing = str(tmp_path / "nowhere" / "libhccl.so")
     monkeypatch.setenv("HCCL_SO_PATH", missing)

@@ -22,6 +22,7 @@ import torch
 from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
                                                CollectiveLibraryError, CommunicatorBackend,
                                                dtype_code)
+from comfy.multidevice.comm.settings import BACKEND_ENV
 from comfy.multidevice.devices import chip_name
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,14 @@ class HcclBackend(CommunicatorBackend):
             log.warning("%s has no HcclAllGatherV: exchanging with one HcclBroadcast per rank "
                         "(exact, slower); a newer CANN provides HcclAllGatherV", self.hccl.path)
             return
-        chip = chip_name(coordinator.devices[0])  # one chip kind per server
+        try:
+            chip = chip_name(coordinator.devices[0])  # one chip kind per server
+        except Exception as exc:  # noqa: BLE001 - a runtime that cannot say: the symbol decides
+            log.warning("could not read the chip name of %s (%s: %s): using HcclAllGatherV, which "
+                        "the library offers. An Atlas training series chip (910A) does not support "
+                        "it: there, set %s=peer", coordinator.devices[0], type(exc).__name__, exc,
+                        BACKEND_ENV)
+            return
         if not all_gather_v_supported_on(chip):
             self.uses_all_gather_v = False
             log.info("HCCL on %s (Atlas training series), where HcclAllGatherV is not supported: "
