@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import threading
 import types
 
 import pytest
 import torch
 
 from comfy.multidevice.cards import DeviceInventory, DeviceSelectionError, InvalidDeviceList, MixedDeviceKinds, TooFewDevices, UnsupportedCardCount, parse_device_list, select_devices
+from comfy.multidevice.devices import chip_name
 from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras.nodes_multinpu import configure_parallel
 from tests.node_cases import assert_same, inputs, inventory, rank_threads, snapshot
@@ -170,3 +172,19 @@ def test_probe_survives_a_broken_npu_stack_and_says_why(tmp_path, monkeypatch):
     assert select_devices(2) == ["cuda:0", "cuda:1"]  # auto: the one kind that is visible
     with pytest.raises(TooFewDevices, match=r"npu_count is 4 but 0 npu card.*npu probe failed: RuntimeError: libascendcl"):
         select_devices(4, kind="npu")  # the cause of "0 NPUs" reaches the user
+
+
+def test_chip_name_asks_torch_npu_on_a_thread_that_made_the_card_current(monkeypatch):
+    """The chip name decides HCCL's exchange (comm/hccl.py); asking for it must not touch a card
+    from a thread without its device set (torch_npu would open card 0 there, CARDS.md)."""
+    calls = []
+    fake_npu = types.SimpleNamespace(
+        set_device=lambda d: calls.append(("set_device", d, threading.get_ident())),
+        get_device_name=lambda d: calls.append(("get_device_name", d, threading.get_ident())) or "Ascend910ProA")
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", fake_npu, raising=False)
+    card = types.SimpleNamespace(type="npu", index=3)
+    assert chip_name(card) == "Ascend910ProA"
+    assert [c[:2] for c in calls] == [("set_device", card), ("get_device_name", card)]
+    assert calls[0][2] == calls[1][2] != threading.get_ident()
+    assert chip_name(torch.device("cpu")) is None

@@ -8,7 +8,8 @@ moves a call's inputs to one rank's device. Which cards a run uses is decided in
 from __future__ import annotations
 
 import os
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 
@@ -52,6 +53,35 @@ def set_thread_device(device: torch.device) -> None:
     api = accelerator_api(device.type)
     if api is not None:
         api.set_device(device)
+
+
+def call_on_device_thread(device: torch.device, fn: Callable[[], Any]) -> Any:
+    """fn() on a short-lived thread that made `device` current first; its result or its error.
+
+    For card work outside the rank threads (backend start): torch_npu gives a thread that
+    touches the NPU without set_device card 0 (CARDS.md), a context no plan counts."""
+    outcome: dict = {}
+
+    def body():
+        try:
+            set_thread_device(device)
+            outcome["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller
+            outcome["error"] = exc
+    helper = threading.Thread(target=body, name=f"on-{device}", daemon=True)
+    helper.start()
+    helper.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def chip_name(device: torch.device) -> str | None:
+    """The accelerator's chip name (torch.npu / torch.cuda get_device_name), None for the CPU."""
+    api = accelerator_api(device.type)
+    if api is None:
+        return None
+    return call_on_device_thread(device, lambda: api.get_device_name(device))
 
 
 def synchronize(device: torch.device) -> None:

@@ -7,6 +7,7 @@ tests/comm/test_nccl.py runs them on NCCL; this file adds HCCL's marshaling, err
 
 import ctypes
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from comfy.multidevice.comm.ctypes_lib import CLibrary
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.hccl import HcclBackend, HcclError, HcclLibrary
+from comfy.multidevice.comm.hccl import HcclBackend, HcclError, HcclLibrary, TRAINING_SERIES_CHIPS
 from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
 # The backend-independent cases, collected here for HCCL (the `backend` fixture below).
 from tests.collective_cases import *  # noqa: F401,F403
@@ -176,6 +177,79 @@ def test_broadcast_fallback_without_allgatherv(monkeypatch, fake_hccl_no_allgath
     for pair in out:
         for o in pair:
             assert torch.equal(o, torch.cat(shards, dim=1))
+
+
+def test_the_broadcast_fallback_puts_the_own_shard_in_place_before_the_stream_is_read(
+        monkeypatch, fake_hccl_no_allgatherv_path):
+    """torch_npu drains its queue when the stream handle is read (CARDS.md): a copy queued after
+    that may run after the broadcasts. So when a rank thread reads its handle, its own shard must
+    already be in the receive buffer (seen here by filling fresh buffers with a sentinel)."""
+    from comfy.multidevice.comm import ctypes_lib
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_no_allgatherv_path)
+    made, seen = {}, []
+
+    def sentinel_buffer(numel, dtype, device, workspace=None, key=None):
+        buf = torch.full((numel,), -1.0, dtype=dtype)
+        made.setdefault(threading.get_ident(), []).append(buf)
+        return buf
+
+    def stream_handle(device):
+        written = int((made[threading.get_ident()][-1] != -1).sum())
+        seen.append((threading.current_thread().rank, written))
+        return None
+
+    monkeypatch.setattr(HcclBackend, "_empty", staticmethod(sentinel_buffer))
+    monkeypatch.setattr(ctypes_lib, "current_stream_handle", stream_handle)
+    rows = [2, 3, 5]
+    shards = [torch.full((n, 2), float(r + 1)) for r, n in enumerate(rows)]
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="hccl", timeout_s=20) as coord:
+        out = coord.run(lambda rank, comm, x: comm.exchange([x], 0)[0], shards)
+    assert sorted(seen) == [(r, 2 * n) for r, n in enumerate(rows)]
+    assert all(torch.equal(o, torch.cat(shards)) for o in out)
+
+
+@pytest.mark.parametrize("chip", sorted(TRAINING_SERIES_CHIPS))
+def test_a_training_series_chip_exchanges_by_broadcast_although_the_library_has_allgatherv(
+        use_fake_hccl, monkeypatch, caplog, chip):
+    """HcclAllGatherV is not supported on the Atlas training series: the chip decides, not only
+    the symbol. The fake library fails any HcclAllGatherV call, so an exact result proves it
+    was never made."""
+    from comfy.multidevice.comm import hccl
+    monkeypatch.setattr(hccl, "chip_name", lambda device: chip)
+    monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclAllGatherV:4")
+    shards = make_shards(3, [4, 1, 6], 1, torch.float32)
+    with caplog.at_level(logging.INFO, logger="comfy.multidevice.comm.hccl"):
+        with SequenceParallelCoordinator(["cpu"] * 3, backend="hccl", timeout_s=20) as coord:
+            assert coord.backend.hccl.has_all_gather_v and not coord.backend.uses_all_gather_v
+            out = coord.run(lambda rank, comm, x: comm.exchange([x], [1])[0], shards)
+    lines = [r.getMessage() for r in caplog.records if "HcclAllGatherV" in r.getMessage()]
+    assert len(lines) == 1 and chip in lines[0] and "training series" in lines[0]
+    assert all(torch.equal(o, torch.cat(shards, dim=1)) for o in out)
+
+
+@pytest.mark.parametrize("chip", ["Ascend910B1", "Ascend910B3", "Ascend910B4-1", "Ascend910_9391", None])
+def test_other_chips_use_allgatherv(monkeypatch, chip):
+    from comfy.multidevice.comm import hccl
+    monkeypatch.setattr(hccl, "chip_name", lambda device: chip)
+    lib, functions = fake_hccl_library()
+    backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 2), library=lib)
+    send, recv = torch.zeros(2), torch.empty(5)
+    backend._all_gather_v_flat(0, send, recv, [2, 3], [0, 2], None)
+    assert len(functions["HcclAllGatherV"].calls) == 1 and functions["HcclBroadcast"].calls == []
+
+
+def test_a_chip_name_that_cannot_be_read_leaves_the_choice_to_the_library_and_says_so(monkeypatch, caplog):
+    from comfy.multidevice.comm import hccl
+
+    def unreadable(device):
+        raise RuntimeError("no device properties")
+    monkeypatch.setattr(hccl, "chip_name", unreadable)
+    lib, functions = fake_hccl_library()
+    with caplog.at_level(logging.WARNING, logger="comfy.multidevice.comm.hccl"):
+        backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 2), library=lib)
+    assert backend.uses_all_gather_v
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "no device properties" in line and "COMFYUI_MULTI_DEVICE_BACKEND=peer" in line
 
 
 def test_forced_hccl_with_missing_library_raises(monkeypatch, tmp_path):

@@ -8,6 +8,7 @@ NCCL; this file adds NCCL's errors, fallbacks, group semantics and marshaling.
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from comfy.multidevice.comm import group
+from comfy.multidevice.comm import group, nccl
 from comfy.multidevice.comm.ctypes_lib import CLibrary
 from comfy.multidevice.comm.nccl import (NCCL_FUNCTIONS, NcclBackend, NcclError, NcclLibrary, nccl_dtype)
 from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
@@ -219,6 +220,45 @@ def recorded_library(**overrides):
         functions[spec.name] = (lambda name, fn: lambda *a: (log.append((name, a)), fn(*a))[1])(spec.name, fn)
     lib = NcclLibrary(lib=CLibrary.from_functions(functions, path="<recorded>"))
     return lib, log
+
+
+@pytest.fixture
+def p2p_direct_unset(monkeypatch):
+    """NCCL_P2P_DIRECT_DISABLE unset for the test and after it (the backend sets os.environ)."""
+    monkeypatch.setenv(nccl.P2P_DIRECT_ENV, "placeholder")  # recorded, so the undo removes it
+    monkeypatch.delenv(nccl.P2P_DIRECT_ENV)
+    monkeypatch.setattr(nccl, "_p2p_policy_logged", False)
+
+
+def env_at_init():
+    """A recorded library whose ncclCommInitAll notes NCCL_P2P_DIRECT_DISABLE as NCCL sees it."""
+    seen = []
+    lib, _ = recorded_library(ncclCommInitAll=FakeFunction(
+        on_call=lambda comms, n, devices: seen.append(os.environ.get(nccl.P2P_DIRECT_ENV))))
+    return lib, seen
+
+
+def test_direct_peer_reads_are_disabled_before_comm_init_all(p2p_direct_unset, caplog):
+    """One process over several GPUs: NCCL must not read peers' cudaMallocAsync memory directly
+    (CARDS.md), so the policy is in the environment when ncclCommInitAll reads it; logged once."""
+    lib, seen = env_at_init()
+    with caplog.at_level(logging.INFO, logger="comfy.multidevice.comm.nccl"):
+        NcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 2), library=lib)
+        NcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 2), library=lib)
+    assert seen == ["1", "1"]
+    lines = [r.getMessage() for r in caplog.records if nccl.P2P_DIRECT_ENV in r.getMessage()]
+    assert len(lines) == 1 and "NCCL_P2P_DIRECT_DISABLE=1" in lines[0] and "cudaMallocAsync" in lines[0]
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_the_users_own_peer_access_setting_is_kept(p2p_direct_unset, monkeypatch, caplog, value):
+    monkeypatch.setenv(nccl.P2P_DIRECT_ENV, value)
+    lib, seen = env_at_init()
+    with caplog.at_level(logging.INFO, logger="comfy.multidevice.comm.nccl"):
+        NcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 2), library=lib)
+    assert seen == [value]
+    (line,) = [r.getMessage() for r in caplog.records if nccl.P2P_DIRECT_ENV in r.getMessage()]
+    assert f"NCCL_P2P_DIRECT_DISABLE={value}" in line and "user" in line
 
 
 def test_function_table_matches_nccl_h():

@@ -167,6 +167,11 @@ class FlatCollectiveBackend:
     def _all_reduce_flat(self, rank, send, recv, op, stream):
         raise NotImplementedError
 
+    def _stage_all_gather_v(self, rank, send, recv, counts, displs):
+        """Torch work the all-gather-V call needs done first (e.g. the own shard copied into
+        recv). Runs before the stream handle is read: torch_npu drains its queue when the handle
+        is read, so an op queued after that may run after the collective (CARDS.md)."""
+
     # Optional: all-to-all-V on flat buffers (counts/displacements in elements, per peer),
     # used when has_all_to_all_v is true.
 
@@ -254,7 +259,8 @@ class FlatCollectiveBackend:
             self._buffers_ready(rank, "exchange")
         keepalive = []
         for dim, shard_metas, counts, displs, send, recv in plans:
-            stream = current_stream_handle(device)  # read right before the call
+            self._stage_all_gather_v(rank, send, recv, counts, displs)
+            stream = current_stream_handle(device)  # read right before the call, after any torch op
             keepalive.append(self._all_gather_v_flat(rank, send, recv, counts, displs, stream))
         synchronize(device)  # once for all tensors: K and V go back to back on the stream
         del keepalive

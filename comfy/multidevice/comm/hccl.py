@@ -3,7 +3,8 @@
 One HCCL communicator per rank device from `HcclCommInitAll` (single process, many
 devices). Every rank thread issues its own call concurrently on its device's current
 stream; the results are synchronized before use. Equal shards go through `HcclAllGather`;
-uneven ones through `HcclAllGatherV`, which is optional in older CANN releases: without it
+uneven ones through `HcclAllGatherV`, which is optional in older CANN releases and not
+supported on the Atlas training series (910A and its kin, told by the chip name): without it
 the exchange is one `HcclBroadcast` per root into the same flat buffer, exact but slower
 (logged once).
 
@@ -21,6 +22,8 @@ import torch
 from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
                                                CollectiveLibraryError, CommunicatorBackend,
                                                dtype_code)
+from comfy.multidevice.comm.settings import BACKEND_ENV
+from comfy.multidevice.devices import chip_name
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,22 @@ class HcclLibrary(CollectiveLibrary):
 
 
 
+# The Atlas training series (the first-generation Ascend 910) reports these chip names
+# (aclrtGetSocName, which torch.npu.get_device_name returns): CANN's runtime names its 32-core
+# parts Ascend910A / Ascend910ProA / Ascend910PremiumA and its 30-core parts Ascend910B /
+# Ascend910ProB. A plain "Ascend910B" is therefore first generation; Atlas A2 chips report
+# Ascend910B1..B4 (and variants), Atlas A3 Ascend910_93xx. The CANN HCCL API reference lists
+# HcclAllGatherV as not supported on the training series.
+TRAINING_SERIES_CHIPS = frozenset({"Ascend910A", "Ascend910ProA", "Ascend910PremiumA",
+                                   "Ascend910B", "Ascend910ProB"})
+
+
+def all_gather_v_supported_on(chip: str | None) -> bool:
+    """False on a chip of the Atlas training series; True elsewhere, and when the chip is unknown
+    (CPU ranks over a test library)."""
+    return (chip or "").strip() not in TRAINING_SERIES_CHIPS
+
+
 class HcclBackend(CommunicatorBackend):
     name = "hccl"
     device_kind = "npu"
@@ -147,9 +166,35 @@ class HcclBackend(CommunicatorBackend):
 
     def __init__(self, coordinator, library: HcclLibrary | None = None):
         super().__init__(coordinator, library)
+        # whether uneven exchanges use HcclAllGatherV: the symbol and the chip must both allow it
+        self.uses_all_gather_v = self.hccl.has_all_gather_v
         if not self.hccl.has_all_gather_v:
             log.warning("%s has no HcclAllGatherV: exchanging with one HcclBroadcast per rank "
                         "(exact, slower); a newer CANN provides HcclAllGatherV", self.hccl.path)
+            return
+        try:
+            chip = chip_name(coordinator.devices[0])  # one chip kind per server
+        except Exception as exc:  # noqa: BLE001 - a runtime that cannot say: the symbol decides
+            log.warning("could not read the chip name of %s (%s: %s): using HcclAllGatherV, which "
+                        "the library offers. An Atlas training series chip (910A) does not support "
+                        "it: there, set %s=peer", coordinator.devices[0], type(exc).__name__, exc,
+                        BACKEND_ENV)
+            return
+        if not all_gather_v_supported_on(chip):
+            self.uses_all_gather_v = False
+            log.info("HCCL on %s (Atlas training series), where HcclAllGatherV is not supported: "
+                     "exchanging uneven shards with one HcclBroadcast per rank (exact, slower)", chip)
+
+    def _uses_broadcasts(self, counts) -> bool:
+        """Uneven shards without HcclAllGatherV (every rank sees all counts: all agree)."""
+        return len(set(counts)) != 1 and not self.uses_all_gather_v
+
+    def _stage_all_gather_v(self, rank, send, recv, counts, displs):
+        # The broadcasts carry only the other ranks' shards into recv: the own one is copied
+        # here, before the stream handle is read (reading it drains torch_npu's queue; a copy
+        # queued after it could run after the broadcasts that peers read recv through).
+        if self._uses_broadcasts(counts):
+            recv.narrow(0, displs[rank], counts[rank]).copy_(send.view(-1))
 
     def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
         dtype = hccl_dtype(send.dtype)
@@ -157,7 +202,7 @@ class HcclBackend(CommunicatorBackend):
         if len(set(counts)) == 1:  # equal shards: the plain all-gather (every rank sees all counts)
             self.hccl.all_gather(send.data_ptr(), recv.data_ptr(), counts[rank], dtype, comm, stream)
             return None
-        if self.hccl.has_all_gather_v:
+        if not self._uses_broadcasts(counts):
             n = len(counts)
             host_counts = (c_uint64 * n)(*counts)  # read by the device asynchronously:
             host_displs = (c_uint64 * n)(*displs)  # returned so the caller keeps them to the sync
@@ -165,8 +210,7 @@ class HcclBackend(CommunicatorBackend):
                                    ctypes.addressof(host_counts), ctypes.addressof(host_displs),
                                    dtype, comm, stream)
             return host_counts, host_displs
-        recv.narrow(0, displs[rank], counts[rank]).copy_(send.view(-1))
-        itemsize = recv.element_size()
+        itemsize = recv.element_size()  # the own shard is in recv already (_stage_all_gather_v)
         for root, (count, displ) in enumerate(zip(counts, displs)):
             if count:
                 self.hccl.broadcast(recv.data_ptr() + displ * itemsize, count, dtype, root,

@@ -19,12 +19,21 @@ local copy.
 A collective stuck in NCCL (a peer that never comes, a failed link) is ended by
 `ncclCommAbort`, with `ncclCommGetAsyncError` polled meanwhile: comm/abort.py.
 
+Peer access: one process drives every GPU, so NCCL would read the peers' buffers directly;
+ComfyUI's default allocator (`PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`) makes memory
+from stream-ordered pools, which `cudaDeviceEnablePeerAccess` does not open to peers (that
+needs `cudaMemPoolSetAccess`, which PyTorch grants only for a pair it has copied between).
+So `NCCL_P2P_DIRECT_DISABLE=1` is set before `ncclCommInitAll` unless the user set it
+(logged once, with which value and why).
+
 Library: `NCCL_SO_PATH`, else `libnccl.so.2` from the loader path (the CUDA builds of
 torch ship it).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from ctypes import byref, c_char_p, c_int, c_size_t, c_void_p, POINTER
 
 import torch
@@ -34,8 +43,13 @@ from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
                                                CollectiveLibraryError, CommunicatorBackend,
                                                dtype_code)
 
+log = logging.getLogger(__name__)
+
 NCCL_PATH_ENV = "NCCL_SO_PATH"
 NCCL_DEFAULT_LIBRARY = "libnccl.so.2"
+# NCCL reads it when it initializes: "1" makes it not access other GPUs' user buffers directly.
+P2P_DIRECT_ENV = "NCCL_P2P_DIRECT_DISABLE"
+_p2p_policy_logged = False
 
 ncclResult_t = c_int
 ncclComm_t = c_void_p
@@ -183,11 +197,34 @@ class NcclLibrary(CollectiveLibrary):
                          text.decode(errors="replace") if text else "unknown error")
 
 
+def apply_p2p_direct_policy() -> str:
+    """Set NCCL_P2P_DIRECT_DISABLE=1 unless the user set it; the value in effect. Called before
+    ncclCommInitAll (NCCL reads it once, at its first initialization in the process)."""
+    global _p2p_policy_logged
+    user_value = os.environ.get(P2P_DIRECT_ENV)
+    if user_value is None:
+        os.environ[P2P_DIRECT_ENV] = "1"
+        why = ("set by the multi-device backend: the ranks' memory may come from cudaMallocAsync "
+               "pools that peers cannot read directly; set it to 0 yourself to let NCCL read peers' "
+               "buffers directly")
+    else:
+        why = "kept as the user set it"
+    if not _p2p_policy_logged:
+        _p2p_policy_logged = True
+        log.info("NCCL in one process over several GPUs: %s=%s (%s)", P2P_DIRECT_ENV,
+                 os.environ[P2P_DIRECT_ENV], why)
+    return os.environ[P2P_DIRECT_ENV]
+
+
 class NcclBackend(WatchedCommunicators, CommunicatorBackend):
     name = "nccl"
     device_kind = "cuda"
     hardware = "NVIDIA GPUs"
     library_class = NcclLibrary
+
+    def _init_comms(self, ids: list[int]) -> list:
+        apply_p2p_direct_policy()  # before the init: NCCL reads its peer-access settings there
+        return super()._init_comms(ids)
 
     @property
     def nccl(self) -> NcclLibrary:

@@ -1,6 +1,9 @@
 """The peer-copy backend: shared slots, a barrier, each shard copied once into the output.
 
-Works on every device kind (CPU included) and is the fallback of `auto`.
+Works on every device kind (CPU included) and is the fallback of `auto`. Peer access between
+the cards is enabled at its start, serially (comm/peer_access.py). Copies to an NPU are not
+asked to be non-blocking: torch_npu's cross-card copy synchronizes both cards' streams anyway
+(copy_d2d), so the flag would only pretend.
 """
 
 from __future__ import annotations
@@ -10,15 +13,21 @@ import logging
 import torch
 
 from comfy.multidevice.comm.layout import concat_received, gathered_shape, numel, scratch
+from comfy.multidevice.comm.peer_access import enable_peer_access
 
 log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- backends
 
+def copies_may_overlap(device: torch.device) -> bool:
+    """The non_blocking flag of a copy into `device`: False on an NPU, where it does nothing."""
+    return device.type != "npu"
+
+
 def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     # Skipping .to() for same-device tensors saves Python overhead, which all rank
     # threads pay serially under the GIL.
-    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=copies_may_overlap(device))
 
 
 class PeerCopyBackend:
@@ -36,6 +45,7 @@ class PeerCopyBackend:
 
     def __init__(self, coordinator):
         self.coordinator = coordinator
+        enable_peer_access(coordinator.devices)  # before any rank thread copies
 
     def prepare_all_gather_v(self, rank, tensors, dims, metas, workspace=None):
         return None  # nothing to allocate before the ranks meet: each rank reads the others'
@@ -52,8 +62,9 @@ class PeerCopyBackend:
             full = scratch(workspace, ("recv", i), numel(shape), shards[0].dtype, device).view(
                 shape[dim], *(n for d, n in enumerate(shape) if d != dim))
             offset = 0
+            overlap = copies_may_overlap(device)
             for t in shards:
-                full.narrow(0, offset, t.shape[dim]).copy_(t.movedim(dim, 0), non_blocking=True)
+                full.narrow(0, offset, t.shape[dim]).copy_(t.movedim(dim, 0), non_blocking=overlap)
                 offset += t.shape[dim]
             out.append(full.movedim(0, dim))
         return out
@@ -80,7 +91,7 @@ class PeerCopyBackend:
                 if src == rank:
                     write_own(t, place)
                 else:
-                    place.copy_(chunks[src], non_blocking=True)
+                    place.copy_(chunks[src], non_blocking=copies_may_overlap(device))
             out.append(result)
         return out
 
