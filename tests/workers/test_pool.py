@@ -154,7 +154,7 @@ def test_bad_arguments_are_refused_before_any_process_starts():
 def test_a_hung_worker_fails_the_forward_within_the_timeout_and_is_killed(checkpoint, plain):
     _, path = checkpoint
     (x, t, ctx, kw), reference = plain
-    dit = enable_sequence_parallel_workers(["cpu"] * 2, recipe(path), timeout_s=5)
+    dit = enable_sequence_parallel_workers(["cpu"] * 2, recipe(path), timeout_s=8)  # a start fits it when busy
     try:
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
         hung = dit.pool.workers[0]
@@ -162,7 +162,7 @@ def test_a_hung_worker_fails_the_forward_within_the_timeout_and_is_killed(checkp
         start = time.monotonic()
         with pytest.raises(WorkerPoolError, match=r"Timed out .*rank 1 \(pid \d+\) still runs"):
             dit(x, t, ctx, **kw)
-        assert time.monotonic() - start < 5 + 10
+        assert time.monotonic() - start < 8 + 10
         assert hung.process.poll() is not None  # killed, not left holding its card
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
     finally:
