@@ -4,6 +4,19 @@ import types
 import pytest
 
 from tests.fakes.build import build_fake
+from tests.fakes.violations import take_all_nccl_violations
+
+
+@pytest.fixture(autouse=True)
+def no_card_rule_broken_on_the_fake_nccl():
+    """Fails a test after which a fake libnccl of this process holds a violation: real NCCL
+    returns no error for two collectives overlapping on one device (it hangs or corrupts), so
+    the fake records it instead (tests/fakes/fake_nccl.c). A test that provokes one on purpose
+    takes it (tests/fakes/violations.py). Cheap: only libraries already loaded are read."""
+    yield
+    broken = take_all_nccl_violations()
+    if broken:
+        pytest.fail("the fake libnccl recorded what NCCL forbids:\n" + "\n".join(broken), pytrace=False)
 
 
 @pytest.fixture(scope="session")

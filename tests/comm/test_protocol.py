@@ -5,7 +5,7 @@ import pytest
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.protocol import Backend
 
-CAPABILITIES = ("reads_peer_memory", "has_all_to_all_v", "prepares_all_to_all_v")
+CAPABILITIES = ("reads_peer_memory", "has_all_to_all_v", "prepares_all_to_all_v", "one_collective_per_device")
 
 
 @pytest.mark.parametrize("name", ["peer", "hccl", "nccl"])
@@ -18,6 +18,7 @@ def test_each_backend_declares_its_capabilities(name, monkeypatch, fake_hccl_pat
         assert isinstance(backend, Backend)
         assert {c: type(getattr(backend, c)) for c in CAPABILITIES} == {c: bool for c in CAPABILITIES}
         assert backend.reads_peer_memory == (name == "peer")  # the libraries move the bytes themselves
+        assert backend.one_collective_per_device == (name != "peer")  # CANN's and NCCL's rule
 
 
 def test_a_backend_without_all_to_all_gets_the_emulation(monkeypatch, fake_hccl_no_alltoallv_path):

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 FAKES_DIR = Path(__file__).resolve().parent
+BUILT: dict[str, set[str]] = {}  # name -> the libraries built (or found built) in this process
 
 
 class FakeBuildError(RuntimeError):
@@ -40,4 +41,5 @@ def build_fake(name: str, defines: tuple[str, ...] = (), out_dir: str | os.PathL
         if result.returncode != 0:
             raise FakeBuildError(f"building {source.name} failed:\n{result.stderr}")
         os.replace(partial, target)  # atomic: concurrent builders never see half a file
+    BUILT.setdefault(name, set()).add(str(target))
     return str(target)

@@ -1,6 +1,6 @@
 /*
  * A stand-in for libnccl.so.2, written for the tests: the C ABI of the functions
- * comfy/multicuda.py binds, implemented over host memory so CPU tensors can be passed
+ * comfy/multidevice/comm/nccl.py binds, implemented over host memory so CPU tensors can be passed
  * as device buffers.
  *
  * The communicators made by one ncclCommInitAll call share a group. Every collective
@@ -12,6 +12,14 @@
  * peers' send buffers, a second rendezvous (everyone has read), then results computed
  * into scratch memory (all-reduce) are stored. So a rank thread that records W
  * broadcasts in one group never waits inside the group, and nothing can deadlock.
+ *
+ * Two collectives in flight at once on one device (from entry to return, across every
+ * communicator of the process; the device is the init-all call's devlist entry) break NCCL's
+ * thread-safety rule, but real NCCL returns no error there: it hangs or corrupts data. The fake
+ * completes the call and records a violation, read (and cleared) with the fake's own
+ * `int fakeNcclViolations(char *buf, int len)` (the count; the texts into buf); the tests'
+ * conftest fails any test that leaves one. `int fakeNcclInFlight(int device)`: how many
+ * collectives are in flight on a device now.
  *
  * Knobs (read on every call):
  *   FAKE_NCCL_FAIL=Name:code   the function Name returns code (on every rank, before any wait)
@@ -71,6 +79,7 @@ typedef struct {
 typedef struct {
     Group *group;
     int rank;
+    int device;
 } Comm;
 
 /* Per-thread group state, as in NCCL (group calls are thread-local). */
@@ -113,11 +122,17 @@ const char *ncclGetErrorString(ncclResult_t code) {
     }
 }
 
+int fakeNcclViolations(char *buf, int len) { return fake_take_violations(buf, len); }
+
+int fakeNcclInFlight(int device) { return fake_device_in_flight(device); }
+
 ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
-    (void)devlist; /* NULL means devices 0..ndev-1; the fake has no devices either way */
     int code = fail_code("ncclCommInitAll");
     if (code) return code;
     if (ndev <= 0 || ndev > MAX_RANKS || !comms) return ncclInvalidArgument;
+    int devices[MAX_RANKS];
+    for (int i = 0; i < ndev; i++) devices[i] = devlist ? devlist[i] : i; /* NULL: 0..ndev-1 */
+    if (fake_check_devices(devices, ndev)) return ncclInvalidUsage; /* as NCCL: a duplicate GPU */
     Group *g = calloc(1, sizeof(Group));
     if (!g) return ncclSystemError;
     g->size = ndev;
@@ -128,6 +143,7 @@ ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
         Comm *c = calloc(1, sizeof(Comm));
         c->group = g;
         c->rank = i;
+        c->device = devices[i];
         comms[i] = c;
     }
     return ncclSuccess;
@@ -261,7 +277,7 @@ static ncclResult_t perform(Group *g, int rank, int idx) {
     return ncclInternalError;
 }
 
-static ncclResult_t run_batch(Comm *c, Op *ops, int n) {
+static ncclResult_t run_batch_on_device(Comm *c, Op *ops, int n) {
     Group *g = c->group;
     g->ops[c->rank] = ops;
     g->nops[c->rank] = n;
@@ -281,13 +297,36 @@ static ncclResult_t run_batch(Comm *c, Op *ops, int n) {
     return result ? result : r2;
 }
 
+static const char *kind_name(Kind kind) {
+    static const char *names[] = {"ncclBroadcast", "ncclAllGather", "ncclAllReduce", "ncclSend", "ncclRecv"};
+    return names[kind];
+}
+
+/* The batch is in flight on c's device from here to its return: any other collective there
+ * (another communicator, another thread) at the same time is a violation, recorded. */
+static void enter_device(Comm *c, const Op *first, int n) {
+    if (fake_device_enter(c->device))
+        fake_record_violation(
+            "device %d: %s%s (rank %d of %d) started while another collective was in flight on the "
+            "device (NCCL: not safe to issue operations in parallel to independent communicators "
+            "on one device from several threads)",
+            c->device, kind_name(first->kind), n > 1 ? " and more in one group" : "", c->rank, c->group->size);
+}
+
+static ncclResult_t run_batch(Comm *c, Op *ops, int n) {
+    enter_device(c, ops, n);
+    ncclResult_t result = run_batch_on_device(c, ops, n);
+    fake_device_leave(c->device);
+    return result;
+}
+
 /* Run now, or record in this thread's open group. */
 static ncclResult_t submit(Comm *c, Op op) {
     if (group_depth == 0) return run_batch(c, &op, 1);
     if (pending_error) return pending_error;
     if ((pending_comm && pending_comm != c) || npending == MAX_GROUP_OPS) {
         /* The fake serves one communicator per thread and group: the pattern of
-         * comfy/multicuda.py, where each rank thread drives its own GPU. */
+         * comfy/multidevice/comm/nccl.py, where each rank thread drives its own GPU. */
         pending_error = ncclInvalidUsage;
         return pending_error;
     }

@@ -26,6 +26,7 @@ TOPIC_FILES = {
     "cli/test_help.py": "every command's --help text",
     "comm/test_all_to_all.py": "all_to_all_v on every backend and the byte counters",
     "comm/test_card_threads.py": "no thread touches a card it did not make current (threads mode)",
+    "comm/test_card_rules.py": "the fake HCCL / NCCL libraries refuse what the vendors forbid",
     "test_node_errors.py": "the sentence a ComfyUI user reads for every refusal",
     "test_runtime_scripts.py": "additional_files/runtime/ restart and stop scripts",
     "test_docs.py": "the user docs: examples, cited sections, links",

@@ -13,10 +13,13 @@ two modes' operands sit at other alignments, e.g. views of a file whose tensors 
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 
 import pytest
 import torch
 
+from comfy.multidevice.comm import group
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import SequenceParallelError
@@ -76,11 +79,31 @@ def test_shard_is_bit_identical_to_replicate(world, dtype):
         assert gathered_on_64_byte_lines(sp)
 
 
-def test_shard_over_the_fake_hccl_backend(use_fake_hccl):
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["hccl", "nccl"])
+def test_shard_over_a_card_library_gathers_on_the_rank_communicator(kind, world, request, monkeypatch, caplog):
+    """HCCL and NCCL allow one collective per card at a time across all communicators: no
+    prefetch lane (said once in the log), each block gathered on the rank's own communicator,
+    exact, and the fake library saw no overlap (it would fail or record it; conftest.py)."""
+    request.getfixturevalue(f"use_fake_{kind}")
+    monkeypatch.setattr(group, "_no_lane_logged", set())
     model = tiny_model(seed=4)
-    ref, _ = run(replicas(model, 4), 4, "replicate", cases=("plain",), backend="hccl")
-    out, _ = run(replicas(model, 4), 4, "shard", cases=("plain",), backend="hccl")
+    ref, _ = run(replicas(model, world), world, "replicate", cases=("plain",), backend=kind)
+    with caplog.at_level(logging.INFO, logger=group.__name__):
+        out, sp = run(replicas(model, world), world, "shard", cases=("plain",), backend=kind)
+        run(replicas(model, world), world, "shard", cases=("plain",), backend=kind, forwards=1)
     assert identical(out, ref)
+    assert sp.block_weights.lane is None
+    said = [r.getMessage() for r in caplog.records if "no prefetch" in r.getMessage()]
+    assert len(said) == 1 and f"with the {kind} backend" in said[0]
+
+
+def test_peer_copy_keeps_its_prefetch_lane():
+    """Peer-copy moves tensors with plain copies, no card library: the lane stays (and overlaps)."""
+    model = tiny_model(seed=4)
+    _, sp = run(replicas(model, 2), 2, "shard", cases=("plain",), forwards=1)
+    assert isinstance(sp.block_weights.lane, SequenceParallelCoordinator)
+    assert sp.block_weights.lane.backend_name == "peer"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -185,8 +208,8 @@ class _Tower(torch.nn.Module):
 class _Lane:
     """A coordinator over the ranks used as the prefetch lane."""
 
-    def __init__(self, world):
-        self.coordinator = SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30)
+    def __init__(self, world, backend="peer"):
+        self.coordinator = SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30)
 
     def run(self, fn):
         return self.coordinator.run(fn)
@@ -204,6 +227,71 @@ def _two_tensor_blocks(two_tensor, world: int):
     towers = [_Tower([t.clone() for t in originals]) for _ in range(world)]
     family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * world, lane=_Lane(world))
     return originals, towers, family, [family.rank_view(r) for r in range(world)]
+
+
+def _hold_rank_1(backend, method: str, call: int, until) -> None:
+    """Rank 1's `call`-th library call of `backend`'s `method` waits for `until()` first (after
+    the coordinator's own barrier, so rank 0's call is inside the library meanwhile)."""
+    real, calls = getattr(backend, method), [0]
+
+    def held(rank, *args):
+        if rank == 1:
+            calls[0] += 1
+            if calls[0] == call:
+                wait_for(until)
+        return real(rank, *args)
+    setattr(backend, method, held)
+
+
+def wait_for(condition, limit_s: float = 30.0) -> None:
+    import time
+    deadline = time.monotonic() + limit_s
+    while not condition():  # the threads it waits for are blocked inside the library
+        assert time.monotonic() < deadline, "the two collectives never met on device 0"
+        time.sleep(0.002)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["hccl", "nccl"])
+def test_a_second_coordinator_as_lane_trips_the_fake_card_library(kind, request):
+    """What the prefetch lane did with HCCL / NCCL before it was turned off for them: block 1's
+    gather on the lane coordinator runs while the main one runs block 0's K/V exchange, both on
+    device 0. Lined up so they meet inside the library: the fake HCCL fails the call, the fake
+    NCCL records the violation (real NCCL would hang or corrupt)."""
+    from comfy.multidevice.comm.hccl import HcclError
+    from tests.fakes.violations import in_flight, take_nccl_violations
+    path = request.getfixturevalue(f"use_fake_{kind}")
+    counter = "fakeHcclInFlight" if kind == "hccl" else "fakeNcclInFlight"
+    met = threading.Event()  # latched: once one held rank goes on, the count may drop again
+
+    def both_on_device_0():
+        if in_flight(path, counter, 0) == 2:
+            met.set()
+        return met.is_set()
+    world = 2
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3, 5, generator=g) for _ in range(2)]
+    towers = [_Tower([w.clone() for w in weights]) for _ in range(world)]
+    lane = _Lane(world, backend=kind)
+    family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * world, lane=lane)
+    _hold_rank_1(lane.coordinator.backend, "_all_gather_v_flat", 2, both_on_device_0)  # block 1's gather
+    with SequenceParallelCoordinator(["cpu"] * world, backend=kind, timeout_s=30) as coord:
+        _hold_rank_1(coord.backend, "_all_reduce_flat", 1, both_on_device_0)  # block 0's "exchange"
+
+        def forward(rank, comm):
+            view = family.rank_view(rank)
+            view.begin_forward()
+            for i in range(2):
+                view.bind(i, comm)  # binding block 0 sends block 1's gather to the lane
+                comm.all_reduce(torch.ones(4))  # the block's collective on the main communicator
+                view.release(i)
+        if kind == "hccl":
+            with pytest.raises(HcclError, match="two collectives overlap on one device"):
+                coord.run(forward)
+        else:
+            coord.run(forward)
+            assert any(v.startswith("device 0:") for v in take_nccl_violations(path))
+    family.close()
 
 
 def test_flattenable_tensor_subclasses_travel_as_their_inner_tensors():
@@ -279,7 +367,6 @@ def test_every_tensor_made_on_the_prefetch_stream_is_kept_for_the_compute_stream
 def test_the_processes_lane_sets_its_device_in_the_thread_that_gathers(monkeypatch):
     """Ranks as processes gather the next block from the family's helper thread: that thread
     must make the rank's card current first (torch_npu opens card 0 for a thread that did not)."""
-    import threading
     from types import SimpleNamespace
 
     from comfy.multidevice.weights import block_shards
@@ -352,8 +439,6 @@ def test_dit_weights_and_model_mismatch_are_clear_errors():
 def test_the_next_blocks_gather_runs_on_the_lane_while_a_block_computes(monkeypatch):
     """One lane gather per block (not per rank), issued when block i's weights are taken and
     before any rank needs block i+1, on the lane's threads rather than the rank threads."""
-    import threading
-
     model = tiny_model(seed=7)
     world = 3
     x, t, ctx, kw = make_inputs("plain")

@@ -152,6 +152,7 @@ class FlatCollectiveBackend:
     # capabilities (comm/protocol.py `Backend`); a subclass with a library all-to-all-V sets
     # has_all_to_all_v (hccl: when the library has the symbol)
     reads_peer_memory = False  # the library moves the data; the stream orders it
+    one_collective_per_device = True  # HCCL and NCCL alike (CARDS.md): no second lane beside it
     has_all_to_all_v = False
     prepares_all_to_all_v = True
 

@@ -648,9 +648,29 @@ class SequenceParallelCoordinator:
             pass
 
 
-def prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelCoordinator:
+_no_lane_logged: set[str] = set()  # the backends whose "no prefetch lane" was logged
+
+
+def lane_allowed(coordinator: SequenceParallelCoordinator) -> bool:
+    """Whether a second coordinator may run collectives on `coordinator`'s cards while it runs
+    its own: not with a card library (HCCL, NCCL), which allows one collective per card at a
+    time across all communicators (CARDS.md); with peer-copy, yes. Logs once per backend when not."""
+    if not coordinator.backend.one_collective_per_device:
+        return True
+    if coordinator.backend_name not in _no_lane_logged:
+        _no_lane_logged.add(coordinator.backend_name)
+        log.info("sharded DiT weights: no prefetch with the %s backend: a card runs one collective "
+                 "at a time, so each block is gathered on the rank's own communicator just before "
+                 "it runs, in the same order on every rank", coordinator.backend_name)
+    return False
+
+
+def prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelCoordinator | None:
     """A second coordinator over `coordinator`'s cards, with its backend and timeout: the lane
     on which sharded DiT weights gather block i+1 while `coordinator` runs block i
-    (weights/block_shards.py). The caller closes it (or keeps it, roles/apply.py)."""
+    (weights/block_shards.py); None where `lane_allowed` says no (HCCL, NCCL), so the gathers
+    go through the rank's own communicator. The caller closes it (or keeps it, roles/apply.py)."""
+    if not lane_allowed(coordinator):
+        return None
     return SequenceParallelCoordinator(coordinator.devices, backend=coordinator.backend_name,
                                        timeout_s=coordinator.timeout_s)

@@ -40,6 +40,7 @@ class PeerCopyBackend:
     name = "peer"
     # capabilities (comm/protocol.py `Backend`)
     reads_peer_memory = True
+    one_collective_per_device = False  # plain tensor copies: a second coordinator may run beside it
     has_all_to_all_v = True
     prepares_all_to_all_v = False
 

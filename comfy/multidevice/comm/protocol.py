@@ -64,6 +64,11 @@ class Backend(Protocol):
                              meet: it has prepare_all_to_all_v(rank, tensors, send_splits,
                              received, split_dim, workspace, write_own), whose result the coordinator
                              passes to all_to_all_v as `prepared`
+      one_collective_per_device  a card library that lets a device run one collective at a time,
+                             whatever communicator it is on (HCCL: "one card cannot invoke multiple
+                             collective operation APIs at a time"; NCCL: not safe to drive two
+                             communicators of one device from two threads): no second coordinator
+                             may run collectives on the same devices while this one does
     Backends: peer (comm/peer.py), hccl and nccl (comm/hccl.py, comm/nccl.py over
     comm/ctypes_lib.py). torch.distributed runs need none: `DistributedComm` is itself a
     `Communicator`, one process per rank.
@@ -73,6 +78,7 @@ class Backend(Protocol):
     reads_peer_memory: bool
     has_all_to_all_v: bool
     prepares_all_to_all_v: bool
+    one_collective_per_device: bool
 
     def prepare_all_gather_v(self, rank: int, tensors, dims, metas, workspace: dict | None = None):
         """Buffers for an all-gather-V whose shapes a plan fixes, made before the ranks meet (or None)."""

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
-from comfy.multidevice.comm.group import prefetch_lane, SequenceParallelCoordinator
+from comfy.multidevice.comm.group import lane_allowed, prefetch_lane, SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import backend_from_env, remote_ranks_from_env, rendezvous_from_env
 from comfy.multidevice.devices import resolve_device
 from comfy.multidevice.roles.dit import APPLIED_DIT_RANKS, place_dit, sequence_parallel_dit, workers_dit
@@ -65,15 +65,19 @@ def shared_coordinator(devices: Sequence[torch.device], backend: str | None = No
     The DiT, the text encoder and the VAE decode of one plan share the "roles" one (they never
     run at the same time), and re-running the node with the same cards reuses it instead of
     starting more rank threads. Sharded DiT weights prefetch the next block on a second one,
-    "block weights", since its gathers run while the first is busy with the block.
+    "block weights", since its gathers run while the first is busy with the block (peer-copy
+    only: HCCL and NCCL allow no second communicator beside the first, `shared_prefetch_lane`).
     """
     name = backend_from_env(backend)
     return _kept((tuple(str(d) for d in devices), name, purpose),
                  lambda: SequenceParallelCoordinator(list(devices), backend=name))
 
 
-def shared_prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelCoordinator:
-    """The kept "block weights" coordinator beside `coordinator` (comm/group.py `prefetch_lane`)."""
+def shared_prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelCoordinator | None:
+    """The kept "block weights" coordinator beside `coordinator` (comm/group.py `prefetch_lane`);
+    None with a card library backend, which allows no second communicator beside the first."""
+    if not lane_allowed(coordinator):
+        return None
     return _kept((tuple(str(d) for d in coordinator.devices), coordinator.backend_name, "block weights"),
                  lambda: prefetch_lane(coordinator))
 

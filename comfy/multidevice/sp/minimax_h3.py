@@ -408,7 +408,8 @@ def shard_dit_blocks(models: Sequence[torch.nn.Module], coordinator, prefetch: b
 
     `models[r]` is rank r's DiT with its full weights; the tensors it does not own are dropped
     from it here. With `prefetch`, block i+1's gather runs on a second coordinator over the
-    same cards (same backend) while block i computes.
+    same cards (same backend) while block i computes, where the backend allows a second one
+    beside the first (peer-copy; not HCCL or NCCL: comm/group.py `lane_allowed`).
     """
     lane = prefetch_lane(coordinator) if prefetch and coordinator.world_size > 1 else None
     # H3 contract: the transformer blocks are model.blocks[i].

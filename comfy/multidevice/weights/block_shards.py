@@ -17,7 +17,14 @@ outside the blocks (embeddings, text refiner, final layer) stays on every rank.
   helper threads) block i+1's gather runs there while block i computes on the rank threads.
   With one rank per process (ranks as processes) the lane is `OwnRankLane`: a second process
   group, driven from a helper thread of the process. Without one, each rank gathers through
-  its own communicator just before the block.
+  its own communicator just before the block, from its own thread, in the same order on
+  every rank.
+- Only where a second communicator on a card is safe: peer-copy, and gloo on CPU. HCCL and
+  NCCL allow one collective per card at a time across all communicators (CANN: "one card
+  cannot invoke multiple collective operation APIs at a time"; NCCL: not safe to drive
+  independent communicators of one device from several threads), and the lane's gathers
+  would overlap the K/V exchange; so with them there is no lane (comm/group.py
+  `lane_allowed`, workers/worker.py `block_gather_lane`).
 
 The owner reads its tensors from the module at gather time, so a weight that ComfyUI patched
 or moved after set-up is sent as it is now.

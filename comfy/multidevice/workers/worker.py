@@ -53,10 +53,33 @@ def control_group(device: torch.device):
     return None if device.type == "cpu" else dist.new_group(backend="gloo")
 
 
-def block_gather_lane(device: torch.device, timeout_s: float) -> OwnRankLane:
+_no_lane_logged = False  # block_gather_lane said once that cards get no prefetch lane
+
+
+def _say_once_that_cards_have_no_lane(device: torch.device) -> None:
+    global _no_lane_logged
+    if not _no_lane_logged:
+        _no_lane_logged = True
+        log.info("sharded DiT weights: no prefetch on %s cards: a card runs one collective at a time, "
+                 "so each block is gathered on the forward's process group just before it runs, in "
+                 "the same order on every rank", device.type)
+
+
+def block_gather_lane(device: torch.device, timeout_s: float) -> OwnRankLane | None:
     """A sharded recipe's prefetch lane: its block gathers on a process group of their own
     beside the forward's. Every rank makes it at the same point (after the build message,
-    before the build), as torch.distributed requires of a new group."""
+    before the build), as torch.distributed requires of a new group.
+
+    None on a card: its group would be a second HCCL / NCCL communicator driven from a helper
+    thread while the forward's runs the K/V exchange, which CANN forbids ("one card cannot
+    invoke multiple collective operation APIs at a time") and NCCL calls unsafe (CARDS.md).
+    Then each block is gathered on the forward's group, from the rank's thread, in the same
+    order on every rank. Every rank decides alike (a pool's ranks share one device kind, as its
+    default group has one backend), so no rank makes a group the others do not. A CPU (gloo)
+    pool keeps its lane."""
+    if device.type != "cpu":
+        _say_once_that_cards_have_no_lane(device)
+        return None
     import torch.distributed as dist
     group = dist.new_group(backend=dist_backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
     return OwnRankLane(DistributedComm(device, group=group))
