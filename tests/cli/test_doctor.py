@@ -198,3 +198,26 @@ def test_a_deep_check_that_finds_wrong_data_fails_the_report(monkeypatch):
     assert "quantized_gather_and_release" in report["reason"]
     assert not report["deep"]["shard_gather_beside_exchange"]["ok"]
     assert report["deep"]["exchange_between_nonzero_ranks"]["ok"]
+
+
+@pytest.mark.parametrize("backend", ["hccl", "nccl"])
+def test_the_deep_shard_check_catches_a_second_communicator_beside_the_exchange(backend, monkeypatch, fake_hccl_path,
+                                                                                 fake_nccl_path):
+    # what the node did before: a prefetch lane of its own communicators on the same cards. The
+    # fake HCCL refuses the overlap; the fake NCCL records it (the vendors forbid both), and the
+    # suite's autouse check reads that record: it is taken here, and asserted, instead
+    from comfy.multidevice.comm import group
+    from tests.fakes.violations import take_nccl_violations
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    monkeypatch.setattr(group, "lane_allowed", lambda coordinator: True)
+    verdict = deep_check(backend, "shard_gather_beside_exchange")
+    if backend == "hccl":
+        assert not verdict["ok"] and "overlap" in verdict["detail"], verdict
+    else:
+        assert take_nccl_violations(fake_nccl_path), verdict
+
+
+def deep_check(backend, name):
+    from comfy.multidevice.cli.deep_checks import DEEP_CHECKS, verdict_of
+    return verdict_of(lambda: DEEP_CHECKS[name](["cpu"] * 3, backend, 20))

@@ -292,15 +292,16 @@ def test_nccl_buffers_per_peer_and_channel(library_defaults, monkeypatch):
     assert memory.cards[0].stages["DiT"]["NCCL communicators"] == 2 * MIB * 8 * 3
 
 
-def test_ranks_as_processes_add_the_process_groups_and_the_gather_lane(library_defaults):
+def test_ranks_as_processes_add_the_process_groups_and_no_gather_lane_on_cards(library_defaults):
     model, clip, video, audio = inputs()
 
     def held(backend, dit_weights):
         memory = plan_memory(plan_roles(4), NPU4, model, clip, video, audio, tokens=TOKENS, free=roomy(NPU4),
                              backend=backend, dit_weights=dit_weights, dit_ranks="processes")
         return [c.stages["DiT"]["HCCL communicators"] for c in memory.cards]
-    # the cards' coordinator's, the process group's and, with shard, the block-gather lane's
-    assert held("hccl", "shard") == [3 * 400 * MIB] * 4
+    # the cards' coordinator's and the process group's; shard's block gathers use that group on a
+    # card (workers/worker.py block_gather_lane makes no second one beside HCCL)
+    assert held("hccl", "shard") == [2 * 400 * MIB] * 4
     assert held("hccl", "replicate") == [2 * 400 * MIB] * 4
     # peer copies between the cards leave the process groups (HCCL on NPUs whatever the backend)
     assert held("peer", "replicate") == [400 * MIB] * 4

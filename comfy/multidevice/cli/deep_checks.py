@@ -34,10 +34,11 @@ from comfy.multidevice.weights.block_shards import ShardedBlockWeights
 
 COMFYUI_ALLOC_CONF = "backend:cudaMallocAsync"  # what ComfyUI sets on torch 2.x CUDA builds
 STUCK_TIMEOUT_S = 2.0
-BLOCKS, WIDTH = 4, 16
+BLOCKS, WIDTH = 8, 128
+KV_ROWS = 512  # per rank and block: long enough for a gather on a second communicator to overlap it
 
 
-def _verdict(check) -> dict:
+def verdict_of(check) -> dict:
     start = time.perf_counter()
     try:
         ok, detail = check()
@@ -85,9 +86,9 @@ class _Blocks(torch.nn.Module):
 def shard_gather_beside_exchange(devices, backend, timeout_s) -> tuple[bool, str]:
     weights = [torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(BLOCKS)]
     x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(99))
-    want = x
-    for w in weights:
-        want = want @ w.T
+    with torch.no_grad():
+        want = _Blocks(weights).blocks  # the same kernels as the ranks', on the full weights
+        want = torch.nn.Sequential(*want)(x)
     with SequenceParallelCoordinator(devices, backend=backend, timeout_s=timeout_s) as coord:
         models = [_Blocks(weights).to(d) for d in coord.devices]
         family = shard_dit_blocks(models, coord)
@@ -98,7 +99,8 @@ def shard_gather_beside_exchange(devices, backend, timeout_s) -> tuple[bool, str
                 h = x.to(comm.device)
                 for i in range(BLOCKS):
                     view.bind(i, comm)
-                    comm.exchange([h[:1].clone(), h[1:2].clone()], [0, 0])  # the block's K/V beside the gather
+                    kv = torch.full((KV_ROWS, WIDTH), float(r), device=comm.device)
+                    comm.exchange([kv, kv + 1], [0, 0])  # the block's K and V, beside the next gather
                     h = models[r].blocks[i](h)
                     view.release(i)
                 return torch.equal(h.cpu(), want)
@@ -216,5 +218,5 @@ DEEP_CHECKS = {
 
 def deep_checks(devices: list[str], backend: str, timeout_s: float) -> dict:
     """Every check's verdict, by name, in the order above."""
-    return {name: _verdict(lambda check=check: check(devices, backend, timeout_s))
+    return {name: verdict_of(lambda check=check: check(devices, backend, timeout_s))
             for name, check in DEEP_CHECKS.items()}

@@ -18,7 +18,8 @@ Which communicators a card holds, counted from what the code makes:
   hccl or nccl backend (the node's backend input, else COMFYUI_MULTI_DEVICE_BACKEND); none
   with peer;
 - ranks as processes: on each DiT card, the process group's communicator (hccl on NPUs, nccl on
-  GPUs) and, with dit_weights=shard, one more for the block-gather lane (workers/worker.py).
+  GPUs); with dit_weights=shard the block gathers use that same group on a card (no second
+  group beside it: one collective at a time per card, workers/worker.py `block_gather_lane`).
 CPU cards hold none (gloo and the test libraries use host memory the plan does not count).
 They live as long as the coordinator or the worker pool, so they count in every stage.
 """
@@ -99,5 +100,5 @@ def card_communicators(plan, devices, backend: str | None, dit_ranks: str, dit_w
     if dit_ranks == "processes" and plan.dit.mode == SEQUENCE_PARALLEL:
         for card in plan.dit.cards:
             library = LIBRARY_OF_KIND.get(card_kind(devices[card]))  # the process group's own
-            add(card, library, world, 2 if dit_weights == "shard" else 1)
+            add(card, library, world)
     return out
