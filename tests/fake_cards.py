@@ -37,6 +37,9 @@ class FakeStream:
     def wait_event(self, event):
         self.api.touch(self.device, "Stream.wait_event")
 
+    def wait_stream(self, other):
+        self.api.touch(self.device, "Stream.wait_stream")
+
 
 class FakeCardApi:
     def __init__(self):

@@ -332,6 +332,9 @@ def test_every_tensor_made_on_the_prefetch_stream_is_kept_for_the_compute_stream
             def __init__(self, device):
                 pass
 
+            def wait_stream(self, other):
+                pass
+
             def synchronize(self):
                 pass
 
@@ -362,6 +365,56 @@ def test_every_tensor_made_on_the_prefetch_stream_is_kept_for_the_compute_stream
         coord.run(forward)
     family.close()
     assert recorded and not unrecorded
+
+
+def test_a_prefetch_stream_waits_for_the_compute_stream_before_each_gather(monkeypatch):
+    """The side stream's gather reads the owners' tensors, which the compute stream may still be
+    writing (a patched or moved weight): it must wait for that stream first. Stand-in card API."""
+    from comfy.multidevice.weights import block_shards
+    events: list[tuple[int, str]] = []
+
+    class Card:
+        class Stream:
+            def __init__(self, device):
+                pass
+
+            def wait_stream(self, other):
+                events.append((threading.get_ident(), f"wait {other}"))
+
+            def synchronize(self):
+                pass
+
+        @staticmethod
+        def stream(stream):
+            return contextlib.nullcontext()
+
+        @staticmethod
+        def current_stream(device):
+            return "compute"
+
+    monkeypatch.setattr(block_shards, "accelerator_api", lambda kind: Card)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    real_gather = ShardedBlockWeights.gather
+    monkeypatch.setattr(ShardedBlockWeights, "gather",
+                        lambda self, rank, comm, index: (events.append((threading.get_ident(), "gather")),
+                                                         real_gather(self, rank, comm, index))[1])
+    world = 2
+    towers = [_Tower([torch.full((3, 5), float(i)) for i in range(3)]) for _ in range(world)]
+    lane = _Lane(world, backend="peer")
+    family = ShardedBlockWeights(towers, lambda m: m.blocks, [torch.device("cpu")] * world, lane=lane)
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=30) as coord:
+        def forward(rank, comm):
+            view = family.rank_view(rank)
+            view.begin_forward()
+            for i in range(3):
+                view.bind(i, comm)
+                view.release(i)
+        coord.run(forward)
+    family.close()
+    per_thread: dict = {}  # the lane's rank threads gather side by side: each in its own order
+    for thread, event in events:
+        per_thread.setdefault(thread, []).append(event)
+    assert per_thread and all(seq == ["wait compute", "gather"] * (len(seq) // 2) for seq in per_thread.values()), events
 
 
 def test_the_processes_lane_sets_its_device_in_the_thread_that_gathers(monkeypatch):

@@ -358,6 +358,9 @@ class ShardedBlockWeights:
         stream = self._streams.get(rank)
         if stream is None:
             stream = self._streams[rank] = api.Stream(device)
+        # the owner's tensors may still be being written on the compute stream (a weight patched
+        # or moved there): the gather's copies must start after that work
+        stream.wait_stream(api.current_stream(device))
         with api.stream(stream):
             result = self.gather(rank, comm, index)
         stream.synchronize()
