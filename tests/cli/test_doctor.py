@@ -221,3 +221,10 @@ def test_the_deep_shard_check_catches_a_second_communicator_beside_the_exchange(
 def deep_check(backend, name):
     from comfy.multidevice.cli.deep_checks import DEEP_CHECKS, verdict_of
     return verdict_of(lambda: DEEP_CHECKS[name](["cpu"] * 3, backend, 20))
+
+
+def test_the_report_names_the_broadcast_exchange_on_a_training_series_chip(monkeypatch, fake_hccl_path):
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)  # it has HcclAllGatherV
+    assert doctor.backends_report(["Ascend910B3"])["hccl"]["exchange_method"].startswith("HcclAllGatherV")
+    method = doctor.backends_report(["Ascend910ProA", "Ascend910ProA"])["hccl"]["exchange_method"]
+    assert method.startswith("one HcclBroadcast per rank (Ascend910ProA: no HcclAllGatherV on this chip)")

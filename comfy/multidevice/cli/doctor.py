@@ -34,7 +34,8 @@ from comfy.multidevice.cli.deep_checks import deep_checks
 from comfy.multidevice.cli.options import integer, max_cpu_ranks, seconds
 from comfy.multidevice.comm import torch_dist as multinode
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.comm.hccl import HCCL_DEFAULT_LIBRARY, HCCL_FUNCTIONS, HCCL_PATH_ENV
+from comfy.multidevice.comm.hccl import (all_gather_v_supported_on, HCCL_DEFAULT_LIBRARY, HCCL_FUNCTIONS,
+                                        HCCL_PATH_ENV)
 from comfy.multidevice.comm.nccl import NCCL_DEFAULT_LIBRARY, NCCL_FUNCTIONS, NCCL_PATH_ENV
 from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_environment,
                                              launched_by_torchrun, library_path, MAX_TIMEOUT_S,
@@ -132,10 +133,15 @@ def probe_library(table, path_env: str, default_path: str) -> dict:
     return entry
 
 
-def backends_report() -> dict:
+def backends_report(npu_names: list[str] = ()) -> dict:
+    """`npu_names`: the visible NPUs' chip names (a chip of the Atlas training series exchanges
+    uneven shards by broadcasts even where the library has HcclAllGatherV: comm/hccl.py)."""
     hccl = probe_library(HCCL_FUNCTIONS, HCCL_PATH_ENV, HCCL_DEFAULT_LIBRARY)
     hccl["all_gather_v"] = bool(hccl["symbols"].get("HcclAllGatherV"))
+    unsupported = sorted({n for n in npu_names if not all_gather_v_supported_on(n)})
     uneven = "HcclAllGatherV" if hccl["all_gather_v"] else "one HcclBroadcast per rank"
+    if hccl["all_gather_v"] and unsupported:
+        uneven = f"one HcclBroadcast per rank ({', '.join(unsupported)}: no HcclAllGatherV on this chip)"
     hccl["exchange_method"] = (f"{uneven} (HcclAllGather when shards are equal)"
                                if hccl["loaded"] else None)
     nccl = probe_library(NCCL_FUNCTIONS, NCCL_PATH_ENV, NCCL_DEFAULT_LIBRARY)
@@ -271,7 +277,7 @@ def collect_report(device_kind: str = "auto", count: int | None = None, backend:
                    timeout_s: float = 60.0, deep: bool = False) -> dict:
     report = {"ok": False, "reason": None, "platform": platform_report(), "versions": versions_report()}
     report["devices"] = devices_report()
-    report["backends"] = backends_report()
+    report["backends"] = backends_report([d["name"] for d in report["devices"]["npu"]["devices"]])
     report["environment"] = environment_report()
     try:  # the same checks, and the same words, as `run`
         check_environment()
