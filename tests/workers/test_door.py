@@ -227,14 +227,16 @@ def test_a_silent_rank0_is_taken_for_lost(door, monkeypatch):
         link.wait_for_go()
 
 
-def test_a_dropped_pool_is_seen_by_a_worker_busy_elsewhere_and_not_after_it_finished(door):
+def test_a_dropped_pool_is_seen_by_a_worker_busy_elsewhere_and_not_after_a_stop(door):
     # a worker blocked in a collective never calls wait_for_go: the link's own reader must
     # tell it (gloo may keep the collective waiting for its whole timeout)
     pool = door.open_pool(world=3, local=3)
     told, finished_told = [], []
     busy = RankLink("127.0.0.1", door.port, pool.key, 1, pool.generation, on_lost=told.append)
     done = RankLink("127.0.0.1", door.port, pool.key, 2, pool.generation, on_lost=finished_told.append)
-    done.finish()  # it received STOP and is ending by itself
+    _wait(lambda: 2 in pool.members)
+    pool.members[2].send({"stop": 1})  # rank 0 stops this one (the others' stop is lost)
+    assert done.wait_for_go() is False and done.wait_for_go() is False  # a stop stays said
     door.close_pool(pool, drop=True)
     _wait(lambda: told)
     assert "closed the pool" in str(told[0])

@@ -19,7 +19,7 @@ import torch
 from comfy.multidevice.workers import comfy_dit, fun_travel, recipe, repeats  # noqa: F401 - their wire records
 from comfy.multidevice.workers.wire import decode, encode, WireError
 
-FORWARD, STOP, BUILD = "forward", "stop", "build"
+FORWARD, BUILD = "forward", "build"  # a stop travels on the live link (workers/door.py)
 # Generous on purpose: the build message carries the MODEL's weight patches (a Turbo LoRA is
 # 1.8 GB, and several can be stacked); the cap only stops a corrupt or hostile length from
 # making a worker allocate without bound.

@@ -3,8 +3,9 @@
 Every connection proves the pool's secret first (workers/admission.py); then it is one of
 - "live": a worker's connection for its life. The kernel closes it when the worker ends,
   however it ends, so rank 0 names exactly the ranks that are gone; rank 0 sends a heartbeat
-  on it and a "go" before each control message, so an idle worker waits here, without the
-  collective timeout, for as long as rank 0 lives (a pool survives a pause);
+  on it, a "go" before each control message and a "stop" when the pool closes, so an idle
+  worker waits here, without the collective timeout, for as long as rank 0 lives (a pool
+  survives a pause);
 - "store": a tunnel to the pool's torch.distributed store, which listens on loopback only
   (torch's TCPStore trusts whoever connects, so it is never exposed);
 - "follow": a join command of another server, told of each pool that takes its ranks.
@@ -54,7 +55,7 @@ class WorkerIdentity:
 
 
 class Member:
-    """An admitted worker's live connection: rank 0 writes beats and go's on it."""
+    """An admitted worker's live connection: rank 0 writes beats, go's and a stop on it."""
 
     def __init__(self, conn: socket.socket, identity: WorkerIdentity):
         self.conn = conn
@@ -108,6 +109,12 @@ class PoolAdmission:
         """Wake every worker for the control message that follows."""
         for member in list(self.members.values()):
             member.send({"go": 1})
+
+    def stop(self) -> None:
+        """Tell every worker to end: no collective follows (a worker that left already, or
+        a broken group, cannot hold the others' stop up)."""
+        for member in list(self.members.values()):
+            member.send({"stop": 1})
 
 
 @dataclass

@@ -51,15 +51,17 @@ def _next_line(reader: admission.LineReader, closed: str) -> dict:
 
 
 class RankLink:
-    """A worker's live connection to rank 0: open for the worker's life; rank 0 beats on it
-    and says "go" before each control message.
+    """A worker's live connection to rank 0: open for the worker's life; rank 0 beats on it,
+    says "go" before each control message, and "stop" when it closes the pool.
 
     A helper thread reads it all the time, so a link rank 0 closes (it dropped the pool) is
     seen even while the worker is blocked in a collective: dropping a pool does not always
     close the collectives' own sockets (gloo keeps a group's pairs open while any reference to
     it lives), and a peer blocked on one would wait the whole collective timeout - long enough
     for rank 0's next pool to give up on this server's ranks. `on_lost(RankZeroLost)` is called
-    from that thread when rank 0 is lost, unless `finish()` was called first."""
+    from that thread when rank 0 is lost, unless "stop" came first
+    (the stop travels on this link, not as a collective: rank 0 closes the link right after it,
+    and a stop seen before the close is never mistaken for a lost rank 0)."""
 
     def __init__(self, host: str, port: int, key: bytes, rank: int, generation: int,
                  on_lost: Callable[[RankZeroLost], None] | None = None):
@@ -68,7 +70,7 @@ class RankLink:
         self.reader = admission.prove_to_rank0(self.conn, self.peer, key, "live", rank, generation, _identity())
         self._on_lost = on_lost
         self._finished = False
-        self._events: queue.Queue = queue.Queue()  # True per "go", then the RankZeroLost that ended it
+        self._events: queue.Queue = queue.Queue()  # True per "go", False for "stop", then what ended it
         threading.Thread(target=self._watch, name="pool-link", daemon=True).start()
 
     def _watch(self):
@@ -80,19 +82,22 @@ class RankLink:
                 if self._on_lost is not None and not self._finished:
                     self._on_lost(lost)
                 return
-            if line.get("go"):
+            if line.get("stop"):
+                self._finished = True  # rank 0 closes the link next: expected
+                self._events.put(False)
+            elif line.get("go"):
                 self._events.put(True)
 
-    def wait_for_go(self) -> None:
-        """Block until rank 0 says go, however long it idles, as long as it beats."""
+    def wait_for_go(self) -> bool:
+        """Block until rank 0 says go (True) or stop (False), however long it idles, as long
+        as it beats."""
         event = self._events.get()
         if isinstance(event, RankZeroLost):
             self._events.put(event)  # every later wait fails alike
             raise event
-
-    def finish(self) -> None:
-        """This worker is ending by itself: rank 0 closing the link now is expected."""
-        self._finished = True
+        if not event:
+            self._events.put(event)  # a stop stays said
+        return event
 
     def close(self):
         self._finished = True

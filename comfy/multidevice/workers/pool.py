@@ -43,7 +43,7 @@ from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.admission import SECRET_FILE_ENV
-from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door import PoolAdmission, WorkerIdentity
@@ -376,12 +376,8 @@ class WorkerPool:
 
     def close(self):
         """Tell the workers to stop, give them STOP_GRACE_S, then kill what is left."""
-        if self.running and not any(w.ended() for w in self.workers) and \
-                not (self.admission is not None and self.admission.ended()):
-            try:
-                self._send((STOP,))
-            except Exception as exc:  # noqa: BLE001 - closing anyway
-                log.warning("worker pool: the stop message failed (%s); killing the workers", exc)
+        if self.admission is not None:
+            self.admission.stop()
         deadline = time.monotonic() + STOP_GRACE_S
         for worker in self.workers:
             try:

@@ -30,7 +30,7 @@ from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.weights.block_shards import OwnRankLane
-from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD, STOP
+from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door_client import RankLink, store_through_door
 from comfy.multidevice.workers.process import key_from_stdin
@@ -87,7 +87,8 @@ def block_gather_lane(device: torch.device, timeout_s: float) -> OwnRankLane | N
 
 def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float, link: RankLink) -> int:
     """Build, then follow rank 0's forwards until it says stop; the exit status."""
-    link.wait_for_go()
+    if not link.wait_for_go():
+        return 0
     kind, recipe, sp_mode, dit_file = control.receive()
     if kind != BUILD:
         raise RuntimeError(f"rank {comm.rank}: expected the build message first, got {kind!r}")
@@ -113,11 +114,9 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
     setup = H3RankSetup(comm, sp_mode, block_weights, final_rows_to="root",  # rank 0's result is used
                         before_block=cancel_point)
     while True:
-        link.wait_for_go()  # idle: no collective timeout here
-        message = control.receive()
-        if message[0] == STOP:
-            link.finish()
+        if not link.wait_for_go():  # idle: no collective timeout here
             return 0
+        message = control.receive()
         if message[0] != FORWARD:
             raise RuntimeError(f"rank {comm.rank}: unknown message {message[0]!r}")
         _, method, args, kwargs, new = message
@@ -167,7 +166,8 @@ def main(argv=None) -> int:
         key = key_from_stdin()
         link = RankLink(*args.rendezvous, key, args.rank, args.generation,  # open until this process ends
                         on_lost=lambda lost: stop_now(args.rank, lost))
-        link.wait_for_go()  # every rank is admitted: meet (however long the other servers' ranks took)
+        if not link.wait_for_go():  # every rank is admitted: meet (however long the other servers' ranks took)
+            return 0
         store, _tunnel = store_through_door(*args.rendezvous, key, args.rank, args.generation, args.timeout)
         comm = init_process_group(args.rank, args.world, device, timeout_s=args.timeout, store=store)
         return serve(comm, ControlChannel(control_group(device)), device, args.timeout, link)
