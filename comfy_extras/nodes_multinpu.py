@@ -17,8 +17,9 @@ import logging
 
 from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
 from comfy.multidevice.roles.dit import DIT_RANKS, resolve_dit_ranks
-from comfy.multidevice.roles.memory_plan import DEFAULT_PLAN_TOKENS, MAX_PLAN_TOKENS
+from comfy.multidevice.roles.memory_plan import AUTO_PLAN_TOKENS, LONGEST_WORKFLOW_TOKENS, MAX_PLAN_TOKENS
 from comfy.multidevice.roles.plan import plan_roles
+from comfy.multidevice.progress import node_text
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,11 @@ NODE_SCHEMA = {
                     "each card keeps 1/N of the block weights and gathers a block just before it runs "
                     "(exact; the BF16 DiT fits 4 x 64 GB only this way); auto = shard when a full "
                     "replica plus the activations does not fit a card."},
-        {"name": "plan_tokens", "type": "INT", "default": DEFAULT_PLAN_TOKENS, "min": 1, "max": MAX_PLAN_TOKENS,
+        {"name": "plan_tokens", "type": "INT", "default": AUTO_PLAN_TOKENS, "min": 0, "max": MAX_PLAN_TOKENS,
          "optional": True, "advanced": True,
-         "tooltip": "The longest packed sequence this workflow samples, for the memory plan's activation "
-                    f"estimate: {DEFAULT_PLAN_TOKENS} = 768p 15 s, 38592 = 768p 5 s."},
+         "tooltip": f"{AUTO_PLAN_TOKENS} = auto: the memory plan counts the workflow's largest H3 latent, and "
+                    "every step's real sequence is checked before it runs. Else the longest packed sequence "
+                    f"to plan for: {LONGEST_WORKFLOW_TOKENS} = 768p 15 s, 38592 = 768p 5 s."},
         {"name": "dit_ranks", "type": "COMBO", "options": list(DIT_RANKS), "default": "auto",
          "optional": True, "advanced": True,
          "tooltip": "How the DiT's cards run: threads = rank threads of this ComfyUI process (every "
@@ -104,18 +106,21 @@ def widget_defaults() -> list:
 
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                        device_kind="auto", devices="", inventory=None, dit_weights="auto",
-                       plan_tokens=DEFAULT_PLAN_TOKENS, free_memory=None, dit_ranks="auto"):
+                       plan_tokens=AUTO_PLAN_TOKENS, free_memory=None, dit_ranks="auto", prompt=None,
+                       tell=None):
     """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
 
     Every check (card count, device kind, visible cards, backend name, the four inputs'
     shape, the memory plan of every card) runs before anything is cloned, moved or started;
     the inputs are never modified. `free_memory` overrides the probed free bytes per device
-    name (tests).
+    name (tests). `prompt`: the workflow as ComfyUI queued it, read for its latents' sizes
+    when plan_tokens is auto. `tell(text)`: shows a line on the node in the page.
     """
     from comfy.multidevice.comm.errors import BackendUnavailable
     from comfy.multidevice.cards import select_devices
     from comfy.multidevice.roles import apply as roles_apply
     from comfy.multidevice.roles.memory_plan import plan_memory
+    from comfy.multidevice.roles.prompt_size import install_prompt_size_check, workflow_tokens
 
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} is unknown: set backend to one of {', '.join(BACKEND_CHOICES)}.")
@@ -129,17 +134,22 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
         check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
+    if type(plan_tokens) is int and plan_tokens == AUTO_PLAN_TOKENS:
+        tokens, tokens_from = workflow_tokens(prompt), "the workflow's latents"
+    else:  # a number is planned as given; anything else is refused by name in plan_memory
+        tokens, tokens_from = plan_tokens, "plan_tokens"
     memory = plan_memory(plan, selected, model, clip, video_vae, audio_vae, dit_weights=dit_weights,
-                         tokens=plan_tokens, free=free_memory, remote_ranks=joining,
-                         backend=None if backend == "default" else backend, dit_ranks=dit_ranks)
+                         tokens=tokens, free=free_memory, remote_ranks=joining,
+                         backend=None if backend == "default" else backend, dit_ranks=dit_ranks,
+                         tokens_from=tokens_from)
     log.info("%s: %d card(s) %s; %s\n%s", NODE_ID, npu_count, ", ".join(map(str, selected)),
              plan.describe(), memory.table())
     memory.check()
     try:
-        return roles_apply.apply_role_plan(
+        outputs = roles_apply.apply_role_plan(
             plan, selected, model, clip, video_vae, audio_vae,
             backend=None if backend == "default" else backend, dit_weights=memory.dit_weights,
-            dit_ranks=dit_ranks)
+            dit_ranks=dit_ranks, tell=tell)
     except BackendUnavailable as exc:  # a forced backend (the input or the variable) did not start
         from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env
         asked = f"backend is {backend}" if backend != "default" else \
@@ -148,6 +158,9 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
             f"{asked}, which cannot start on the {len(selected)} {str(selected[0]).split(':')[0]} cards "
             f"({exc}): set backend to "
             f"auto (it falls back to peer copies between the cards), or fix what stops it.") from exc
+    if outputs[0] is not model:  # the input MODEL is never modified
+        install_prompt_size_check(outputs[0], memory)
+    return outputs
 
 
 def remote_ranks_of_environment() -> int:
@@ -226,6 +239,22 @@ def _io_output(io, spec: dict):
     return cls(**_supported(cls.__init__, kwargs, optional=("tooltip",)))
 
 
+def _schema_extras(io) -> dict:
+    """What a newer comfy_api takes beyond the basics: search aliases, and the queued workflow
+    (its latents' sizes, for plan_tokens auto)."""
+    extras = {"search_aliases": NODE_SCHEMA["search_aliases"]}
+    if hasattr(io, "Hidden"):
+        extras["hidden"] = [io.Hidden.prompt, io.Hidden.unique_id]
+    return extras
+
+
+def _hidden(node_cls, name: str):
+    """What ComfyUI hands a node that asks for it (the queued workflow, the node's id), None on a
+    ComfyUI without it."""
+    hidden = getattr(node_cls, "hidden", None)
+    return getattr(hidden, name, None) if hidden is not None else None
+
+
 def node_class():
     """The V3 node class (built once, on first use: it needs ComfyUI's comfy_api)."""
     global _NODE_CLASS
@@ -243,8 +272,7 @@ def node_class():
                 description=NODE_SCHEMA["description"],
                 inputs=[_io_input(io, s) for s in NODE_SCHEMA["inputs"]],
                 outputs=[_io_output(io, s) for s in NODE_SCHEMA["outputs"]],
-                **_supported(io.Schema, {"search_aliases": NODE_SCHEMA["search_aliases"]},
-                             optional=("search_aliases",)),
+                **_supported(io.Schema, _schema_extras(io), optional=("search_aliases", "hidden")),
             )
 
         @classmethod
@@ -256,7 +284,7 @@ def node_class():
 
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
-                    device_kind="auto", devices="", dit_weights="auto", plan_tokens=DEFAULT_PLAN_TOKENS,
+                    device_kind="auto", devices="", dit_weights="auto", plan_tokens=AUTO_PLAN_TOKENS,
                     dit_ranks="auto") -> io.NodeOutput:
             try:
                 # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
@@ -264,7 +292,8 @@ def node_class():
                 outputs = configure_parallel(
                     model, clip, video_vae, audio_vae, npu_count=npu_count, backend=backend,
                     device_kind=device_kind, devices=devices, dit_weights=dit_weights,
-                    plan_tokens=plan_tokens, dit_ranks=dit_ranks)
+                    plan_tokens=plan_tokens, dit_ranks=dit_ranks, prompt=_hidden(cls, "prompt"),
+                    tell=node_text(_hidden(cls, "unique_id")))
             except Exception as exc:
                 shown = shown_error(exc)
                 if shown is None:

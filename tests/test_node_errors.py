@@ -225,14 +225,14 @@ def test_the_node_refuses_a_card_count_that_is_not_an_int(monkeypatch, fake_patc
                        "set npu_count to one of 1, 2, 4, 8")
 
 
-@pytest.mark.parametrize("value", [4.5, "109952", "\u0664", None, True, 0, 10_000_001])
+@pytest.mark.parametrize("value", [4.5, "109952", "\u0664", None, True, -1, 10_000_001])
 def test_the_node_refuses_plan_tokens_that_are_not_an_int_in_range(monkeypatch, fake_patcher_extension,  # noqa: F811
                                                                    value):
     from comfy.multidevice.roles.memory_plan import MAX_PLAN_TOKENS
     with pytest.raises(ValueError) as info:
         _node(monkeypatch).execute(*inputs(), npu_count=1, device_kind="cpu", plan_tokens=value)
     assert type(info.value) is ValueError
-    assert_user_facing(str(info.value), (f"plan_tokens={value!r} is not a whole number from 1 to 10000000",),
+    assert_user_facing(str(info.value), (f"plan_tokens={value!r} is not a whole number from 1 to 10000000", "or to 0 (auto)"),
                        "set it to the longest packed sequence")
     spec = next(s for s in nodes_multinpu.NODE_SCHEMA["inputs"] if s["name"] == "plan_tokens")
     assert spec["max"] == MAX_PLAN_TOKENS

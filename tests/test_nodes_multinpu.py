@@ -68,7 +68,7 @@ def test_schema_inputs_outputs_types_defaults():
     assert [o["name"] for o in NODE_SCHEMA["outputs"]] == ["model", "clip", "video_vae", "audio_vae"]
     assert all(o["tooltip"] for o in NODE_SCHEMA["outputs"])  # every output says what it carries
     assert {"multi gpu", "multi npu", "sequence parallel"} <= set(NODE_SCHEMA["search_aliases"])
-    assert widget_defaults() == [4, "default", "auto", "", "auto", 109952, "auto"]
+    assert widget_defaults() == [4, "default", "auto", "", "auto", 0, "auto"]  # plan_tokens 0: auto
     json.dumps(NODE_SCHEMA)  # plain data, readable by tools without ComfyUI
 
 
@@ -105,7 +105,8 @@ def test_v3_node_is_built_from_the_plain_schema(monkeypatch, with_advanced):
     assert out == ("NodeOutput", ("m", "c", "v", "a"))
     assert seen["args"] == ("M", "C", "V", "A")
     assert seen["kwargs"] == {"npu_count": 2, "backend": "peer", "device_kind": "auto", "devices": "",
-                              "dit_weights": "auto", "plan_tokens": 109952, "dit_ranks": "auto"}
+                              "dit_weights": "auto", "plan_tokens": 0, "dit_ranks": "auto",
+                              "prompt": None, "tell": seen["kwargs"]["tell"]}
     assert list(inspect.signature(node.execute).parameters)[:4] == ["model", "clip", "video_vae", "audio_vae"]
 
 
@@ -306,7 +307,7 @@ def test_the_node_running_again_stops_an_earlier_worker_pool_saying_why(fake_pat
         with caplog.at_level(logging.INFO, logger=pool_module.__name__):
             apply_role_plan(plan, devices, *inputs())
         assert earlier.closed == 1 and "pool" not in pool_module._live
-        assert f"stopping its 2 rank(s) of other processes: the MultiNPUParallelConfig node ran again (the DiT on " \
+        assert f"stopped the worker pool's 2 rank(s) in other processes: the MultiNPUParallelConfig node ran again (the DiT on " \
                f"{len(devices)} card(s)" in caplog.text
 
 # ----------------------------------------------------------------------------- official workflows

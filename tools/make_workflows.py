@@ -63,7 +63,7 @@ FALLBACK_NODE_SCHEMA = {
         {"name": "devices", "type": "STRING", "default": "", "optional": True},
         {"name": "dit_weights", "type": "COMBO", "options": ["auto", "replicate", "shard"], "default": "auto",
          "optional": True},
-        {"name": "plan_tokens", "type": "INT", "default": 109952, "optional": True},
+        {"name": "plan_tokens", "type": "INT", "default": 0, "optional": True},
         {"name": "dit_ranks", "type": "COMBO", "options": ["auto", "threads", "processes"], "default": "auto",
          "optional": True},
     ],

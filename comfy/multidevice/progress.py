@@ -2,7 +2,8 @@
 
 The first prompt builds the DiT replicas (minutes for a 66 GB file) and splits the text encoder
 over the cards; each card's part is logged with its bytes and seconds and moves the bar that the
-UI shows under the running node. Outside ComfyUI (tests, the CLI) only the log line remains.
+UI shows under the running node. `node_text` shows a line of text on a node in the page (a pool
+stopped, say). Outside ComfyUI (tests, the CLI) only the log line remains.
 """
 
 from __future__ import annotations
@@ -43,3 +44,20 @@ def _comfy_progress_bar(total: int):
         return None
     bar_type = getattr(utils, "ProgressBar", None)
     return bar_type(total) if bar_type is not None else None
+
+
+def node_text(node_id):
+    """A function that shows a line of text on node `node_id` in ComfyUI's page (its progress
+    text), or does nothing outside a ComfyUI server or without a node id."""
+    def show(text: str) -> None:
+        if node_id is None:
+            return
+        try:
+            server = importlib.import_module("server")  # ComfyUI's; absent when we run on our own
+        except ImportError:
+            return
+        instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+        send = getattr(instance, "send_progress_text", None)
+        if send is not None:
+            send(text, node_id)
+    return show

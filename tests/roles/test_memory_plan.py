@@ -169,7 +169,7 @@ def test_bad_values_are_clear_errors():
         plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="halves")
     with pytest.raises(ValueError, match="dit_weights is shard.*npu_count 2 runs the DiT on one card"):
         plan_memory(plan_roles(2), CPU4[:2], model, clip, video, audio, dit_weights="shard")
-    with pytest.raises(ValueError, match="plan_tokens=0"):
+    with pytest.raises(ValueError, match="plan_tokens=0"):  # the node's 0 means auto: never planned as 0
         plan_memory(plan_roles(4), CPU4, model, clip, video, audio, tokens=0)
 
 
@@ -178,7 +178,7 @@ def test_the_table_is_logged(fake_patcher_extension, caplog):  # noqa: F811
     caplog.set_level(logging.INFO)
     configure_parallel(model, clip, video, audio, npu_count=4, device_kind="cpu", plan_tokens=TOKENS)
     text = caplog.text
-    assert "memory plan (dit_weights=replicate, 1000 tokens)" in text
+    assert "memory plan (dit_weights=replicate, 1000 tokens from plan_tokens)" in text
     assert text.count("cpu: ") >= 4 and "DiT" in text and "text encoder" in text and "VAE decode" in text
 
 

@@ -96,3 +96,61 @@ def test_first_prompt_shows_replica_progress_and_logs_each_card(upstream, patche
     assert second == []
     ours = [s for s in steps if s == ("new", world - 1) or s == ("step", 1)]
     assert ours.count(("new", world - 1)) == 1 and ours.count(("step", 1)) >= world - 1
+
+
+class _PlanStub:
+    """A memory plan that records the sequence it is asked about, and refuses beyond `limit`."""
+
+    tokens = None
+    dit_shape = "known"
+
+    def __init__(self, limit: int):
+        self.limit, self.asked = limit, []
+
+    def for_tokens(self, tokens):
+        from comfy.multidevice.roles.memory_plan import MemoryPlanError
+        self.asked.append(tokens)
+        refuse = tokens > self.limit
+
+        class Checked:
+            def table(self):
+                return "stub plan"
+
+            def check(self):
+                if refuse:
+                    raise MemoryPlanError(f"stub: {tokens} tokens do not fit")
+        return Checked()
+
+
+def test_the_step_check_counts_the_real_sequence_before_the_fan_out(upstream, patcher):
+    """plan_tokens auto's check (roles/prompt_size.py) under ComfyUI's own sampling: it reads
+    the sequence upstream's DiT packs (the rows block 0 receives), once per longer sequence, and
+    a refusal comes before the fan-out runs any rank."""
+    if not upstream.has_attention_hook:
+        pytest.skip("refused on this ComfyUI (test_node_dit_role_samples_like_one_card checks that)")
+    from comfy.multidevice.roles.memory_plan import MemoryPlanError
+    from comfy.multidevice.roles.prompt_size import install_prompt_size_check
+    rows = []
+
+    def block_zero(args, extra):
+        rows.append(args["img"].reshape(-1, args["img"].shape[-1]).shape[0])
+        return extra["original_block"](args)
+
+    one = patcher.clone()
+    one.set_model_patch_replace(block_zero, "dit", "double_block", 0)
+    fits = _PlanStub(limit=10 ** 9)
+    install_prompt_size_check(one, fits)
+    sample(one)
+    assert len(rows) >= STEPS and set(rows) == {rows[0]} and fits.asked == [rows[0]]
+
+    coord, parallel = node_dit(patcher, 2)
+    fan_outs = parallel.wrappers["diffusion_model"]
+    assert fan_outs
+    calls = []
+    for key, wrappers in fan_outs.items():  # count what runs after the check
+        fan_outs[key] = [lambda executor, *a, _w=w, **k: calls.append(1) or _w(executor, *a, **k) for w in wrappers]
+    refusing = _PlanStub(limit=rows[0] - 1)
+    install_prompt_size_check(parallel, refusing)
+    with coord, pytest.raises(MemoryPlanError, match=f"stub: {rows[0]} tokens do not fit"):
+        sample(parallel)
+    assert refusing.asked == [rows[0]] and calls == []  # the fan-out never ran

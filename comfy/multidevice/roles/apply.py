@@ -264,7 +264,7 @@ def chunked_video_vae(vae, devices, merge_device, coordinator):
 
 def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_vae, audio_vae,
                     backend: str | None = None, coordinator=None, dit_weights: str = "replicate",
-                    dit_ranks: str = "threads"):
+                    dit_ranks: str = "threads", tell=None):
     """Return (model, clip, video_vae, audio_vae) set up per `plan` on `devices`.
 
     devices[i] is plan card i. `backend` picks the collective backend (None: from the
@@ -273,7 +273,8 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     `dit_weights`: "replicate" or "shard" for a sequence-parallel DiT (roles/memory_plan.py
     resolves the node's "auto"). `dit_ranks`: the DiT's ranks as "threads" of this process or
     as worker "processes" (roles/dit.py `workers_dit`, either weight mode), these joined by the
-    ranks of other servers COMFYUI_MULTI_DEVICE_REMOTE_RANKS counts.
+    ranks of other servers COMFYUI_MULTI_DEVICE_REMOTE_RANKS counts. `tell(text)`: shows what
+    the user should know beside the log (the node's text in ComfyUI's page).
     """
     if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
         raise RolePlanError(f"dit_weights={dit_weights!r}: apply_role_plan takes 'replicate' or 'shard'")
@@ -292,8 +293,10 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     check_inputs(plan, model, clip, video_vae, audio_vae)
     # the node ran again: a worker pool of an earlier run serves a MODEL this prompt replaces
     # (a processes run starts its own pool at its first step)
-    stop_unused_pool(f"the MultiNPUParallelConfig node ran again (the DiT on {len(plan.dit.cards)} card(s)"
-                     + (f", ranks as {dit_ranks})" if len(plan.dit.cards) > 1 else ")"))
+    said = stop_unused_pool(f"the MultiNPUParallelConfig node ran again (the DiT on {len(plan.dit.cards)} card(s)"
+                            + (f", ranks as {dit_ranks})" if len(plan.dit.cards) > 1 else ")"))
+    if said and tell is not None:
+        tell(said)
 
     def cards(role):
         return [devices[c] for c in role.cards]

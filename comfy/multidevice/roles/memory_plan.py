@@ -12,7 +12,9 @@ can evict one stage's models before the next loads):
                  two gathered blocks (the running one and the prefetch), whose quantized
                  tensors exist twice while bound (the gathered bytes and the tensors rebuilt
                  from copies of them); plus the activation estimate for the planned sequence
-                 length (sp/cost_model.py)
+                 length (sp/cost_model.py): the node's plan_tokens, else the workflow's
+                 largest latent (roles/prompt_size.py), else none until the first step,
+                 where the real sequence is checked again (`MemoryPlan.for_tokens`)
   VAE decode     a video VAE copy on every chunk card, the audio VAE on its card
   every stage    the HCCL / NCCL communicators the card holds (roles/communicator_memory.py:
                  2 x HCCL_BUFFSIZE per HCCL communicator, NCCL's buffers per peer and channel)
@@ -47,7 +49,8 @@ log = logging.getLogger(__name__)
 
 GIB = 2 ** 30
 IN_FLIGHT_BLOCKS = 2  # the block running now and the next one's prefetch
-DEFAULT_PLAN_TOKENS = 109_952  # MiniMax-H3 at 768p, 15 s: the longest official workflow
+LONGEST_WORKFLOW_TOKENS = 109_952  # MiniMax-H3 at 768p, 15 s: the longest official workflow
+AUTO_PLAN_TOKENS = 0  # the node's plan_tokens default: plan for what the prompt samples
 MAX_PLAN_TOKENS = 10_000_000   # the node input's maximum: ~90x the longest official workflow
 
 
@@ -142,13 +145,38 @@ class SharedHost:
 @dataclass
 class MemoryPlan:
     dit_weights: str
-    tokens: int
+    tokens: int | None  # the packed sequence the activations are counted for; None: not known yet
     cards: list
     host: SharedHost | None = None  # set when several DiT ranks run on the CPU
+    tokens_from: str = "plan_tokens"  # "plan_tokens", "the workflow's latents", "this prompt"
+    dit_shape: DiTShape | None = None  # what the activation estimate needs, to count it again
+    dit_world: int = 1
+
+    def for_tokens(self, tokens: int, tokens_from: str = "this prompt") -> "MemoryPlan":
+        """The same plan with the DiT's activations counted for `tokens` (the free memory
+        stays the figure probed at plan time, before any of the plan was loaded)."""
+        act = activation_bytes(self.dit_shape, tokens, self.dit_world) if self.dit_shape is not None else 0
+        cards = [CardMemory(c.device, c.free, {stage: dict(items) for stage, items in c.stages.items()})
+                 for c in self.cards]
+        for card in cards:
+            if "activations" in card.stages.get("DiT", {}):
+                card.stages["DiT"]["activations"] = act
+        host = self.host
+        if host is not None:
+            host = SharedHost(host.cards, {**host.items, "activations": act * host.cards}, host.free)
+        return MemoryPlan(self.dit_weights, int(tokens), cards, host, tokens_from, self.dit_shape, self.dit_world)
+
+    def _fewer_tokens(self) -> str:
+        """How to sample less, in the words of where the token count came from."""
+        if self.tokens_from == "plan_tokens":
+            return f"sample fewer frames / a lower resolution and lower plan_tokens (now {self.tokens})"
+        return f"sample fewer frames / a lower resolution ({self.tokens} tokens from {self.tokens_from})"
 
     def table(self) -> str:
         """One line per card: each stage's GiB and the free GiB."""
-        lines = [f"memory plan (dit_weights={self.dit_weights}, {self.tokens} tokens):"]
+        sequence = ("activations not counted: the sequence is checked at the first step" if self.tokens is None
+                    else f"{self.tokens} tokens from {self.tokens_from}")
+        lines = [f"memory plan (dit_weights={self.dit_weights}, {sequence}):"]
         for c in self.cards:
             stages = ", ".join(
                 f"{s} {self.stage_total_gib(c, s):.2f} GiB ({' + '.join(f'{k} {v / GIB:.2f}' for k, v in items.items() if v)})"
@@ -185,8 +213,7 @@ class MemoryPlan:
         return MemoryPlanError(
             f"the {host.cards} CPU cards share this machine's memory: their DiT stage needs "
             f"{host.need / GIB:.2f} GiB together ({_items(host.items)}) and {host.free / GIB:.2f} GiB "
-            f"is available: sample fewer frames / a lower resolution and lower plan_tokens (now "
-            f"{self.tokens}), lower npu_count, or free memory.", self.table())
+            f"is available: {self._fewer_tokens()}, lower npu_count, or free memory.", self.table())
 
     def check(self) -> None:
         """Raise MemoryPlanError naming the first card and stage that do not fit, and the fixes
@@ -202,8 +229,7 @@ class MemoryPlan:
             "DiT": ("load the INT8 DiT file"
                     + (", set dit_weights to shard" if self.dit_weights == "replicate" and len(self.cards) > 1
                        else "")
-                    + f", {more_cards}, or sample fewer frames / a lower resolution and lower plan_tokens "
-                      f"(now {self.tokens})"),
+                    + f", {more_cards}, or {self._fewer_tokens()}"),
             "text encoder": f"load the NVFP4 text encoder file or {more_cards}",
             "VAE decode": "load the INT8 video VAE file or free the card",
         }
@@ -235,22 +261,25 @@ def _shared_host(cards, dit_cards, free) -> SharedHost | None:
 
 
 def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: str = "auto",
-                tokens: int = DEFAULT_PLAN_TOKENS, free: dict | None = None,
+                tokens: int | None = LONGEST_WORKFLOW_TOKENS, free: dict | None = None,
                 remote_ranks: int = 0, backend: str | None = None,
-                dit_ranks: str = "threads") -> MemoryPlan:
+                dit_ranks: str = "threads", tokens_from: str = "plan_tokens") -> MemoryPlan:
     """The per-card memory plan for a role plan; `auto` resolved. `free` overrides the probed
     free bytes per device name (tests). `remote_ranks`: DiT ranks of other servers that join a
     sequence-parallel DiT (ranks as processes): this server's cards then hold 1/W of the
     sequence and, with shard, of the blocks, W counting them too. `backend` (None: from the
     environment) and `dit_ranks` ("threads" / "processes") say which communicators the cards
-    will hold."""
+    will hold. `tokens` None: the sequence is not known yet (no activations counted; the
+    caller checks `for_tokens` at the first step); `tokens_from` names where it came from."""
     if dit_weights not in DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown: set dit_weights to one of "
                          f"{', '.join(DIT_WEIGHT_MODES)}.")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_PLAN_TOKENS:
+    unknown_allowed = tokens is None and tokens_from != "plan_tokens"  # auto, and no latent was readable
+    if not unknown_allowed and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                                or not 1 <= tokens <= MAX_PLAN_TOKENS):
         raise MemoryPlanError(f"plan_tokens={tokens!r} is not a whole number from 1 to {MAX_PLAN_TOKENS}: "
                               f"set it to the longest packed sequence you will sample "
-                              f"({DEFAULT_PLAN_TOKENS} = 768p 15 s).")
+                              f"({LONGEST_WORKFLOW_TOKENS} = 768p 15 s), or to {AUTO_PLAN_TOKENS} (auto).")
     sequence_parallel = plan.dit.mode == SEQUENCE_PARALLEL
     if dit_weights == "shard" and not sequence_parallel:
         raise ValueError(f"dit_weights is shard, which splits the DiT over several cards, but npu_count "
@@ -263,16 +292,17 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
         chosen = "replicate"
         if sequence_parallel and plan.n_cards > 1:
             trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free,
-                           remote_ranks, backend, dit_ranks)
+                           remote_ranks, backend, dit_ranks, tokens_from)
             if any(stage == "DiT" for _, stage, _ in trial.problems()):
                 chosen = "shard"
         dit_weights = chosen
     return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks,
-                  backend, dit_ranks)
+                  backend, dit_ranks, tokens_from)
 
 
 def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free,
-           remote_ranks: int = 0, backend: str | None = None, dit_ranks: str = "threads") -> MemoryPlan:
+           remote_ranks: int = 0, backend: str | None = None, dit_ranks: str = "threads",
+           tokens_from: str = "plan_tokens") -> MemoryPlan:
     cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
              for d in devices]
     dit = dit_module(model)
@@ -280,7 +310,7 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     shape = dit_shape_of(dit)
     dit_cards = list(plan.dit.cards)
     world = len(dit_cards) + remote_ranks if plan.dit.mode == SEQUENCE_PARALLEL else 1
-    act = activation_bytes(shape, tokens, world) if shape is not None else 0
+    act = activation_bytes(shape, tokens, world) if shape is not None and tokens is not None else 0
     if dit_weights == "shard":
         sizes = _block_sizes(dit)
         shard_plan = BlockShardPlan.balanced(sizes, world)
@@ -319,4 +349,4 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
             card.stages["communicators"] = {}
         for stage in card.stages.values():
             stage.update(items)
-    return MemoryPlan(dit_weights, int(tokens), cards, _shared_host(cards, dit_cards, free))
+    return MemoryPlan(dit_weights, tokens, cards, _shared_host(cards, dit_cards, free), tokens_from, shape, world)

@@ -64,17 +64,19 @@ _live: dict = {}  # "pool": the pool that holds this process's default process g
 _live_lock = threading.Lock()
 
 
-def stop_unused_pool(why: str) -> bool:
+def stop_unused_pool(why: str) -> str | None:
     """Stop this process's running pool, if any, because the prompt about to run will not use
-    it (`why`, logged): its workers hold a DiT each that another mode may need the memory of.
-    The MODEL it served starts a fresh pool if it is ever sampled again."""
+    it (`why`): its workers hold a DiT each that another mode may need the memory of. The MODEL
+    it served starts a fresh pool if it is ever sampled again. Returns the line it logged (for
+    the UI), None when no pool ran."""
     with _live_lock:
         pool = _live.pop("pool", None)
     if pool is None or not pool.running:
-        return False
-    log.info("worker pool: stopping its %d rank(s) of other processes: %s", pool.world_size - 1, why)
+        return None
+    said = f"stopped the worker pool's {pool.world_size - 1} rank(s) in other processes: {why}"
     pool.close()
-    return True
+    log.info("%s", said)
+    return said
 
 
 class WorkerPoolError(RuntimeError):
