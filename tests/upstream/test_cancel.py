@@ -125,3 +125,28 @@ def test_cancel_during_sp_sampling_of_the_real_dit_interrupts_and_the_next_promp
             assert not comfy.model_management.processing_interrupted() and not coord.closed
             out = sample(parallel)
     assert rel_diff(out, reference) <= FP32_TOL
+
+
+def test_a_pools_forward_leaves_upstreams_per_layer_cancel_to_the_block_starts(upstream):
+    """The fact workers/interrupt.py stands on: upstream's layers check the Cancel flag through
+    comfy.ops.run_every_op, looked up at every call. Inside checks_at_block_starts a set flag
+    is left set (the pool's block-start check takes it); outside, the layer raises as usual."""
+    import comfy.model_management
+    import comfy.ops
+    from comfy.multidevice.workers.interrupt import checks_at_block_starts
+    if getattr(comfy.ops, "run_every_op", None) is None:
+        pytest.skip("this ComfyUI's layers do not check the Cancel flag (nothing to defer)")
+    layer = comfy.ops.disable_weight_init.Linear(4, 4)
+    torch.nn.init.ones_(layer.weight)
+    torch.nn.init.zeros_(layer.bias)
+    x = torch.ones(1, 4)
+    comfy.model_management.interrupt_current_processing(True)
+    try:
+        with checks_at_block_starts():
+            assert torch.equal(layer(x), torch.full((1, 4), 4.0))
+        assert comfy.model_management.processing_interrupted()
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            layer(x)
+        assert not comfy.model_management.processing_interrupted()
+    finally:
+        comfy.model_management.interrupt_current_processing(False)

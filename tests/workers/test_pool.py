@@ -218,6 +218,62 @@ def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_u
         dit.close()
 
 
+def test_a_cancel_pressed_inside_a_block_keeps_the_pool(checkpoint, plain, monkeypatch):
+    """ComfyUI's ops check the Cancel flag at every layer (comfy.ops.run_every_op): pressed while
+    rank 0 is inside block 0 (after its exchange), it is not raised there (the workers would be
+    left in a collective) but seen as block 1 starts; every rank stops as block 2 starts, the
+    same workers serve the next forward, exact. Stand-ins for ComfyUI's two modules."""
+    import threading
+    import types
+    _, path = checkpoint
+    (x, t, ctx, kw), reference = plain
+
+    class Interrupted(BaseException):  # as on newest-h3: not an Exception
+        pass
+
+    state = {"flag": False}
+    mm = types.ModuleType("comfy.model_management")
+    mm.interrupt_processing_mutex = threading.RLock()
+    mm.InterruptProcessingException = Interrupted
+
+    def processing_interrupted():
+        with mm.interrupt_processing_mutex:
+            return state["flag"]
+
+    def throw_exception_if_processing_interrupted():
+        with mm.interrupt_processing_mutex:
+            if state["flag"]:
+                state["flag"] = False
+                raise Interrupted()
+    mm.processing_interrupted = processing_interrupted
+    mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
+    ops = types.ModuleType("comfy.ops")
+    ops.run_every_op = throw_exception_if_processing_interrupted
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.ops", ops)
+    dit = enable_sequence_parallel_workers(["cpu"] * 3, recipe(path), timeout_s=60)
+    try:
+        assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
+        pids = [w.process.pid for w in dit.pool.workers]
+        pressed = {"armed": True}
+
+        def press_cancel_then_check(module, args):  # rank 0's block 0 MLP: a layer like ComfyUI's ops
+            if pressed.pop("armed", False):
+                state["flag"] = True
+            sys.modules["comfy.ops"].run_every_op()
+        hook = dit.pool.model.blocks[0].mlp.register_forward_pre_hook(press_cancel_then_check)
+        with pytest.raises(Interrupted):
+            dit(x, t, ctx, **kw)
+        assert dit.pool.cancelled_at == [2] and not state["flag"]  # seen as block 1 starts
+        assert [w.process.pid for w in dit.pool.workers] == pids and all(
+            w.process.poll() is None for w in dit.pool.workers)
+        assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL  # the same pool, in step
+        hook.remove()
+    finally:
+        dit.close()
+    assert ops.run_every_op is throw_exception_if_processing_interrupted  # ComfyUI's check is back
+
+
 def test_a_new_pool_replaces_the_last_and_the_last_ones_owner_starts_afresh(checkpoint, plain):
     """One default process group per process: starting a pool closes the one before it (the node
     ran again); the older WorkersDiT then starts a fresh pool at its next call, exact."""

@@ -44,6 +44,7 @@ from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.admission import SECRET_FILE_ENV
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD
+from comfy.multidevice.workers.interrupt import checks_at_block_starts
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door import PoolAdmission, WorkerIdentity
@@ -311,7 +312,7 @@ class WorkerPool:
             self.bytes_sent_per_forward.append(self._send((FORWARD, method, packed_args, packed_kwargs, new)))
             args, kwargs = copy_for_rank((list(args), dict(kwargs)), self.devices[0])  # its own options
             self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs))
-            with torch.inference_mode():
+            with torch.inference_mode(), checks_at_block_starts():  # a Cancel stops every rank together
                 out = rank0_forward(*args, **kwargs)
             self.cancel_flag.settle()  # the last block's flag, before the next message
             self.control_seconds_per_forward.append(self.control.seconds + self.cancel_flag.seconds - control_before)
@@ -321,9 +322,10 @@ class WorkerPool:
         except Exception as exc:
             self._fail(exc, "a forward")
         except BaseException:
-            # ComfyUI's own interrupt (a BaseException on newer trees, raised by its ops at any
-            # layer) left this rank mid-block while the workers wait in a collective: they
-            # cannot be brought back in step, so they are stopped; the next forward starts afresh
+            # an interrupt that did not wait for a block start (ComfyUI's per-layer Cancel check
+            # is deferred to them: workers/interrupt.py; a KeyboardInterrupt is not) left this
+            # rank mid-block while the workers wait in a collective: they cannot be brought
+            # back in step, so they are stopped; the next forward starts afresh
             log.info("worker pool: the forward was interrupted inside a block; stopping its %d "
                      "worker(s), the next forward starts a fresh pool", len(self.workers))
             self._teardown()
