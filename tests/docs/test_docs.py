@@ -1,6 +1,6 @@
 """The user docs (README.md, docs/*.md): the Python examples import what exists, every section
-cited by name anywhere in the project is a heading, relative links point at what exists, and the
-README stays short enough to read first."""
+cited by name anywhere in the project is a heading, relative links point at what exists, the
+README stays short enough to read first and shows the test command .ci/run runs."""
 
 from __future__ import annotations
 
@@ -95,3 +95,11 @@ def test_the_readme_is_at_most_400_lines():
     # A ComfyUI user reads it first; projections, container set-up and internals belong in docs/.
     lines = len(README.read_text(encoding="utf-8").splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move what is not a user's first need to docs/"
+
+
+def test_the_readme_shows_the_test_command_ci_runs():
+    # .ci/run promises "the README's test command exactly": the two must not drift apart.
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    command = re.search(r"^(bash install_deps_minimax_h3\.sh .*pytest -q)$", ci, re.M)
+    assert command, ".ci/run no longer runs the installer and pytest on one line"
+    assert command.group(1) in [line for block in fenced_blocks(README, ("bash",)) for line in block.splitlines()]
