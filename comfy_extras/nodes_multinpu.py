@@ -55,10 +55,12 @@ NODE_SCHEMA = {
         {"name": "backend", "type": "COMBO", "options": list(BACKEND_CHOICES), "default": "default",
          "optional": True, "advanced": True,
          "tooltip": "Collective backend: default = COMFYUI_MULTI_DEVICE_BACKEND or auto; auto = "
-                    "HCCL on NPUs / NCCL on GPUs with peer-copy fallback; hccl/nccl fail loudly."},
+                    "HCCL on NPUs / NCCL on GPUs with peer-copy fallback; hccl/nccl fail loudly; "
+                    "peer = peer copies, on any cards."},
         {"name": "device_kind", "type": "COMBO", "options": list(DEVICE_KINDS), "default": "auto",
          "optional": True, "advanced": True,
-         "tooltip": "auto = the one accelerator kind that is visible; cpu runs CPU ranks (tests)."},
+         "tooltip": "auto = the one accelerator kind that is visible; npu / cuda insist on that kind; "
+                    "cpu = npu_count CPU ranks on this machine (tests, a try without cards)."},
         {"name": "devices", "type": "STRING", "default": "", "optional": True, "advanced": True,
          "tooltip": "Explicit cards, e.g. 'npu:0,npu:2,npu:4,npu:6'. Empty = the first npu_count "
                     "visible cards."},
@@ -75,12 +77,13 @@ NODE_SCHEMA = {
                     f"to plan for: {LONGEST_WORKFLOW_TOKENS} = 768p 15 s, 38592 = 768p 5 s."},
         {"name": "dit_ranks", "type": "COMBO", "options": list(DIT_RANKS), "default": "auto",
          "optional": True, "advanced": True,
-         "tooltip": "How the DiT's cards run: threads = rank threads of this ComfyUI process (every "
-                    "workflow); processes = one worker process per other card, which a hang or crash "
-                    "cannot take down with ComfyUI (killed and restarted at the next prompt; the MODEL "
-                    "from a core loader, LoRAs before this node, no Fun ControlNet yet), and the only "
-                    "way to add the cards of other servers (COMFYUI_MULTI_DEVICE_REMOTE_RANKS); auto = "
-                    "processes when other servers' ranks are set, else threads."},
+         "tooltip": "How the DiT's cards run: auto = processes when other servers' ranks are set "
+                    "(COMFYUI_MULTI_DEVICE_REMOTE_RANKS), else threads; threads = rank threads of this "
+                    "ComfyUI process; processes = one worker process per other card, which a hang or "
+                    "crash cannot take down with ComfyUI (killed, fresh workers at the next prompt; the "
+                    "MODEL from a core loader), and the only way to add the cards of other servers. "
+                    "Both run LoRAs, either dit_weights and the Fun ControlNet; a LoRA loader after this "
+                    "node needs dit_weights replicate."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",

@@ -20,6 +20,7 @@ TOPIC_FOLDERS = {
     "packaging": "the patch, the installer, the pins file, the workflows, the node pack",
     "structure": "the shape of the package and of its tests",
     "bench": "the benchmark scripts of bench/ (tests/bench/test_<script>.py)",
+    "docs": "the user docs: README, docs/*.md, the node's help page and tooltips",
 }
 # Single files that cover a topic across modules.
 TOPIC_FILES = {
@@ -29,7 +30,6 @@ TOPIC_FILES = {
     "comm/test_card_rules.py": "the fake HCCL / NCCL libraries refuse what the vendors forbid",
     "test_node_errors.py": "the sentence a ComfyUI user reads for every refusal",
     "test_runtime_scripts.py": "additional_files/runtime/ restart and stop scripts",
-    "test_docs.py": "the user docs: examples, cited sections, links",
     "workers/test_servers.py": "one worker pool over two servers (network namespaces)",
     "workers/test_hardening.py": "ranks as processes against the audit's stranger, on one server",
 }

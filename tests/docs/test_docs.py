@@ -1,12 +1,14 @@
 """The user docs (README.md, docs/*.md): the Python examples import what exists, every section
-cited by name anywhere in the project is a heading, and relative links point at what exists."""
+cited by name anywhere in the project is a heading, relative links point at what exists, the
+README stays short enough to read first and shows the test command .ci/run runs."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.docs.markdown import README, REPO, doc_headings, fenced_blocks, user_docs, without_code_blocks
+
+README_MAX_LINES = 400  # install, first workflow, the node, errors, operations; the rest is in docs/
 
 
 def test_every_import_in_the_docs_python_examples_exists():
@@ -15,26 +17,13 @@ def test_every_import_in_the_docs_python_examples_exists():
     import importlib
     imports = []
     for doc in user_docs():
-        blocks = re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)
-        imports += [(doc.relative_to(REPO), *m) for block in blocks
+        imports += [(doc.relative_to(REPO), *m) for block in fenced_blocks(doc, ("python",))
                     for m in re.findall(r"^from (comfy[\w.]*|comfy_extras[\w.]*) import ([\w, ]+)$", block, re.M)]
     assert imports, "the Python examples of README.md and docs/ import nothing of ours"
     for doc, module, names in imports:
         loaded = importlib.import_module(module)
         for name in (n.strip() for n in names.split(",")):
             assert hasattr(loaded, name), f"{doc}: from {module} import {name}"
-
-
-def user_docs() -> list[Path]:
-    """README.md and every docs/*.md: where the project's prose lives."""
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-
-
-def doc_headings(doc: Path) -> list[str]:
-    """A Markdown file's headings as written, outside code blocks (a `# comment` in a bash
-    block is not a heading)."""
-    text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.M | re.S)
-    return [m.strip() for m in re.findall(r"^#{1,6} (.+)$", text, re.M)]
 
 
 def _section_name(heading: str) -> str:
@@ -89,7 +78,7 @@ def test_relative_links_in_the_docs_point_at_what_exists():
     # an anchor must be a heading of that file.
     broken = []
     for doc in user_docs():
-        text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.M | re.S)
+        text = without_code_blocks(doc.read_text(encoding="utf-8"))
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"^[a-z]+:", target):
                 continue  # http(s), mailto: not checked here
@@ -100,3 +89,17 @@ def test_relative_links_in_the_docs_point_at_what_exists():
             elif anchor and dest.suffix == ".md" and anchor not in {_anchor(h) for h in doc_headings(dest)}:
                 broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_readme_is_at_most_400_lines():
+    # A ComfyUI user reads it first; projections, container set-up and internals belong in docs/.
+    lines = len(README.read_text(encoding="utf-8").splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move what is not a user's first need to docs/"
+
+
+def test_the_readme_shows_the_test_command_ci_runs():
+    # .ci/run promises "the README's test command exactly": the two must not drift apart.
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    command = re.search(r"^(bash install_deps_minimax_h3\.sh .*pytest -q)$", ci, re.M)
+    assert command, ".ci/run no longer runs the installer and pytest on one line"
+    assert command.group(1) in [line for block in fenced_blocks(README, ("bash",)) for line in block.splitlines()]
