@@ -25,6 +25,7 @@ import sys
 import time
 
 from comfy.multidevice.comm.settings import DEFAULT_TIMEOUT_S, parse_rendezvous
+from comfy.multidevice.commands import module_command
 from comfy.multidevice.workers.admission import AdmissionError, cluster_secret, SecretError
 from comfy.multidevice.workers.door import format_address, RendezvousError
 from comfy.multidevice.workers.door_client import Following, RankZeroLost
@@ -39,10 +40,11 @@ REFUSED = 3  # the exit status when rank 0 refused this server or did not prove 
 
 def join_command(rendezvous: str, first_rank: int, devices, timeout_s: float, threads: int | None = None) -> str:
     """The command a user runs once on another server for its ranks `first_rank`, ... on `devices`
-    (with the cluster secret placed there: COMFYUI_MULTI_DEVICE_SECRET_FILE)."""
-    return " ".join(["python", "-m", "comfy.multidevice.workers.join", "--rendezvous", rendezvous,
-                     "--first-rank", str(first_rank), "--devices", ",".join(map(str, devices)),
-                     "--timeout", f"{timeout_s:g}"] + (["--threads", str(threads)] if threads else []))
+    (with the cluster secret placed there: COMFYUI_MULTI_DEVICE_SECRET_FILE), from the folder
+    this install's commands start from (commands.py: ComfyUI's for a clone in custom_nodes/)."""
+    return module_command("comfy.multidevice.workers.join", "--rendezvous", rendezvous, "--first-rank",
+                          str(first_rank), "--devices", ",".join(map(str, devices)), "--timeout", f"{timeout_s:g}",
+                          *(["--threads", str(threads)] if threads else []))
 
 
 def _follow(host: str, port: int, base: bytes, first_rank: int, count: int) -> Following:
