@@ -122,11 +122,11 @@ def load_node_module(pack_dir=PACK_DIR):
         raise ImportError(
             f"MiniMax-H3 pack in {pack_dir}: {NODE_MODULE} is neither in ComfyUI's tree nor beside "
             "this file. Clone the whole repository into ComfyUI/custom_nodes/, or apply the patch "
-            "again (install_deps_minimax_h3.sh --comfyui <ComfyUI dir>).")
-    if why == "shadowed":
+            "again (bash install_deps_minimax_h3.sh --comfyui <ComfyUI dir>, from a checkout of it).")
+    if why == "shadowed":  # this folder is a clone: its own installer removes the patch
         log.info("MiniMax-H3 pack in %s: not used, the node is already installed from %s (remove one "
-                 "of the two; install_deps_minimax_h3.sh --comfyui DIR --uninstall removes the patch)",
-                 pack_dir, os.path.dirname(os.path.dirname(path)))
+                 "of the two; bash %s --comfyui <ComfyUI dir> --uninstall removes the patch)",
+                 pack_dir, os.path.dirname(os.path.dirname(path)), os.path.join(pack_dir, "install_deps_minimax_h3.sh"))
         return None
     if own:
         if pack_dir not in sys.path:

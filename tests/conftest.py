@@ -1,3 +1,4 @@
+import os
 import sys
 import types
 
@@ -17,6 +18,19 @@ def no_card_rule_broken_on_the_fake_nccl():
     broken = take_all_nccl_violations()
     if broken:
         pytest.fail("the fake libnccl recorded what NCCL forbids:\n" + "\n".join(broken), pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_in_a_temporary_folder(tmp_path_factory):
+    """The per-user cache (the dry run's checkpoints) in a folder of this session, for this
+    process and every one it starts: the suite never fills the user's cache or reuses it."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 import torch
 
 from comfy.multidevice.comm.settings import read_visible_devices, VISIBLE_DEVICES_ENV
+from comfy.multidevice.commands import CLI_SCRIPT, script_command
 from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS
 
 
@@ -123,7 +124,7 @@ def _too_few(n_cards: int, kind: str, found: int, inventory: DeviceInventory) ->
     failed = [note for note in inventory.notes if note.startswith(f"{kind} probe failed")]
     if failed:
         fixes.insert(0, f"repair the {kind} software stack ({'; '.join(failed)}; "
-                        f"run minimax_h3_parallel.py doctor)")
+                        f"run {script_command(CLI_SCRIPT, 'doctor')})")
     return TooFewDevices(
         f"npu_count is {n_cards} but {found} {kind} card(s) are visible ({inventory.env_text(kind)}): "
         + ", or ".join(fixes) + ".")
@@ -229,7 +230,7 @@ def select_devices(n_cards, kind: str = "auto", devices: str | Sequence | None =
             raise TooFewDevices(
                 f"npu_count is {n_cards} but this server sees no NPU or CUDA card "
                 f"({inventory.describe()}): check the driver and that torch_npu (Ascend) or a CUDA "
-                f"build of torch is installed (python minimax_h3_parallel.py doctor says which), or "
+                f"build of torch is installed ({script_command(CLI_SCRIPT, 'doctor')} says which), or "
                 f"set device_kind to cpu for a CPU-only test run.")
         kind = present[0]
     found = inventory.count(kind)

@@ -8,10 +8,13 @@ moves a call's inputs to one rank's device. Which cards a run uses is decided in
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any, Callable
 
 import torch
+
+from comfy.multidevice.commands import INSTALLER, script_command
 
 ACCELERATOR_KINDS = ("npu", "cuda")
 
@@ -26,8 +29,9 @@ def resolve_device(spec: Any) -> torch.device:
             import torch_npu  # noqa: F401  (registers the 'npu' device type)
         except ImportError as exc:
             raise ValueError(
-                f"device {text!r} needs torch_npu, which is not installed; "
-                "run install_deps_minimax_h3.sh on the Ascend host or use cuda/cpu devices") from exc
+                f"device {text!r} needs torch_npu, which is not installed; run "
+                f"{script_command(INSTALLER, '--platform', 'ascend', '--python', sys.executable)} on the "
+                "Ascend host, or use cuda/cpu devices") from exc
     try:
         return torch.device(text)
     except RuntimeError as exc:

@@ -301,6 +301,37 @@ def test_report_says_what_the_speedup_compares():
     assert report.speedup_baseline(["cuda:0", "cuda:1"], None).startswith("2 ranks vs")
 
 
+@pytest.mark.parametrize("reason", [None, "4 CPU ranks on 2 core(s): fewer cores than ranks"])
+def test_the_speedup_is_printed_only_when_the_machine_was_quiet(tmp_path, monkeypatch, reason):
+    monkeypatch.setattr(minimax_h3_dry_run, "not_quiet_reason", lambda *a: reason)
+    args = _parser().parse_args(TINY_ARGS + ["--cpu", "--devices", "2", "--cache", str(tmp_path / "c"),
+                                             "--out", str(tmp_path / "o")])
+    printed = io.StringIO()
+    assert minimax_h3_dry_run.run(args, out=printed) == 0
+    lines = printed.getvalue().splitlines()
+    said = [line for line in lines if line.startswith("[speedup]")]
+    result = json.loads(lines[-1])
+    assert result["speedup"] > 0 and result["speedup_quiet"] is (reason is None)  # the figure stays
+    if reason is None:
+        assert said == [f"[speedup] {result['speedup']:.2f}x = {result['speedup_baseline']}"]
+    else:
+        assert said == [f"[speedup] not measured: {reason} (the ratio is in the JSON report, with "
+                        "speedup_quiet false)"]
+
+
+def test_the_cache_is_outside_the_checkout_by_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _parser().parse_args([]).cache == tmp_path / "xdg" / "minimax-h3-multinpu"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert REPO not in _parser().parse_args([]).cache.parents
+
+
+def test_the_tests_cache_is_a_temporary_folder(tmp_path_factory):
+    """tests/conftest.py points XDG_CACHE_HOME at a temporary folder for the whole session, so a
+    dry run the suite starts without --cache (a bench's) leaves the user's cache alone."""
+    assert tmp_path_factory.getbasetemp() in _parser().parse_args([]).cache.parents
+
+
 @pytest.mark.parametrize("variable, value, problem", [
     ("COMFYUI_MULTI_DEVICE_WEIGHT_BASE", "bogus", "is not a weight base mode; set it to one of map, pin"),
     ("COMFYUI_MULTI_DEVICE_RUN_TIMEOUT_S", "nan", NOT_SECONDS),

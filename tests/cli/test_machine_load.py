@@ -1,4 +1,5 @@
-"""The dry run's load meter: other processes' and the hypervisor's share of the cores over a span."""
+"""The dry run's load meter: other processes' and the hypervisor's share of the cores over a span,
+and whether the speedup measured under it is printed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from comfy.multidevice.cli import machine_load
 from comfy.multidevice.cli.report import paired_speedup
-from comfy.multidevice.cli.machine_load import LOADED_SHARE, LoadMeter, MachineLoad
+from comfy.multidevice.cli.machine_load import LOADED_SHARE, LoadMeter, MachineLoad, not_quiet_reason
 
 
 def _stat_line(user, system, idle, steal):
@@ -92,3 +93,24 @@ def test_the_speedup_is_the_median_of_back_to_back_pairs():
     ranks = [9.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     assert paired_speedup(reference, ranks) == 2.0
     assert paired_speedup([3.0], [1.5]) == 2.0  # one step: that step
+
+
+QUIET = MachineLoad(other_processes=0.02, steal=0.01)
+BUSY = MachineLoad(other_processes=0.35, steal=0.0)
+
+
+def test_a_quiet_machine_with_a_core_per_rank_prints_its_speedup():
+    assert not_quiet_reason(QUIET, cores=8, ranks=4, cpu_ranks=True) is None
+
+
+@pytest.mark.parametrize("load, cores, ranks, says", [
+    (QUIET, 2, 4, "4 CPU ranks on 2 core(s): fewer cores than ranks, so the ranks took turns; use --devices 2"),
+    (BUSY, 8, 4, "other processes took 35% and the hypervisor 0% of the 8 cores while it ran (above 10%)"),
+    (None, 8, 4, "this machine's load cannot be read (no /proc/stat)"),
+])
+def test_a_busy_or_crowded_machine_says_why_instead_of_a_figure(load, cores, ranks, says):
+    assert not_quiet_reason(load, cores, ranks, cpu_ranks=True).startswith(says)
+
+
+def test_ranks_on_cards_are_judged_by_the_cards_not_the_hosts_load():
+    assert not_quiet_reason(BUSY, cores=2, ranks=8, cpu_ranks=False) is None

@@ -1,13 +1,15 @@
 """COMFYUI_MULTI_DEVICE_BACKEND / _TIMEOUT_S / _RENDEZVOUS / _REMOTE_RANKS: one parser, one wording,
-refused before any work."""
+refused before any work; the per-user cache folder from XDG_CACHE_HOME."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from comfy.multidevice.comm.settings import (backend_from_env, check_environment, check_timeout, DEFAULT_TIMEOUT_S,
                                              remote_ranks_from_env, rendezvous_from_env, SettingError,
-                                             timeout_from_env)
+                                             timeout_from_env, user_cache_dir)
 
 
 @pytest.mark.parametrize("raw, seconds", [("30", 30.0), (" 2.5 ", 2.5), (".5", 0.5), ("86400", 86400.0),
@@ -126,3 +128,13 @@ def test_trusted_modules_are_dotted_names_or_nothing(monkeypatch):
         trusted_modules_from_env()
     with pytest.raises(SettingError, match="TRUSTED_MODULES"):
         check_environment()
+
+
+@pytest.mark.parametrize("environ, folder", [
+    ({"XDG_CACHE_HOME": "/srv/cache", "HOME": "/home/u"}, "/srv/cache/minimax-h3-multinpu"),
+    ({"HOME": "/home/u"}, "/home/u/.cache/minimax-h3-multinpu"),
+    ({"XDG_CACHE_HOME": "", "HOME": "/home/u"}, "/home/u/.cache/minimax-h3-multinpu"),
+    ({"XDG_CACHE_HOME": "rel/cache", "HOME": "/home/u"}, "/home/u/.cache/minimax-h3-multinpu"),  # XDG: ignored
+])
+def test_the_user_cache_folder_follows_xdg_cache_home(environ, folder):
+    assert user_cache_dir(environ) == Path(folder)

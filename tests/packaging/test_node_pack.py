@@ -143,7 +143,9 @@ def test_with_the_patch_and_a_clone_the_patched_copy_is_the_one_used(tmp_path, o
     assert Path(out["node_file"]).parent == root / "comfy_extras"  # no module from the clone
     assert Path(out["inventory_file"]).parent == root / "comfy" / "multidevice"
     unused = [line for line in log if "not used" in line]
-    assert len(unused) == 1 and str(REPO) in unused[0] and "--uninstall" in unused[0]
+    assert len(unused) == 1 and str(REPO) in unused[0]
+    # the clone's own installer, by a path that exists (the patched tree has none)
+    assert f"bash {REPO / 'install_deps_minimax_h3.sh'} --comfyui <ComfyUI dir> --uninstall" in unused[0]
     assert out["inputs"] == ["minimax_h3_first_frame.png"]  # the unused clone copied nothing
 
 

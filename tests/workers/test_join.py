@@ -1,7 +1,7 @@
 """The join command of another server (workers/join.py): refused arguments name the fix, a
 pool its ranks do not fit is skipped with the reason, and a program at the rendezvous that
-does not prove the cluster secret (an impostor, or another secret) makes it stop saying so
-(its exact runs: tests/workers/test_servers.py)."""
+does not prove the cluster secret (an impostor, or another secret) makes it stop saying so, and
+a Ctrl-C stops its workers with it (its exact runs: tests/workers/test_servers.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from comfy.multidevice.workers import admission
+from comfy.multidevice.workers import admission, join
 from comfy.multidevice.workers.door import Door
 from comfy.multidevice.workers.join import join_command, main, REFUSED, serve_pools
 
@@ -100,3 +100,42 @@ def test_the_command_a_user_runs():
     assert join_command("10.0.0.1:29600", 8, ["npu:0", "npu:1"], 600) == (
         "python -m comfy.multidevice.workers.join --rendezvous 10.0.0.1:29600 --first-rank 8 "
         "--devices npu:0,npu:1 --timeout 600")
+
+
+def test_a_ctrl_c_stops_this_servers_workers_with_the_command(monkeypatch):
+    """The workers run in sessions of their own (workers/process.py), so the terminal's Ctrl-C
+    reaches the join command alone: it kills the workers it started before it ends."""
+    started = []
+
+    class Worker:
+        def __init__(self, rank, arguments, key, env=None):
+            self.rank, self.killed = rank, False
+            started.append(self)
+
+        def wait(self):
+            raise KeyboardInterrupt
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(join, "WorkerProcess", Worker)
+    rank0 = Door("127.0.0.1", 0, timeout_s=10, base_secret=BASE)
+    try:
+        rank0.open_pool(4, 2)
+        with pytest.raises(KeyboardInterrupt):
+            serve_pools("127.0.0.1", rank0.port, 2, ["cpu", "cpu"], 10, None, pools=1, base=BASE)
+    finally:
+        rank0.close()
+    assert [(w.rank, w.killed) for w in started] == [(2, True), (3, True)]
+
+
+def test_a_ctrl_c_ends_the_command_with_one_line_and_status_130(monkeypatch, caplog, secret_file):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(join, "serve_pools", interrupted)
+    with caplog.at_level(logging.INFO):
+        assert main(["--rendezvous", "10.0.0.1:29600", "--first-rank", "2", "--devices", "cpu"]) == 130
+    assert [r.getMessage() for r in caplog.records] == [
+        "stopped by Ctrl-C, and this server's workers with it; rank 0's next pool waits for their ranks until "
+        "this command runs again"]

@@ -5,7 +5,7 @@ this machine's cores. Another job on those cores bends the two unequally (an Ope
 the cores stalls whenever one of its threads loses its core; one-thread ranks lose less), so the
 ratio then shows the load, not the parallel overhead. `LoadMeter` measures, over the timed
 span, the share of the cores that went to other processes (all busy time less ours) and to the
-hypervisor (steal), so the report can say so beside the figure.
+hypervisor (steal); `not_quiet_reason` decides from it whether the figure is printed at all.
 """
 
 from __future__ import annotations
@@ -79,3 +79,19 @@ class LoadMeter:
         others = max(0.0, busy - own)
         return MachineLoad(other_processes=min(1.0, others / total), steal=min(1.0, steal / total))
 
+
+
+def not_quiet_reason(load: MachineLoad | None, cores: int, ranks: int, cpu_ranks: bool) -> str | None:
+    """Why a speedup of `ranks` ranks measured under `load` on `cores` cores says nothing about
+    the parallel run (with the fix), or None when the machine was quiet enough to print it."""
+    if not cpu_ranks:  # each rank has its own card: the host's cores only launch the work
+        return None
+    if cores < ranks:
+        return (f"{ranks} CPU ranks on {cores} core(s): fewer cores than ranks, so the ranks took turns; "
+                f"use --devices {cores} or fewer")
+    if load is None:
+        return "this machine's load cannot be read (no /proc/stat), so a busy run cannot be told from a quiet one"
+    if load.loaded:
+        return (f"{load.describe(cores)} while it ran (above {LOADED_SHARE:.0%}); on CPU that slows the "
+                "one-device run (an OpenMP team of all the cores) more than the ranks: rerun on an idle machine")
+    return None

@@ -18,7 +18,7 @@ REPORT_KEYS = ("world_size", "backend", "sp_mode", "devices", "tokens", "tokens_
                "cpu_threads_per_rank", "reference_cpu_threads", "checkpoint", "checkpoint_reused",
                "weights_source", "checkpoint_bytes_read", "out", "sp_overlap", "sp_mode_used",
                "byte_counts", "model_bytes_per_step", "dit_weights", "dit_weight_bytes_per_rank",
-               "dit_gathered_bytes_per_step", "speedup_baseline", "machine_load")
+               "dit_gathered_bytes_per_step", "speedup_baseline", "machine_load", "speedup_quiet")
 
 
 def speedup_baseline(devices: list[str], reference_threads: int | None) -> str:

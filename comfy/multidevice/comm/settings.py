@@ -30,7 +30,8 @@ library's path override (HCCL_SO_PATH, NCCL_SO_PATH), and what the doctor shows.
 they are used: the libraries' buffer sizes for the memory plan (HCCL_BUFFSIZE, NCCL_BUFFSIZE,
 NCCL_MAX_NCHANNELS: roles/communicator_memory.py) and their error handling, which ComfyUI's
 process sets before it makes a process group (TORCH_NCCL_ASYNC_ERROR_HANDLING,
-HCCL_ASYNC_ERROR_HANDLING, HCCL_EXEC_TIMEOUT: comm/async_errors.py).
+HCCL_ASYNC_ERROR_HANDLING, HCCL_EXEC_TIMEOUT: comm/async_errors.py). XDG_CACHE_HOME places the
+per-user cache folder (`user_cache_dir`), as other programs on Linux do.
 
 Every bad value raises SettingError worded as an environment-variable error: the variable, the
 value, what is wrong and what to set instead. The command line and the node call these same
@@ -45,6 +46,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +244,19 @@ def read_visible_devices() -> dict[str, str | None]:
 def library_path(env_var: str, default: str) -> str:
     """A collective library's path: the variable `env_var` when set and not empty, else `default`."""
     return os.environ.get(env_var) or default
+
+
+CACHE_HOME_ENV = "XDG_CACHE_HOME"
+CACHE_FOLDER = "minimax-h3-multinpu"  # the project's name (pyproject.toml)
+
+
+def user_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """This project's per-user cache folder, outside any checkout: $XDG_CACHE_HOME/<project>,
+    else ~/.cache/<project> (a relative XDG_CACHE_HOME is ignored, as the XDG rule says)."""
+    environ = os.environ if environ is None else environ
+    home = environ.get(CACHE_HOME_ENV, "")
+    base = Path(home) if os.path.isabs(home) else Path(environ.get("HOME") or Path.home()) / ".cache"
+    return base / CACHE_FOLDER
 
 
 # ----------------------------------------------------------------------------- torchrun

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
 from comfy.multidevice.comm.settings import DEFAULT_TIMEOUT_S, parse_rendezvous
+from comfy.multidevice.commands import module_command
 from comfy.multidevice.workers.admission import AdmissionError, cluster_secret, SecretError
 from comfy.multidevice.workers.door import format_address, RendezvousError
 from comfy.multidevice.workers.door_client import Following, RankZeroLost
@@ -38,10 +40,11 @@ REFUSED = 3  # the exit status when rank 0 refused this server or did not prove 
 
 def join_command(rendezvous: str, first_rank: int, devices, timeout_s: float, threads: int | None = None) -> str:
     """The command a user runs once on another server for its ranks `first_rank`, ... on `devices`
-    (with the cluster secret placed there: COMFYUI_MULTI_DEVICE_SECRET_FILE)."""
-    return " ".join(["python", "-m", "comfy.multidevice.workers.join", "--rendezvous", rendezvous,
-                     "--first-rank", str(first_rank), "--devices", ",".join(map(str, devices)),
-                     "--timeout", f"{timeout_s:g}"] + (["--threads", str(threads)] if threads else []))
+    (with the cluster secret placed there: COMFYUI_MULTI_DEVICE_SECRET_FILE), from the folder
+    this install's commands start from (commands.py: ComfyUI's for a clone in custom_nodes/)."""
+    return module_command("comfy.multidevice.workers.join", "--rendezvous", rendezvous, "--first-rank",
+                          str(first_rank), "--devices", ",".join(map(str, devices)), "--timeout", f"{timeout_s:g}",
+                          *(["--threads", str(threads)] if threads else []))
 
 
 def _follow(host: str, port: int, base: bytes, first_rank: int, count: int) -> Following:
@@ -105,14 +108,20 @@ def serve_pools(host: str, port: int, first_rank: int, devices: list[str], timeo
         last = first_rank + len(devices) - 1
         log.info("joining pool %d (%d ranks) as ranks %d-%d on %s", generation, world, first_rank, last,
                  ", ".join(devices))
-        workers = [WorkerProcess(first_rank + i, worker_arguments(first_rank + i, world, rendezvous, generation,
-                                                                   device, timeout_s, threads),
-                                 key, env=worker_env(ifname))
-                   for i, device in enumerate(devices)]
-        for worker in workers:
-            code = worker.wait()
-            worst = max(worst, 0 if code == 0 else 1)
-            log.info("pool %d: %s", generation, worker.describe())
+        workers = []
+        try:
+            for i, device in enumerate(devices):
+                workers.append(WorkerProcess(first_rank + i, worker_arguments(
+                    first_rank + i, world, rendezvous, generation, device, timeout_s, threads), key,
+                    env=worker_env(ifname)))
+            for worker in workers:
+                code = worker.wait()
+                worst = max(worst, 0 if code == 0 else 1)
+                log.info("pool %d: %s", generation, worker.describe())
+        except BaseException:  # Ctrl-C: the workers run in sessions of their own, so it never reached them
+            for worker in workers:
+                worker.kill()
+            raise
     if following is not None:
         following.close()
     return worst
@@ -145,7 +154,12 @@ def main(argv=None) -> int:
     except SecretError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    return serve_pools(*address, args.first_rank, devices, args.timeout, args.threads, args.pools, base)
+    try:
+        return serve_pools(*address, args.first_rank, devices, args.timeout, args.threads, args.pools, base)
+    except KeyboardInterrupt:
+        log.info("stopped by Ctrl-C, and this server's workers with it; rank 0's next pool waits for "
+                 "their ranks until this command runs again")
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

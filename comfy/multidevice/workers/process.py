@@ -3,7 +3,10 @@
 Rank 0's pool (workers/pool.py) and a joining server (workers/join.py) both start workers
 this way: `python -m comfy.multidevice.workers.worker ...` with this process's import path,
 its stderr copied line by line into this process's log under its rank, the last lines kept
-for an error message.
+for an error message. A worker runs in a session of its own: a Ctrl-C in the terminal of
+ComfyUI (or of a join command) reaches that process alone, which ends its workers itself (rank
+0's exit closes their live links; the join command kills them), instead of each worker printing
+a KeyboardInterrupt traceback into the log.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class WorkerProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
         self.process = subprocess.Popen([sys.executable, *arguments], env=worker_env() if env is None else env,
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, errors="replace")
+                                        stderr=subprocess.PIPE, text=True, errors="replace",
+                                        start_new_session=True)  # no terminal's SIGINT: see above
         try:
             self.process.stdin.write(key.hex() + "\n")
             self.process.stdin.close()

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import traceback
 
 import torch
@@ -36,7 +37,7 @@ from comfy.multidevice.workers.door_client import RankLink, store_through_door
 from comfy.multidevice.workers.process import key_from_stdin
 from comfy.multidevice.workers.repeats import ReceivedTensors
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("comfy.multidevice.workers.worker")  # its name also when run as __main__
 
 
 class CancelledByRank0(Exception):
@@ -85,8 +86,10 @@ def block_gather_lane(device: torch.device, timeout_s: float) -> OwnRankLane | N
     return OwnRankLane(DistributedComm(device, group=group))
 
 
-def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float, link: RankLink) -> int:
-    """Build, then follow rank 0's forwards until it says stop; the exit status."""
+def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float, link: RankLink,
+          started: float) -> int:
+    """Build, then follow rank 0's forwards until it says stop; the exit status. `started`:
+    the process's start (time.monotonic()), for its one start-up line."""
     if not link.wait_for_go():
         return 0
     kind, recipe, sp_mode, dit_file = control.receive()
@@ -104,6 +107,9 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
         problem = f"{type(exc).__name__}: {exc}"
     if any(p for p, _, _ in control.statuses((problem, socket.gethostname(), os.getpid()))):
         return 1
+    log.info("worker rank %d of %d on %s: %s, %d intra-op thread(s), pid %d, ready in %.1f s", comm.rank,
+             comm.world_size, socket.gethostname(), device, torch.get_num_threads(), os.getpid(),
+             time.monotonic() - started)
     cancel_flag = BlockFlag(control.group)
     received = ReceivedTensors()
 
@@ -137,7 +143,10 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
 def stop_now(rank: int, lost: Exception) -> None:
     """Rank 0 dropped the pool (or vanished) while this worker may be blocked in a collective
     that would only fail at its timeout: end the process now, its peers then fail at once too."""
-    print(f"worker rank {rank} stops: {type(lost).__name__}: {lost}", file=sys.stderr, flush=True)
+    try:
+        print(f"worker rank {rank} stops: {type(lost).__name__}: {lost}", file=sys.stderr, flush=True)
+    except OSError:  # rank 0 ended, and with it the pipe of this stderr: end all the same
+        pass
     os._exit(1)
 
 
@@ -158,7 +167,14 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, required=True, help="collective timeout, seconds")
     parser.add_argument("--threads", type=int, help="intra-op threads (CPU ranks share a server's cores)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    # One start-up line per rank (serve's): ComfyUI's own start-up lines (its root logger: memory,
+    # device, attention) and our modules' per-rank ones repeat what rank 0's log says already, once
+    # per worker and pool. Warnings and errors of every module still pass.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    global _no_lane_logged
+    _no_lane_logged = True  # rank 0 says it for the pool
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,7 +186,7 @@ def main(argv=None) -> int:
             return 0
         store, _tunnel = store_through_door(*args.rendezvous, key, args.rank, args.generation, args.timeout)
         comm = init_process_group(args.rank, args.world, device, timeout_s=args.timeout, store=store)
-        return serve(comm, ControlChannel(control_group(device)), device, args.timeout, link)
+        return serve(comm, ControlChannel(control_group(device)), device, args.timeout, link, started)
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         print(f"worker rank {args.rank} stops: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
