@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 import time
 
@@ -61,3 +62,11 @@ def node_text(node_id):
         if send is not None:
             send(text, node_id)
     return show
+
+
+def executing_node_text():
+    """node_text for the node ComfyUI runs now (the sampler, when a worker pool starts at the
+    first step): a line under it that is not its progress bar."""
+    utils = sys.modules.get("comfy_execution.utils")  # only when ComfyUI runs us
+    context = getattr(utils, "get_executing_context", lambda: None)()
+    return node_text(getattr(context, "node_id", None))

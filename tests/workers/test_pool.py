@@ -289,3 +289,112 @@ def test_a_new_pool_replaces_the_last_and_the_last_ones_owner_starts_afresh(chec
     finally:
         first.close()
         second.close()
+
+
+def slow_miniature(path: str, seconds: float, slow: str, rank0_pid: int, device="cpu"):
+    """The miniature DiT after `seconds` of waiting in the workers (slow="workers") or in rank 0
+    (slow="rank0"): a load that takes longer than the collective timeout."""
+    from comfy.multidevice.workers.recipe import miniature_from_shared_checkpoint
+    if (os.getpid() == rank0_pid) == (slow == "rank0"):
+        time.sleep(seconds)
+    return miniature_from_shared_checkpoint(path, device=device)
+
+
+@pytest.mark.parametrize("slow", ["workers", "rank0"])
+def test_a_load_longer_than_the_collective_timeout_starts_the_pool(checkpoint, plain, monkeypatch, slow):
+    """Each worker says on its live link when its DiT is built and rank 0 waits for those lines
+    (no collective is open meanwhile), then says go: a load of 3x the collective timeout on
+    either side starts the pool, exact."""
+    from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
+    monkeypatch.setenv(TRUSTED_MODULES_ENV, __name__)  # the workers inherit it
+    _, path = checkpoint
+    (x, t, ctx, kw), reference = plain
+    from comfy.multidevice.workers import pool as pool_module
+    shown = []
+    monkeypatch.setattr(pool_module, "executing_node_text", lambda: shown.append)  # the sampler node's text
+    made = ModelRecipe(__name__, "slow_miniature", {"path": str(path), "seconds": 9.0, "slow": slow,
+                                                    "rank0_pid": os.getpid()})
+    pool = WorkerPool(["cpu"] * 3, made, timeout_s=3).start()
+    try:
+        assert pool.start_seconds >= 9.0
+        assert rel_diff(pool.forward(x, t, ctx, **kw), reference) <= FP32_TOL
+    finally:
+        pool.close()
+    assert shown[0] == "starting 2 worker(s) for the DiT: 0/2 loaded"
+    assert [s.split(" (")[0] for s in shown[1:]] == [f"starting 2 worker(s) for the DiT: {k}/2 loaded" for k in (1, 2)]
+
+
+def test_a_worker_that_dies_while_loading_fails_the_start_naming_it(checkpoint, monkeypatch):
+    """No collective is open while the workers load: a worker killed then is seen by its exit
+    (or its closed live link), not after a timeout, and named."""
+    from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
+    monkeypatch.setenv(TRUSTED_MODULES_ENV, __name__)
+    _, path = checkpoint
+    made = ModelRecipe(__name__, "slow_miniature", {"path": str(path), "seconds": 60.0, "slow": "workers",
+                                                    "rank0_pid": os.getpid()})
+    pool = WorkerPool(["cpu"] * 3, made, timeout_s=120)
+    failed = {}
+
+    def start():
+        try:
+            pool.start()
+        except WorkerPoolError as exc:
+            failed["error"] = str(exc)
+    starting = __import__("threading").Thread(target=start, daemon=True)
+    starting.start()
+    deadline = time.monotonic() + 60
+    while len(pool.workers) < 2 or pool.admission is None or pool.admission.missing():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)  # they load now
+    victim = pool.workers[1].process.pid
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    starting.join(60)
+    assert time.monotonic() - killed < 30  # not the 60 s load nor the 120 s timeout
+    assert f"rank 2 (pid {victim})" in failed["error"] and not pool.running
+
+
+def test_cancel_while_the_workers_load_stops_them_and_ends_the_prompt_interrupted(checkpoint, monkeypatch):
+    import threading
+    import types
+    from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
+    monkeypatch.setenv(TRUSTED_MODULES_ENV, __name__)
+    _, path = checkpoint
+
+    class Interrupted(BaseException):
+        pass
+
+    state = {"flag": False}
+    mm = types.ModuleType("comfy.model_management")
+    mm.processing_interrupted = lambda: state["flag"]
+
+    def throw_exception_if_processing_interrupted():
+        if state["flag"]:
+            state["flag"] = False
+            raise Interrupted()
+    mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
+    mm.InterruptProcessingException = Interrupted
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    made = ModelRecipe(__name__, "slow_miniature", {"path": str(path), "seconds": 60.0, "slow": "workers",
+                                                    "rank0_pid": os.getpid()})
+    pool = WorkerPool(["cpu"] * 3, made, timeout_s=120)
+    ended = {}
+
+    def start():
+        try:
+            pool.start()
+        except Interrupted:
+            ended["interrupted"] = True
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    deadline = time.monotonic() + 60
+    while len(pool.workers) < 2 or pool.admission is None or pool.admission.missing():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    processes = [w.process for w in pool.workers]
+    time.sleep(1.0)
+    state["flag"] = True  # the user pressed Cancel while the workers load
+    starting.join(30)
+    assert ended == {"interrupted": True} and not state["flag"] and not pool.running
+    assert all(p.poll() is not None for p in processes)  # stopped, not left loading

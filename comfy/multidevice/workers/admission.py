@@ -134,6 +134,11 @@ class LineReader:
         self.peer = peer
         self._buffer = b""
 
+    @property
+    def pending(self) -> bytes:
+        """Bytes received and not yet returned as a line."""
+        return self._buffer
+
     def read(self, timeout_s: float | None) -> dict | None:
         """The next object; None when the peer closed the connection cleanly."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

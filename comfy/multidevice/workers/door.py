@@ -55,11 +55,13 @@ class WorkerIdentity:
 
 
 class Member:
-    """An admitted worker's live connection: rank 0 writes beats, go's and a stop on it."""
+    """An admitted worker's live connection: rank 0 writes beats, go's and a stop on it; the
+    worker writes one line, when its DiT is built (or failed to build) at a pool's start."""
 
-    def __init__(self, conn: socket.socket, identity: WorkerIdentity):
+    def __init__(self, conn: socket.socket, identity: WorkerIdentity, reader: LineReader | None = None):
         self.conn = conn
         self.identity = identity
+        self.reader = reader or LineReader(conn, identity.describe())
         self._lock = threading.Lock()
 
     def send(self, message: dict) -> bool:
@@ -70,8 +72,19 @@ class Member:
             except OSError:
                 return False
 
+    def line(self) -> dict | None:
+        """The worker's next line if one has arrived (None: nothing yet); AdmissionError when
+        the connection closed or carries what is not a line."""
+        readable, _, _ = select.select([self.conn], [], [], 0)
+        if not readable and b"\n" not in self.reader.pending:
+            return None
+        line = self.reader.read(admission.HANDSHAKE_S)
+        if line is None:
+            raise AdmissionError(f"{self.identity.describe()} ended (its connection closed)")
+        return line
+
     def ended(self) -> bool:
-        """Its connection closed (the worker sends nothing after its proof)."""
+        """Its connection closed (the worker's one line, if unread, counts as alive)."""
         try:
             readable, _, _ = select.select([self.conn], [], [], 0)
             return bool(readable) and self.conn.recv(1, socket.MSG_PEEK) == b""
@@ -290,7 +303,7 @@ class Door:
                 problem = f"rank {rank} of pool {pool.generation} is held by {held.identity.describe()}"
             else:
                 problem = None
-                pool.members[rank] = Member(reader.conn, identity)
+                pool.members[rank] = Member(reader.conn, identity, reader)
         if problem:
             raise AdmissionError(f"{peer} claims rank {rank}, but {problem}")
         send_line(reader.conn, {"admitted": True})

@@ -99,6 +99,11 @@ class RankLink:
             self._events.put(event)  # a stop stays said
         return event
 
+    def say_built(self) -> None:
+        """Tell rank 0 this worker's DiT is built (or failed to: the statuses say which); rank 0
+        waits for every worker's line however long the loads take, then says go."""
+        admission.send_line(self.conn, {"built": 1})
+
     def close(self):
         self._finished = True
         self.conn.close()

@@ -39,6 +39,7 @@ from comfy.multidevice.comm.group import comfy_interrupt_flag, raise_comfy_inter
 from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
+from comfy.multidevice.progress import executing_node_text
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
@@ -57,6 +58,7 @@ from comfy.multidevice.workers.worker import block_gather_lane, CancelledByRank0
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0  # a stopped worker's time to exit before it is killed
+BUILD_WAIT_S = 1800.0  # a worker's DiT load (a 66 GB file from a slow disk takes minutes)
 START_GRACE_S = 60.0  # at least this long for the ranks to reach the door: a process starting
 # (importing torch and the card's runtime) is not a collective, and a local one that dies is seen at once
 
@@ -213,6 +215,8 @@ class WorkerPool:
                     self.rank0_weights.family.use_lane(lane, self.timeout_s)
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
+            self._wait_built(started)
+            pool.go()  # every rank is built: the statuses' collective meets at once
             statuses = self.control.statuses((problem, socket.gethostname(), os.getpid()))
             # a worker's own host name, with the address it connected from
             self.identities = [(pool.identity(r) if r else None) or WorkerIdentity(r, server, pid)
@@ -230,6 +234,41 @@ class WorkerPool:
         log.info("worker pool: %d ranks started in %.1f s: %s", self.world_size, self.start_seconds,
                  ", ".join(f"{i.describe()} {self._device_of(i.rank)}" for i in self.identities))
         return self
+
+    def _wait_built(self, started: float):
+        """Until every worker said its DiT is built: however long the loads take (minutes for a
+        large file on cards; no collective waits meanwhile, so no collective timeout), shown on
+        the running node and in the log as each one comes; a worker that ends first fails the
+        start, and ComfyUI's Cancel stops it. BUILD_WAIT_S bounds a worker that hangs."""
+        waiting = set(range(1, self.world_size))
+        show = executing_node_text()
+        total = len(waiting)
+        show(f"starting {total} worker(s) for the DiT: 0/{total} loaded")
+        deadline = time.monotonic() + max(self.timeout_s, BUILD_WAIT_S)
+        while waiting:
+            for rank in sorted(waiting):
+                line = self.admission.members[rank].line()  # AdmissionError: it ended
+                if line is not None and line.get("built"):
+                    waiting.discard(rank)
+                    done = total - len(waiting)
+                    log.info("worker pool: rank %d built its DiT (%d/%d, %.1f s)", rank, done, total,
+                             time.perf_counter() - started)
+                    show(f"starting {total} worker(s) for the DiT: {done}/{total} loaded "
+                         f"({time.perf_counter() - started:.0f} s)")
+            if not waiting:
+                return
+            dead = [w for w in self.workers if w.ended()]
+            if dead:
+                raise WorkerPoolError(f"a worker ended while loading its DiT: {dead[0].describe()}")
+            cancel = comfy_interrupt_flag()
+            if cancel is not None:  # the prompt ends as interrupted, the workers with it
+                log.info("worker pool: ComfyUI's Cancel stopped the start; stopping the workers")
+                self._teardown()
+                raise_comfy_interrupt(cancel)
+            if time.monotonic() > deadline:
+                raise WorkerPoolError(f"ranks {sorted(waiting)} did not build their DiT within "
+                                      f"{max(self.timeout_s, BUILD_WAIT_S):.0f} s")
+            time.sleep(0.05)
 
     def _device_of(self, rank: int) -> str:
         return f"on {self.devices[rank]}" if rank < len(self.devices) else "(remote)"

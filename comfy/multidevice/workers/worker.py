@@ -105,6 +105,9 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
             block_weights.family.use_lane(lane, timeout_s)
     except Exception as exc:  # reported to rank 0 through the statuses, not only here
         problem = f"{type(exc).__name__}: {exc}"
+    link.say_built()  # a long load waits here, not in a collective that would time out
+    if not link.wait_for_go():
+        return 0
     if any(p for p, _, _ in control.statuses((problem, socket.gethostname(), os.getpid()))):
         return 1
     log.info("worker rank %d of %d on %s: %s, %d intra-op thread(s), pid %d, ready in %.1f s", comm.rank,
