@@ -40,3 +40,40 @@ def test_a_pool_stopped_by_the_node_is_shown_on_the_node(monkeypatch):
     told.clear()
     roles_apply.apply_role_plan(plan_roles(1), [torch.device("cpu")], model, clip, video, audio, tell=told.append)
     assert told == []
+
+
+def test_card_progress_shows_a_line_on_the_running_node_and_stops_on_cancel(monkeypatch):
+    import time as time_module
+
+    import pytest
+
+    from comfy.multidevice import progress
+
+    shown = []
+    monkeypatch.setattr(progress, "executing_node_text", lambda: shown.append)
+    card = progress.CardProgress("DiT replica", 2)
+    card.done("cpu", 2 ** 30, "copied", time_module.monotonic())
+    assert shown == ["DiT replica: 1/2 cards ready"]
+
+    class Interrupted(BaseException):
+        pass
+
+    flag = {"set": True}
+
+    def throw():
+        flag["set"] = False
+        raise Interrupted()
+    monkeypatch.setitem(sys.modules, "comfy.model_management", types.SimpleNamespace(
+        processing_interrupted=lambda: flag["set"], throw_exception_if_processing_interrupted=throw))
+    with pytest.raises(Interrupted):  # ComfyUI's Cancel while the copies are built
+        card.done("cpu", 2 ** 30, "copied", time_module.monotonic())
+    assert shown[-1] == "DiT replica: 2/2 cards ready" and not flag["set"]
+
+
+def test_executing_node_text_names_the_node_comfyui_runs(monkeypatch):
+    sent = _fake_server(monkeypatch)
+    context = types.SimpleNamespace(node_id="7")
+    monkeypatch.setitem(sys.modules, "comfy_execution.utils", types.SimpleNamespace(get_executing_context=lambda: context))
+    from comfy.multidevice.progress import executing_node_text
+    executing_node_text()("starting 3 worker(s) for the DiT: 0/3 loaded")
+    assert sent == [("7", "starting 3 worker(s) for the DiT: 0/3 loaded")]

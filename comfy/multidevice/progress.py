@@ -1,8 +1,9 @@
-"""Progress of long first-run work, one step per card: a log line and ComfyUI's progress bar.
+"""Progress of long first-run work, one step per card: a log line and a line on the running node.
 
 The first prompt builds the DiT replicas (minutes for a 66 GB file) and splits the text encoder
-over the cards; each card's part is logged with its bytes and seconds and moves the bar that the
-UI shows under the running node. `node_text` shows a line of text on a node in the page (a pool
+over the cards; each card's part is logged with its bytes and seconds and shown as a line of
+text under the node ComfyUI runs (the sampler, the text encoder node), not on its progress bar:
+the sampler's bar is the sampler's steps. `node_text` shows a line on a given node (a pool
 stopped, say). Outside ComfyUI (tests, the CLI) only the log line remains.
 """
 
@@ -18,33 +19,36 @@ log = logging.getLogger(__name__)
 
 
 class CardProgress:
-    """`done(...)` once per card, from any rank thread; logs to the caller's logger."""
+    """`done(...)` once per card, from any rank thread; logs to the caller's logger, shows
+    "<what>: k/N cards ready" on the running node, and stops on ComfyUI's Cancel."""
 
     def __init__(self, what: str, cards: int, logger: logging.Logger = log):
         self.what = what
         self.cards = cards
         self.log = logger
-        self._bar = None
+        self._done = 0
+        self._show = None
         self._lock = threading.Lock()
 
     def done(self, device, nbytes: int, how: str, start: float) -> None:
         self.log.info("%s for %s: %.2f GiB %s in %.1f s", self.what, device, nbytes / 2 ** 30, how,
-                 time.monotonic() - start)
+                      time.monotonic() - start)
         with self._lock:
-            if self._bar is None:
-                self._bar = _comfy_progress_bar(self.cards)
-            bar = self._bar
-        if bar is not None:
-            bar.update(1)  # ComfyUI's hook raises its interrupt exception here on Cancel
+            if self._show is None:
+                self._show = executing_node_text()
+            self._done += 1
+            show, done = self._show, self._done
+        show(f"{self.what}: {done}/{self.cards} cards ready")
+        _stop_on_cancel()
 
 
-def _comfy_progress_bar(total: int):
-    try:
-        utils = importlib.import_module("comfy.utils")  # ComfyUI's; absent when we run on our own
-    except ImportError:
-        return None
-    bar_type = getattr(utils, "ProgressBar", None)
-    return bar_type(total) if bar_type is not None else None
+def _stop_on_cancel() -> None:
+    """ComfyUI's interrupt, raised here when its Cancel flag is set (the rank threads' runner
+    stops the other ranks with it)."""
+    model_management = sys.modules.get("comfy.model_management")  # only when ComfyUI runs us
+    interrupted = getattr(model_management, "processing_interrupted", None)
+    if interrupted is not None and interrupted():
+        model_management.throw_exception_if_processing_interrupted()
 
 
 def node_text(node_id):

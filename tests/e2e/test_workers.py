@@ -94,6 +94,11 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
         assert len(worker_pids(server.process.pid)) == 3  # a fresh pool
         run_prompt(server, prompt_with("one_card_9", 9, processes=False))
         assert np.abs(saved_frames(tree, "fresh_pool") - saved_frames(tree, "one_card_9")).max() <= MAX_LEVELS
+        # the node ran again at 1 card: the idle workers stopped first, saying so (the same line
+        # goes to the node in the page: tests/test_progress.py)
+        assert worker_pids(server.process.pid) == []
+        assert "stopped the worker pool's 3 rank(s) in other processes: the MultiNPUParallelConfig node ran " \
+               "again (the DiT on 1 card(s))" in server.log_text()
 
         # ComfyUI's Cancel in the middle of a 40-step sampling: the prompt ends interrupted, and
         # the next prompt runs on the same workers, exact: ComfyUI's per-layer check leaves the

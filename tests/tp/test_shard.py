@@ -3,7 +3,6 @@ exactness in fp32 and bf16 (tolerances: tests/tp/tp_cases.py), what cannot be sp
 memory, failures, and one rank per process over torch.distributed.
 """
 
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +16,6 @@ from comfy.multidevice.tp.layers import TensorParallelError
 from comfy.multidevice.tp.shard import (build_tensor_parallel_decoder, planned_shard_bytes, prefixed_weights,
                                         shard_decoder)
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
-from tests.helpers import recording_progress_bar
 from tests.rank_processes import run_rank_processes
 from tests.tp.tp_cases import (BF16_REL_TOL, FP32_REL_TOL, LAYOUTS, coordinator, embedding_elements,
                                expected_rank_bytes, holds_embedding, inputs, rel_err, replicated_elements)
@@ -168,10 +166,11 @@ def test_rank_weight_bytes_follow_the_formula(world, layout):
         assert (per_rank[0] - replicated) * world == storage_bytes(model) - replicated - embedding_elements(cfg) * 2
 
 
-def test_the_split_logs_each_card_and_moves_comfyuis_progress_bar(monkeypatch, caplog):
-    # A stand-in for comfy.utils (ComfyUI's module) whose ProgressBar records its steps.
-    steps = []
-    monkeypatch.setitem(sys.modules, "comfy.utils", SimpleNamespace(ProgressBar=recording_progress_bar(steps)))
+def test_the_split_logs_each_card_and_shows_it_on_the_running_node(monkeypatch, caplog):
+    # the running node's text, recorded (ComfyUI's page shows it under the node, not on its bar)
+    from comfy.multidevice import progress
+    shown = []
+    monkeypatch.setattr(progress, "executing_node_text", lambda: shown.append)
     model = build_miniature_decoder(LAYOUTS["separate"])
     with coordinator(4) as coord, caplog.at_level("INFO", logger="comfy.multidevice.tp"):
         build_tensor_parallel_decoder(model, coord)
@@ -179,7 +178,7 @@ def test_the_split_logs_each_card_and_moves_comfyuis_progress_bar(monkeypatch, c
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("text encoder shard")]
     assert len(lines) == 4 and all(" GiB " in m and m.endswith(" s") for m in lines), lines
     assert sorted(m.split(" for ")[1].split(":")[0] for m in lines) == sorted(devices)
-    assert steps.count(("new", 4)) == 1 and steps.count(("step", 1)) == 4
+    assert sorted(shown) == [f"text encoder shard (1/4 of each layer): {k}/4 cards ready" for k in (1, 2, 3, 4)]
 
 
 class ReadOnlyBase(torch.Tensor):
