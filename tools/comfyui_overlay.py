@@ -60,6 +60,9 @@ EXTRA_DESTINATIONS = {
 PACK_WORKFLOWS = Path("example_workflows")
 WORKFLOWS_DIR = Path("user/default/workflows")
 WORKFLOWS_TARGET = WORKFLOWS_DIR / "minimax-h3"
+# The templates' thumbnails (tools/make_thumbnails.py): pictures the text patch cannot carry go
+# beside the pack's workflows, where the Templates browser looks for <name>.jpg.
+THUMBNAILS_TARGET = Path("custom_nodes/ComfyUI-MultiNPU/example_workflows")
 # What an install wrote, with content hashes: an upgrade replaces exactly the earlier install's
 # files the user has not edited, and an uninstall removes those, whichever version wrote them.
 RECORD = Path(".minimax-h3-install.json")
@@ -188,6 +191,8 @@ def extra_files(project: Project) -> list[ExtraFile]:
         files.append(ExtraFile(source, EXTRA_DESTINATIONS[rel.parts[0]].joinpath(*rel.parts[1:])))
     for source in sorted((project.root / PACK_WORKFLOWS).glob("*.json")):
         files.append(ExtraFile(source, WORKFLOWS_TARGET / source.name))
+    for source in sorted((project.root / PACK_WORKFLOWS).glob("*.jpg")):
+        files.append(ExtraFile(source, THUMBNAILS_TARGET / source.name))
     return files
 
 

@@ -32,6 +32,8 @@ OVERLAY_PATHSPECS = ("comfy", "comfy_extras", "minimax_h3_parallel.py")
 # The node pack: these root entries land in ComfyUI under PACK_HOME.
 PACK_PATHSPECS = ("__init__.py", "pyproject.toml", "LICENSE", "example_workflows", "web")
 PACK_HOME = "custom_nodes/ComfyUI-MultiNPU"
+# A text patch carries no pictures: the templates' thumbnails come with a clone or the installer.
+PICTURE_SUFFIXES = (".jpg", ".png")
 # ComfyUI's comfy/ and comfy_extras/ are namespace-style trees without these files; adding
 # one would shadow or clash with upstream modules, so the generator refuses.
 FORBIDDEN_PATHS = frozenset({"comfy/__init__.py", "comfy_extras/__init__.py",
@@ -81,6 +83,8 @@ def read_overlay(repo: Path, commit: str) -> list[OverlayFile]:
             continue
         meta, path = record.decode().split("\t", 1)
         mode, kind, blob = meta.split()
+        if path.endswith(PICTURE_SUFFIXES):
+            continue
         if path.split("/", 1)[0] in PACK_PATHSPECS:
             path = f"{PACK_HOME}/{path}"
         if path in FORBIDDEN_PATHS:

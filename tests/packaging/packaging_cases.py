@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "tools"))  # tools/ is a folder of scripts, not a 
 import comfyui_overlay  # noqa: E402,F401
 import make_patch  # noqa: E402
 import make_sample_inputs  # noqa: E402,F401
+import make_thumbnails  # noqa: E402,F401
 import make_workflows  # noqa: E402
 
 RUN_TIMEOUT_S = 120

@@ -199,3 +199,16 @@ def test_the_node_sits_inside_the_workflows_models_group(name):
         if group is not models[0]:
             gx, gy, gw, gh = group["bounding"]
             assert gx >= x + w or gx + gw <= x or gy >= y + h or gy + gh <= y, (group["title"], group["bounding"])
+
+
+def test_every_workflow_has_its_thumbnail_showing_the_images_it_loads():
+    """ComfyUI's Templates browser shows example_workflows/<name>.jpg on the workflow's card:
+    the committed ones are tools/make_thumbnails.py's output, of the images the workflow loads."""
+    import make_thumbnails
+    for variant in make_workflows.VARIANTS:
+        path = WORKFLOW_DIR / f"{variant.name}.jpg"
+        assert not make_thumbnails.differs(path, make_thumbnails.draw(variant)), \
+            f"{path.name} is stale: run .venv/bin/python tools/make_thumbnails.py"
+        loaded = sorted(n["widgets_values"][0] for n in load_workflow(variant.name)["nodes"] if n["type"] == "LoadImage")
+        assert loaded == sorted(p.name for p in make_thumbnails.image_files(variant))
+        assert f"{variant.steps} steps" in make_thumbnails.caption(variant)

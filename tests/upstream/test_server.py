@@ -75,6 +75,9 @@ def test_the_templates_browser_lists_the_packs_example_workflows(server):
     assert len(ours) == 6 and sorted(templates.get("ComfyUI-MultiNPU", [])) == ours
     status, data = fetch_bytes(f"{server}/api/workflow_templates/ComfyUI-MultiNPU/{ours[0]}.json")
     assert status == 200 and data == (PACK / "example_workflows" / f"{ours[0]}.json").read_bytes()
+    for name in ours:  # each card's picture (tools/make_thumbnails.py)
+        status, picture = fetch_bytes(f"{server}/api/workflow_templates/ComfyUI-MultiNPU/{name}.jpg")
+        assert status == 200 and picture == (PACK / "example_workflows" / f"{name}.jpg").read_bytes()
 
 
 def test_the_server_serves_the_nodes_help_page(server):
