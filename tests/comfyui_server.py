@@ -57,6 +57,55 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
+class NodeTexts:
+    """The lines of text the server shows on nodes (ComfyUI's binary websocket event TEXT: a
+    4-byte event type, a 4-byte node id length, the node id, the text), as a page receives
+    them: (node id, text) in order, read by a websocket client on a thread of its own."""
+
+    TEXT_EVENT = 3  # ComfyUI's protocol.BinaryEventTypes.TEXT
+
+    def __init__(self, server: "Server"):
+        import threading
+        self.url = server.url.replace("http://", "ws://") + "/ws?clientId=node-texts"
+        self.seen: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "NodeTexts":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise AssertionError(f"no websocket at {self.url}")
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self):
+        import asyncio
+        import struct
+
+        import aiohttp  # ComfyUI's own dependency: in every tree's Python
+
+        async def listen():
+            async with aiohttp.ClientSession() as session:
+                async with session.ws_connect(self.url) as ws:
+                    self._ready.set()
+                    while not self._stop.is_set():
+                        try:
+                            message = await ws.receive(timeout=0.2)
+                        except asyncio.TimeoutError:
+                            continue
+                        if message.type != aiohttp.WSMsgType.BINARY or len(message.data) < 8:
+                            continue
+                        event, length = struct.unpack(">II", message.data[:8])
+                        if event == self.TEXT_EVENT:
+                            node = message.data[8:8 + length].decode()
+                            self.seen.append((node, message.data[8 + length:].decode()))
+        asyncio.run(listen())
+
+
 def installed_copy(source: Path, root: Path) -> Path:
     """root/ComfyUI: a copy of the tree at `source` with this project installed the way a user
     installs it (on a tree that already has this version installed: a no-op)."""

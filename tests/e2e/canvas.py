@@ -16,7 +16,7 @@ import time
 CHROMIUM_NAMES = ("chromium", "chromium-browser")
 ERROR_MARKERS = re.compile(r"(\d+ errors? found|Errors detected|Missing Models|Missing Node|missing node)", re.I)
 EVENTS = ("progress", "executing", "executed", "execution_start", "execution_error", "execution_success",
-          "execution_interrupted", "progress_state")
+          "execution_interrupted", "progress_state", "progress_text")
 
 
 def chromium_path() -> str | None:

@@ -76,7 +76,11 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
         reference = saved_frames(tree, "one_card")
         assert reference.std() > 1, "the frames are flat: the comparison would say nothing"
 
-        first = run_prompt(server, prompt_with("processes", 7, processes=True))
+        with comfyui_server.NodeTexts(server) as texts:  # what the page shows on the nodes
+            first = run_prompt(server, prompt_with("processes", 7, processes=True))
+        starting = [text for node, text in texts.seen if text.startswith("starting 3 worker(s) for the DiT")]
+        assert starting[0] == "starting 3 worker(s) for the DiT: 0/3 loaded" and "3/3 loaded" in starting[-1], \
+            texts.seen  # the workers' start, apart from the sampler's progress bar
         assert first["status"]["status_str"] == "success", error_text(first) + server.log_text()[-3000:]
         assert np.abs(saved_frames(tree, "processes") - reference).max() <= MAX_LEVELS
         pids = worker_pids(server.process.pid)
@@ -92,10 +96,12 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
         again = run_prompt(server, prompt_with("fresh_pool", 9, processes=True))
         assert again["status"]["status_str"] == "success", error_text(again)
         assert len(worker_pids(server.process.pid)) == 3  # a fresh pool
-        run_prompt(server, prompt_with("one_card_9", 9, processes=False))
+        with comfyui_server.NodeTexts(server) as texts:
+            run_prompt(server, prompt_with("one_card_9", 9, processes=False))
+        assert ("5", "stopped the worker pool's 3 rank(s) in other processes: the MultiNPUParallelConfig node "
+                "ran again (the DiT on 1 card(s))") in texts.seen, texts.seen  # on the node, in the page
         assert np.abs(saved_frames(tree, "fresh_pool") - saved_frames(tree, "one_card_9")).max() <= MAX_LEVELS
-        # the node ran again at 1 card: the idle workers stopped first, saying so (the same line
-        # goes to the node in the page: tests/test_progress.py)
+        # the node ran again at 1 card: the idle workers stopped first, saying so in the log too
         assert worker_pids(server.process.pid) == []
         assert "stopped the worker pool's 3 rank(s) in other processes: the MultiNPUParallelConfig node ran " \
                "again (the DiT on 1 card(s))" in server.log_text()
