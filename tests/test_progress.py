@@ -77,3 +77,13 @@ def test_executing_node_text_names_the_node_comfyui_runs(monkeypatch):
     from comfy.multidevice.progress import executing_node_text
     executing_node_text()("starting 3 worker(s) for the DiT: 0/3 loaded")
     assert sent == [("7", "starting 3 worker(s) for the DiT: 0/3 loaded")]
+
+
+def test_a_rank_thread_shows_its_line_on_the_servers_last_executing_node(monkeypatch):
+    # ComfyUI's executing context is a context variable: a rank thread does not see it
+    sent = _fake_server(monkeypatch)
+    sys.modules["server"].PromptServer.instance.last_node_id = "5"
+    monkeypatch.setitem(sys.modules, "comfy_execution.utils", types.SimpleNamespace(get_executing_context=lambda: None))
+    from comfy.multidevice.progress import executing_node_text
+    executing_node_text()("DiT replica: 1/3 cards ready")
+    assert sent == [("5", "DiT replica: 1/3 cards ready")]

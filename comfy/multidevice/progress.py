@@ -70,7 +70,13 @@ def node_text(node_id):
 
 def executing_node_text():
     """node_text for the node ComfyUI runs now (the sampler, when a worker pool starts at the
-    first step): a line under it that is not its progress bar."""
+    first step): a line under it that is not its progress bar. The node comes from ComfyUI's
+    executing context, which a rank thread does not inherit, else from the server's last
+    executing node (what ComfyUI's own progress hook falls back to)."""
     utils = sys.modules.get("comfy_execution.utils")  # only when ComfyUI runs us
     context = getattr(utils, "get_executing_context", lambda: None)()
-    return node_text(getattr(context, "node_id", None))
+    node_id = getattr(context, "node_id", None)
+    if node_id is None:
+        server = sys.modules.get("server")
+        node_id = getattr(getattr(getattr(server, "PromptServer", None), "instance", None), "last_node_id", None)
+    return node_text(node_id)
