@@ -131,7 +131,8 @@ def install_main(root: Path) -> int:
     print(f"MiniMax-H3 TRY-OUT written into {root} in {time.monotonic() - start:.1f} s "
           "(tiny random weights, not the model):")
     for rel in record.files:
-        print(f"  {rel} ({(root / rel).stat().st_size / 1e6:.1f} MB)")
+        size = (root / rel).stat().st_size
+        print(f"  {rel} ({size / 1e6:.1f} MB)" if size >= 100_000 else f"  {rel} ({size / 1e3:.1f} kB)")
     print(f"ComfyUI logs 'TRY-OUT: ...' at each start while it is there.\n{NEXT_STEPS}\n"
           f"Remove it all with:\n  {remove_command(root)}")
     return 0
