@@ -110,7 +110,7 @@ def test_a_memory_plan_that_does_not_fit(server, upstream):
     message = check(error, ("cpu cannot hold the DiT stage", "GiB free", "plan_tokens (now 10000000)"),
                     "set dit_weights to shard")
     assert "memory plan (" not in message  # the per-card table is in the server log instead
-    assert "memory plan (dit_weights=replicate, 10000000 tokens)" in server[0].log_text()
+    assert "memory plan (dit_weights=replicate, 10000000 tokens from plan_tokens)" in server[0].log_text()
 
 
 def test_an_unknown_backend_is_refused_by_the_servers_validation_naming_the_input(server):
