@@ -126,3 +126,12 @@ def test_a_record_of_another_kind_is_refused(comfyui):
     with pytest.raises(TryoutError, match="not a try-out record"):
         remove(comfyui, RECORD)
     assert (comfyui / "models" / "vae" / "their_vae.safetensors").is_file()
+
+
+def test_a_folder_linked_outside_the_comfyui_folder_is_never_written_into(comfyui, tmp_path):
+    shared = tmp_path / "shared_models"
+    shared.mkdir()
+    (comfyui / "models" / "loras").symlink_to(shared, target_is_directory=True)
+    with pytest.raises(TryoutError, match="leads outside"):
+        write_all(comfyui, RECORD, {"models/loras/tiny_lora.safetensors": b"lora"})
+    assert list(shared.iterdir()) == [] and not (comfyui / RECORD).exists()

@@ -40,12 +40,12 @@ def inside(root: Path, relative: str) -> Path:
     """root/relative, refused when `relative` is absolute, has '..' or resolves outside root."""
     parts = PurePosixPath(relative).parts
     if not parts or PurePosixPath(relative).is_absolute() or ".." in parts:
-        raise TryoutError(f"the try-out record names {relative!r}, which is not a path inside {root}; "
-                          "the record was edited: remove the try-out's files by hand")
+        raise TryoutError(f"{relative!r} is not a path inside {root} (an edited try-out record?); "
+                          "the try-out writes and removes only inside the ComfyUI folder")
     path = root.joinpath(*parts)
     if root.resolve() not in path.parent.resolve().parents and path.parent.resolve() != root.resolve():
-        raise TryoutError(f"the try-out record names {relative}, whose folder leads outside {root} "
-                          "(a symbolic link); remove the try-out's files by hand")
+        raise TryoutError(f"{relative} leads outside {root} through a symbolic link; the try-out writes "
+                          "and removes only inside the ComfyUI folder")
     return path
 
 
