@@ -4,12 +4,15 @@
   run      the parallel pipeline: without weights, the dry run on a small model with random
            weights, on W ranks against one device (parity check, traffic, timing)
   doctor   what this machine offers: devices, backends, a self-test exchange
+  tryout   try the pack without the weights: tiny random-weight files and a try-out node
+           in a ComfyUI folder (run it with ComfyUI's Python), or --remove them
 
 Examples:
   minimax_h3_parallel.py run                        all visible cards (or 4 CPU ranks)
   minimax_h3_parallel.py run --devices 4 --sp-mode auto
   torchrun --nproc-per-node 2 minimax_h3_parallel.py run      one rank per process
   minimax_h3_parallel.py doctor --json
+  minimax_h3_parallel.py tryout --comfyui ../ComfyUI          then --remove to undo it
 """
 # Each subcommand registers its options in `add_<name>_arguments` and runs in `<name>_main`;
 # the work itself lives in the package comfy/multidevice/, so ComfyUI and the tests use it too.
@@ -52,6 +55,14 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=main)
 
 
+# ----------------------------------------------------------------------------- tryout
+
+def add_tryout_arguments(parser: argparse.ArgumentParser) -> None:
+    """Tiny model files and the try-out node into a ComfyUI, or out (comfy/multidevice/cli/tryout.py)."""
+    from comfy.multidevice.cli.tryout import add_arguments
+    add_arguments(parser)
+
+
 # ----------------------------------------------------------------------------- main
 
 RUN_DESCRIPTION = """\
@@ -69,6 +80,17 @@ the environment, then runs one exchange between the selected devices and checks 
 Exit status: 0 the selected set-up works, 1 it does not (the report says why), 2 a bad option
 or environment variable (said before the self-test runs), 130 Ctrl-C, 143 SIGTERM."""
 
+TRYOUT_DESCRIPTION = """\
+Puts tiny random-weight model files under the seven released names into the ComfyUI folder's
+models/ and a try-out node into its custom_nodes/ (it makes upstream's H3 loaders build the
+matching tiny models; ComfyUI logs a TRY-OUT line at each start), so one of the pack's templates
+runs at 4 CPU cards in minutes: noise in, noise out, the pack at work. Run it with ComfyUI's
+Python, from a checkout or a clone of this project. It refuses when a file of a released name is
+already there (the real weights). --remove deletes exactly what it wrote, recorded with each
+file's sha256; a file changed since is left in place and named.
+Exit status: 0 done (or nothing to do), 1 refused, or a changed file left in place, 2 not a
+ComfyUI folder or ComfyUI cannot be imported, 130 Ctrl-C, 143 SIGTERM."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minimax_h3_parallel.py", description=__doc__,
@@ -80,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_arguments(sub.add_parser(
         "doctor", help="check devices and backends", description=DOCTOR_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter))
+    add_tryout_arguments(sub.add_parser(
+        "tryout", help="try the pack without the weights (tiny random models), or --remove that",
+        description=TRYOUT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 

@@ -49,7 +49,7 @@ def frames_for(seconds: float) -> int:
 
 def make_file(path: str) -> None:
     import safetensors.torch
-    from tests.e2e.tiny_models import dit_state_dict
+    from comfy.multidevice.tryout.models import dit_state_dict
     state = dit_state_dict(1)
     safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, path)
 
@@ -61,7 +61,7 @@ def run_one(path: str, cards: int, width: int, height: int, frames: int, out: st
     from comfy_extras import nodes_minimax_h3
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
     from comfy.multidevice.roles.dit import sequence_parallel_dit
-    from tests.e2e.tiny_models import DIT
+    from comfy.multidevice.tryout.models import DIT
 
     model = comfy.sd.load_diffusion_model(path)
     latent = nodes_minimax_h3._empty_av_latent(width, height, frames)[0]["samples"]

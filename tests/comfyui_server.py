@@ -147,10 +147,17 @@ def start(tree: Path, root: Path, env: dict | None = None, args: tuple = ()) -> 
                 raise
 
 
-def _start_once(tree: Path, root: Path, env: dict | None, args: tuple) -> Server:
-    site = _sitecustomize(root)
+def process_env(root: Path, env: dict | None = None) -> dict:
+    """This environment plus `env`, for a process of the tree's Python (the server, or a command
+    run with it): the stand-ins (a sitecustomize.py in root/site) load first there."""
     env = {**os.environ, **(env or {})}
+    site = _sitecustomize(root)
     env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def _start_once(tree: Path, root: Path, env: dict | None, args: tuple) -> Server:
+    env = process_env(root, env)
     port = free_port()
     log = root / "comfyui.log"
     with open(log, "w") as out:

@@ -56,6 +56,9 @@ CHECKED = {
         "needs a ComfyUI server to join and 8 cards",
     "bash install_deps_minimax_h3.sh --comfyui /path/to/ComfyUI --python /path/to/ComfyUI/venv/bin/python": COMFYUI,
     "/path/to/ComfyUI/venv/bin/python -m pip install pytest pytest-timeout hypothesis": COMFYUI,
+    # both run on a real tree, server and template in tests/e2e/test_tryout.py
+    "python minimax_h3_parallel.py tryout --comfyui /path/to/ComfyUI": COMFYUI,
+    "python minimax_h3_parallel.py tryout --comfyui /path/to/ComfyUI --remove": COMFYUI,
     "COMFYUI_DIR=/path/to/ComfyUI /path/to/ComfyUI/venv/bin/python -m pytest -q -rs tests/upstream": COMFYUI,
     "bash install_deps_minimax_h3.sh && .venv/bin/python -m pytest -q": "the whole suite, this test included",
     ".venv/bin/python minimax_h3_parallel.py run": LONG,

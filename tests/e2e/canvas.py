@@ -23,6 +23,19 @@ def chromium_path() -> str | None:
     return next((p for p in map(shutil.which, CHROMIUM_NAMES) if p), None)
 
 
+def launch(playwright):
+    """Debian's chromium, headless, under Playwright's sync API object `playwright`."""
+    return playwright.chromium.launch(executable_path=chromium_path(), headless=True,
+                                      args=["--no-sandbox", "--disable-gpu"])
+
+
+def open_canvas(browser, url: str) -> Canvas:
+    """A new page of `browser` on the frontend at `url`, loaded and listening to its events."""
+    board = Canvas(browser.new_page(viewport={"width": 1600, "height": 1000}), url)
+    board.open()
+    return board
+
+
 class Canvas:
     """One browser page on the server's frontend."""
 

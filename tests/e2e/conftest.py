@@ -9,7 +9,6 @@ video and canvas screenshot, and session.json, in DIR.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -54,19 +53,15 @@ def artifacts(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def comfyui(upstream, tmp_path_factory):  # noqa: F811
-    """One server for the session: this project installed, the tiny models under the released
-    names, the test-only node in custom_nodes/. With ComfyUI's classic cache (the last prompt's
+    """One server for the session: this project installed, then the try-out (the tiny models
+    under the released names and its node in custom_nodes/). With ComfyUI's classic cache (the last prompt's
     node outputs only): its default RAM-pressure cache keeps every earlier prompt's outputs
     until RAM runs short, so the server's RSS would grow with each prompt by design and hide a
     leak of ours."""
-    from tests.e2e.tiny_models import make_models
+    from comfy.multidevice.cli.tryout import install
     root = tmp_path_factory.mktemp("e2e-server")
     tree = comfyui_server.installed_copy(upstream.tree, root)
-    node = tree / "custom_nodes" / "tiny_loaders"
-    node.mkdir()
-    shutil.copy(HERE / "tiny_loaders" / "__init__.py", node / "__init__.py")
-    shutil.copy(HERE / "shrink.py", node / "shrink.py")
-    make_models(tree / "models")
+    install(tree)
     running = comfyui_server.start(tree, root, args=("--cache-classic",))
     try:
         yield running
@@ -78,8 +73,7 @@ def comfyui(upstream, tmp_path_factory):  # noqa: F811
 def browser(comfyui):
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=canvas.chromium_path(), headless=True,
-                                     args=["--no-sandbox", "--disable-gpu"])
+        chromium = canvas.launch(p)
         try:
             yield chromium
         finally:
@@ -88,7 +82,4 @@ def browser(comfyui):
 
 @pytest.fixture(scope="session")
 def page(browser, comfyui):
-    page = browser.new_page(viewport={"width": 1600, "height": 1000})
-    board = canvas.Canvas(page, comfyui.url)
-    board.open()
-    return board
+    return canvas.open_canvas(browser, comfyui.url)

@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from comfy.multidevice.tryout import node
+from comfy.multidevice.tryout.models import released_names
 from tests import comfyui_server
 from tests.comfyui_server import REPO, request
 
-HERE = Path(__file__).resolve().parent
 CLONE = "minimax-h3-multinpu"  # the folder name the README tells users to clone into
 # The decoded frames (8-bit PNGs) of 4 cards against 1: the DiT's rows are structurally
 # identical, but the tensor-parallel text encoder sums its split layers in another order (the
@@ -35,7 +36,8 @@ PROMPT_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def tiny_models(upstream, tmp_path_factory):  # noqa: F811
-    from tests.e2e.tiny_models import make_models
+    """The try-out's tiny files, made once for the module's trees (copied into each)."""
+    from comfy.multidevice.tryout.models import make_models
     models = tmp_path_factory.mktemp("tiny-models")
     make_models(models)
     return models
@@ -51,16 +53,15 @@ def make_tree(upstream, root: Path, way: str, models: Path) -> Path:
     if way in ("clone", "both"):
         subprocess.run(["git", "clone", "-q", str(REPO), str(tree / "custom_nodes" / CLONE)], check=True,
                        capture_output=True, timeout=120)
-    node = tree / "custom_nodes" / "tiny_loaders"
-    node.mkdir()
-    shutil.copy(HERE / "tiny_loaders" / "__init__.py", node / "__init__.py")
-    shutil.copy(HERE / "shrink.py", node / "shrink.py")
     shutil.copytree(models, tree / "models", dirs_exist_ok=True)
+    folder = tree / "custom_nodes" / node.FOLDER  # the try-out's node, without its record
+    folder.mkdir()
+    for name, data in node.node_files("(nothing: the test's tree goes with its temporary folder)").items():
+        (folder / name).write_bytes(data)
     return tree
 
 
 def t2va_prompt(cards: int, prefix: str) -> dict:
-    from tests.e2e.tiny_models import released_names
     names = released_names()
     return {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": names["diffusion_model_ref2va"][1],

@@ -18,7 +18,7 @@ ROOT = "comfy.multidevice"
 LAYERS = {
     "devices": 0, "comfy_objects": 0, "progress": 0, "tensor_bytes": 0, "commands": 0,
     "cards": 1,
-    "comm": 1, "weights": 1, "miniature": 1,
+    "comm": 1, "weights": 1, "miniature": 1, "tryout": 1,
     "sp": 2, "tp": 2, "vae": 2,
     "workers": 3,
     "roles": 4,

@@ -1,6 +1,6 @@
-"""The e2e suite's tiny DiT file (tests/e2e/tiny_models.py), loaded by upstream's
-`comfy.sd.load_diffusion_model`, must carry a rounding-sized change of its text input through
-at rounding size.
+"""The e2e suite's tiny DiT file (the try-out's: comfy/multidevice/tryout/models.py), loaded by
+upstream's `comfy.sd.load_diffusion_model`, must carry a rounding-sized change of its text input
+through at rounding size.
 
 tests/e2e/test_workflows.py compares each workflow at 4 cards against one card. There the text
 encoder runs tensor parallel and sums its split layers in another order than one card does
@@ -26,7 +26,7 @@ MAX_OUTPUT_CHANGE = 1e-5  # of max |output|
 def e2e_dit(upstream, tmp_path_factory):
     import comfy.sd
     import safetensors.torch
-    from tests.e2e.tiny_models import dit_state_dict
+    from comfy.multidevice.tryout.models import dit_state_dict
     path = tmp_path_factory.mktemp("e2e-dit") / "dit.safetensors"
     safetensors.torch.save_file(dit_state_dict(1), str(path))
     with torch.inference_mode():
@@ -34,7 +34,7 @@ def e2e_dit(upstream, tmp_path_factory):
 
 
 def test_the_e2e_dit_passes_a_text_rounding_change_on_at_rounding_size(upstream, e2e_dit):
-    from tests.e2e.tiny_models import DIT
+    from comfy.multidevice.tryout.models import DIT
     g = torch.Generator().manual_seed(0)
     # the e2e workflows' sizes: 39 frames of 128x128 (12 x 8 x 8 latents), 65 audio latents, 147 text tokens
     video, audio = torch.randn(1, 24, 12, 8, 8, generator=g), torch.randn(1, 32, 2, 65, generator=g)

@@ -1,5 +1,5 @@
 """The node's refusals as the real server reports them: prompts queued on `main.py --cpu` (the
-tiny model files of tests/e2e under the released names, loaded by upstream's own loaders),
+try-out's tiny model files under the released names, loaded by upstream's own loaders),
 and the `execution_error` that ComfyUI records in `/history/<prompt_id>` (the same message
 its websocket sends the page): `exception_type` a plain ValueError / RuntimeError, and
 `exception_message` one sentence naming the node input and the fix (tests/test_node_errors.py
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from comfy.multidevice.tryout.models import released_names
 from tests import comfyui_server
-from tests.comfyui_server import REPO, request
+from tests.comfyui_server import request
 from tests.test_node_errors import assert_user_facing
 
 HERE = Path(__file__).resolve().parent
@@ -30,16 +31,12 @@ PROMPT_TIMEOUT_S = 180
 
 @pytest.fixture(scope="module")
 def server(upstream, tmp_path_factory):
-    from tests.e2e.tiny_models import make_models, released_names
+    from comfy.multidevice.cli.tryout import install
     root = tmp_path_factory.mktemp("errors-server")
     tree = comfyui_server.installed_copy(upstream.tree, root)
-    tiny = tree / "custom_nodes" / "tiny_loaders"
-    tiny.mkdir()
-    shutil.copy(REPO / "tests" / "e2e" / "tiny_loaders" / "__init__.py", tiny / "__init__.py")
-    shutil.copy(REPO / "tests" / "e2e" / "shrink.py", tiny / "shrink.py")
+    install(tree)  # the try-out: tiny files under the released names, and its node
     shutil.copytree(HERE / "free_memory_hook", tree / "custom_nodes" / "free_memory_hook",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    make_models(tree / "models")
     running = comfyui_server.start(tree, root, env={"MINIMAX_H3_TEST_FREE_BYTES": str(FREE_BYTES)})
     try:
         yield running, {role: name for role, (_, name) in released_names().items()}

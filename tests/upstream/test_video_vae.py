@@ -9,11 +9,13 @@ are the released model's). `comfy.sd.VAE` detects the file by its keys, as for t
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.tryout.models import random_weights
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,26 @@ def test_chunked_decode_with_upstreams_spatial_tiles_is_bit_identical(upstream, 
     assert torch.equal(out, reference)
 
 
+def convrot_int8(state: dict, quantized) -> dict:
+    """`state` with the 2-D weights that `quantized(name)` picks in comfy-kitchen's ConvRot int8
+    layout (the released DiT and video VAE files' form), made by upstream's quantization registry."""
+    import comfy.quant_ops
+    from comfy_kitchen.tensor.base import get_layout_class
+    layout = get_layout_class(comfy.quant_ops.QUANT_ALGOS["convrot_w4a4"]["comfy_tensor_layout"])
+    conf = json.dumps({"format": "convrot_w4a4", "convrot": True, "convrot_groupsize": 256, "linear_dtype": "int8"})
+    out = {}
+    for name, value in state.items():
+        if name.endswith(".weight") and value.dim() == 2 and quantized(name):
+            prefix = name[:-len("weight")]
+            qdata, params = layout.quantize(value, linear_dtype="int8")
+            for suffix, tensor in layout.state_dict_tensors(qdata, params).items():
+                out[f"{prefix}weight{suffix}"] = tensor
+            out[f"{prefix}comfy_quant"] = torch.tensor(list(conf.encode()), dtype=torch.uint8)
+        else:
+            out[name] = value
+    return out
+
+
 @pytest.fixture(scope="module")
 def convrot_vae(upstream):
     """The released form: the decoder's transformer-block linears in comfy-kitchen's ConvRot int8
@@ -79,14 +101,13 @@ def convrot_vae(upstream):
     pytest.importorskip("comfy_kitchen", reason="ConvRot int8 needs comfy-kitchen (the tree's requirements)")
     import comfy.sd
     from comfy.ldm.minimax import vae as h3_vae
-    from tests.e2e.tiny_models import _random_weights, convrot_int8
     small = {"ch": 32, "ch_mult": (1, 1, 1, 1, 1, 1), "num_res_blocks": 1}
     decoder = {"num_layers": 1, "heads": 2, "dim_head": 128, "num_register_tokens": 1}
     mp = pytest.MonkeyPatch()
     mp.setattr(h3_vae, "ViT3DDecoder", functools.partial(h3_vae.ViT3DDecoder, **decoder))
     mp.setattr(h3_vae, "MiniMaxH3VideoVAE", functools.partial(h3_vae.MiniMaxH3VideoVAE, **small))
     try:
-        state = convrot_int8(_random_weights(h3_vae.MiniMaxH3VideoVAE(), 4, 0.1),
+        state = convrot_int8(random_weights(h3_vae.MiniMaxH3VideoVAE(), 4, 0.1),
                              lambda name: name.startswith("decoder.transformer_blocks."))
         vae = comfy.sd.VAE(sd=state)
     finally:

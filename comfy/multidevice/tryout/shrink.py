@@ -1,10 +1,11 @@
-"""The tiny configs of the e2e suite, and the one switch that makes upstream's loaders build them.
+"""The try-out's tiny configs, and the one switch that makes upstream's H3 loaders build them.
 
 Upstream's `CLIPLoader` (type minimax) and `VAELoader` build the released sizes whatever the
 file holds (Qwen3-VL-32B; the full video and audio VAEs); only the DiT's size comes from its
-file. `shrink_upstream()` points them at the small configs below; the e2e suite's file maker
-(`tests/e2e/tiny_models.py`) builds the files with the same switch on, so files and loaders agree.
-Test-only: nothing that is shipped or installed imports this.
+file. `shrink_upstream()` points them at the small configs below. `models.py` builds the tiny
+files with the switch on, and the try-out node (`node.py`) turns it on as ComfyUI loads it, so
+files and loaders agree. The node carries a copy of this file: it imports nothing of the
+package (a try-out node may load before the pack does).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Tiny MiniMax-H3 model files under the released names, made from upstream's own classes.
 
-Seeded random weights in the small configs of `shrink.py` (the test-only custom
-node makes upstream's loaders build the same configs). Forms, against the released files:
+Seeded random weights in the small configs of `shrink.py` (the try-out node makes upstream's
+loaders build the same configs): the try-out command writes them into a ComfyUI, and the e2e
+suite runs its servers on them. Forms, against the released files:
 - the two DiTs: pruned (adaLN curve table instead of the time embedder), fp32, where the
   released files hold their block linears in comfy-kitchen's ConvRot int8 layout. That layer
   rounds its input to int4 per token (7 levels each side) at every call: a step function. The
@@ -27,23 +28,22 @@ node makes upstream's loaders build the same configs). Forms, against the releas
   comparison would say nothing);
 - the two Turbo LoRAs: `<module>.lora_up.weight` / `.lora_down.weight` on every block linear.
 
-    python -m tests.e2e.tiny_models COMFYUI_DIR MODELS_DIR     # what the suite does itself
-
-Built at test time into a folder outside the repository; never committed.
+Needs upstream ComfyUI importable (its folder on sys.path, `comfy.cli_args.args.cpu` set);
+never committed, a few MB in all.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import types
 from pathlib import Path
 
 import torch
 
-from tests.e2e.shrink import TEXT_ENCODER, restore_upstream, shrink_upstream
+from comfy.multidevice.commands import PROJECT_DIR
+from comfy.multidevice.tryout.shrink import restore_upstream, shrink_upstream, TEXT_ENCODER
 
-PINS = Path(__file__).resolve().parents[2] / "source_deps_info.json"
+PINS = PROJECT_DIR / "source_deps_info.json"  # in a checkout or a clone; a patched ComfyUI has none
 # The tiny DiT: the block linears' inputs (hidden, ffn) are 256 wide (ConvRot's group size, the
 # released layout's); text_dim is the tiny text encoder's hidden size.
 DIT = dict(hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attention_heads=16,
@@ -56,12 +56,12 @@ LORA_RANK = 4
 
 
 def released_names() -> dict[str, tuple[str, str]]:
-    """role -> (models/ folder, file name), from source_deps_info.json."""
+    """role -> (models/ folder, file name) of the released files, from source_deps_info.json."""
     files = json.loads(PINS.read_text())["model_files"]["files"]
     return {f["role"]: (f["folder"], f["file"]) for f in files}
 
 
-def _random_like(state: dict, seed: int, scale: float) -> dict:
+def random_like(state: dict, seed: int, scale: float) -> dict:
     """Seeded random floats in the shape of `state` (norm weights around 1); other dtypes kept."""
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -73,13 +73,13 @@ def _random_like(state: dict, seed: int, scale: float) -> dict:
     return out
 
 
-def _random_weights(module: torch.nn.Module, seed: int, scale: float) -> dict:
+def random_weights(module: torch.nn.Module, seed: int, scale: float) -> dict:
     """Seeded random parameters for `module`; its buffers as the module computed them (the audio
     VAE's anti-aliasing filters, the video VAE's latent statistics). Snake activations get their trained
     range: upstream's Snake1d divides by alpha (linear scale, kept near 1), SnakeBeta stores
     alpha and beta in log scale (kept near 0); at random values near 0 the division explodes
     and the decoder returns clipped noise or NaN."""
-    params = _random_like(dict(module.named_parameters()), seed, scale)
+    params = random_like(dict(module.named_parameters()), seed, scale)
     g = torch.Generator().manual_seed(seed + 1)
     for path, sub in module.named_modules():
         for leaf in ("alpha", "beta"):
@@ -90,31 +90,11 @@ def _random_weights(module: torch.nn.Module, seed: int, scale: float) -> dict:
     return {**{k: v.detach().clone() for k, v in module.state_dict().items() if k not in params}, **params}
 
 
-def convrot_int8(state: dict, quantized) -> dict:
-    """`state` with the 2-D weights that `quantized(name)` picks in comfy-kitchen's ConvRot int8
-    layout (the released DiT and video VAE files' form), made by upstream's quantization registry."""
-    import comfy.quant_ops
-    from comfy_kitchen.tensor.base import get_layout_class
-    layout = get_layout_class(comfy.quant_ops.QUANT_ALGOS["convrot_w4a4"]["comfy_tensor_layout"])
-    conf = json.dumps({"format": "convrot_w4a4", "convrot": True, "convrot_groupsize": 256, "linear_dtype": "int8"})
-    out = {}
-    for name, value in state.items():
-        if name.endswith(".weight") and value.dim() == 2 and quantized(name):
-            prefix = name[:-len("weight")]
-            qdata, params = layout.quantize(value, linear_dtype="int8")
-            for suffix, tensor in layout.state_dict_tensors(qdata, params).items():
-                out[f"{prefix}weight{suffix}"] = tensor
-            out[f"{prefix}comfy_quant"] = torch.tensor(list(conf.encode()), dtype=torch.uint8)
-        else:
-            out[name] = value
-    return out
-
-
 def dit_state_dict(seed: int) -> dict:
     import comfy.ldm.minimax.model as h3
     import comfy.ops
     shell = h3.MiniMaxH3Model(**DIT, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
-    state = _random_like(shell.state_dict(), seed, 0.05)  # fp32: see the module docstring
+    state = random_like(shell.state_dict(), seed, 0.05)  # fp32: see the module docstring
     state["rope.inv_freq"] = torch.tensor([1.0, 0.3])
     return state
 
@@ -125,17 +105,17 @@ def text_encoder_state_dict(seed: int) -> dict:
     target = types.SimpleNamespace(clip=minimax.MiniMaxH3TEModel, tokenizer=minimax.MiniMaxH3Tokenizer, params={})
     clip = comfy.sd.CLIP(target=target, model_options={"dtype": torch.float32})
     state = clip.cond_stage_model.qwen3vl_32b.transformer.state_dict()
-    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _random_like(state, seed, 0.05).items()}
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in random_like(state, seed, 0.05).items()}
 
 
 def video_vae_state_dict(seed: int) -> dict:
     from comfy.ldm.minimax import vae
-    return _random_weights(vae.MiniMaxH3VideoVAE(), seed, 0.1)
+    return random_weights(vae.MiniMaxH3VideoVAE(), seed, 0.1)
 
 
 def audio_vae_state_dict(seed: int) -> dict:
     from comfy.ldm.minimax import audio_vae
-    state = _random_weights(audio_vae.MiniMaxH3AudioVAE(), seed, AUDIO_SCALE)
+    state = random_weights(audio_vae.MiniMaxH3AudioVAE(), seed, AUDIO_SCALE)
     # upstream allocates these with torch.empty for the checkpoint to fill: kept as they were,
     # they are whatever the memory held (at times NaN, and the AAC encoder then refuses the audio)
     state["latents_mean"] = torch.zeros_like(state["latents_mean"])
@@ -159,44 +139,28 @@ def lora_state_dict(seed: int) -> dict:
     return out
 
 
-def make_models(models_dir: Path) -> dict[str, Path]:
-    """Write every tiny file into models_dir/<folder>/<released name>; role -> path.
-
-    Needs upstream ComfyUI importable (COMFYUI_DIR on sys.path, `comfy.cli_args.args.cpu` set)."""
+def tiny_files() -> dict[str, bytes]:
+    """role -> the bytes of its tiny safetensors file, for the seven files the templates load
+    (the optional BF16 fl2va DiT is not made). Upstream's classes are shrunk while they build."""
     import safetensors.torch
-    names = released_names()
     shrink_upstream()
     try:
-        states = {"diffusion_model_ref2va": dit_state_dict(1), "diffusion_model_fl2va": dit_state_dict(2)}
-        states["text_encoder"] = text_encoder_state_dict(3)
-        states["video_vae"] = video_vae_state_dict(4)
-        states["audio_vae"] = audio_vae_state_dict(5)
-        states["turbo_lora_ref2va"] = lora_state_dict(6)
-        states["turbo_lora_fl2va"] = lora_state_dict(7)
+        states = {"diffusion_model_ref2va": dit_state_dict(1), "diffusion_model_fl2va": dit_state_dict(2),
+                  "text_encoder": text_encoder_state_dict(3), "video_vae": video_vae_state_dict(4),
+                  "audio_vae": audio_vae_state_dict(5), "turbo_lora_ref2va": lora_state_dict(6),
+                  "turbo_lora_fl2va": lora_state_dict(7)}
     finally:
         restore_upstream()
+    return {role: safetensors.torch.save({k: v.contiguous() for k, v in state.items()}) for role, state in states.items()}
+
+
+def make_models(models_dir: Path) -> dict[str, Path]:
+    """Write every tiny file into models_dir/<folder>/<released name>; role -> path."""
+    names = released_names()
     paths = {}
-    for role, state in states.items():
+    for role, data in tiny_files().items():
         folder, name = names[role]
-        path = models_dir / folder / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-        paths[role] = path
+        paths[role] = models_dir / folder / name
+        paths[role].parent.mkdir(parents=True, exist_ok=True)
+        paths[role].write_bytes(data)
     return paths
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__)
-        return 2
-    tree, models = Path(argv[0]).resolve(), Path(argv[1]).resolve()
-    sys.path.append(str(tree))
-    import comfy.cli_args
-    comfy.cli_args.args.cpu = True
-    for role, path in make_models(models).items():
-        print(f"{role}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
