@@ -70,14 +70,21 @@ def comfyui(upstream, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="session")
-def browser(comfyui):
+def chromium():
+    """One headless chromium for the session: Playwright's sync API starts once per thread (a
+    second `sync_playwright()` while one runs fails), so every test's pages come from this one."""
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
-        chromium = canvas.launch(p)
+        browser = canvas.launch(p)
         try:
-            yield chromium
+            yield browser
         finally:
-            chromium.close()
+            browser.close()
+
+
+@pytest.fixture(scope="session")
+def browser(chromium, comfyui):
+    return chromium
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,8 @@ def tryout(tree: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
-def test_the_try_out_installs_runs_a_template_at_4_cards_and_removes_itself(upstream, tmp_path, record_property):
+def test_the_try_out_installs_runs_a_template_at_4_cards_and_removes_itself(upstream, chromium, tmp_path,
+                                                                          record_property):
     if not upstream.has_attention_hook:
         pytest.skip("this ComfyUI refuses sequence parallel (test_install_ways.py checks that)")
     tree = comfyui_server.installed_copy(upstream.tree, tmp_path)
@@ -67,17 +68,14 @@ def test_the_try_out_installs_runs_a_template_at_4_cards_and_removes_itself(upst
     server = comfyui_server.start(tree, tmp_path, args=("--cache-classic",))
     try:
         assert f"TRY-OUT: tiny random weights, not the model; remove with {remove_line}" in server.log_text()
-        from playwright.sync_api import sync_playwright
-        with sync_playwright() as p:
-            browser = canvas.launch(p)
-            try:
-                board = canvas.open_canvas(browser, server.url)
-                board.load(workflow(TEMPLATE))
-                assert board.errors() == [], f"{TEMPLATE} opens with errors on the canvas"
-                make_small(board, CARDS)
-                run = run_and_wait(board, server)
-            finally:
-                browser.close()
+        board = canvas.open_canvas(chromium, server.url)
+        try:
+            board.load(workflow(TEMPLATE))
+            assert board.errors() == [], f"{TEMPLATE} opens with errors on the canvas"
+            make_small(board, CARDS)
+            run = run_and_wait(board, server)
+        finally:
+            board.page.close()
         assert run.status == "execution_success", (run.error(), server.log_text()[-3000:])
         assert read_video(saved_video(server, run))["frames"].shape == (FRAMES, SIZE, SIZE, 3)
         assert f"MultiNPUParallelConfig: {CARDS} card(s) cpu" in server.log_text()
