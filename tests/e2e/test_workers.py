@@ -96,15 +96,20 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
         again = run_prompt(server, prompt_with("fresh_pool", 9, processes=True))
         assert again["status"]["status_str"] == "success", error_text(again)
         assert len(worker_pids(server.process.pid)) == 3  # a fresh pool
+        # the workflow switched to rank threads at the same 4 cards: the node runs again and the
+        # idle workers stop first, saying so on the node in the page and in the log
+        threads = prompt_with("threads_9", 9, processes=True)
+        threads["5"]["inputs"]["dit_ranks"] = "threads"
         with comfyui_server.NodeTexts(server) as texts:
-            run_prompt(server, prompt_with("one_card_9", 9, processes=False))
-        assert ("5", "stopped the worker pool's 3 rank(s) in other processes: the MultiNPUParallelConfig node "
-                "ran again (the DiT on 1 card(s))") in texts.seen, texts.seen  # on the node, in the page
+            switched = run_prompt(server, threads)
+        assert switched["status"]["status_str"] == "success", error_text(switched)
+        said = ("stopped the worker pool's 3 rank(s) in other processes: the MultiNPUParallelConfig node ran again "
+                "(the DiT on 4 card(s), ranks as threads)")
+        assert ("5", said) in texts.seen, texts.seen
+        assert said in server.log_text() and worker_pids(server.process.pid) == []
+        run_prompt(server, prompt_with("one_card_9", 9, processes=False))
         assert np.abs(saved_frames(tree, "fresh_pool") - saved_frames(tree, "one_card_9")).max() <= MAX_LEVELS
-        # the node ran again at 1 card: the idle workers stopped first, saying so in the log too
-        assert worker_pids(server.process.pid) == []
-        assert "stopped the worker pool's 3 rank(s) in other processes: the MultiNPUParallelConfig node ran " \
-               "again (the DiT on 1 card(s))" in server.log_text()
+        assert np.abs(saved_frames(tree, "threads_9") - saved_frames(tree, "one_card_9")).max() <= MAX_LEVELS
 
         # ComfyUI's Cancel in the middle of a 40-step sampling: the prompt ends interrupted, and
         # the next prompt runs on the same workers, exact: ComfyUI's per-layer check leaves the

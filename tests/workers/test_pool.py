@@ -398,3 +398,17 @@ def test_cancel_while_the_workers_load_stops_them_and_ends_the_prompt_interrupte
     starting.join(30)
     assert ended == {"interrupted": True} and not state["flag"] and not pool.running
     assert all(p.poll() is not None for p in processes)  # stopped, not left loading
+
+
+def test_the_live_pool_is_closed_the_ordinary_way_at_exit(monkeypatch):
+    """ComfyUI's exit (Ctrl-C included) closes the live pool from an exit handler, before Python
+    tears objects down in no particular order."""
+    import types
+    from comfy.multidevice.workers import pool as pool_module
+    closed = []
+    live = types.SimpleNamespace(running=True, close=lambda: closed.append(1))
+    monkeypatch.setitem(pool_module._live, "pool", live)
+    pool_module._close_at_exit()
+    assert closed == [1] and "pool" not in pool_module._live
+    pool_module._close_at_exit()  # nothing left: nothing to do
+    assert closed == [1]

@@ -25,6 +25,7 @@ join every later pool. Nothing a rank receives is unpickled (workers/wire.py).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -65,6 +66,17 @@ START_GRACE_S = 60.0  # at least this long for the ranks to reach the door: a pr
 
 _live: dict = {}  # "pool": the pool that holds this process's default process group
 _live_lock = threading.Lock()
+
+
+def _close_at_exit() -> None:
+    """At this process's exit (ComfyUI stopped, Ctrl-C included) the live pool is closed the
+    ordinary way: its workers are told to stop and the process group is left before Python
+    tears its objects down in no particular order (seen once: an exit held for the collective
+    timeout without this)."""
+    with _live_lock:
+        pool = _live.pop("pool", None)
+    if pool is not None and pool.running:
+        pool.close()
 
 
 def stop_unused_pool(why: str) -> str | None:
@@ -173,6 +185,9 @@ class WorkerPool:
         with _live_lock:
             previous = _live.get("pool")
             _live["pool"] = self
+            if not _live.get("closes_at_exit"):
+                atexit.register(_close_at_exit)
+                _live["closes_at_exit"] = True
         if previous is not None and previous is not self and previous.running:
             log.info("worker pool: closing the previous pool (%d ranks) for a new one", previous.world_size)
             previous.close()
