@@ -21,7 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 # Rank 0 as ComfyUI's main.py holds it: a pool started, then Ctrl-C: one line, its clean-up
 # while the log still runs, and an exit that never closes the pool.
 SERVER = r"""
-import logging, sys, time
+import logging, signal, sys, time
+# as started from a terminal: a shell's background job (CI's scripts) starts with Ctrl-C
+# ignored, and Python then installs no KeyboardInterrupt handler of its own
+signal.signal(signal.SIGINT, signal.default_int_handler)
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 from comfy.multidevice.workers.pool import WorkerPool
 from comfy.multidevice.workers.recipe import ModelRecipe
