@@ -30,8 +30,8 @@ from comfy.multidevice.workers.pool import WorkerPool
 from comfy.multidevice.workers.recipe import ModelRecipe
 pool = WorkerPool(["cpu"] * 3, ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint",
                                            {"path": sys.argv[1]}), sp_mode="allgather", timeout_s=60).start()
-print(" ".join(str(w.process.pid) for w in pool.workers), flush=True)
-try:
+try:  # the pids are said inside: a Ctrl-C that lands the moment they are read is caught too
+    print(" ".join(str(w.process.pid) for w in pool.workers), flush=True)
     time.sleep(600)
 except KeyboardInterrupt:
     logging.info("Stopped server")
