@@ -19,6 +19,7 @@ from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
 from comfy.multidevice.roles.dit import DIT_RANKS, resolve_dit_ranks
 from comfy.multidevice.roles.memory_plan import AUTO_PLAN_TOKENS, LONGEST_WORKFLOW_TOKENS, MAX_PLAN_TOKENS
 from comfy.multidevice.roles.plan import plan_roles
+from comfy.multidevice.sp.mode_choice import SP_MODE_CHOICES
 from comfy.multidevice.progress import node_text
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
@@ -84,6 +85,14 @@ NODE_SCHEMA = {
                     "MODEL from a core loader), and the only way to add the cards of other servers. "
                     "Both run LoRAs, either dit_weights and the Fun ControlNet; a LoRA loader after this "
                     "node needs dit_weights replicate."},
+        {"name": "sp_mode", "type": "COMBO", "options": list(SP_MODE_CHOICES), "default": "auto",
+         "optional": True, "advanced": True,
+         "tooltip": "How the DiT's cards share attention: allgather = each card gathers every card's K and V "
+                    "(any card count); ulysses = cards swap rows for heads (moves 2/N of the all-gather's "
+                    "bytes, holds less; the heads must divide by the card count: 56 by 2, 4, 7, 8); hybrid = "
+                    "Ulysses in groups where the heads do not divide; auto = ulysses where it moves fewer bytes, "
+                    "allgather on CPU ranks or at 2 cards, or what doctor --deep measured here. Same result "
+                    "within the sequence-parallel tolerance."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",
@@ -110,14 +119,15 @@ def widget_defaults() -> list:
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                        device_kind="auto", devices="", inventory=None, dit_weights="auto",
                        plan_tokens=AUTO_PLAN_TOKENS, free_memory=None, dit_ranks="auto", prompt=None,
-                       tell=None):
+                       tell=None, sp_mode="auto"):
     """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
 
     Every check (card count, device kind, visible cards, backend name, the four inputs'
     shape, the memory plan of every card) runs before anything is cloned, moved or started;
     the inputs are never modified. `free_memory` overrides the probed free bytes per device
     name (tests). `prompt`: the workflow as ComfyUI queued it, read for its latents' sizes
-    when plan_tokens is auto. `tell(text)`: shows a line on the node in the page.
+    when plan_tokens is auto. `tell(text)`: shows a line on the node in the page. `sp_mode`: the
+    DiT's attention exchange (comfy/multidevice/sp/mode_choice.py resolves auto).
     """
     from comfy.multidevice.comm.errors import BackendUnavailable
     from comfy.multidevice.cards import select_devices
@@ -137,6 +147,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
         check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
+    mode = dit_sp_mode(sp_mode, plan, selected, model, joining)
     if type(plan_tokens) is int and plan_tokens == AUTO_PLAN_TOKENS:
         tokens, tokens_from = workflow_tokens(prompt), "the workflow's latents"
     else:  # a number is planned as given; anything else is refused by name in plan_memory
@@ -144,15 +155,15 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     memory = plan_memory(plan, selected, model, clip, video_vae, audio_vae, dit_weights=dit_weights,
                          tokens=tokens, free=free_memory, remote_ranks=joining,
                          backend=None if backend == "default" else backend, dit_ranks=dit_ranks,
-                         tokens_from=tokens_from)
+                         tokens_from=tokens_from, sp_mode=mode)
     log.info("%s: %d card(s) %s; %s\n%s", NODE_ID, npu_count, ", ".join(map(str, selected)),
-             plan.describe(), memory.table())
+             plan.describe() + (f"; DiT {mode.describe()}" if mode.world > 1 else ""), memory.table())
     memory.check()
     try:
         outputs = roles_apply.apply_role_plan(
             plan, selected, model, clip, video_vae, audio_vae,
             backend=None if backend == "default" else backend, dit_weights=memory.dit_weights,
-            dit_ranks=dit_ranks, tell=tell)
+            dit_ranks=dit_ranks, tell=tell, sp_mode=mode)
     except BackendUnavailable as exc:  # a forced backend (the input or the variable) did not start
         from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env
         asked = f"backend is {backend}" if backend != "default" else \
@@ -164,6 +175,22 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     if outputs[0] is not model:  # the input MODEL is never modified
         install_prompt_size_check(outputs[0], memory)
     return outputs
+
+
+def dit_sp_mode(sp_mode, plan, selected, model, joining: int):
+    """The node's sp_mode resolved for the DiT's ranks (sp/mode_choice.py), refused by name before
+    anything is made: W counts other servers' ranks, the heads come from the DiT's first block."""
+    from comfy.multidevice.comfy_objects import dit_module
+    from comfy.multidevice.roles.memory_plan import dit_shape_of
+    from comfy.multidevice.roles.plan import SEQUENCE_PARALLEL
+    from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
+
+    world = len(plan.dit.cards) + joining if plan.dit.mode == SEQUENCE_PARALLEL else 1
+    shape = dit_shape_of(dit_module(model)) if world > 1 else None
+    kind = str(selected[0]).split(":")[0]
+    return choose_sp_mode(sp_mode, world, shape.heads if shape else None, shape.head_dim if shape else 128,
+                          device_kind=kind, other_servers=joining > 0,
+                          measured=measurement_for(kind, world) if world > 1 else None)
 
 
 def remote_ranks_of_environment() -> int:
@@ -288,7 +315,7 @@ def node_class():
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                     device_kind="auto", devices="", dit_weights="auto", plan_tokens=AUTO_PLAN_TOKENS,
-                    dit_ranks="auto") -> io.NodeOutput:
+                    dit_ranks="auto", sp_mode="auto") -> io.NodeOutput:
             try:
                 # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
                 # None) is refused by name instead of being cast
@@ -296,7 +323,7 @@ def node_class():
                     model, clip, video_vae, audio_vae, npu_count=npu_count, backend=backend,
                     device_kind=device_kind, devices=devices, dit_weights=dit_weights,
                     plan_tokens=plan_tokens, dit_ranks=dit_ranks, prompt=_hidden(cls, "prompt"),
-                    tell=node_text(_hidden(cls, "unique_id")))
+                    tell=node_text(_hidden(cls, "unique_id")), sp_mode=sp_mode)
             except Exception as exc:
                 shown = shown_error(exc)
                 if shown is None:

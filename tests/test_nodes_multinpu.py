@@ -49,7 +49,7 @@ def test_schema_inputs_outputs_types_defaults():
     ins = {s["name"]: s for s in NODE_SCHEMA["inputs"]}
     assert [s["name"] for s in NODE_SCHEMA["inputs"]] == [
         "model", "clip", "video_vae", "audio_vae", "npu_count", "backend", "device_kind", "devices",
-        "dit_weights", "plan_tokens", "dit_ranks"]  # new widgets go last: saved workflows keep their positions
+        "dit_weights", "plan_tokens", "dit_ranks", "sp_mode"]  # new widgets go last: saved workflows keep their positions
     assert [(n, ins[n]["type"]) for n in ("model", "clip", "video_vae", "audio_vae")] == [
         ("model", "MODEL"), ("clip", "CLIP"), ("video_vae", "VAE"), ("audio_vae", "VAE")]
     assert ins["npu_count"] == {**ins["npu_count"], "type": "COMBO", "options": [1, 2, 4, 8], "default": 4}
@@ -64,11 +64,13 @@ def test_schema_inputs_outputs_types_defaults():
     assert ins["plan_tokens"]["type"] == "INT" and ins["plan_tokens"]["advanced"]
     assert ins["dit_ranks"]["options"] == ["auto", "threads", "processes"] and ins["dit_ranks"]["default"] == "auto"
     assert ins["dit_ranks"]["optional"] and ins["dit_ranks"]["advanced"]
+    assert ins["sp_mode"]["options"] == ["auto", "allgather", "ulysses", "hybrid"] and ins["sp_mode"]["default"] == "auto"
+    assert ins["sp_mode"]["optional"] and ins["sp_mode"]["advanced"]
     assert [o["type"] for o in NODE_SCHEMA["outputs"]] == ["MODEL", "CLIP", "VAE", "VAE"]
     assert [o["name"] for o in NODE_SCHEMA["outputs"]] == ["model", "clip", "video_vae", "audio_vae"]
     assert all(o["tooltip"] for o in NODE_SCHEMA["outputs"])  # every output says what it carries
     assert {"multi gpu", "multi npu", "sequence parallel"} <= set(NODE_SCHEMA["search_aliases"])
-    assert widget_defaults() == [4, "default", "auto", "", "auto", 0, "auto"]  # plan_tokens 0: auto
+    assert widget_defaults() == [4, "default", "auto", "", "auto", 0, "auto", "auto"]  # plan_tokens 0: auto
     json.dumps(NODE_SCHEMA)  # plain data, readable by tools without ComfyUI
 
 
@@ -106,7 +108,7 @@ def test_v3_node_is_built_from_the_plain_schema(monkeypatch, with_advanced):
     assert seen["args"] == ("M", "C", "V", "A")
     assert seen["kwargs"] == {"npu_count": 2, "backend": "peer", "device_kind": "auto", "devices": "",
                               "dit_weights": "auto", "plan_tokens": 0, "dit_ranks": "auto",
-                              "prompt": None, "tell": seen["kwargs"]["tell"]}
+                              "prompt": None, "tell": seen["kwargs"]["tell"], "sp_mode": "auto"}
     assert list(inspect.signature(node.execute).parameters)[:4] == ["model", "clip", "video_vae", "audio_vae"]
 
 
@@ -132,6 +134,9 @@ ERROR_CASES = {
     "bad backend": (with_inputs(backend="mpi"), ValueError, "backend='mpi'"),
     "bad kind": (with_inputs(device_kind="tpu"), DeviceSelectionError, "tpu"),
     "forced backend missing": (with_inputs(backend="nccl"), BackendUnavailable, "nccl"),
+    "bad sp_mode": (with_inputs(sp_mode="ring"), ValueError, "sp_mode='ring' is unknown"),
+    "ulysses, heads not divisible": (with_inputs(sp_mode="ulysses"), ValueError,
+                                     "3 heads over 4 ranks, and 3 does not divide by 4: set sp_mode to allgather"),
 }
 
 
@@ -233,6 +238,39 @@ def test_end_to_end_on_4_cpu_ranks_matches_single_device(as_patcher, fake_patche
     # the node again with the same cards reuses the rank threads
     configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, device_kind="cpu")
     assert len(roles_apply._COORDINATORS) == 1
+
+
+@pytest.mark.parametrize("npu_count, sp_mode, strategy, degree", [
+    (4, "ulysses", "ulysses", 4), (8, "hybrid", "ulysses", 4), (4, "allgather", "allgather", 1),
+    (4, "auto", "allgather", 1),  # CPU ranks: the all-gather (sp/mode_choice.py's rule)
+])
+def test_each_sp_mode_through_the_node_matches_one_card(npu_count, sp_mode, strategy, degree,
+                                                        fake_patcher_extension, caplog):
+    """The node's sp_mode reaches every rank: a 4-head DiT at 4 cards (plain Ulysses) and at 8
+    (the hybrid, 2 groups of 4), its result one card's within the SP tolerance."""
+    import dataclasses
+
+    from comfy.multidevice.miniature.h3 import build_miniature
+    from tests.sp_cases import TINY
+    dit = build_miniature(dataclasses.replace(TINY, num_attention_heads=4), seed=3)
+    objs = inputs()
+    caplog.set_level("INFO")
+    p_model = configure_parallel(FakeModelPatcher(dit), *objs[1:], npu_count=npu_count, device_kind="cpu",
+                                 sp_mode=sp_mode)[0]
+    fan_out = p_model.wrappers["diffusion_model"]["minimax_h3_sequence_parallel"][0]
+    fan_out.coordinator.reset_byte_counts()
+    with torch.inference_mode():
+        x, t, ctx, kw = make_inputs("cond_refs", seed=1)
+        assert rel_diff(run_dit(p_model, x, t, ctx, kw), dit(x, t, ctx, **kw)) <= FP32_TOL
+    used = [state.strategy for state in fan_out.last_rank_states]
+    assert len(used) == npu_count and {s.name for s in used} == {strategy}
+    # Ulysses: at least two all-to-alls per block (q/k/v there, the output back); the all-gather
+    # none per block (only the final rows' gather to rank 0 is one)
+    all_to_all = [c["by_op"].get("all_to_all_v", {}).get("calls", 0) for c in fan_out.coordinator.byte_counts()]
+    blocks = len(dit.blocks)
+    assert all(n >= 2 * blocks if strategy == "ulysses" else n < blocks for n in all_to_all), all_to_all
+    name = "hybrid (2 groups of 4)" if npu_count == 8 and strategy == "ulysses" else strategy
+    assert f"DiT sp_mode {name}: " in caplog.text
 
 
 def test_a_patch_added_after_the_node_reaches_every_rank(fake_patcher_extension):

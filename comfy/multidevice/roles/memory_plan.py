@@ -151,11 +151,18 @@ class MemoryPlan:
     tokens_from: str = "plan_tokens"  # "plan_tokens", "the workflow's latents", "this prompt"
     dit_shape: DiTShape | None = None  # what the activation estimate needs, to count it again
     dit_world: int = 1
+    sp_mode: str = "allgather"  # the attention exchange the activations are counted for
+    sp_degree: int | None = None  # its Ulysses group size (None: the hybrid rule)
+
+    def activations(self, tokens: int) -> int:
+        if self.dit_shape is None:
+            return 0
+        return activation_bytes(self.dit_shape, tokens, self.dit_world, mode=self.sp_mode, degree=self.sp_degree)
 
     def for_tokens(self, tokens: int, tokens_from: str = "this prompt") -> "MemoryPlan":
         """The same plan with the DiT's activations counted for `tokens` (the free memory
         stays the figure probed at plan time, before any of the plan was loaded)."""
-        act = activation_bytes(self.dit_shape, tokens, self.dit_world) if self.dit_shape is not None else 0
+        act = self.activations(tokens)
         cards = [CardMemory(c.device, c.free, {stage: dict(items) for stage, items in c.stages.items()})
                  for c in self.cards]
         for card in cards:
@@ -164,7 +171,8 @@ class MemoryPlan:
         host = self.host
         if host is not None:
             host = SharedHost(host.cards, {**host.items, "activations": act * host.cards}, host.free)
-        return MemoryPlan(self.dit_weights, int(tokens), cards, host, tokens_from, self.dit_shape, self.dit_world)
+        return MemoryPlan(self.dit_weights, int(tokens), cards, host, tokens_from, self.dit_shape, self.dit_world,
+                          self.sp_mode, self.sp_degree)
 
     def _fewer_tokens(self) -> str:
         """How to sample less, in the words of where the token count came from."""
@@ -263,14 +271,16 @@ def _shared_host(cards, dit_cards, free) -> SharedHost | None:
 def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: str = "auto",
                 tokens: int | None = LONGEST_WORKFLOW_TOKENS, free: dict | None = None,
                 remote_ranks: int = 0, backend: str | None = None,
-                dit_ranks: str = "threads", tokens_from: str = "plan_tokens") -> MemoryPlan:
+                dit_ranks: str = "threads", tokens_from: str = "plan_tokens", sp_mode=None) -> MemoryPlan:
     """The per-card memory plan for a role plan; `auto` resolved. `free` overrides the probed
     free bytes per device name (tests). `remote_ranks`: DiT ranks of other servers that join a
     sequence-parallel DiT (ranks as processes): this server's cards then hold 1/W of the
     sequence and, with shard, of the blocks, W counting them too. `backend` (None: from the
     environment) and `dit_ranks` ("threads" / "processes") say which communicators the cards
     will hold. `tokens` None: the sequence is not known yet (no activations counted; the
-    caller checks `for_tokens` at the first step); `tokens_from` names where it came from."""
+    caller checks `for_tokens` at the first step); `tokens_from` names where it came from.
+    `sp_mode`: the DiT's attention exchange (a ModeChoice of sp/mode_choice.py; None: allgather),
+    whose buffers the activations count."""
     if dit_weights not in DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown: set dit_weights to one of "
                          f"{', '.join(DIT_WEIGHT_MODES)}.")
@@ -292,17 +302,17 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
         chosen = "replicate"
         if sequence_parallel and plan.n_cards > 1:
             trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free,
-                           remote_ranks, backend, dit_ranks, tokens_from)
+                           remote_ranks, backend, dit_ranks, tokens_from, sp_mode)
             if any(stage == "DiT" for _, stage, _ in trial.problems()):
                 chosen = "shard"
         dit_weights = chosen
     return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks,
-                  backend, dit_ranks, tokens_from)
+                  backend, dit_ranks, tokens_from, sp_mode)
 
 
 def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free,
            remote_ranks: int = 0, backend: str | None = None, dit_ranks: str = "threads",
-           tokens_from: str = "plan_tokens") -> MemoryPlan:
+           tokens_from: str = "plan_tokens", sp_mode=None) -> MemoryPlan:
     cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
              for d in devices]
     dit = dit_module(model)
@@ -310,7 +320,9 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     shape = dit_shape_of(dit)
     dit_cards = list(plan.dit.cards)
     world = len(dit_cards) + remote_ranks if plan.dit.mode == SEQUENCE_PARALLEL else 1
-    act = activation_bytes(shape, tokens, world) if shape is not None and tokens is not None else 0
+    mode, degree = (sp_mode.mode, sp_mode.degree) if sp_mode is not None else ("allgather", None)
+    act = activation_bytes(shape, tokens, world, mode=mode, degree=degree) \
+        if shape is not None and tokens is not None else 0
     if dit_weights == "shard":
         sizes = _block_sizes(dit)
         shard_plan = BlockShardPlan.balanced(sizes, world)
@@ -349,4 +361,5 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
             card.stages["communicators"] = {}
         for stage in card.stages.values():
             stage.update(items)
-    return MemoryPlan(dit_weights, tokens, cards, _shared_host(cards, dit_cards, free), tokens_from, shape, world)
+    return MemoryPlan(dit_weights, tokens, cards, _shared_host(cards, dit_cards, free), tokens_from, shape, world,
+                      mode, degree)

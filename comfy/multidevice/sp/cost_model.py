@@ -209,12 +209,14 @@ def sharded_weight_bytes(block_bytes: int, blocks: int, other_bytes: int, world:
             "gathered": gathered}
 
 
-def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2) -> int:
+def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2,
+                     mode: str = "allgather", degree: int | None = None) -> int:
     """An estimate of the DiT's peak activation bytes on one rank under sequence parallel.
 
     Held for the whole sequence on every rank: the embedded hidden state before block 0 and
-    the gathered one after the last block ([S, hidden] each), the RoPE table (fp32,
-    [S, 48, 2, 2] at H3's head dim) and the gathered K and V of one block ([S, H*D] each).
+    the gathered one after the last block ([S, hidden] each) and the RoPE table (fp32,
+    [S, 48, 2, 2] at H3's head dim). What one block's exchange holds (`exchanged_bytes`): the
+    all-gather the full K and V; Ulysses its head block of q, k, v and the output.
     Held for the rank's own rows L = ceil(S/W) inside one block: q/k/v before and after the
     norm and rotation (6 H*D), the attention output (H*D), the modulated inputs and residual
     updates (4 hidden) and the SwiGLU's 2F + F. A fused attention kernel is assumed (no
@@ -223,6 +225,28 @@ def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 
     rows = -(-seq_len // max(world, 1))
     a, h = shape.attention_width, shape.hidden
     rope = seq_len * (shape.head_dim * 3 // 4) * 2 * 4  # 96 rotated dims -> 48 pairs of 2x2 fp32
-    full = seq_len * (2 * h + 2 * a) * itemsize + rope
+    full = seq_len * 2 * h * itemsize + rope
     local = rows * (6 * a + a + 4 * h + 3 * shape.ffn) * itemsize
-    return full + local
+    return full + exchanged_bytes(shape, seq_len, world, itemsize, mode, degree) + local
+
+
+def exchanged_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2,
+                    mode: str = "allgather", degree: int | None = None) -> int:
+    """What one block's attention exchange holds on the rank with the most rows.
+
+    allgather: the gathered K and V, [S, H*D] each. ulysses with degree U: the rank's head
+    block (H/U heads) of q and of the output for its group's rows (U/W of the sequence) and of
+    K and V for the whole sequence: 2 (S + S*U/W) H*D/U, which is 4 S H*D/W for plain Ulysses
+    (U = W) against the all-gather's 2 S H*D.
+    """
+    a = shape.attention_width
+    if world <= 1:
+        return 0
+    if mode == "allgather":
+        return 2 * seq_len * a * itemsize
+    if mode != "ulysses":
+        raise ValueError(f"unknown sequence-parallel mode {mode!r}; valid: allgather, ulysses")
+    u_deg = degree or ulysses_degree(world, shape.heads)
+    head_block = -(-shape.heads // u_deg) * shape.head_dim
+    group_rows = -(-seq_len * u_deg // world)
+    return 2 * (seq_len + group_rows) * head_block * itemsize

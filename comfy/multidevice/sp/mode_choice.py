@@ -1,0 +1,173 @@
+"""Which sequence-parallel exchange the node runs: its `sp_mode` input, and the one rule of `auto`.
+
+The node offers four choices; each becomes one of the two exchanges of strategies.py:
+
+  allgather  every rank gathers the full K and V (any W, any heads, exact for uneven shards)
+  ulysses    all-to-all from rows to heads: refused when the heads do not divide by W
+  hybrid     Ulysses inside groups of U ranks (U: the largest divisor of W and the heads),
+             K/V gathered across the groups; plain Ulysses when U = W
+  auto       `choose_sp_mode`'s rule, first match:
+    1. one rank: allgather (nothing is exchanged);
+    2. no group size above one divides both W and the heads: allgather (the hybrid would move
+       the all-gather's bytes, in two rounds instead of one);
+    3. this machine measured both exchanges at this W on these cards (`doctor --deep` keeps it in
+       the user cache folder): the faster one, by the measurement;
+    4. CPU ranks: allgather (they share one memory; the exchange is a copy, and Ulysses' extra
+       round and layout copies cost more than the bytes it saves: bench/bench_sp_modes.py);
+    5. otherwise the cost model (cost_model.py): ulysses when it receives fewer bytes per rank
+       than the all-gather (2/W of them at U = W: half at 4 cards, a quarter at 8), which also
+       holds a 1/W head block of q/k/v instead of the full K and V; ties (W = 2) go to the
+       all-gather, one collective instead of two. Other servers' ranks only make the bytes
+       count for more: the network is slower than one server's card-to-card link.
+
+The Fun ControlNet's tower runs on the full sequence on every rank in either mode (its stream
+never reads the base's K/V), so the choice does not change what it costs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from comfy.multidevice.comm.settings import user_cache_dir
+from comfy.multidevice.sp.cost_model import attention_traffic, ulysses_degree
+
+SP_MODE_CHOICES = ("auto", "allgather", "ulysses", "hybrid")  # the node's sp_mode
+MEASUREMENTS_FILE = "exchange_measurements.json"  # in the user cache folder, written by doctor --deep
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    """What runs on `world` ranks: `mode` is a strategy name of strategies.py ("allgather" or
+    "ulysses"), `degree` the Ulysses group size (W: plain Ulysses; below W: the hybrid; 1 for the
+    all-gather), `reason` why, in words."""
+
+    mode: str
+    degree: int
+    world: int
+    reason: str
+
+    @property
+    def name(self) -> str:
+        if self.mode == "allgather":
+            return "allgather"
+        return "ulysses" if self.degree == self.world else f"hybrid ({self.world // self.degree} groups of {self.degree})"
+
+    def describe(self) -> str:
+        return f"sp_mode {self.name}: {self.reason}"
+
+
+class SPModeError(ValueError):
+    """The node's sp_mode cannot run as asked (names the value and the fix)."""
+
+
+def bytes_ratio(world: int, heads: int, head_dim: int = 128) -> float:
+    """Ulysses' (hybrid's) bytes received per block by the busiest rank, over the all-gather's."""
+    probe = 1024 * world  # any length: the ratio does not depend on it
+    worst = {mode: max(attention_traffic(mode, probe, world, r, heads, head_dim, 2).received
+                       for r in range(world)) for mode in ("allgather", "ulysses")}
+    return worst["ulysses"] / worst["allgather"]
+
+
+def choose_sp_mode(choice: str, world: int, heads: int | None, head_dim: int = 128,
+                   device_kind: str = "npu", other_servers: bool = False,
+                   measured: dict | None = None) -> ModeChoice:
+    """The node's `choice` at `world` DiT ranks of a DiT with `heads` heads (None: not readable)
+    on cards of `device_kind` ("npu", "cuda", "cpu"), `other_servers` when ranks of other servers
+    join, `measured` this machine's timing of both exchanges at this W (`measurement_for`)."""
+    if choice not in SP_MODE_CHOICES:
+        raise SPModeError(f"sp_mode={choice!r} is unknown: set sp_mode to one of {', '.join(SP_MODE_CHOICES)}.")
+    if world <= 1:
+        return ModeChoice("allgather", 1, world, "one rank, nothing to exchange")
+    if heads is None:
+        if choice in ("allgather", "auto"):
+            return ModeChoice("allgather", 1, world, "asked" if choice == "allgather" else
+                              "the DiT's head count is not readable, and the all-gather needs none")
+        raise SPModeError(f"sp_mode={choice} splits the attention heads, but this DiT's head count is not "
+                          "readable: set sp_mode to allgather or auto.")
+    degree = ulysses_degree(world, heads)
+    if choice == "allgather":
+        return ModeChoice("allgather", 1, world, "asked")
+    if choice == "ulysses":
+        if degree != world:
+            hybrid = f"hybrid (Ulysses in groups of {degree}), " if degree > 1 else ""
+            raise SPModeError(f"sp_mode=ulysses splits the DiT's {heads} heads over {world} ranks, and {heads} "
+                              f"does not divide by {world}: set sp_mode to {hybrid}allgather or auto, or use a "
+                              f"card count that divides {heads}.")
+        return ModeChoice("ulysses", world, world, f"asked: {heads // world} heads per rank")
+    if choice == "hybrid":
+        if degree == 1:
+            raise SPModeError(f"sp_mode=hybrid needs a group size above one that divides both {world} ranks and "
+                              f"the DiT's {heads} heads, and there is none: set sp_mode to allgather or auto.")
+        if degree == world:
+            return ModeChoice("ulysses", world, world, f"hybrid asked, and {heads} heads divide by {world}")
+        return ModeChoice("ulysses", degree, world, f"asked: {heads} heads do not divide by {world}")
+    return _auto(world, heads, head_dim, degree, device_kind, other_servers, measured)
+
+
+def _auto(world, heads, head_dim, degree, device_kind, other_servers, measured) -> ModeChoice:
+    as_ulysses = "ulysses" if degree == world else f"the hybrid ({world // degree} groups of {degree})"
+    if degree == 1:
+        return ModeChoice("allgather", 1, world, f"auto: no group size above one divides both {world} ranks "
+                                                 f"and {heads} heads")
+    if measured is not None:
+        faster = "ulysses" if measured["ulysses_s"] < measured["allgather_s"] else "allgather"
+        return ModeChoice(faster, degree if faster == "ulysses" else 1, world,
+                          f"auto, measured on this machine ({measured.get('measured_by', 'doctor --deep')}): "
+                          f"{as_ulysses} {measured['ulysses_s'] * 1e3:.2f} ms, allgather "
+                          f"{measured['allgather_s'] * 1e3:.2f} ms per exchange")
+    if device_kind == "cpu":
+        return ModeChoice("allgather", 1, world, "auto: CPU ranks share one memory, where the all-gather's one "
+                                                 "copy costs less than Ulysses' two rounds")
+    ratio = bytes_ratio(world, heads, head_dim)
+    where = "other servers' network" if other_servers else "the cards' link"
+    if ratio < 1:
+        return ModeChoice("ulysses", degree, world,
+                          f"auto: {as_ulysses} receives {ratio:.2f} of the all-gather's bytes per block over "
+                          f"{where}, and holds a head block of q/k/v instead of the full K and V")
+    return ModeChoice("allgather", 1, world, f"auto: {as_ulysses} would receive {ratio:.2f} of the all-gather's "
+                                             f"bytes, in two rounds instead of one")
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def measurements_path() -> Path:
+    return user_cache_dir() / MEASUREMENTS_FILE
+
+
+def _key(device_kind: str, world: int) -> str:
+    return f"{device_kind}:{world}"
+
+
+def measurement_for(device_kind: str, world: int, path: Path | None = None) -> dict | None:
+    """The timing `doctor --deep` kept for `world` ranks on cards of `device_kind`, or None (none
+    kept, or a file that does not read as one: the rule then goes by the cost model)."""
+    path = measurements_path() if path is None else path
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8")).get(_key(device_kind, world))
+    except (OSError, ValueError, AttributeError):
+        return None
+    ok = isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) and entry[k] > 0
+                                         for k in ("allgather_s", "ulysses_s"))
+    return entry if ok else None
+
+
+def record_measurement(device_kind: str, world: int, allgather_s: float, ulysses_s: float,
+                       detail: dict | None = None, path: Path | None = None) -> Path:
+    """Keep one timing of both exchanges (replacing the earlier one for this kind and W); the file
+    is written whole to a temporary name and renamed, so a reader never sees half of it."""
+    path = measurements_path() if path is None else path
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+        kept = kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        kept = {}
+    kept[_key(device_kind, world)] = {"allgather_s": allgather_s, "ulysses_s": ulysses_s,
+                                      "when": time.strftime("%Y-%m-%dT%H:%M:%S"), **(detail or {})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(kept, indent=1, sort_keys=True), encoding="utf-8")
+    temporary.replace(path)
+    return path
