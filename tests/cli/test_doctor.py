@@ -211,6 +211,9 @@ def test_the_deep_shard_check_catches_a_second_communicator_beside_the_exchange(
     monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_path)
     monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
     monkeypatch.setattr(group, "lane_allowed", lambda coordinator: True)
+    # every call stays in flight 0.2 s, so the lane's gather and the ranks' exchange overlap
+    # however a busy machine schedules the threads (a CI run under load once saw none)
+    monkeypatch.setenv("FAKE_IN_FLIGHT_HOLD_MS", "200")
     verdict = deep_check(backend, "shard_gather_beside_exchange")
     if backend == "hccl":
         assert not verdict["ok"] and "overlap" in verdict["detail"], verdict

@@ -74,9 +74,10 @@ def workflow(name: str) -> dict:
     return json.loads((WORKFLOWS / f"{name}.json").read_text())
 
 
-def make_small(page, cards: int, steps: int = STEPS, seed: int | None = None) -> None:
+def make_small(page, cards: int, steps: int = STEPS, seed: int | None = None, sp_mode: str | None = None) -> None:
     """What a user changes on the canvas to try a workflow quickly on CPU cards (`seed`: another
-    noise seed than the workflow's, so that ComfyUI runs the prompt again)."""
+    noise seed than the workflow's, so that ComfyUI runs the prompt again; `sp_mode`: the node's
+    advanced input, else the workflow's)."""
     assert page.set_widgets("PrimitiveFloat", {"value": SECONDS}) == 1  # the clip length, in seconds
     h3 = [n["type"] for n in page.nodes() if n["type"] in ("MiniMaxH3ReferenceToVideo", "MiniMaxH3ImageToVideo")]
     assert len(h3) == 1
@@ -85,6 +86,8 @@ def make_small(page, cards: int, steps: int = STEPS, seed: int | None = None) ->
     assert page.set_widgets("MultiNPUParallelConfig", {"npu_count": cards, "device_kind": "cpu"}) == 1
     if seed is not None:
         assert page.set_widgets("RandomNoise", {"noise_seed": seed}) == 1
+    if sp_mode is not None:
+        assert page.set_widgets("MultiNPUParallelConfig", {"sp_mode": sp_mode}) == 1
 
 
 def run_and_wait(page, comfyui) -> Run:
@@ -189,20 +192,7 @@ def test_the_workflow_at_4_cards_equals_one_card(page, comfyui, upstream, artifa
     single = run_small(page, comfyui, name, 1)
     assert single.status == "execution_success", (single.error(), comfyui.log_text()[-3000:])
 
-    got, want = read_video(video), read_video(saved_video(comfyui, single))
-    assert (got["codec"], got["fps"], got["width"], got["height"]) == ("h264", FPS, SIZE, SIZE)
-    assert (got["audio_codec"], got["sample_rate"]) == ("aac", SAMPLE_RATE)
-    assert got["frames"].shape == want["frames"].shape == (FRAMES, SIZE, SIZE, 3)
-    assert got["audio"].shape == want["audio"].shape and got["audio"].shape[1] >= SECONDS * SAMPLE_RATE * 0.9
-    assert float(np.abs(got["audio"]).max()) > 1e-3  # audible: the comparison below says something
-    mean_db, max_db = band_difference_db(got["audio"], want["audio"])
-    assert mean_db <= MAX_MEAN_BAND_DB, \
-        f"{name}: audio band energies {CARDS} cards against one: mean {mean_db:.3f} dB, max {max_db:.2f} dB"
-    diff = got["frames"].astype(float) - want["frames"].astype(float)
-    mse = float((diff ** 2).mean())
-    psnr = float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
-    assert psnr >= MIN_PSNR_DB and float(np.abs(diff).mean()) <= MAX_MEAN_LEVELS, \
-        f"{name}: {CARDS} cards against one: PSNR {psnr:.1f} dB, mean {np.abs(diff).mean():.3f}, max {np.abs(diff).max():.0f}"
+    assert_like_one_card(name, read_video(video), read_video(saved_video(comfyui, single)))
 
     # what the browser was told while it ran: the node's per-card load as a line on the node
     # (not a progress bar), then every sampling step
@@ -217,3 +207,37 @@ def test_the_workflow_at_4_cards_equals_one_card(page, comfyui, upstream, artifa
     assert sampling[-STEPS:] == steps, sampling  # after the cards' first load (its own progress)
     log = comfyui.log_text()
     assert f"MultiNPUParallelConfig: {CARDS} card(s) cpu" in log and "(sequence_parallel)" in log
+
+
+def test_ulysses_from_the_canvas_equals_one_card(page, comfyui, upstream):
+    """The node's advanced sp_mode set to ulysses on the canvas: the 4 cards trade rows for heads
+    (the try-out DiT's 16 heads divide by 4), and the video equals one card's as the all-gather's does."""
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel: test_the_workflow_at_4_cards_equals_one_card checks that")
+    name, seed = NAMES[0], 20261206  # a seed no other test ran: neither prompt comes from ComfyUI's cache
+    mark = len(comfyui.log_text())
+    parallel = run_small(page, comfyui, name, CARDS, seed=seed, sp_mode="ulysses")
+    assert parallel.status == "execution_success", (parallel.error(), comfyui.log_text()[-3000:])
+    assert "DiT sp_mode ulysses: asked" in comfyui.log_text()[mark:]
+    single = run_small(page, comfyui, name, 1, seed=seed)
+    assert single.status == "execution_success", (single.error(), comfyui.log_text()[-3000:])
+    assert_like_one_card(name, read_video(saved_video(comfyui, parallel)), read_video(saved_video(comfyui, single)))
+
+
+def assert_like_one_card(name: str, got: dict, want: dict) -> None:
+    """The CARDS-card video against the one-card one: same format, PSNR and audio bands within
+    the bounds the module docstring gives."""
+    assert (got["codec"], got["fps"], got["width"], got["height"]) == ("h264", FPS, SIZE, SIZE)
+    assert (got["audio_codec"], got["sample_rate"]) == ("aac", SAMPLE_RATE)
+    assert got["frames"].shape == want["frames"].shape == (FRAMES, SIZE, SIZE, 3)
+    assert got["audio"].shape == want["audio"].shape and got["audio"].shape[1] >= SECONDS * SAMPLE_RATE * 0.9
+    assert float(np.abs(got["audio"]).max()) > 1e-3  # audible: the comparison below says something
+    mean_db, max_db = band_difference_db(got["audio"], want["audio"])
+    assert mean_db <= MAX_MEAN_BAND_DB, \
+        f"{name}: audio band energies {CARDS} cards against one: mean {mean_db:.3f} dB, max {max_db:.2f} dB"
+    diff = got["frames"].astype(float) - want["frames"].astype(float)
+    mse = float((diff ** 2).mean())
+    psnr = float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+    assert psnr >= MIN_PSNR_DB and float(np.abs(diff).mean()) <= MAX_MEAN_LEVELS, \
+        f"{name}: {CARDS} cards against one: PSNR {psnr:.1f} dB, mean {np.abs(diff).mean():.3f}, max {np.abs(diff).max():.0f}"
+

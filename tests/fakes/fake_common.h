@@ -94,11 +94,18 @@ static int fake_check_devices(const int32_t *devices, int n) {
     return 0;
 }
 
-/* A collective starts on `device`: how many others were in flight there already (> 0: overlap). */
+/* A collective starts on `device`: how many others were in flight there already (> 0: overlap).
+ * FAKE_IN_FLIGHT_HOLD_MS keeps each call in flight that long, as a slow link would: a test that
+ * shows an overlap being caught then does not depend on how the threads happen to be scheduled. */
 static int fake_device_enter(int device) {
     pthread_mutex_lock(&fake_devices_mu);
     int before = fake_in_flight[device]++;
     pthread_mutex_unlock(&fake_devices_mu);
+    const char *hold = getenv("FAKE_IN_FLIGHT_HOLD_MS");
+    if (hold && atoi(hold) > 0) {
+        struct timespec t = {atoi(hold) / 1000, (long)(atoi(hold) % 1000) * 1000000L};
+        nanosleep(&t, NULL);
+    }
     return before;
 }
 
