@@ -71,6 +71,41 @@ def test_other_servers_ranks_share_the_sequence_and_the_blocks():
     assert shard.cards[0].stages["DiT"]["activations"] == activation_bytes(dit_shape_of(dit), TOKENS, 4)
 
 
+def test_ulysses_at_8_cards_plans_less_per_card_than_the_allgather_by_the_exchange_it_holds():
+    """At H3's sizes (56 heads x 128, 768p 15 s) the all-gather holds the full K and V per block,
+    Ulysses a head block of q, k, v and the output: the plan of the mode that runs counts that."""
+    from comfy.multidevice.sp.cost_model import DiTShape, exchanged_bytes
+    from comfy.multidevice.sp.mode_choice import choose_sp_mode
+    h3, tokens = DiTShape(), 109_952
+    for world in (4, 8):
+        ulysses = choose_sp_mode("ulysses", world, h3.heads)
+        saved = activation_bytes(h3, tokens, world) - activation_bytes(h3, tokens, world, mode="ulysses",
+                                                                        degree=ulysses.degree)
+        assert saved == exchanged_bytes(h3, tokens, world) - exchanged_bytes(h3, tokens, world, mode="ulysses")
+        assert exchanged_bytes(h3, tokens, world, mode="ulysses") == 4 * tokens * h3.attention_width * 2 // world
+    assert exchanged_bytes(h3, tokens, 8) / 2 ** 30 == pytest.approx(2.94, abs=0.01)  # the docs' figures
+    assert exchanged_bytes(h3, tokens, 8, mode="ulysses") / 2 ** 30 == pytest.approx(0.73, abs=0.01)
+    # through the plan: a 4-head miniature at 8 CPU ranks (the hybrid, 2 groups of 4) and at 4 (ulysses)
+    import dataclasses
+
+    from comfy.multidevice.miniature.h3 import build_miniature
+    from tests.sp_cases import TINY
+    model, clip, video, audio = inputs()
+    model = FakeModelPatcher(build_miniature(dataclasses.replace(TINY, num_attention_heads=4)))
+    for world, choice in ((4, "ulysses"), (8, "hybrid")):
+        mode = choose_sp_mode(choice, world, 4)
+        plans = {m.mode: plan_memory(plan_roles(world), [torch.device("cpu")] * world, model, clip, video, audio,
+                                     dit_weights="replicate", tokens=4096, sp_mode=m)
+                 for m in (mode, choose_sp_mode("allgather", world, 4))}
+        assert plans["ulysses"].sp_mode == "ulysses" and plans["allgather"].sp_mode == "allgather"
+        less = [a.stage_total("DiT") - u.stage_total("DiT")
+                for a, u in zip(plans["allgather"].cards, plans["ulysses"].cards)]
+        assert all(d > 0 for d in less), less
+        # a prompt's own length is counted for the same mode
+        assert plans["ulysses"].for_tokens(2048).cards[0].stages["DiT"]["activations"] == activation_bytes(
+            dit_shape_of(model.model.diffusion_model), 2048, world, mode="ulysses", degree=mode.degree)
+
+
 @pytest.mark.parametrize("world", [4, 8])  # 8: KV heads replicated (the miniature has 2)
 def test_text_encoder_share_is_what_the_built_shards_and_the_clip_hold(world):
     # Planned before anything is built; then the split apply makes, counted: each rank's shard
