@@ -161,7 +161,7 @@ def test_too_many_cpu_ranks_are_refused_naming_the_cores():
 # ----------------------------------------------------------------------------- --deep
 
 DEEP = ("exchange_between_nonzero_ranks", "shard_gather_beside_exchange", "quantized_gather_and_release",
-        "stuck_rank_recovered")
+        "stuck_rank_recovered", "attention_exchanges_timed")
 
 
 @pytest.mark.parametrize("backend", ["peer", "hccl", "nccl"])
@@ -175,6 +175,7 @@ def test_deep_checks_pass_over_every_backend_on_three_cpu_ranks(backend, monkeyp
     assert all(v["ok"] for v in report["deep"].values()), report["deep"]
     assert "exact on rank(s) [0, 1, 2]" in report["deep"]["exchange_between_nonzero_ranks"]["detail"]
     assert "naming rank 2: True" in report["deep"]["stuck_rank_recovered"]["detail"]
+    assert "skipped, nothing recorded" in report["deep"]["attention_exchanges_timed"]["detail"]  # 56 % 3
 
 
 def test_deep_checks_default_to_three_cpu_ranks_and_print_one_line_each():
@@ -221,9 +222,9 @@ def test_the_deep_shard_check_catches_a_second_communicator_beside_the_exchange(
         assert take_nccl_violations(fake_nccl_path), verdict
 
 
-def deep_check(backend, name):
+def deep_check(backend, name, world=3):
     from comfy.multidevice.cli.deep_checks import DEEP_CHECKS, verdict_of
-    return verdict_of(lambda: DEEP_CHECKS[name](["cpu"] * 3, backend, 20))
+    return verdict_of(lambda: DEEP_CHECKS[name](["cpu"] * world, backend, 20))
 
 
 def test_the_report_names_the_broadcast_exchange_on_a_training_series_chip(monkeypatch, fake_hccl_path):
@@ -231,3 +232,62 @@ def test_the_report_names_the_broadcast_exchange_on_a_training_series_chip(monke
     assert doctor.backends_report(["Ascend910B3"])["hccl"]["exchange_method"].startswith("HcclAllGatherV")
     method = doctor.backends_report(["Ascend910ProA", "Ascend910ProA"])["hccl"]["exchange_method"]
     assert method.startswith("one HcclBroadcast per rank (Ascend910ProA: no HcclAllGatherV on this chip)")
+
+
+# ----------------------------------------------------------------------------- --deep: exchange timing
+
+@pytest.fixture
+def own_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    from comfy.multidevice.sp.mode_choice import measurements_path
+    return measurements_path()
+
+
+@pytest.mark.parametrize("backend", ["peer", "hccl", "nccl", "hccl without HcclAlltoAllV"])
+def test_the_exchange_timing_is_kept_where_auto_reads_it(backend, monkeypatch, own_cache, fake_hccl_path,
+                                                         fake_nccl_path, fake_hccl_no_alltoallv_path):
+    from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
+    monkeypatch.setenv("HCCL_SO_PATH", fake_hccl_no_alltoallv_path if "without" in backend else fake_hccl_path)
+    monkeypatch.setenv("NCCL_SO_PATH", fake_nccl_path)
+    verdict = deep_check(backend.split()[0], "attention_exchanges_timed", world=4)
+    assert verdict["ok"], verdict
+    kept = measurement_for("cpu", 4)
+    assert kept["measured_by"] == "doctor --deep" and kept["heads"] == 56 and kept["rows_per_rank"] == 128
+    assert kept["backend"] == backend.split()[0]
+    choice = choose_sp_mode("auto", 4, 56, device_kind="cpu", measured=kept)
+    assert choice.mode == ("ulysses" if kept["ulysses_s"] < kept["allgather_s"] else "allgather")
+    assert "measured on this machine" in choice.reason
+    detail = verdict["detail"]
+    assert f"allgather {kept['allgather_s'] * 1e3:.2f} ms, ulysses {kept['ulysses_s'] * 1e3:.2f} ms" in detail
+    assert f"auto at W=4 on cpu now picks {choice.name}; written to {own_cache}" in detail
+
+
+def test_the_hybrid_is_timed_where_the_heads_divide_by_a_group_only(own_cache):
+    from comfy.multidevice.sp.mode_choice import measurement_for
+    verdict = deep_check("peer", "attention_exchanges_timed", world=6)
+    assert verdict["ok"] and "hybrid (Ulysses in groups of 2)" in verdict["detail"], verdict
+    assert measurement_for("cpu", 6) is not None
+
+
+def test_the_exchange_timing_records_nothing_where_ulysses_cannot_run(own_cache):
+    verdict = deep_check("peer", "attention_exchanges_timed", world=3)
+    assert verdict["ok"] and "skipped, nothing recorded" in verdict["detail"]
+    assert "rerun with --device-kind cpu --devices N, N one of 2, 4, 6, 7, 8" in verdict["detail"]
+    assert not own_cache.exists()
+
+
+def test_an_exchange_that_misplaces_rows_fails_the_timing_and_records_nothing(monkeypatch, own_cache):
+    from comfy.multidevice.sp import ulysses
+    real = ulysses.UlyssesKV._assemble
+    monkeypatch.setattr(ulysses.UlyssesKV, "_assemble", staticmethod(lambda layout, outs: real(layout, outs).flip(1)))
+    verdict = deep_check("peer", "attention_exchanges_timed", world=2)
+    assert not verdict["ok"] and "outputs wrong for ulysses on rank 0" in verdict["detail"], verdict
+    assert not own_cache.exists()
+
+
+def test_an_unwritable_cache_is_a_verdict_naming_the_file(monkeypatch, own_cache):
+    own_cache.parent.parent.mkdir(parents=True, exist_ok=True)
+    own_cache.parent.write_text("a file where the cache folder goes")
+    verdict = deep_check("peer", "attention_exchanges_timed", world=2)
+    assert not verdict["ok"] and f"could not write {own_cache}" in verdict["detail"], verdict
+    assert "XDG_CACHE_HOME" in verdict["detail"]

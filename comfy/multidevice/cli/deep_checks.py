@@ -15,6 +15,11 @@ returns one verdict ({"ok": bool, "seconds": float, "detail": str}); none raises
       stream must outlive their use on the main one
   stuck_rank_recovered            one rank stalls past a short timeout: the others fail naming
       it, and a fresh coordinator on the same cards then exchanges correctly
+  attention_exchanges_timed       both K/V exchanges timed as H3 attends (56 heads x 128, a
+      no-math attention, so the exchange and its layout work are what is timed; each output
+      checked against its q): the slowest rank's median per mode is kept in the user cache
+      folder, where `auto` picks the faster at this card count (sp/mode_choice.py's rule 3).
+      Skipped, nothing kept, where no group above one divides both the cards and the heads
 
 On CPU they run against whatever libraries the backend loads (the tests' fakes enforce the
 vendors' rules), so the suite runs them too.
@@ -24,18 +29,29 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import time
 
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.devices import synchronize
+from comfy.multidevice.sp.cost_model import ulysses_degree
 from comfy.multidevice.sp.minimax_h3 import shard_dit_blocks
+from comfy.multidevice.sp.mode_choice import (choose_sp_mode, measurement_for, measurements_path,
+                                            record_measurement)
+from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.weights.block_shards import ShardedBlockWeights
 
 COMFYUI_ALLOC_CONF = "backend:cudaMallocAsync"  # what ComfyUI sets on torch 2.x CUDA builds
 STUCK_TIMEOUT_S = 2.0
 BLOCKS, WIDTH = 8, 128
 KV_ROWS = 512  # per rank and block: long enough for a gather on a second communicator to overlap it
+H3_HEADS, H3_HEAD_DIM = 56, 128
+TIMED_ROWS = {"cpu": 128}  # per rank; CPU ranks share the cores, so fewer rows keep a repeat short
+TIMED_ROWS_ON_CARDS = 2048
+WARMUPS, REPEATS = 2, 5
+TIMED_MODES = ("allgather", "ulysses")
 
 
 def verdict_of(check) -> dict:
@@ -208,11 +224,99 @@ def stuck_rank_recovered(devices, backend, timeout_s) -> tuple[bool, str]:
     return named and usable, f"{failure}; a fresh coordinator on the same cards exchanged correctly: {usable}"
 
 
+def _no_math_attention(q, k, v, heads, *args, skip_output_reshape=False, **kwargs):
+    """q itself, in the output layout asked for: the timing then holds the exchange and its
+    layout work, not attention math; and an exchange that misplaced rows shows in the output."""
+    if skip_output_reshape:
+        return q
+    b, h, s, d = q.shape  # called with skip_reshape (H3's layout)
+    return q.transpose(1, 2).reshape(b, s, h * d)
+
+
+def _h3_qkv(rank: int, rows: int, device) -> list[torch.Tensor]:
+    """[1, heads, rows, head_dim] views of [rows, heads, head_dim] buffers, as H3's q, k, v."""
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(rows, H3_HEADS, H3_HEAD_DIM, generator=g).to(device, torch.bfloat16)
+            .transpose(0, 1).unsqueeze(0) for _ in range(3)]
+
+
+def _timed_attends(comm, mode: str, qkv, rows: int) -> tuple[float, bool]:
+    """Median seconds of REPEATS calls of `mode`'s exchange (after WARMUPS) on this rank, and
+    whether the last output equals this rank's q rows."""
+    strategy = make_kv_strategy(mode)
+    strategy.begin_forward()  # the node's path: one forward's blocks reuse the buffers
+    sizes = [rows] * comm.world_size
+    times = []
+    try:
+        for i in range(WARMUPS + REPEATS):
+            synchronize(comm.device)
+            comm.barrier()  # every rank starts together: a rank's time then spans the exchange
+            start = time.perf_counter()
+            out = strategy.attend(comm, _no_math_attention, *qkv, H3_HEADS, skip_reshape=True,
+                                  shard_sizes=sizes)
+            synchronize(comm.device)
+            if i >= WARMUPS:
+                times.append(time.perf_counter() - start)
+    finally:
+        strategy.end_forward()
+    return statistics.median(times), torch.equal(out.cpu(), _no_math_attention(*qkv, H3_HEADS).cpu())
+
+
+def _ulysses_name(world: int) -> str:
+    degree = ulysses_degree(world, H3_HEADS)
+    return "ulysses" if degree == world else f"hybrid (Ulysses in groups of {degree})"
+
+
+def _slowest_medians(devices, backend, timeout_s, rows) -> tuple[dict, list[str], str]:
+    """Per mode, the slowest rank's median seconds; which (mode, rank) outputs were wrong; the
+    backend that ran."""
+    def rank(r, comm):
+        qkv = _h3_qkv(r, rows, comm.device)
+        return {mode: _timed_attends(comm, mode, qkv, rows) for mode in TIMED_MODES}
+
+    with SequenceParallelCoordinator(devices, backend=backend, timeout_s=timeout_s) as coord:
+        per_rank = coord.run(rank)
+        backend_name = coord.backend_name
+    slowest = {mode: max(r[mode][0] for r in per_rank) for mode in TIMED_MODES}
+    inexact = [f"{mode} on rank {i}" for i, r in enumerate(per_rank) for mode in TIMED_MODES if not r[mode][1]]
+    return slowest, inexact, backend_name
+
+
+def _nothing_to_measure(world: int, kind: str) -> str:
+    counts = [n for n in range(2, 9) if ulysses_degree(n, H3_HEADS) > 1]
+    return (f"skipped, nothing recorded: no group size above one divides both {world} card(s) and H3's "
+            f"{H3_HEADS} heads, so auto runs the all-gather here without measuring; to measure, rerun with "
+            f"{'--device-kind cpu ' if kind == 'cpu' else ''}--devices N, N one of {', '.join(map(str, counts))}")
+
+
+def attention_exchanges_timed(devices, backend, timeout_s) -> tuple[bool, str]:
+    world, kind = len(devices), torch.device(devices[0]).type
+    if ulysses_degree(world, H3_HEADS) == 1:
+        return True, _nothing_to_measure(world, kind)
+    rows = TIMED_ROWS.get(kind, TIMED_ROWS_ON_CARDS)
+    slowest, inexact, backend_name = _slowest_medians(devices, backend, timeout_s, rows)
+    figures = (f"allgather {slowest['allgather'] * 1e3:.2f} ms, {_ulysses_name(world)} "
+               f"{slowest['ulysses'] * 1e3:.2f} ms (slowest rank's median of {REPEATS}; {world} {kind} "
+               f"rank(s), {backend_name}, {rows} rows per rank, {H3_HEADS} heads x {H3_HEAD_DIM}, bf16)")
+    if inexact:  # a wrong exchange's time must not steer auto
+        return False, f"{figures}; outputs wrong for {', '.join(inexact)}: nothing recorded"
+    detail = {"measured_by": "doctor --deep", "backend": backend_name, "rows_per_rank": rows, "heads": H3_HEADS}
+    try:
+        path = record_measurement(kind, world, slowest["allgather"], slowest["ulysses"], detail)
+    except OSError as exc:
+        return False, (f"{figures}; could not write {measurements_path()}: {exc}; make that folder writable "
+                       "or set XDG_CACHE_HOME to a writable folder")
+    choice = choose_sp_mode("auto", world, H3_HEADS, H3_HEAD_DIM, device_kind=kind,
+                            measured=measurement_for(kind, world, path))  # read back, as the node reads it
+    return True, f"{figures}; auto at W={world} on {kind} now picks {choice.name}; written to {path}"
+
+
 DEEP_CHECKS = {
     "exchange_between_nonzero_ranks": exchange_between_nonzero_ranks,
     "shard_gather_beside_exchange": shard_gather_beside_exchange,
     "quantized_gather_and_release": quantized_gather_and_release,
     "stuck_rank_recovered": stuck_rank_recovered,
+    "attention_exchanges_timed": attention_exchanges_timed,
 }
 
 

@@ -371,7 +371,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deep", action="store_true",
                         help="also run a few seconds on each risky card path (exchange between ranks other "
                              "than 0, shard gathers beside the K/V exchange, quantized weights gathered and "
-                             "released, a stuck rank recovered); the first thing to run on new cards")
+                             "released, a stuck rank recovered, both attention exchanges timed and kept for "
+                             "sp_mode auto); the first thing to run on new cards")
     parser.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
                         help="seconds a self-test collective may wait for the other ranks "
                              f"(default 60, at most {MAX_TIMEOUT_S:g})")
