@@ -90,9 +90,9 @@ NODE_SCHEMA = {
          "tooltip": "How the DiT's cards share attention: allgather = each card gathers every card's K and V "
                     "(any card count); ulysses = cards swap rows for heads (moves 2/N of the all-gather's "
                     "bytes, holds less; the heads must divide by the card count: 56 by 2, 4, 7, 8); hybrid = "
-                    "Ulysses in groups where the heads do not divide; auto = ulysses where it moves fewer bytes, "
-                    "allgather on CPU ranks or at 2 cards, or what doctor --deep measured here. Same result "
-                    "within the sequence-parallel tolerance."},
+                    "Ulysses in groups where the heads do not divide; auto = "
+                    "what doctor --deep measured here, else allgather on CPU ranks and at 2 cards, else ulysses "
+                    "where it moves fewer bytes. Same result within the sequence-parallel tolerance."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",
@@ -147,7 +147,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
         check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
-    mode = dit_sp_mode(sp_mode, plan, selected, model, joining)
+    mode = dit_sp_mode(sp_mode, plan, selected, model, joining, backend)
     if type(plan_tokens) is int and plan_tokens == AUTO_PLAN_TOKENS:
         tokens, tokens_from = workflow_tokens(prompt), "the workflow's latents"
     else:  # a number is planned as given; anything else is refused by name in plan_memory
@@ -177,9 +177,10 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     return outputs
 
 
-def dit_sp_mode(sp_mode, plan, selected, model, joining: int):
+def dit_sp_mode(sp_mode, plan, selected, model, joining: int, backend: str = "default"):
     """The node's sp_mode resolved for the DiT's ranks (sp/mode_choice.py), refused by name before
-    anything is made: W counts other servers' ranks, the heads come from the DiT's first block."""
+    anything is made: W counts other servers' ranks, the heads come from the DiT's first block; a
+    measurement counts when it was taken with the backend the node names (any, for default/auto)."""
     from comfy.multidevice.comfy_objects import dit_module
     from comfy.multidevice.roles.memory_plan import dit_shape_of
     from comfy.multidevice.roles.plan import SEQUENCE_PARALLEL
@@ -190,7 +191,8 @@ def dit_sp_mode(sp_mode, plan, selected, model, joining: int):
     kind = str(selected[0]).split(":")[0]
     return choose_sp_mode(sp_mode, world, shape.heads if shape else None, shape.head_dim if shape else 128,
                           device_kind=kind, other_servers=joining > 0,
-                          measured=measurement_for(kind, world) if world > 1 else None)
+                          measured=measurement_for(kind, world, backend=None if backend in ("default", "auto")
+                                                   else backend) if world > 1 else None)
 
 
 def remote_ranks_of_environment() -> int:

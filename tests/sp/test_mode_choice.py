@@ -99,3 +99,11 @@ def test_measurements_are_kept_per_kind_and_w_and_a_bad_file_is_ignored(tmp_path
     assert measurement_for("npu", 4, path) is None
     record_measurement("npu", 2, 0.1, 0.2, None, path)  # over an unreadable entry: the file is rewritten
     assert measurement_for("npu", 2, path)["ulysses_s"] == 0.2
+
+
+def test_a_measurement_of_another_backend_does_not_count_when_the_node_names_one(tmp_path):
+    path = tmp_path / "exchange_measurements.json"
+    record_measurement("npu", 4, 0.001, 0.003, {"backend": "peer"}, path)
+    assert measurement_for("npu", 4, path, backend="hccl") is None  # the node runs HCCL: not this timing
+    assert measurement_for("npu", 4, path, backend="peer")["backend"] == "peer"
+    assert measurement_for("npu", 4, path)["allgather_s"] == 0.001  # default/auto: any backend's

@@ -13,7 +13,8 @@ The node offers four choices; each becomes one of the two exchanges of strategie
     3. this machine measured both exchanges at this W on these cards (`doctor --deep` keeps it in
        the user cache folder): the faster one, by the measurement;
     4. CPU ranks: allgather (they share one memory; the exchange is a copy, and Ulysses' extra
-       round and layout copies cost more than the bytes it saves: bench/bench_sp_modes.py);
+       round and layout copies cost more than the bytes it saves: bench/bench_sp_modes.py and
+       doctor --deep's timing on CPU ranks);
     5. otherwise the cost model (cost_model.py): ulysses when it receives fewer bytes per rank
        than the all-gather (2/W of them at U = W: half at 4 cards, a quarter at 8), which also
        holds a 1/W head block of q/k/v instead of the full K and V; ties (W = 2) go to the
@@ -141,9 +142,11 @@ def _key(device_kind: str, world: int) -> str:
     return f"{device_kind}:{world}"
 
 
-def measurement_for(device_kind: str, world: int, path: Path | None = None) -> dict | None:
+def measurement_for(device_kind: str, world: int, path: Path | None = None,
+                    backend: str | None = None) -> dict | None:
     """The timing `doctor --deep` kept for `world` ranks on cards of `device_kind`, or None (none
-    kept, or a file that does not read as one: the rule then goes by the cost model)."""
+    kept, or a file that does not read as one: the rule then goes by the cost model). `backend`:
+    the one the node was told to use (None: any); a timing of another backend does not count."""
     path = measurements_path() if path is None else path
     try:
         entry = json.loads(path.read_text(encoding="utf-8")).get(_key(device_kind, world))
@@ -151,6 +154,8 @@ def measurement_for(device_kind: str, world: int, path: Path | None = None) -> d
         return None
     ok = isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) and entry[k] > 0
                                          for k in ("allgather_s", "ulysses_s"))
+    if ok and backend is not None and entry.get("backend") not in (None, backend):
+        return None
     return entry if ok else None
 
 
