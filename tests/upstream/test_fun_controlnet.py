@@ -35,15 +35,16 @@ class _FakeVideoVAE:
         return base + frames.float().mean()
 
 
-def control_model_patch(upstream):
+def control_model_patch(upstream, config=TINY):
+    """Upstream's tower, sized like the DiT of `config`."""
     import comfy.model_management
     import comfy.model_patcher
     import comfy.ops
     from comfy.ldm.minimax.controlnet import MiniMaxH3FunControl
-    tower = MiniMaxH3FunControl(injection_layers=INJECTION_LAYERS, hidden_size=TINY["hidden_size"],
-                                num_attention_heads=TINY["num_attention_heads"],
-                                attention_head_dim=TINY["attention_head_dim"],
-                                ffn_hidden_size=TINY["ffn_hidden_size"], time_embed_dim=TINY["time_embed_dim"],
+    tower = MiniMaxH3FunControl(injection_layers=INJECTION_LAYERS, hidden_size=config["hidden_size"],
+                                num_attention_heads=config["num_attention_heads"],
+                                attention_head_dim=config["attention_head_dim"],
+                                ffn_hidden_size=config["ffn_hidden_size"], time_embed_dim=config["time_embed_dim"],
                                 dtype=torch.float32, operations=comfy.ops.disable_weight_init)
     g = torch.Generator().manual_seed(3)
     state = {name: torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05) + (1.0 if "norm" in name else 0.0)
@@ -54,18 +55,24 @@ def control_model_patch(upstream):
     return comfy.model_patcher.ModelPatcher(tower, load_device=device, offload_device=device)
 
 
-@pytest.fixture(scope="module")
-def controlled(upstream, patcher):
-    if not upstream.has_attention_hook:
-        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+def with_fun_control(upstream, patcher, config=TINY):
+    """`patcher` with upstream's own apply node's Fun ControlNet (a tower sized by `config`);
+    skips where this ComfyUI has no such node."""
     try:
         from comfy_extras.nodes_minimax_h3 import MiniMaxH3FunControlNetApply
     except ImportError:
         pytest.skip("this ComfyUI has no MiniMaxH3FunControlNetApply")
     frames = torch.rand(22, 32, 64, 3, generator=torch.Generator().manual_seed(5))
-    out = MiniMaxH3FunControlNetApply.execute(patcher, control_model_patch(upstream), _FakeVideoVAE(),
+    out = MiniMaxH3FunControlNetApply.execute(patcher, control_model_patch(upstream, config), _FakeVideoVAE(),
                                               0.8, 0.0, 1.0, control_video=frames)
     return out.args[0]
+
+
+@pytest.fixture(scope="module")
+def controlled(upstream, patcher):
+    if not upstream.has_attention_hook:
+        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
+    return with_fun_control(upstream, patcher)
 
 
 def test_fun_controlnet_acts_on_the_single_card_result(controlled, patcher):

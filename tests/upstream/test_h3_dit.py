@@ -30,10 +30,10 @@ TINY = dict(hidden_size=32, num_layers=3, token_refiner_num_layers=1, num_attent
 CASES = ("plain", "tiny", "audio_mask")  # upstream crashes single-device on a partial video mask (its own bug)
 
 
-def tiny_state_dict(upstream, seed=0):
-    """Seeded random weights for upstream's tiny MiniMaxH3Model (norm weights around 1)."""
+def tiny_state_dict(upstream, seed=0, config=TINY):
+    """Seeded random weights for upstream's tiny MiniMaxH3Model of `config` (norm weights around 1)."""
     import comfy.ops
-    shell = upstream.h3.MiniMaxH3Model(**TINY, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    shell = upstream.h3.MiniMaxH3Model(**config, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, p in shell.state_dict().items():

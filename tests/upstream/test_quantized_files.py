@@ -20,12 +20,12 @@ from tests.upstream.test_h3_dit import FP32_TOL, TINY, tiny_state_dict
 from tests.upstream.test_sampling import node_dit, sample
 
 
-def quantized_state_dict(upstream, fmt):
+def quantized_state_dict(upstream, fmt, config=TINY):
     import comfy.quant_ops
     from comfy_kitchen.tensor.base import get_layout_class
     layout = get_layout_class(comfy.quant_ops.QUANT_ALGOS[fmt]["comfy_tensor_layout"])
     out = {}
-    for name, value in tiny_state_dict(upstream).items():
+    for name, value in tiny_state_dict(upstream, config=config).items():
         if name.startswith("blocks.") and name.endswith(".weight") and value.dim() == 2 and "adaln" not in name:
             prefix = name[:-len("weight")]
             qdata, params = layout.quantize(value)
