@@ -66,6 +66,8 @@ FALLBACK_NODE_SCHEMA = {
         {"name": "plan_tokens", "type": "INT", "default": 0, "optional": True},
         {"name": "dit_ranks", "type": "COMBO", "options": ["auto", "threads", "processes"], "default": "auto",
          "optional": True},
+        {"name": "sp_mode", "type": "COMBO", "options": ["auto", "allgather", "ulysses", "hybrid"], "default": "auto",
+         "optional": True},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL"},
