@@ -3,8 +3,7 @@
 
 The miniature H3 DiT with 8 heads (so plain Ulysses runs at W = 2, 4 and 8), fp32, on CPU
 ranks; the baseline is the all-gather, every ratio is Ulysses over it. Each mode is what the
-node's `sp_mode` input hands the DiT roles (sp/mode_choice.py `choose_sp_mode(...,
-device_kind="cpu")`), run through those roles: rank threads by roles/dit.py
+node's `sp_mode` input hands the DiT roles (sp/mode_choice.py `choose_sp_mode(...)`), run through those roles: rank threads by roles/dit.py
 `sequence_parallel_dit` on one coordinator (peer backend; a bare DiT module: the node's MODEL
 differs in how the replicas are made, not in the exchange), ranks as processes by a
 workers/pool.py `WorkerPool`, the pool that workers/fan_out.py `workers_on_patcher` makes for a
@@ -48,8 +47,8 @@ much of a step the exchange is.
    all its blocks), against cost_model.exchanged_bytes. The estimate states no margin; the
    ratios are reported as they come (measured_vs_estimate).
 4. cpu_threads_allgather_faster_w2 / _w4: whether the all-gather's step is the shorter one on
-   rank threads (the rule "CPU ranks: allgather" of sp/mode_choice.py rests on it): true or
-   false by the median ratio, null when 1.0 lies between the rounds' quartiles.
+   rank threads (sp/mode_choice.py's rule has no CPU case because these came out null): true
+   or false by the median ratio, null when 1.0 lies between the rounds' quartiles.
 
 Prints human lines, then one JSON object on the last line. `--quick`: the test's smallest run.
 
@@ -108,7 +107,7 @@ def bench_config(blocks: int, head_dim: int, hidden: int) -> MiniatureConfig:
 
 def node_mode(choice: str, world: int, head_dim: int) -> str:
     """What the node hands the DiT roles for its sp_mode `choice` on CPU ranks."""
-    return choose_sp_mode(choice, world, HEADS, head_dim, device_kind="cpu").mode
+    return choose_sp_mode(choice, world, HEADS, head_dim).mode
 
 
 def timed(forward) -> float:

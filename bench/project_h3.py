@@ -45,8 +45,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from comfy.multidevice.sp.cost_model import (DiTShape, choose_sp_mode, forward_flops, forward_traffic,
+from comfy.multidevice.sp.cost_model import (DiTShape, forward_flops, forward_traffic,  # noqa: E402
                                              h3_targets, ulysses_degree)
+from comfy.multidevice.sp.mode_choice import choose_sp_mode  # noqa: E402
 
 H3 = DiTShape()  # hidden 5376, 50 blocks, 56 heads x 128, SwiGLU 14336 (docs/ARCHITECTURE.md)
 WORLDS = list(range(1, 9))
@@ -457,7 +458,7 @@ def project(text_tokens: int) -> dict:
                     "comm_seconds_per_step": {w: round(s["comm_s"], 3) for w, s in steps.items()},
                     "speedup": {w: round(base / s["serial_s"], 3) for w, s in steps.items()},
                 }
-            per_mode["auto_picks"] = {w: choose_sp_mode(w, H3.heads) for w in WORLDS}
+            per_mode["auto_picks"] = {w: choose_sp_mode("auto", w, H3.heads, H3.head_dim).mode for w in WORLDS}
             per_workload[name] = per_mode
         result[profile["name"]] = per_workload
     return result

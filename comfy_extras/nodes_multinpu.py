@@ -91,7 +91,7 @@ NODE_SCHEMA = {
                     "(any card count); ulysses = cards swap rows for heads (moves 2/N of the all-gather's "
                     "bytes, holds less; the heads must divide by the card count: 56 by 2, 4, 7, 8); hybrid = "
                     "Ulysses in groups where the heads do not divide; auto = "
-                    "what doctor --deep measured here, else allgather on CPU ranks and at 2 cards, else ulysses "
+                    "what doctor --deep measured here, else allgather at 2 cards, else ulysses "
                     "where it moves fewer bytes. Same result within the sequence-parallel tolerance."},
     ],
     "outputs": [
@@ -189,10 +189,10 @@ def dit_sp_mode(sp_mode, plan, selected, model, joining: int, backend: str = "de
     world = len(plan.dit.cards) + joining if plan.dit.mode == SEQUENCE_PARALLEL else 1
     shape = dit_shape_of(dit_module(model)) if world > 1 else None
     kind = str(selected[0]).split(":")[0]
+    named = None if backend in ("default", "auto") else backend
     return choose_sp_mode(sp_mode, world, shape.heads if shape else None, shape.head_dim if shape else 128,
-                          device_kind=kind, other_servers=joining > 0,
-                          measured=measurement_for(kind, world, backend=None if backend in ("default", "auto")
-                                                   else backend) if world > 1 else None)
+                          other_servers=joining > 0,
+                          measured=measurement_for(kind, world, backend=named) if world > 1 else None)
 
 
 def remote_ranks_of_environment() -> int:

@@ -242,7 +242,7 @@ def test_end_to_end_on_4_cpu_ranks_matches_single_device(as_patcher, fake_patche
 
 @pytest.mark.parametrize("npu_count, sp_mode, strategy, degree", [
     (4, "ulysses", "ulysses", 4), (8, "hybrid", "ulysses", 4), (4, "allgather", "allgather", 1),
-    (4, "auto", "allgather", 1),  # CPU ranks: the all-gather (sp/mode_choice.py's rule)
+    (4, "auto", "ulysses", 4),  # fewer bytes (sp/mode_choice.py's rule; no measurement kept)
 ])
 def test_each_sp_mode_through_the_node_matches_one_card(npu_count, sp_mode, strategy, degree,
                                                         fake_patcher_extension, caplog):

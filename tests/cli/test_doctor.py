@@ -254,7 +254,7 @@ def test_the_exchange_timing_is_kept_where_auto_reads_it(backend, monkeypatch, o
     kept = measurement_for("cpu", 4)
     assert kept["measured_by"] == "doctor --deep" and kept["heads"] == 56 and kept["rows_per_rank"] == 128
     assert kept["backend"] == backend.split()[0]
-    choice = choose_sp_mode("auto", 4, 56, device_kind="cpu", measured=kept)
+    choice = choose_sp_mode("auto", 4, 56, measured=kept)
     assert choice.mode == ("ulysses" if kept["ulysses_s"] < kept["allgather_s"] else "allgather")
     assert "measured on this machine" in choice.reason
     detail = verdict["detail"]

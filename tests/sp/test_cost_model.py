@@ -8,7 +8,7 @@ real runs of the miniature.
 
 import pytest
 
-from comfy.multidevice.sp.cost_model import (DiTShape, attention_traffic, choose_sp_mode, final_layer_traffic,
+from comfy.multidevice.sp.cost_model import (DiTShape, attention_traffic, final_layer_traffic,
                                              forward_flops, forward_traffic, h3_targets,
                                              hidden_gather_traffic, Traffic, ulysses_degree)
 
@@ -54,12 +54,6 @@ def test_one_rank_moves_nothing_and_bad_modes_are_named():
         attention_traffic("ring", 10, 2, 0, 4, 8, 4)
     with pytest.raises(ValueError, match="degree 3 does not divide"):
         attention_traffic("ulysses", 10, 4, 0, 6, 8, 4, degree=3)
-
-
-def test_auto_prefers_fewer_bytes_and_allgather_on_ties():
-    assert [choose_sp_mode(w, 56) for w in range(1, 9)] == [
-        "allgather", "allgather", "allgather", "ulysses", "allgather", "ulysses", "ulysses", "ulysses"]
-    assert choose_sp_mode(3, 4) == "allgather" and choose_sp_mode(4, 2) == "ulysses"
 
 
 def test_flops_of_h3_are_mostly_attention_at_15_seconds():

@@ -70,7 +70,7 @@ def resolved(model, sp_mode, world):
     from comfy.multidevice.comfy_objects import dit_module
     from comfy.multidevice.roles.memory_plan import dit_shape_of
     shape = dit_shape_of(dit_module(model))
-    return choose_sp_mode(sp_mode, world, shape.heads, shape.head_dim, device_kind="cpu")
+    return choose_sp_mode(sp_mode, world, shape.heads, shape.head_dim)
 
 
 def node_dit(model, world, sp_mode, dit_weights="replicate"):

@@ -306,7 +306,7 @@ def attention_exchanges_timed(devices, backend, timeout_s) -> tuple[bool, str]:
     except OSError as exc:
         return False, (f"{figures}; could not write {measurements_path()}: {exc}; make that folder writable "
                        "or set XDG_CACHE_HOME to a writable folder")
-    choice = choose_sp_mode("auto", world, H3_HEADS, H3_HEAD_DIM, device_kind=kind,
+    choice = choose_sp_mode("auto", world, H3_HEADS, H3_HEAD_DIM,
                             measured=measurement_for(kind, world, path))  # read back, as the node reads it
     return True, f"{figures}; auto at W={world} on {kind} now picks {choice.name}; written to {path}"
 

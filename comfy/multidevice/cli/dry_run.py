@@ -45,7 +45,8 @@ from comfy.multidevice.devices import available_memory_bytes, copy_for_rank
 from comfy.multidevice.miniature.h3 import (build_miniature, MiniatureConfig, MiniatureH3Model,
                                             read_miniature_config, save_miniature)
 from comfy.multidevice.tensor_bytes import module_bytes
-from comfy.multidevice.sp.cost_model import choose_sp_mode, DiTShape, forward_traffic, h3_targets
+from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic, h3_targets
+from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
 from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES, SPMode
@@ -601,8 +602,9 @@ def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str
     """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
     cfg = settings.config
     mode = settings.args.sp_mode
-    if mode == "auto":
-        mode = choose_sp_mode(world, cfg.num_attention_heads, cfg.attention_head_dim)
+    if mode == "auto":  # the rule the ranks' AutoKV follows, with the same measurement
+        measured = measurement_for(str(settings.devices[0]).split(":")[0], world)
+        mode = choose_sp_mode("auto", world, cfg.num_attention_heads, cfg.attention_head_dim, measured=measured).mode
     shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=cfg.num_attention_heads,
                      head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size,
                      video_out=cfg.video_patch_dim, audio_out=cfg.audio_latents_dim)

@@ -446,11 +446,17 @@ class SequenceParallelCoordinator:
         self._parity[rank] ^= 1
         meta_slot, data_slot = self._meta_slots[parity], self._data_slots[parity]
         op_slot = self._op_slots[parity]
-        meta_slot[rank], data_slot[rank], op_slot[rank] = meta, data, op
-        if data is not None and self.backend.reads_peer_memory:
+        # Only a backend whose ranks read each other's tensors needs them published: a library
+        # backend's slot would keep a block's K and V alive two collectives past their use.
+        shared = data is not None and self.backend.reads_peer_memory
+        meta_slot[rank], data_slot[rank], op_slot[rank] = meta, data if shared else None, op
+        if shared:
             # Other ranks read our tensors directly: finish them first.
             synchronize(self.devices[rank])
         self._barrier.wait(rank, what or op)
+        # every rank is past the previous collective now, so none still reads what this rank
+        # published for it: let those tensors go (otherwise held until this slot is reused)
+        self._data_slots[parity ^ 1][rank] = None
         if op_slot.count(op) != self.world_size:  # C-level scan: this runs on every collective
             calls = ", ".join(f"rank {r}: {o}" for r, o in enumerate(op_slot))
             raise CollectiveError(

@@ -1,6 +1,6 @@
 """What sequence-parallel attention costs: exact bytes per rank, and FLOPs per forward.
 
-Pure arithmetic (no torch), shared by the `auto` mode choice (comfy/multidevice/sp/ulysses.py), the H3
+Pure arithmetic (no torch), shared by the `auto` mode choice (comfy/multidevice/sp/mode_choice.py), the H3
 performance projection (bench/project_h3.py) and the tests, which check these formulas
 against the byte counters of a real run.
 
@@ -169,20 +169,6 @@ def forward_flops(shape: DiTShape, seq_len: int) -> dict:
     return {"linear": linear, "attention": attention, "total": linear + attention}
 
 
-def choose_sp_mode(world: int, heads: int, head_dim: int = 128) -> str:
-    """`auto`: the mode with the fewer bytes per rank (ties -> allgather, one collective less).
-
-    Decided from W and the heads only (the shard lengths cancel out), so every rank picks the
-    same mode without talking to the others.
-    """
-    if world <= 1:
-        return "allgather"
-    probe = 1024 * world  # any length: the ratio of the two modes does not depend on it
-    worst = {mode: max(attention_traffic(mode, probe, world, r, heads, head_dim, 2).received
-                       for r in range(world)) for mode in ("allgather", "ulysses")}
-    return "ulysses" if worst["ulysses"] < worst["allgather"] else "allgather"
-
-
 # ----------------------------------------------------------------------------- memory
 
 def block_parameters(shape: DiTShape, t_dim: int = 2688, modalities: int = 3) -> int:
@@ -220,7 +206,10 @@ def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 
     Held for the rank's own rows L = ceil(S/W) inside one block: q/k/v before and after the
     norm and rotation (6 H*D), the attention output (H*D), the modulated inputs and residual
     updates (4 hidden) and the SwiGLU's 2F + F. A fused attention kernel is assumed (no
-    [L, S] score matrix). Not counted: the text refiner (short) and allocator fragmentation.
+    [L, S] score matrix). Not counted: the text refiner (short), allocator fragmentation, and
+    under the peer backend the previous block's own q/k/v rows, which the coordinator holds for
+    the peers until the next collective (about 4 H*D per own row; bench/bench_sp_modes.py
+    measures the all-gather's peak 1.2x this estimate on CPU ranks, Ulysses' 1.05x).
     """
     rows = -(-seq_len // max(world, 1))
     a, h = shape.attention_width, shape.hidden
@@ -232,12 +221,15 @@ def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 
 
 def exchanged_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2,
                     mode: str = "allgather", degree: int | None = None) -> int:
-    """What one block's attention exchange holds on the rank with the most rows.
+    """What one block's attention exchange holds on the rank with the most rows (its buffers,
+    kept by the strategy for the whole forward).
 
-    allgather: the gathered K and V, [S, H*D] each. ulysses with degree U: the rank's head
-    block (H/U heads) of q and of the output for its group's rows (U/W of the sequence) and of
-    K and V for the whole sequence: 2 (S + S*U/W) H*D/U, which is 4 S H*D/W for plain Ulysses
-    (U = W) against the all-gather's 2 S H*D.
+    allgather: the gathered K and V, [S, H*D] each. ulysses with degree U: what the rank
+    receives, its head block (H/U heads) of q and of the output for its group's rows (U/W of the
+    sequence) and of K and V for the whole sequence, 2 (S + S*U/W) H*D/U; and what it sends, K
+    and V of its own rows packed per peer (H3's K and V are separate tensors after the norm and
+    the rotation; q goes as it lies), 2 (S/W) H*D W/U. Plain Ulysses (U = W): 6 S H*D/W against
+    the all-gather's 2 S H*D, i.e. 3/W of it (bench/bench_sp_modes.py measures both).
     """
     a = shape.attention_width
     if world <= 1:
@@ -249,4 +241,7 @@ def exchanged_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2
     u_deg = degree or ulysses_degree(world, shape.heads)
     head_block = -(-shape.heads // u_deg) * shape.head_dim
     group_rows = -(-seq_len * u_deg // world)
-    return 2 * (seq_len + group_rows) * head_block * itemsize
+    own_rows = -(-seq_len // world)
+    received = 2 * (seq_len + group_rows) * head_block
+    packed = 2 * own_rows * a * (world // u_deg)
+    return (received + packed) * itemsize

@@ -12,14 +12,13 @@ The node offers four choices; each becomes one of the two exchanges of strategie
        the all-gather's bytes, in two rounds instead of one);
     3. this machine measured both exchanges at this W on these cards (`doctor --deep` keeps it in
        the user cache folder): the faster one, by the measurement;
-    4. CPU ranks: allgather (they share one memory; the exchange is a copy, and Ulysses' extra
-       round and layout copies cost more than the bytes it saves: bench/bench_sp_modes.py and
-       doctor --deep's timing on CPU ranks);
-    5. otherwise the cost model (cost_model.py): ulysses when it receives fewer bytes per rank
-       than the all-gather (2/W of them at U = W: half at 4 cards, a quarter at 8), which also
-       holds a 1/W head block of q/k/v instead of the full K and V; ties (W = 2) go to the
-       all-gather, one collective instead of two. Other servers' ranks only make the bytes
-       count for more: the network is slower than one server's card-to-card link.
+    4. otherwise the cost model (cost_model.py): ulysses when it receives fewer bytes per rank
+       than the all-gather (2/W of them at U = W: half at 4 cards, a quarter at 8); it also
+       holds 3/W of the all-gather's exchange buffers. Ties (W = 2) go to the all-gather, one
+       collective instead of two. Other servers' ranks only make the bytes count for more: the
+       network is slower than one server's card-to-card link. CPU ranks follow the same rule:
+       bench/bench_sp_modes.py finds the two modes' steps alike there (Ulysses over all-gather
+       0.91-1.07 at W = 2, 4, 8, within the rounds' spread) and Ulysses' peak 0.64x at W = 4.
 
 The Fun ControlNet's tower runs on the full sequence on every rank in either mode (its stream
 never reads the base's K/V), so the choice does not change what it costs.
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from comfy.multidevice.comm.settings import user_cache_dir
-from comfy.multidevice.sp.cost_model import attention_traffic, ulysses_degree
+from comfy.multidevice.sp.cost_model import attention_traffic, DiTShape, exchanged_bytes, ulysses_degree
 
 SP_MODE_CHOICES = ("auto", "allgather", "ulysses", "hybrid")  # the node's sp_mode
 MEASUREMENTS_FILE = "exchange_measurements.json"  # in the user cache folder, written by doctor --deep
@@ -72,12 +71,19 @@ def bytes_ratio(world: int, heads: int, head_dim: int = 128) -> float:
     return worst["ulysses"] / worst["allgather"]
 
 
+def held_ratio(world: int, heads: int, head_dim: int, degree: int) -> float:
+    """Ulysses' (hybrid's) exchange buffers per rank over the all-gather's (cost_model.exchanged_bytes)."""
+    shape, probe = DiTShape(heads=heads, head_dim=head_dim), 1024 * world
+    return (exchanged_bytes(shape, probe, world, mode="ulysses", degree=degree)
+            / exchanged_bytes(shape, probe, world))
+
+
 def choose_sp_mode(choice: str, world: int, heads: int | None, head_dim: int = 128,
-                   device_kind: str = "npu", other_servers: bool = False,
-                   measured: dict | None = None) -> ModeChoice:
-    """The node's `choice` at `world` DiT ranks of a DiT with `heads` heads (None: not readable)
-    on cards of `device_kind` ("npu", "cuda", "cpu"), `other_servers` when ranks of other servers
-    join, `measured` this machine's timing of both exchanges at this W (`measurement_for`)."""
+                   other_servers: bool = False, measured: dict | None = None) -> ModeChoice:
+    """The node's `choice` at `world` DiT ranks of a DiT with `heads` heads (None: not readable),
+    `other_servers` when ranks of other servers join, `measured` this machine's timing of both
+    exchanges at this W on these cards (`measurement_for(device kind, W)`: the device kind enters
+    the rule there)."""
     if choice not in SP_MODE_CHOICES:
         raise SPModeError(f"sp_mode={choice!r} is unknown: set sp_mode to one of {', '.join(SP_MODE_CHOICES)}.")
     if world <= 1:
@@ -105,10 +111,10 @@ def choose_sp_mode(choice: str, world: int, heads: int | None, head_dim: int = 1
         if degree == world:
             return ModeChoice("ulysses", world, world, f"hybrid asked, and {heads} heads divide by {world}")
         return ModeChoice("ulysses", degree, world, f"asked: {heads} heads do not divide by {world}")
-    return _auto(world, heads, head_dim, degree, device_kind, other_servers, measured)
+    return _auto(world, heads, head_dim, degree, other_servers, measured)
 
 
-def _auto(world, heads, head_dim, degree, device_kind, other_servers, measured) -> ModeChoice:
+def _auto(world, heads, head_dim, degree, other_servers, measured) -> ModeChoice:
     as_ulysses = "ulysses" if degree == world else f"the hybrid ({world // degree} groups of {degree})"
     if degree == 1:
         return ModeChoice("allgather", 1, world, f"auto: no group size above one divides both {world} ranks "
@@ -119,15 +125,13 @@ def _auto(world, heads, head_dim, degree, device_kind, other_servers, measured) 
                           f"auto, measured on this machine ({measured.get('measured_by', 'doctor --deep')}): "
                           f"{as_ulysses} {measured['ulysses_s'] * 1e3:.2f} ms, allgather "
                           f"{measured['allgather_s'] * 1e3:.2f} ms per exchange")
-    if device_kind == "cpu":
-        return ModeChoice("allgather", 1, world, "auto: CPU ranks share one memory, where the all-gather's one "
-                                                 "copy costs less than Ulysses' two rounds")
     ratio = bytes_ratio(world, heads, head_dim)
     where = "other servers' network" if other_servers else "the cards' link"
     if ratio < 1:
         return ModeChoice("ulysses", degree, world,
                           f"auto: {as_ulysses} receives {ratio:.2f} of the all-gather's bytes per block over "
-                          f"{where}, and holds a head block of q/k/v instead of the full K and V")
+                          f"{where}, and holds {held_ratio(world, heads, head_dim, degree):.2f} of its "
+                          f"exchange buffers")
     return ModeChoice("allgather", 1, world, f"auto: {as_ulysses} would receive {ratio:.2f} of the all-gather's "
                                              f"bytes, in two rounds instead of one")
 

@@ -2,8 +2,9 @@
 
   allgather  `AllGatherKV`: every rank gathers the full K and V, keeps its own Q rows
   ulysses    `UlyssesKV` (ulysses.py): all-to-all from sequence shards to head shards
-  auto       `AutoKV`: allgather or ulysses, whichever the byte model (cost_model.py) says
-             moves fewer bytes, decided on the first call and logged once
+  auto       `AutoKV`: allgather or ulysses by the one rule of `auto` (mode_choice.py: the
+             measurement doctor --deep kept for these cards, else the byte model), decided on
+             the first call and logged once
 
 `SPMode` carries a mode with its options; `make_kv_strategy` turns a name or an SPMode into a
 strategy object with `attend(comm, attention_fn, q, k, v, heads, ...)`.
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from comfy.multidevice.sp.attention_budget import attend_within_budget
-from comfy.multidevice.sp.cost_model import choose_sp_mode, ulysses_degree
+from comfy.multidevice.sp.cost_model import ulysses_degree
+from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.sp.ulysses import UlyssesKV
 
@@ -81,11 +83,12 @@ def make_kv_strategy(sp_mode=None):
 
 
 class AutoKV:
-    """K/V exchange strategy "auto": allgather or ulysses, by the byte model.
+    """K/V exchange strategy "auto": allgather or ulysses, by mode_choice.py's rule (the node's).
 
-    The choice depends on W, the heads and the head dim only (the byte ratio of the two modes
-    does not change with the sequence length), so it is made on the first call and kept: one
-    strategy object lives as long as the rank's set-up, and rank 0 logs the choice once.
+    The choice depends on W, the heads, the head dim and what doctor --deep measured for these
+    cards (the byte ratio of the two modes does not change with the sequence length), so it is
+    made on the first call and kept: one strategy object lives as long as the rank's set-up, and
+    rank 0 logs the choice once. Every rank reads the same measurement file.
     """
 
     name = "auto"
@@ -109,14 +112,17 @@ class AutoKV:
     def attend(self, comm, attention_fn, q, k, v, heads, *args, shard_sizes=None, **kwargs):
         if self._strategy is None:
             head_dim = q.shape[-1] if kwargs.get("skip_reshape", False) else q.shape[-1] // heads
-            self.chosen = choose_sp_mode(comm.world_size, heads, head_dim)
+            measured = measurement_for(str(comm.device).split(":")[0], comm.world_size)
+            choice = choose_sp_mode("auto", comm.world_size, heads, head_dim, measured=measured)
+            self.chosen = choice.mode
             self._strategy = (UlyssesKV(overlap_chunks=self.overlap_chunks) if self.chosen == "ulysses"
                               else AllGatherKV())
             if self._in_forward:
                 self._strategy.begin_forward()
             if comm.rank == 0:
-                log.info("rank 0: sp_mode auto: %s for %d ranks and %d heads (ulysses degree %d)",
-                         self.chosen, comm.world_size, heads, ulysses_degree(comm.world_size, heads))
+                log.info("rank 0: sp_mode auto: %s for %d ranks and %d heads (ulysses degree %d): %s",
+                         self.chosen, comm.world_size, heads, ulysses_degree(comm.world_size, heads),
+                         choice.reason)
         return self._strategy.attend(comm, attention_fn, q, k, v, heads, *args,
                                      shard_sizes=shard_sizes, **kwargs)
 
