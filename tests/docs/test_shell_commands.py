@@ -91,6 +91,7 @@ CHECKED = {
     "python bench/project_h3.py --card-json card.json": "needs the card.json a card run writes",
     ".venv/bin/python bench/bench_exchange.py": LONG,
     ".venv/bin/python bench/bench_sp_scaling.py": LONG,
+    ".venv/bin/python bench/bench_sp_modes.py": LONG,
     "COMFYUI_DIR=<ComfyUI checkout> <its python> bench/bench_weights.py": COMFYUI,
     "flock /tmp/bench.lock .venv/bin/python bench/bench_memory.py [--video-rows 4096] [--rounds 3] [--blocks 24]": LONG,
     "COMFYUI_DIR=<ComfyUI> <its Python> bench/bench_real_length.py [--seconds 15] [--cards 4]": COMFYUI,
