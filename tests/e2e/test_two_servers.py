@@ -3,8 +3,8 @@ installer): server A runs ComfyUI with 2 CPU cards and COMFYUI_MULTI_DEVICE_REMO
 server B the join command for ranks 2 and 3 (workers/join.py), each in its own network
 namespace joined by a veth pair (tests/two_servers.py), rendezvous over TCP, gloo.
 
-The node's dit_ranks=auto (processes, as other servers' ranks are set) samples through the
-server's KSampler (comfy.sample.sample) like 1 card; a rank on B killed with SIGKILL while a
+The node's dit_ranks=auto (processes, as other servers' ranks are set) and sp_mode=auto (Ulysses
+over other servers' network, 16 heads on 4 ranks) samples through the server's KSampler (comfy.sample.sample) like 1 card; a rank on B killed with SIGKILL while a
 40-step prompt samples fails that prompt naming the rank and B's address within the timeout;
 the next prompt, with B's ranks back by themselves, is exact again. A stranger on B that sends
 the rendezvous port a pickle (which would create a marker file if unpickled) is refused, named
@@ -104,6 +104,10 @@ def test_one_dit_over_two_servers_through_the_node(upstream, tiny_models, tmp_pa
             assert f"refused {servers.address_b}:" in server_log and "not JSON" in server_log, server_log[-3000:]
             assert not marker.exists()  # the server unpickled nothing
             assert "ranks 2-3 run on other servers: start them there once" in server_log
+            # the node's default sp_mode auto: 4 ranks and the try-out DiT's 16 heads, other servers'
+            # network: Ulysses, which then ran the exact prompts above across the two servers
+            assert "DiT sp_mode ulysses: auto: ulysses receives 0.50 of the all-gather's bytes per block over " \
+                   "other servers' network" in server_log, server_log[-3000:]
         finally:
             for p in (driver, join, stranger):
                 if p is not None and p.poll() is None:
