@@ -426,7 +426,9 @@ def insert_parallel_node(graph: Graph) -> dict:
     x0 = min(n["pos"][0] for n in loaders)
     y1 = max(n["pos"][1] + n["size"][1] for n in loaders)
     node = graph.add_node({
-        "type": schema["node_id"], "pos": [x0, y1 + 80], "size": [380, 230], "flags": {},
+        # tall enough for every widget as the frontend draws it (it grows a node stored smaller,
+        # over the nodes below): the space below is made for this height
+        "type": schema["node_id"], "pos": [x0, y1 + 80], "size": [380, 110 + 24 * len(widgets)], "flags": {},
         "order": 0, "mode": 0,
         "inputs": [{"name": s["name"], "type": s["type"], "link": None} for s in sockets],
         "outputs": [{"name": o["name"], "type": o["type"], "links": []} for o in schema["outputs"]],
