@@ -21,10 +21,11 @@ REPO = Path(__file__).resolve().parents[2]
 # Rank 0 as ComfyUI's main.py holds it: a pool started, then Ctrl-C: one line, its clean-up
 # while the log still runs, and an exit that never closes the pool.
 SERVER = r"""
-import logging, signal, sys, time
+import faulthandler, logging, signal, sys, time
 # as started from a terminal: a shell's background job (CI's scripts) starts with Ctrl-C
 # ignored, and Python then installs no KeyboardInterrupt handler of its own
 signal.signal(signal.SIGINT, signal.default_int_handler)
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if it hangs
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 from comfy.multidevice.workers.pool import WorkerPool
 from comfy.multidevice.workers.recipe import ModelRecipe
@@ -32,7 +33,10 @@ pool = WorkerPool(["cpu"] * 3, ModelRecipe("comfy.multidevice.workers.recipe", "
                                            {"path": sys.argv[1]}), sp_mode="allgather", timeout_s=60).start()
 try:  # the pids are said inside: a Ctrl-C that lands the moment they are read is caught too
     print(" ".join(str(w.process.pid) for w in pool.workers), flush=True)
-    time.sleep(600)
+    # ComfyUI's main thread runs an event loop that wakes for a signal whichever thread the
+    # kernel handed it to; one long sleep would not wake when another thread took it
+    while True:
+        time.sleep(0.2)
 except KeyboardInterrupt:
     logging.info("Stopped server")
     time.sleep(3)
@@ -62,7 +66,13 @@ def test_a_ctrl_c_in_comfyuis_terminal_ends_the_workers_without_a_traceback(tmp_
             pids = [int(p) for p in server.stdout.readline().split()]
             assert len(pids) == 2, log.read_text()[-3000:]
             os.killpg(server.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
-            assert server.wait(timeout=60) == 0
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(server.pid, signal.SIGUSR1)  # every thread's stack into the log, then fail with it
+                time.sleep(2)
+                pytest.fail("rank 0 did not end within 60 s of Ctrl-C; its threads:\n" + log.read_text()[-6000:])
+            assert server.returncode == 0, log.read_text()[-3000:]
         finally:
             if server.poll() is None:
                 server.kill()
