@@ -6,7 +6,7 @@ ranks; the baseline is the all-gather, every ratio is Ulysses over it. Each mode
 node's `sp_mode` input hands the DiT roles (sp/mode_choice.py `choose_sp_mode(...)`), run through those roles: rank threads by roles/dit.py
 `sequence_parallel_dit` on one coordinator (peer backend; a bare DiT module: the node's MODEL
 differs in how the replicas are made, not in the exchange), ranks as processes by a
-workers/pool.py `WorkerPool`, the pool that workers/fan_out.py `workers_on_patcher` makes for a
+workers/pool.py `WorkerPool`, the pool that workers/pool_runner.py `workers_on_patcher` makes for a
 MODEL (here over a miniature checkpoint, as bench/bench_workers.py does), rank 0 here and W-1
 worker processes over gloo. The DiT is attention bound (hidden 64 against an attention width of
 8 x 64, S = 2,240 packed tokens by default), so that K/V are large against the linear layers;
@@ -286,7 +286,7 @@ def threads_world(model, world: int, x, t, ctx, args, head_dim: int) -> dict:
             timed(lambda: forward(mode))
             counts[mode] = coord.byte_counts()
         tokens = sum(dits["allgather"].tokens_per_rank())
-        used = {m: {s.strategy.name for s in dits[m].fan_out.last_rank_states} for m in MODES}
+        used = {m: {s.strategy.name for s in dits[m].fan_out.runner.last_rank_states} for m in MODES}
         if used != {m: {m} for m in MODES}:
             raise RuntimeError(f"the ranks ran {used}, not the modes asked")
         if world in args.byte_worlds:
@@ -315,7 +315,7 @@ def memory(coord, dits, forward, shape, tokens: int, world: int) -> dict:
     for mode in MODES:
         trackers = [LiveStorageBytes() for _ in range(world)]
         held = [0] * world
-        strategies = [s.strategy for s in dits[mode].fan_out.last_rank_states]
+        strategies = [s.strategy for s in dits[mode].fan_out.runner.last_rank_states]
         with watched_exchange_buffers(strategies, held), tracked_ranks(coord, trackers):
             timed(lambda: forward(mode))
         measured[mode], buffers[mode] = max(m.peak for m in trackers), max(held)

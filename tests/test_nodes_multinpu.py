@@ -209,12 +209,12 @@ def test_end_to_end_on_4_cpu_ranks_matches_single_device(as_patcher, fake_patche
         assert rel_diff(euler(p_model, x, ctx, kw), euler(dit, x, ctx, kw)) <= FP32_TOL
         if as_patcher:
             fan_out = p_model.wrappers["diffusion_model"]["minimax_h3_sequence_parallel"][0]
-            assert fan_out.coordinator is coordinator
+            assert fan_out.runner.coordinator is coordinator
             assert model.wrappers == {}  # the input patcher got nothing
             # ranks 1..3 run replicas built from the shared base: on CPU, zero-copy views
             replicas = p_model.multinpu_dit_replicas
             assert replicas.base_problem is None and replicas.uses_base()
-            rank_modules = [e.diffusion_model for e in fan_out.models[1:]]
+            rank_modules = [e.diffusion_model for e in fan_out.runner.models[1:]]
             assert all(m is not dit for m in rank_modules)
             name, weight = next(iter(dit.state_dict().items()))
             assert all(m.state_dict()[name].data_ptr() == weight.data_ptr() for m in rank_modules)
@@ -258,15 +258,15 @@ def test_each_sp_mode_through_the_node_matches_one_card(npu_count, sp_mode, stra
     p_model = configure_parallel(FakeModelPatcher(dit), *objs[1:], npu_count=npu_count, device_kind="cpu",
                                  sp_mode=sp_mode)[0]
     fan_out = p_model.wrappers["diffusion_model"]["minimax_h3_sequence_parallel"][0]
-    fan_out.coordinator.reset_byte_counts()
+    fan_out.runner.coordinator.reset_byte_counts()
     with torch.inference_mode():
         x, t, ctx, kw = make_inputs("cond_refs", seed=1)
         assert rel_diff(run_dit(p_model, x, t, ctx, kw), dit(x, t, ctx, **kw)) <= FP32_TOL
-    used = [state.strategy for state in fan_out.last_rank_states]
+    used = [state.strategy for state in fan_out.runner.last_rank_states]
     assert len(used) == npu_count and {s.name for s in used} == {strategy}
     # Ulysses: at least two all-to-alls per block (q/k/v there, the output back); the all-gather
     # none per block (only the final rows' gather to rank 0 is one)
-    all_to_all = [c["by_op"].get("all_to_all_v", {}).get("calls", 0) for c in fan_out.coordinator.byte_counts()]
+    all_to_all = [c["by_op"].get("all_to_all_v", {}).get("calls", 0) for c in fan_out.runner.coordinator.byte_counts()]
     blocks = len(dit.blocks)
     assert all(n >= 2 * blocks if strategy == "ulysses" else n < blocks for n in all_to_all), all_to_all
     name = "hybrid (2 groups of 4)" if npu_count == 8 and strategy == "ulysses" else strategy

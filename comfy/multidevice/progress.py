@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from comfy.multidevice.comfy_cancel import cancel_requested, raise_cancel
+
 log = logging.getLogger(__name__)
 
 
@@ -39,16 +41,9 @@ class CardProgress:
             self._done += 1
             show, done = self._show, self._done
         show(f"{self.what}: {done}/{self.cards} cards ready")
-        _stop_on_cancel()
-
-
-def _stop_on_cancel() -> None:
-    """ComfyUI's interrupt, raised here when its Cancel flag is set (the rank threads' runner
-    stops the other ranks with it)."""
-    model_management = sys.modules.get("comfy.model_management")  # only when ComfyUI runs us
-    interrupted = getattr(model_management, "processing_interrupted", None)
-    if interrupted is not None and interrupted():
-        model_management.throw_exception_if_processing_interrupted()
+        cancel = cancel_requested()  # the rank threads' runner stops the other ranks with it
+        if cancel is not None:
+            raise_cancel(cancel)
 
 
 def node_text(node_id):

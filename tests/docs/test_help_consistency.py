@@ -28,8 +28,8 @@ NODE_SECTION = "The `MultiNPUParallelConfig` node"
 
 # Claims the help once made that tests now prove wrong; none may come back (the proof beside each).
 RETIRED_CLAIMS = {
-    "no Fun ControlNet yet": "tests/workers/test_fun_travel.py",
-    "Not yet with Fun ControlNet": "tests/workers/test_fun_travel.py",
+    "no Fun ControlNet yet": "tests/workers/test_pool_runner.py",
+    "Not yet with Fun ControlNet": "tests/workers/test_pool_runner.py",
     "nor with `dit_weights` shard": "tests/workers/test_pool.py",
 }
 

@@ -113,7 +113,7 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
 
         # ComfyUI's Cancel in the middle of a 40-step sampling: the prompt ends interrupted, and
         # the next prompt runs on the same workers, exact: ComfyUI's per-layer check leaves the
-        # flag to the pool's block starts (workers/interrupt.py), where every rank stops together.
+        # flag to the pool's block starts (comfy_cancel.py), where every rank stops together.
         # (The node runs again after the 1-card prompt, so this prompt has a pool of its own.)
         status, answer = request(f"{server.url}/prompt", {"prompt": prompt_with("cancelled", 10, True, steps=40)})
         assert status == 200, answer

@@ -127,7 +127,7 @@ def test_euler_sampling_loop_matches(model32, backend, world):
 def test_text_refiner_attention_is_not_exchanged(model32):
     """Per rank and forward: one K/V exchange per DiT block plus the final gather, nothing else."""
     _, sp, _ = run_sp(model32, 2, "peer", "plain")
-    for traffic in sp.fan_out.last_traffic:
+    for traffic in sp.fan_out.runner.last_traffic:
         assert traffic["calls"] == TINY.num_layers + 2  # + the video and audio output rows
     assert TINY.token_refiner_num_layers > 0  # the refiner ran its attention, unexchanged
 
@@ -302,8 +302,8 @@ def test_patcher_entry_point(model32, references, fake_patcher_extension):
             ref = model32(x, t, ctx, **kw)
         assert rel_diff(out, ref) <= FP32_TOL
         fan_out = primary.wrappers["diffusion_model"][WRAPPER_KEY][0]
-        assert [s.tokens for s in fan_out.last_rank_states] == [
-            b - a for a, b in ShardPlan.edges(sum(s.tokens for s in fan_out.last_rank_states), 3)]
+        assert [s.tokens for s in fan_out.runner.last_rank_states] == [
+            b - a for a, b in ShardPlan.edges(sum(s.tokens for s in fan_out.runner.last_rank_states), 3)]
     disable_sequence_parallel_on_patcher(primary)
     assert primary.wrappers["diffusion_model"] == {}
 
@@ -330,7 +330,7 @@ def test_rank_set_up_is_made_once_and_reused_by_every_forward(model32, reference
             with torch.inference_mode():
                 out = sp(x, t, ctx, **kw)
             assert rel_diff(out, references["plain"]) <= FP32_TOL
-            seen.append([(id(s), id(s.strategy), id(s.exchanging), id(s._table)) for s in sp.fan_out.last_rank_states])
+            seen.append([(id(s), id(s.strategy), id(s.exchanging), id(s._table)) for s in sp.fan_out.runner.last_rank_states])
     assert seen[0] == seen[1] == seen[2]  # the same objects on every forward
     assert len(checks) == world  # once per rank's model, at its first forward
     # once per rank and forward for the blocks (not once per block), plus the final layer's
@@ -478,7 +478,7 @@ def test_final_layer_runs_rank_local_and_only_projected_rows_reach_rank_0(model3
     and every replica's final layer is its plain class forward again afterwards."""
     out, sp, _ = run_sp(model32, 3, "peer", "masked")  # per-token modulation rows cut by shard edges
     assert rel_diff(out, references["masked"]) <= FP32_TOL
-    received = [t["received"] for t in sp.fan_out.last_traffic]
+    received = [t["received"] for t in sp.fan_out.runner.last_traffic]
     exchanges = sp.coordinator.byte_counts()
     assert all("all_to_all_v" in c["by_op"] for c in exchanges)
     assert all(exchanges[r]["by_op"]["all_to_all_v"]["received"] == 0 for r in (1, 2))

@@ -344,11 +344,12 @@ def test_auto_resolves_the_same_on_every_rank(models):
         strategies.append(shard.strategy)
         return shard
 
-    from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
+    from comfy.multidevice.sp.fan_out import RankThreads, SequenceParallelFanOut
     x, t, ctx, kw = make_inputs("plain")
     with SequenceParallelCoordinator(["cpu"] * 4, backend="peer") as coord:
         sp = enable_sequence_parallel(replicas(models[6], 4), coord, sp_mode="auto")
-        sp.fan_out = SequenceParallelFanOut(coord, sp.models, prepare_rank=prepare)
+        sp.ranks = RankThreads(coord, sp.models, prepare_rank=prepare)
+        sp.fan_out = SequenceParallelFanOut(sp.ranks)
         with torch.inference_mode():
             sp(x, t, ctx, **kw)
     assert [s.chosen for s in strategies] == ["ulysses"] * 4

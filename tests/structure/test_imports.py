@@ -16,7 +16,7 @@ ROOT = "comfy.multidevice"
 
 # A sub-package may import its own modules and those of lower layers only.
 LAYERS = {
-    "devices": 0, "comfy_objects": 0, "progress": 0, "tensor_bytes": 0, "commands": 0,
+    "devices": 0, "comfy_objects": 0, "comfy_cancel": 0, "progress": 0, "tensor_bytes": 0, "commands": 0,
     "cards": 1,
     "comm": 1, "weights": 1, "miniature": 1, "tryout": 1,
     "sp": 2, "tp": 2, "vae": 2,
@@ -25,7 +25,7 @@ LAYERS = {
     "cli": 5,
 }
 LEAVES = ("comm.errors", "comm.layout", "comm.protocol", "comm.settings",  # import nothing of the package
-          "commands")
+          "commands", "comfy_cancel")
 
 
 def module_name(path: Path) -> str:

@@ -128,12 +128,12 @@ def test_cancel_during_sp_sampling_of_the_real_dit_interrupts_and_the_next_promp
 
 
 def test_a_pools_forward_leaves_upstreams_per_layer_cancel_to_the_block_starts(upstream):
-    """The fact workers/interrupt.py stands on: upstream's layers check the Cancel flag through
+    """The fact comfy_cancel.py stands on: upstream's layers check the Cancel flag through
     comfy.ops.run_every_op, looked up at every call. Inside checks_at_block_starts a set flag
     is left set (the pool's block-start check takes it); outside, the layer raises as usual."""
     import comfy.model_management
     import comfy.ops
-    from comfy.multidevice.workers.interrupt import checks_at_block_starts
+    from comfy.multidevice.comfy_cancel import checks_at_block_starts
     if getattr(comfy.ops, "run_every_op", None) is None:
         pytest.skip("this ComfyUI's layers do not check the Cancel flag (nothing to defer)")
     layer = comfy.ops.disable_weight_init.Linear(4, 4)

@@ -87,7 +87,7 @@ def node_dit(model, world, sp_mode, dit_weights="replicate"):
 
 def strategies_that_ran(parallel) -> set[str]:
     fan_out = parallel.wrappers["diffusion_model"][WRAPPER_KEY][0]
-    return {state.strategy.name for state in fan_out.last_rank_states}
+    return {state.strategy.name for state in fan_out.runner.last_rank_states}
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -208,7 +208,7 @@ def test_ulysses_with_ranks_as_processes_equals_one_card(patcher, one_card, ulys
         fan_out = parallel.multinpu_workers
     try:
         assert rel_diff(sample(parallel), one_card) <= FP32_TOL
-        pool = fan_out.pool
+        pool = fan_out.runner.pool
         assert pool.world_size == world and pool.setup.strategy.name == "ulysses"
         assert dit_weights == "replicate" or sum(pool.rank0_weights.family.gathered_bytes) > 0
     finally:

@@ -26,7 +26,7 @@ def trusted_stand_ins(monkeypatch):
 
 
 def workers(model, world, **kwargs):
-    from comfy.multidevice.workers.fan_out import workers_on_patcher
+    from comfy.multidevice.workers.pool_runner import workers_on_patcher
     parallel = model.clone()
     return parallel, workers_on_patcher(parallel, ["cpu"] * world, prelude=PRELUDE, timeout_s=120, **kwargs)
 
@@ -41,8 +41,8 @@ def test_workers_sample_like_one_card(upstream, hook, patcher, world):
     try:
         out = sample(parallel, positive=positive)
         assert rel_diff(out, reference) <= FP32_TOL
-        assert fan_out.pool is not None and fan_out.pool.world_size == world
-        sent = fan_out.pool.bytes_sent_per_forward
+        assert fan_out.runner.pool is not None and fan_out.runner.pool.world_size == world
+        sent = fan_out.runner.pool.bytes_sent_per_forward
         assert len(sent) >= 3  # one message per step at least
         # ComfyUI builds the step's conditioning anew each step; its digest is the same, so it
         # travels with the first step only
@@ -57,14 +57,14 @@ def test_workers_carry_the_models_lora_and_a_new_patch_set_makes_a_new_pool(upst
     parallel, fan_out = workers(with_lora(patcher, lora), 2)
     try:
         assert rel_diff(sample(parallel), reference) <= FP32_TOL  # the LoRA reached the worker
-        first = fan_out.pool
+        first = fan_out.runner.pool
         key, weight = next((k, w) for k, w in parallel.model_state_dict().items() if w.dim() == 2)
         delta = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)) * 0.05
         parallel.add_patches({key: (delta,)}, 1.0)  # a new patch set on the same MODEL
         one_card = with_lora(patcher, lora)
         one_card.add_patches({key: (delta,)}, 1.0)
         assert rel_diff(sample(parallel), sample(one_card)) <= FP32_TOL
-        assert fan_out.pool is not first  # rebuilt for the new patches, not stale
+        assert fan_out.runner.pool is not first  # rebuilt for the new patches, not stale
     finally:
         fan_out.close()
 
@@ -85,7 +85,7 @@ def test_sharded_workers_sample_like_one_card_with_the_models_lora(upstream, hoo
     fan_out = parallel.multinpu_workers
     try:
         assert rel_diff(sample(parallel), reference) <= FP32_TOL
-        pool = fan_out.pool
+        pool = fan_out.runner.pool
         assert pool.world_size == 3 and pool.rank0_weights is not None
         plan = pool.rank0_weights.family.plan
         assert 0 < plan.owned_bytes(0) < sum(plan.block_bytes(i) for i in range(len(plan.owner))) / 2
@@ -112,13 +112,13 @@ def test_after_a_killed_sharded_worker_the_next_pool_serves_rank0s_same_shard(up
     fan_out = parallel.multinpu_workers
     try:
         assert rel_diff(sample(parallel), reference) <= FP32_TOL
-        first, weights = fan_out.pool, fan_out.pool.rank0_weights
+        first, weights = fan_out.runner.pool, fan_out.runner.pool.rank0_weights
         os.kill(first.workers[0].process.pid, signal.SIGKILL)
         first.workers[0].process.wait()
         with pytest.raises(WorkerPoolError, match=r"rank 1 \(pid \d+\) was killed by signal 9"):
             sample(parallel)
         assert rel_diff(sample(parallel), reference) <= FP32_TOL
-        assert fan_out.pool is not first and fan_out.pool.rank0_weights is weights
+        assert fan_out.runner.pool is not first and fan_out.runner.pool.rank0_weights is weights
     finally:
         fan_out.close()
 
@@ -147,7 +147,7 @@ def test_workers_of_a_quantized_file_sample_like_the_rank_threads(upstream, hook
     try:
         assert like_replicate(sample(parallel), reference)
         if dit_weights == "shard":
-            assert sum(fan_out.pool.rank0_weights.family.gathered_bytes) > 0
+            assert sum(fan_out.runner.pool.rank0_weights.family.gathered_bytes) > 0
     finally:
         fan_out.close()
 
@@ -177,7 +177,7 @@ def test_a_fun_controlnet_with_upstreams_tower_travels_to_the_workers(upstream, 
     parallel, fan_out = workers(controlled, 3)
     try:
         assert rel_diff(sample(parallel), reference) <= FP32_TOL
-        sent = fan_out.pool.bytes_sent_per_forward
+        sent = fan_out.runner.pool.bytes_sent_per_forward
         tower_bytes = sum(t.nbytes for t in tower.state_dict().values())
         assert sent[0] > tower_bytes > max(sent[1:])  # the tower with the first step only
     finally:
@@ -191,9 +191,9 @@ def test_a_lora_after_the_node_reaches_the_workers_and_leaving_it_out_again_too(
     parallel, fan_out = workers(patcher, 2)
     try:
         assert rel_diff(sample(with_lora(parallel, lora)), sample(with_lora(patcher, lora))) <= FP32_TOL
-        with_it = fan_out.pool
+        with_it = fan_out.runner.pool
         assert rel_diff(sample(parallel), sample(patcher)) <= FP32_TOL
-        assert fan_out.pool is not with_it
+        assert fan_out.runner.pool is not with_it
     finally:
         fan_out.close()
 
@@ -217,7 +217,7 @@ def test_a_forward_with_patch_functions_is_refused_before_any_worker_is_asked(up
     try:
         with pytest.raises(SequenceParallelError, match="cannot carry the transformer_options 'patches'"):
             sample(parallel)
-        assert fan_out.pool is None
+        assert fan_out.runner.pool is None
     finally:
         fan_out.close()
 
@@ -276,7 +276,7 @@ def test_a_dit_file_replaced_after_the_node_ran_is_refused_naming_it(upstream, h
 def test_remote_ranks_without_the_cluster_secret_are_refused_before_the_model_changes(upstream, hook, patcher,
                                                                                        monkeypatch):
     from comfy.multidevice.workers.admission import SecretError
-    from comfy.multidevice.workers.fan_out import workers_on_patcher
+    from comfy.multidevice.workers.pool_runner import workers_on_patcher
     monkeypatch.delenv("COMFYUI_MULTI_DEVICE_SECRET_FILE", raising=False)
     monkeypatch.delenv("COMFYUI_MULTI_DEVICE_SECRET", raising=False)
     parallel = patcher.clone()

@@ -481,7 +481,7 @@ def test_dit_weights_and_model_mismatch_are_clear_errors():
         with pytest.raises(ValueError, match="dit_weights='halves'.*'replicate'.*'shard'"):
             enable_sequence_parallel(replicas(model, 2), coord, dit_weights="halves")
         sp = enable_sequence_parallel(replicas(model, 2), coord, dit_weights="shard")
-        sp.fan_out.models[1] = tiny_model(seed=0)  # not the module the shards were made from
+        sp.fan_out.runner.models[1] = tiny_model(seed=0)  # not the module the shards were made from
         x, t, ctx, kw = make_inputs("plain")
         with pytest.raises(SequenceParallelError, match="another DiT than the one its block weights"):
             with torch.inference_mode():

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 
+from comfy.multidevice.comfy_cancel import cancel_requested, raise_cancel
 from comfy.multidevice.comm.barrier import AbortableBarrier
 from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
                                            check_all_to_all_metadata, check_all_to_all_plans,
@@ -66,23 +66,6 @@ def abandoned_coordinator_count() -> int:
     communicators: the node uses it as its fingerprint, so ComfyUI runs it again (and it builds
     a fresh coordinator) instead of reusing cached outputs bound to the closed one."""
     return _abandoned_coordinators
-
-
-def comfy_interrupt_flag():
-    """ComfyUI's model_management when its Cancel flag is set, else None.
-
-    Only looked up when ComfyUI has already imported it: the core runs without ComfyUI, and
-    importing model_management would probe devices as a side effect.
-    """
-    module = sys.modules.get("comfy.model_management")
-    probe = getattr(module, "processing_interrupted", None)
-    return module if probe is not None and probe() else None
-
-
-def raise_comfy_interrupt(module) -> None:
-    """Raise ComfyUI's InterruptProcessingException the way its sampler does (clearing the flag)."""
-    module.throw_exception_if_processing_interrupted()
-    raise module.InterruptProcessingException()  # the flag was already cleared by someone else
 
 
 def _open_backend(name: str, coordinator: "SequenceParallelCoordinator") -> Backend:
@@ -323,7 +306,7 @@ class SequenceParallelCoordinator:
             elif getattr(self.backend, "aborted", None) is not None:  # the watch aborted them
                 self._retire(set())
             if cancel is not None:  # seen before any error: the errors are its consequences
-                raise_comfy_interrupt(cancel[1])
+                raise_cancel(cancel[1])
             if errors:
                 exc = self._first_error(errors)
                 if stuck:
@@ -352,7 +335,7 @@ class SequenceParallelCoordinator:
                     self._barrier.abort(reason)
                     self._abort_communicators(reason)
                     give_up_at = now + grace
-                elif cancel is None and (module := comfy_interrupt_flag()) is not None:
+                elif cancel is None and (module := cancel_requested()) is not None:
                     cancel = (now, module)
                     self._barrier.abort("cancelled from ComfyUI (interrupt)")
                     give_up_at = now + grace

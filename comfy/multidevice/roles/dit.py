@@ -22,7 +22,7 @@ from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_repli
 from comfy.multidevice.weights.module_copies import replica_on
 from comfy.multidevice.weights.replicas import RankReplicas
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, sharded_recipe
-from comfy.multidevice.workers.fan_out import workers_on_patcher
+from comfy.multidevice.workers.pool_runner import workers_on_patcher
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class DitReplicas:
                         "copied to %s at the first step", self.base_problem, ", ".join(map(str, self.devices)))
 
     def entries(self) -> list:
-        return [_RankDit(self, i) for i in range(len(self.devices))]
+        return [RankDit(self.module, i) for i in range(len(self.devices))]
 
     def _applied_patches(self):
         return getattr(getattr(self.primary, "model", None), "current_weight_patches_uuid", None)
@@ -181,16 +181,17 @@ class _DitCardCopy:
         return self.replicas.unload(self.index)
 
 
-class _RankDit:
-    """What the SP adapter resolves each forward: `.diffusion_model` of one rank."""
+class RankDit:
+    """What the SP adapter resolves each forward: `.diffusion_model` of one rank, whether the
+    ranks run replicas (DitReplicas) or shards (roles/dit_shards.py DitShards)."""
 
-    def __init__(self, replicas: DitReplicas, index: int):
-        self.replicas = replicas
-        self.index = index
+    def __init__(self, running_module, rank: int):
+        self.running_module = running_module  # rank -> the module that rank runs now
+        self.rank = rank
 
     @property
     def diffusion_model(self):
-        return self.replicas.module(self.index)
+        return self.running_module(self.rank)
 
 
 def _refuse_partially_loaded(module) -> None:
@@ -241,7 +242,8 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
         return enable_sequence_parallel(models, coordinator, sp_mode=sp_mode, dit_weights=dit_weights)
     if dit_weights == "shard":  # roles/dit_shards.py: every card, card 0 included, holds a shard
         primary, shards = sharded_primary(model, devices, coordinator, lane=lane)
-        enable_sequence_parallel_on_patcher(primary, coordinator, shards.entries(), sp_mode=sp_mode,
+        enable_sequence_parallel_on_patcher(primary, coordinator, [RankDit(shards.running_module, r) for r in range(len(devices))],
+                                            sp_mode=sp_mode,
                                             block_weights=lambda: shards.family)
         primary.multinpu_dit_shards = shards  # for unload / inspection
         _register_with_model_management(primary, shards.card_copies())
@@ -261,7 +263,7 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
 def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, int] = ("127.0.0.1", 0),
                 dit_weights: str = "replicate", prelude: Sequence[tuple[str, str]] = (), sp_mode: str = "allgather"):
     """The DiT's role with its ranks as processes: a clone of the MODEL whose forward runs on
-    devices[0] here, on one worker process per other card (workers/fan_out.py) and on
+    devices[0] here, on one worker process per other card (workers/pool_runner.py) and on
     `remote_ranks` ranks of other servers meeting at `rendezvous` (host, port); the pool
     starts at the first step. With dit_weights="shard" every rank holds 1/W of the block
     weights: rank 0's shard is made here (the MODEL output runs it), each worker makes its own.

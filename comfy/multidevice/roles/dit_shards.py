@@ -48,7 +48,7 @@ def loaded_in_inference_mode(model) -> bool:
 
 
 class DitShards:
-    """Per-rank sharded DiTs of a ComfyUI MODEL; `entries()` are what the SP adapter resolves."""
+    """Per-rank sharded DiTs of a ComfyUI MODEL; `running_module(rank)` is what the SP adapter runs."""
 
     def __init__(self, primary, devices: Sequence[torch.device], coordinator, prefetch: bool = True,
                  lane=None):
@@ -149,15 +149,20 @@ class DitShards:
     def module(self, rank: int):
         return self.replicas[rank].module
 
+    def running_module(self, rank: int):
+        """What rank `rank` runs at a forward: its DiT, the shards resident (rank 0's checked
+        for weight patches added after the node)."""
+        if rank == 0:
+            self.refuse_patches_added_after()
+        self.load()
+        return self.module(rank)
+
     def unload(self) -> int:
         """Drop every card's shard (the base stays in RAM); return the bytes dropped."""
         family, self.family = self.family, None
         if family is not None:
             family.close()
         return self.replicas.unload()
-
-    def entries(self) -> list:
-        return [_RankShard(self, r) for r in range(len(self.devices))]
 
 
 class _ShardCardCopy:
@@ -180,21 +185,6 @@ class _ShardCardCopy:
 
     def unload(self) -> int:
         return self.shards.unload_rank(self.rank)
-
-
-class _RankShard:
-    """What the SP adapter resolves each forward: `.diffusion_model` of one rank."""
-
-    def __init__(self, shards: DitShards, rank: int):
-        self.shards = shards
-        self.rank = rank
-
-    @property
-    def diffusion_model(self):
-        if self.rank == 0:
-            self.shards.refuse_patches_added_after()
-        self.shards.load()
-        return self.shards.module(self.rank)
 
 
 def _base_model_with(base_model, diffusion_model):

@@ -24,6 +24,7 @@ in the shared patch object.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,12 +41,48 @@ def _has_control_api(patch) -> bool:
             and hasattr(tower, "injection_layers"))
 
 
-def fun_control_patches(block_patches: dict) -> dict[int, Any]:
-    """{block index: upstream Fun ControlNet block patch} among patches_replace["dit"], for the
-    patches that follow the API above (the others are refused by `unsupported_control_patches`)."""
-    return {key[1]: patch for key, patch in block_patches.items()
-            if getattr(patch, "control_patch", None) is not None and isinstance(key, tuple)
-            and key[0] == "double_block" and _has_control_api(patch)}
+@dataclass(eq=False)  # one object per control patch, shared by its blocks
+class FunControl:
+    """What every rank reads of one control patch in one forward, in both rank engines: rank 0
+    describes it from upstream's object (`described_fun_controls`); ranks as processes receive
+    it as data (workers/towers.py: the tower travels once per pool, then by `tower_key`)."""
+
+    key: int  # the control patch, within one forward
+    active: bool
+    strength: float
+    control_latent: Any
+    tower_key: int
+    tower: Any  # the control tower module (received: what the worker rebuilt or holds)
+
+
+@dataclass(eq=False)
+class FunBlockControl:
+    """A Fun ControlNet's patch of one block; `previous`: the replacement upstream's patch chained."""
+
+    control: FunControl
+    block_index: int
+    previous: Any = None
+
+
+def described_fun_controls(block_patches: dict) -> dict[int, FunBlockControl]:
+    """{block index: FunBlockControl} for the Fun ControlNet patches among patches_replace["dit"]:
+    upstream's block patches that follow the API above (others are refused by
+    `unsupported_control_patches`), and ones already described (what a worker receives)."""
+    described: dict[int, FunControl] = {}  # id(upstream control patch) -> its description
+    out = {}
+    for key, patch in block_patches.items():
+        if not (isinstance(key, tuple) and key[0] == "double_block"):
+            continue
+        if isinstance(patch, FunBlockControl):
+            out[key[1]] = patch
+        elif getattr(patch, "control_patch", None) is not None and _has_control_api(patch):
+            control = patch.control_patch
+            if id(control) not in described:
+                tower = control.model_patch.model
+                described[id(control)] = FunControl(id(control), bool(control.active), float(control.strength),
+                                                    getattr(control, "control_latent", None), id(tower), tower)
+            out[key[1]] = FunBlockControl(described[id(control)], key[1], patch.previous)
+    return out
 
 
 def unsupported_control_patches(block_patches: dict) -> list[str]:
@@ -60,35 +97,35 @@ class RankFunControl:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._towers: dict[int, ReplicaCache] = {}   # id(control model) -> copies per device
-        self._streams: dict[int, torch.Tensor] = {}  # id(control_patch) -> this forward's stream
+        self._towers: dict[int, ReplicaCache] = {}   # tower key -> copies per device
+        self._streams: dict[int, torch.Tensor] = {}  # control key -> this forward's stream
         self._pristine: torch.Tensor | None = None   # the full hidden state before block 0
 
-    def start_forward(self, full_h_before_block_0: torch.Tensor, patches: dict[int, Any]) -> None:
+    def start_forward(self, full_h_before_block_0: torch.Tensor, patches: dict[int, FunBlockControl]) -> None:
         self._streams = {}
         self._pristine = full_h_before_block_0.clone() if patches else None
 
-    def _tower(self, control_model):
-        cache = self._towers.get(id(control_model))
-        if cache is None:
-            cache = self._towers[id(control_model)] = ReplicaCache(control_model, "Fun ControlNet tower")
+    def _tower(self, control: FunControl):
+        cache = self._towers.get(control.tower_key)
+        if cache is None or cache.module is not control.tower:
+            cache = self._towers[control.tower_key] = ReplicaCache(control.tower, "Fun ControlNet tower")
         return cache.get(self.device)
 
-    def add_control(self, index: int, patch, full_args: dict, local_out: torch.Tensor,
+    def add_control(self, index: int, block: FunBlockControl, full_args: dict, local_out: torch.Tensor,
                     plan: ShardPlan) -> torch.Tensor:
         """local_out plus this rank's rows of the control patch's contribution at block `index`."""
-        control = patch.control_patch
+        control = block.control
         if not control.active:
             return local_out
-        tower = self._tower(control.model_patch.model)
+        tower = self._tower(control)
         step = tower.injection_layers.index(index)
         if step == 0:
             latent = control.control_latent.to(self.device)
             stream = tower.init_stream(self._pristine, latent, full_args["layout"], full_args["t_emb"])
         else:
-            stream = self._streams[id(control)]
+            stream = self._streams[control.key]
         stream, skip = tower.step(step, stream, full_args["t_emb"], full_args["mod_segments"],
                                   full_args["rope_freqs"], transformer_options=full_args["transformer_options"])
-        self._streams[id(control)] = stream
+        self._streams[control.key] = stream
         skip[full_args["layout"].audio_pos.to(skip.device)] = 0
         return local_out.add_(take_rows(skip, plan), alpha=control.strength)

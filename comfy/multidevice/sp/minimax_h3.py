@@ -47,8 +47,8 @@ from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.devices import module_device
 from comfy.multidevice.sp.attention import ExchangingAttention
-from comfy.multidevice.sp.fan_out import SequenceParallelFanOut
-from comfy.multidevice.sp.fun_controlnet import (fun_control_patches, RankFunControl,
+from comfy.multidevice.sp.fan_out import RankThreads, SequenceParallelFanOut
+from comfy.multidevice.sp.fun_controlnet import (described_fun_controls, RankFunControl,
                                                  unsupported_control_patches)
 from comfy.multidevice.sp.plan import (gather_rows, gather_rows_to_root, SequenceParallelError,
                                        shard_sizes, ShardPlan, slice_mod_segments, take_rows)
@@ -159,7 +159,7 @@ class H3RankSetup:
         self.plan: ShardPlan | None = None
         self._sliced: dict = {}       # "rope_freqs" / "mod_segments" -> (full object, local rows)
         self._attention_calls = 0     # calls of args["attention"] in the block running now
-        self._fun: dict = {}          # block index -> upstream Fun ControlNet patch of this forward
+        self._fun: dict = {}          # block index -> its FunBlockControl in this forward
         self._control = RankFunControl(comm.device)
 
     @property
@@ -187,7 +187,7 @@ class H3RankSetup:
                           for i, key in enumerate(self._table)}
         # A Fun ControlNet patch is driven here (its control stream per rank, over the full
         # sequence); what it chained itself is chained in its place.
-        self._fun = fun_control_patches(dit)
+        self._fun = described_fun_controls(dit)
         for i, patch in self._fun.items():
             self._previous[i] = None if id(patch.previous) in ours else patch.previous
         dit.update(self._table)
@@ -445,8 +445,8 @@ class SequenceParallelDiT:
         self.sp_mode = sp_mode
         self.block_weights = (shard_dit_blocks(self.models, coordinator, prefetch)
                               if dit_weights == "shard" else None)
-        self.fan_out = SequenceParallelFanOut(coordinator, self.models,
-                                              prepare_rank=_RankSetups(sp_mode, self.block_weights))
+        self.ranks = RankThreads(coordinator, self.models, prepare_rank=_RankSetups(sp_mode, self.block_weights))
+        self.fan_out = SequenceParallelFanOut(self.ranks)
 
     @property
     def world_size(self) -> int:
@@ -462,11 +462,11 @@ class SequenceParallelDiT:
 
     def tokens_per_rank(self) -> list[int | None]:
         """Local rows per rank in the last forward."""
-        return [None if s is None else s.tokens for s in self.fan_out.last_rank_states]
+        return [None if s is None else s.tokens for s in self.ranks.last_rank_states]
 
     def bytes_exchanged_last_forward(self) -> int:
         """Bytes all ranks together received from each other in the last forward."""
-        return self.fan_out.bytes_received_last_forward()
+        return self.ranks.bytes_received_last_forward()
 
     def close(self) -> None:
         """Stop the prefetch lane of sharded block weights (nothing to do for replicas)."""
@@ -531,8 +531,8 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     for r, rep in enumerate(entries):
         if rep is not None:
             _require_support(dit_module(rep), f"replica {r}")
-    fan_out = SequenceParallelFanOut(coordinator, entries, prepare_rank=_RankSetups(sp_mode, block_weights),
-                                     resolve_model=dit_module)
+    fan_out = SequenceParallelFanOut(RankThreads(coordinator, entries, prepare_rank=_RankSetups(sp_mode, block_weights),
+                                                 resolve_model=dit_module))
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)
     log.info("sequence parallel (%s) enabled on %d rank(s): %s", sp_mode or "allgather",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from comfy.multidevice.workers import comfy_dit, fun_travel, recipe, repeats  # noqa: F401 - their wire records
+from comfy.multidevice.workers import comfy_dit, recipe, repeats, towers  # noqa: F401 - their wire records
 from comfy.multidevice.workers.wire import decode, encode, WireError
 
 FORWARD, BUILD = "forward", "build"  # a stop travels on the live link (workers/door.py)

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from comfy.multidevice.comm.group import comfy_interrupt_flag, raise_comfy_interrupt
+from comfy.multidevice.comfy_cancel import cancel_requested, checks_at_block_starts, raise_cancel
 from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
@@ -46,7 +46,6 @@ from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.admission import SECRET_FILE_ENV
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD
-from comfy.multidevice.workers.interrupt import checks_at_block_starts
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.dit_file import DitFile
 from comfy.multidevice.workers.door import PoolAdmission, WorkerIdentity
@@ -275,11 +274,11 @@ class WorkerPool:
             dead = [w for w in self.workers if w.ended()]
             if dead:
                 raise WorkerPoolError(f"a worker ended while loading its DiT: {dead[0].describe()}")
-            cancel = comfy_interrupt_flag()
+            cancel = cancel_requested()
             if cancel is not None:  # the prompt ends as interrupted, the workers with it
                 log.info("worker pool: ComfyUI's Cancel stopped the start; stopping the workers")
                 self._teardown()
-                raise_comfy_interrupt(cancel)
+                raise_cancel(cancel)
             if time.monotonic() > deadline:
                 raise WorkerPoolError(f"ranks {sorted(waiting)} did not build their DiT within "
                                       f"{max(self.timeout_s, BUILD_WAIT_S):.0f} s")
@@ -349,10 +348,11 @@ class WorkerPool:
         return self.forward_method(None, self.model, [x, timestep, context], kwargs)
 
     def forward_method(self, method: str | None, rank0_forward, args: list, kwargs: dict,
-                       sent: tuple[list, dict] | None = None):
+                       sent: tuple[list, dict] | None = None, options_at: int | None = None):
         """`rank0_forward(*args, **kwargs)` here and the forward `method` of each worker's DiT
         (None: the DiT itself) on what rank 0 sends: `sent` (args, kwargs), default the same
-        inputs. Each rank's transformer_options get its sequence-parallel set-up."""
+        inputs. Each rank's transformer_options (positional argument `options_at`, or the
+        keyword) get its sequence-parallel set-up."""
         if not self.running:
             raise WorkerPoolError("the worker pool is closed; start a new one")
         threads = torch.get_num_threads()
@@ -365,7 +365,7 @@ class WorkerPool:
             (packed_args, packed_kwargs), new = self.sent_tensors.pack((sent_args, sent_kwargs))
             self.bytes_sent_per_forward.append(self._send((FORWARD, method, packed_args, packed_kwargs, new)))
             args, kwargs = copy_for_rank((list(args), dict(kwargs)), self.devices[0])  # its own options
-            self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs))
+            self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs, options_at))
             with torch.inference_mode(), checks_at_block_starts():  # a Cancel stops every rank together
                 out = rank0_forward(*args, **kwargs)
             self.cancel_flag.settle()  # the last block's flag, before the next message
@@ -377,7 +377,7 @@ class WorkerPool:
             self._fail(exc, "a forward")
         except BaseException:
             # an interrupt that did not wait for a block start (ComfyUI's per-layer Cancel check
-            # is deferred to them: workers/interrupt.py; a KeyboardInterrupt is not) left this
+            # is deferred to them: comfy_cancel.py; a KeyboardInterrupt is not) left this
             # rank mid-block while the workers wait in a collective: they cannot be brought
             # back in step, so they are stopped; the next forward starts afresh
             log.info("worker pool: the forward was interrupted inside a block; stopping its %d "
@@ -388,12 +388,12 @@ class WorkerPool:
             torch.set_num_threads(threads)
         log.info("worker pool: the forward was cancelled from ComfyUI at block %d on every rank", cancel.block)
         self.cancelled_at.append(cancel.block)
-        raise_comfy_interrupt(self._cancel_module)
+        raise_cancel(self._cancel_module)
 
     def _cancel_point(self, index: int):
         """Rank 0, as block `index` starts: ComfyUI's Cancel flag, told to every worker; a
         Cancel seen as block i starts stops every rank as block i + 1 starts."""
-        module = comfy_interrupt_flag()
+        module = cancel_requested()
         if module is not None:
             self._cancel_module = module
         if self.cancel_flag.post(module is not None):

@@ -1,4 +1,12 @@
-"""A Fun ControlNet tower as data: an allowed class, its constructor arguments, its weights.
+"""Upstream's Fun ControlNet for ranks as processes: its described patches as wire records, the tower as data.
+
+What every rank reads of a Fun ControlNet is described once for both rank engines
+(sp/fun_controlnet.py `FunControl`, `FunBlockControl`); here those records get their wire form.
+The tower travels with the first forward of a pool that uses it and is named by `tower_key`
+after that: a worker holds the towers it rebuilt by that key. Everything else of the
+transformer_options' block patches is a function of the ComfyUI process and is refused.
+
+The tower as data: an allowed class, its constructor arguments, its weights.
 
 The tower (`control_patch.model_patch.model`) is upstream's MiniMaxH3FunControl
 (comfy/ldm/minimax/controlnet.py): a small DiT built from keyword arguments (widths, heads,
@@ -22,6 +30,7 @@ from itertools import chain
 import torch
 
 from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
+from comfy.multidevice.sp.fun_controlnet import described_fun_controls, FunBlockControl, FunControl
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.recipe import is_trusted_module
 from comfy.multidevice.workers.wire import check_sendable, wire_record, WireTypeError
@@ -165,3 +174,62 @@ def tower_data(tower: torch.nn.Module) -> TowerData:
         raise SequenceParallelError(f"{exc}; {THREADS_FIX}") from None
     data.build()  # as a worker will: refused here, before any process is asked
     return data
+
+
+# ----------------------------------------------------------------------------- the described patches
+
+_held_towers: dict = {}  # a worker's towers, by rank 0's tower key (one pool per process)
+
+
+def _received_control(key: int, active: bool, strength: float, control_latent, tower_key: int, tower):
+    if type(key) is not int or type(active) is not bool or type(strength) is not float or type(tower_key) is not int:
+        raise TypeError(f"a control patch is (key: int, active: bool, strength: float, latent, tower_key: int, "
+                        f"tower), not ({type(key).__name__}, {type(active).__name__}, {type(strength).__name__}, "
+                        f"..., {type(tower_key).__name__}, ...)")
+    if tower is not None:
+        if not isinstance(tower, TowerData):
+            raise TypeError(f"a control patch's tower is sent as TowerData, not {type(tower).__name__}")
+        _held_towers[tower_key] = tower.build()
+    held = _held_towers.get(tower_key)
+    if held is None:
+        raise RuntimeError(f"the Fun ControlNet tower {tower_key} never reached this worker; the pool "
+                           "is out of step with rank 0, run the prompt again")
+    return FunControl(key, active, strength, control_latent, tower_key, held)
+
+
+def _received_block(control, block_index: int, previous):
+    if not isinstance(control, FunControl) or type(block_index) is not int or previous is not None:
+        raise TypeError("a Fun ControlNet block patch is (FunControl, block index: int, None)")
+    return FunBlockControl(control, block_index)
+
+
+wire_record("fun_control", make=_received_control)(FunControl)
+wire_record("fun_block_patch", make=_received_block)(FunBlockControl)
+
+
+def travelling_dit_patches(dit: dict, sent_towers: dict) -> dict:
+    """patches_replace["dit"] as a worker gets it: every entry an upstream Fun ControlNet block
+    patch, described (sp/fun_controlnet.py), its tower as TowerData the first time this pool
+    sends it and by key after that; anything else refused (SequenceParallelError naming it).
+    `sent_towers` (key -> tower): the towers this pool's workers already have; a tower sent now is added."""
+    described = described_fun_controls(dit)
+    others = [key for key in dit if not (isinstance(key, tuple) and key[0] == "double_block" and key[1] in described)]
+    if others:
+        raise SequenceParallelError(
+            f"ranks as processes cannot carry the block patches {others} of this forward (functions of the "
+            f"ComfyUI process; only upstream's Fun ControlNet travels to the workers): {THREADS_FIX}")
+    out, sent = {}, {}
+    for index, block in described.items():
+        if block.previous is not None:
+            raise SequenceParallelError(
+                f"ranks as processes cannot carry what the Fun ControlNet at block {index} chains "
+                f"({type(block.previous).__name__}, a function of the ComfyUI process): use ranks as threads")
+        control = block.control
+        if control.key not in sent:
+            # held in sent_towers for the pool's life: the key (an id) is not reused meanwhile
+            data = None if control.tower_key in sent_towers else tower_data(control.tower)  # refused here
+            sent_towers[control.tower_key] = control.tower
+            sent[control.key] = FunControl(control.key, control.active, control.strength, control.control_latent,
+                                           control.tower_key, data)
+        out[("double_block", index)] = FunBlockControl(sent[control.key], index)
+    return out

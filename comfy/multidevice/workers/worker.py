@@ -28,7 +28,7 @@ import torch
 from comfy.multidevice.comm.settings import parse_rendezvous
 from comfy.multidevice.comm.torch_dist import dist_backend_for, DistributedComm, init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
-from comfy.multidevice.sp.fan_out import transformer_options_of
+from comfy.multidevice.sp.fan_out import options_position, transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
 from comfy.multidevice.weights.block_shards import OwnRankLane
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD
@@ -133,8 +133,8 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
         # held tensors are reused by the next forward: a block that writes into its input must
         # not reach them (on a card the move to it is a copy anyway)
         args, kwargs = copy_for_rank((list(args), dict(kwargs)), device, copy_tensors=device.type == "cpu")
-        setup.install(model, transformer_options_of(args, kwargs))
         forward = model if method is None else getattr(model, method)
+        setup.install(model, transformer_options_of(args, kwargs, options_position(forward)))
         try:
             with torch.inference_mode():
                 forward(*args, **kwargs)

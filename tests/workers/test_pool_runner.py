@@ -1,4 +1,4 @@
-"""Upstream's Fun ControlNet with ranks as processes (comfy/multidevice/workers/fun_travel.py):
+"""Upstream's Fun ControlNet with ranks as processes (workers/pool_runner.py `travelling_options`, workers/towers.py):
 the block patches travel as data, the tower once per pool; every rank drives the control stream
 (sp/fun_controlnet.py). The stand-ins of tests/sp/test_fun_controlnet.py (a tower whose math needs
 the whole sequence, upstream's block patch semantics on one card for the reference); W worker
@@ -12,7 +12,7 @@ import torch
 from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
 from comfy.multidevice.miniature.h3 import load_miniature, save_miniature
 from comfy.multidevice.sp.plan import SequenceParallelError
-from comfy.multidevice.workers.fan_out import travelling_options
+from comfy.multidevice.workers.pool_runner import travelling_options
 from comfy.multidevice.workers.pool import WorkerPool
 from comfy.multidevice.workers.recipe import ModelRecipe
 from comfy.multidevice.workers.wire import encode

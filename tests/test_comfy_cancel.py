@@ -1,4 +1,4 @@
-"""ComfyUI's per-layer Cancel check steps aside inside a pool's forward (workers/interrupt.py),
+"""ComfyUI's per-layer Cancel check steps aside inside a pool's forward (comfy_cancel.py),
 so the pool's block-start check stops every rank together. Stand-ins for comfy.ops and
 comfy.model_management here; tests/upstream/test_cancel.py runs it against upstream's own."""
 
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from comfy.multidevice.workers.interrupt import checks_at_block_starts
+from comfy.multidevice.comfy_cancel import checks_at_block_starts
 
 
 class Interrupted(BaseException):

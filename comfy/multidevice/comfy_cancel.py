@@ -1,13 +1,14 @@
-"""ComfyUI's Cancel inside a worker pool's forward is taken at the next block start, not inside
-a block: there every rank stops together and the pool stays up for the next prompt.
+"""ComfyUI's Cancel as every rank engine sees it: whether it was pressed, its interrupt raised,
+and its per-layer check held back to the block starts while a worker pool runs a forward.
 
-ComfyUI's ops check the Cancel flag before every layer (`comfy.ops.run_every_op` calls
-`model_management.throw_exception_if_processing_interrupted`). On rank 0 of a pool, a raise
-inside a block would leave the workers in a collective that rank 0 never joins, so the pool
-would have to be thrown away (minutes to load again on cards). While rank 0 runs a pool's
-forward, `checks_at_block_starts` makes that per-layer check step aside while the flag is set;
-the pool's own check as each block starts (WorkerPool._cancel_point) then tells every rank.
-Outside ComfyUI, or on a ComfyUI without the per-layer hook, it changes nothing.
+Only looked up when ComfyUI has already imported its modules: the core runs without ComfyUI,
+and importing model_management would probe devices as a side effect. Rank threads stop on a
+Cancel at their next collective (comm/group.py aborts the barrier); worker processes stop
+together as a block starts (workers/pool.py), never inside a block: there a raise on rank 0
+would leave the workers in a collective rank 0 never joins, and the pool would have to be
+thrown away (minutes to load again on cards). ComfyUI's ops check the flag before every layer
+(`comfy.ops.run_every_op`); `checks_at_block_starts` makes that check step aside while the
+flag is set. Outside ComfyUI, or on a ComfyUI without the per-layer hook, it changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,20 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+
+
+def cancel_requested():
+    """ComfyUI's model_management when its Cancel flag is set, else None."""
+    module = sys.modules.get("comfy.model_management")
+    probe = getattr(module, "processing_interrupted", None)
+    return module if probe is not None and probe() else None
+
+
+def raise_cancel(module) -> None:
+    """Raise ComfyUI's InterruptProcessingException the way its sampler does (clearing the flag)."""
+    module.throw_exception_if_processing_interrupted()
+    raise module.InterruptProcessingException()  # the flag was already cleared by someone else
+
 
 _lock = threading.Lock()
 _depth = 0

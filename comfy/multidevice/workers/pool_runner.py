@@ -1,14 +1,15 @@
-"""The process fan-out: a ComfyUI MODEL's DiT forward run over a worker pool.
+"""The worker-pool runner: a ComfyUI MODEL's DiT forward run on rank 0 here and on worker processes.
 
-`ProcessFanOut` is a DIFFUSION_MODEL wrapper like sp/fan_out.py's: the wrappers after it run
-once here on rank 0, then the model's own forward runs on rank 0 (the MODEL's DiT) while each
-worker runs the same forward method of its rebuilt DiT on what rank 0 sends: the forward's
-arguments with transformer_options reduced to data (upstream's Fun ControlNet block patches
-included: workers/fun_travel.py). What only lives in this process (wrappers, callbacks, other
-patch functions) cannot travel: a forward that carries patches the workers could not apply is
-refused, naming them, before anything is sent. The pool starts on
-the first forward and again when the weight patches of the MODEL that samples changed (a new
-patch set, or a clone with a LoRA loaded after the node) or after a forward that lost a rank.
+`PoolRunner` is the processes engine's side of sp/fan_out.py's `RankRunner` seam (the rank
+threads are the other): the fan-out runs the wrappers after it once here on rank 0, then the
+model's own forward runs on rank 0 (the MODEL's DiT) while each worker runs the same forward
+method of its rebuilt DiT on what rank 0 sends: the forward's arguments with
+transformer_options reduced to data (upstream's Fun ControlNet as described by the SP adapter:
+workers/towers.py). What only lives in this process (wrappers, callbacks, other patch
+functions) cannot travel: a forward that carries patches the workers could not apply is
+refused, naming them, before anything is sent. The pool starts on the first forward and again
+when the weight patches of the MODEL that samples changed (a new patch set, or a clone with a
+LoRA loaded after the node) or after a forward that lost a rank.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from comfy.multidevice.comm.settings import timeout_from_env
-from comfy.multidevice.sp.fan_out import transformer_options_of
+from comfy.multidevice.sp.fan_out import SequenceParallelFanOut, transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.admission import cluster_secret, SECRET_FILE_ENV
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
 from comfy.multidevice.workers.dit_file import DitFile
-from comfy.multidevice.workers.fun_travel import travelling_dit_patches
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe
 from comfy.multidevice.workers.rendezvous import format_address
+from comfy.multidevice.workers.towers import travelling_dit_patches
 from comfy.multidevice.workers.wire import check_sendable, WireTypeError
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ REBUILT_BY_THE_WORKER = {"minimax_payload": ("layout",)}
 
 def travelling_options(options: dict, sent_towers: dict | None = None) -> dict:
     """transformer_options as a worker gets them: rank 0's runtime hooks left out, upstream's
-    Fun ControlNet block patches as data (workers/fun_travel.py; `sent_towers`: the towers the
+    Fun ControlNet block patches as data (workers/towers.py; `sent_towers`: the towers the
     pool's workers have); refused (SequenceParallelError naming the key) when they hold other
     patches or objects that cannot be sent."""
     out = {}
@@ -84,16 +85,15 @@ def _holds_functions(key: str, value) -> bool:
     return any(v for name, v in value.items() if not (key == "patches_replace" and name == "dit"))
 
 
-class ProcessFanOut:
-    """A DIFFUSION_MODEL wrapper running the DiT forward on rank 0 here and on every worker."""
+class PoolRunner:
+    """The RankRunner of ranks as processes: rank 0 here, the workers of a pool it (re)starts."""
 
-    def __init__(self, make_pool: Callable[[Any], WorkerPool], digest_of: Callable[[], str],
-                 transformer_options_index: int = 3):
+    def __init__(self, make_pool: Callable[[Any], WorkerPool], digest_of: Callable[[], str], world_size: int):
         """`make_pool(rank0_dit)`: a new, unstarted pool; `digest_of()`: the MODEL's weight
         patches now (a new digest makes a new pool)."""
         self.make_pool = make_pool
         self.digest_of = digest_of
-        self.transformer_options_index = transformer_options_index
+        self.world_size = world_size
         self._held: dict = {"pool": None}  # what the finalizer closes: no reference to self
         self._digest = None
         self._sent_towers: dict = {}  # Fun ControlNet towers the current pool's workers hold
@@ -108,30 +108,24 @@ class ProcessFanOut:
     def pool(self, value: WorkerPool | None) -> None:
         self._held["pool"] = value
 
-    def __call__(self, executor, *args, **kwargs):
-        rest = type(executor).new_class_executor(
-            lambda *a, **kw: self._on_ranks(executor, list(a), dict(kw)),
-            executor.class_obj, executor.wrappers, executor.idx)
-        return rest(*args, **kwargs)
-
-    def _on_ranks(self, executor, args: list, kwargs: dict):
+    def forward(self, model, method, args: list, kwargs: dict, position: int | None):
         sent_args, sent_kwargs = list(args), travelling_kwargs(kwargs)
-        options = transformer_options_of(sent_args, sent_kwargs, self.transformer_options_index)
+        options = transformer_options_of(sent_args, sent_kwargs, position)
         digest = self.digest_of()
         # the towers the workers will hold once this forward is sent (fresh workers hold none)
         towers = {} if self._needs_new_pool(digest) else dict(self._sent_towers)
         travelling = travelling_options(options, towers)  # refused here, before any process is asked
-        if len(sent_args) > self.transformer_options_index and sent_args[self.transformer_options_index] is options:
-            sent_args[self.transformer_options_index] = travelling
+        if position is not None and len(sent_args) > position and sent_args[position] is options:
+            sent_args[position] = travelling
         else:
             sent_kwargs["transformer_options"] = travelling
         _check_sendable(sent_args, "the forward's arguments")  # before any process is asked
         _check_sendable(sent_kwargs, "the forward's keyword arguments")
-        pool = self._current_pool(executor.class_obj, digest)
+        pool = self._current_pool(model, digest)
         self._sent_towers = towers
         try:
-            return pool.forward_method(executor.original.__name__, executor.original, args, kwargs,
-                                       sent=(sent_args, sent_kwargs))
+            return pool.forward_method(method.__name__, method, args, kwargs, sent=(sent_args, sent_kwargs),
+                                       options_at=position)
         except WorkerPoolError:
             self.pool = None  # the next forward starts a fresh pool
             raise
@@ -163,7 +157,7 @@ def _close_held(held: dict) -> None:
 def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "allgather",
                        timeout_s: float | None = None, prelude: Sequence[tuple[str, str]] = (),
                        remote: int = 0, address: str = "127.0.0.1", port: int = 0,
-                       recipe: ModelRecipe | None = None, rank0_weights=None) -> ProcessFanOut:
+                       recipe: ModelRecipe | None = None, rank0_weights=None) -> SequenceParallelFanOut:
     """ComfyUI entry point, ranks as processes: `model_patcher`'s DiT forward runs on rank 0
     (this process, devices[0]), on one worker process per other device, and on `remote` ranks
     of other servers (their join command logged here; `address`:`port` the rendezvous), each
@@ -206,7 +200,7 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
                 "LoRA loader before the node, or use dit_weights=replicate")
         return mine
 
-    fan_out = ProcessFanOut(make_pool, patch_set)
+    fan_out = SequenceParallelFanOut(PoolRunner(make_pool, patch_set, len(devices) + remote))
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)
     log.info("ranks as processes (%s) on %d ranks: %s%s", sp_mode or "allgather", len(devices) + remote,
