@@ -4,7 +4,8 @@ The package map and the data path of one sampling step are in docs/ARCHITECTURE.
 names below are the public entry points; everything else is imported from its sub-package.
 """
 
-from comfy.multidevice.comm.group import RankComm, SequenceParallelCoordinator
+from comfy.multidevice.comm.collectives import RankComm
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import VALID_BACKENDS
 from comfy.multidevice.comm.errors import (BackendUnavailable, CollectiveAborted, CollectiveError,
                                            CollectiveTimeout)
