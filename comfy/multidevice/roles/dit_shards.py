@@ -236,7 +236,7 @@ def sharded_primary(model, devices, coordinator, prefetch: bool = True, lane=Non
 def rank0_shard_primary(model, device, world_size: int):
     """dit_weights=shard with ranks as processes: rank 0's shard of `model`'s DiT made here on
     `device` (weights/shard_layout.py; the other ranks make theirs in their own processes), and
-    the clone of `model` that runs it. Returns (clone, RankShard)."""
+    the clone of `model` that runs it. Returns (clone, ProcessShard)."""
     inference = loaded_in_inference_mode(model)  # as DitShards: the input's mode
     try:
         with torch.inference_mode() if inference else contextlib.nullcontext():

@@ -74,7 +74,7 @@ class ShardLayout:
 
 
 @dataclass
-class RankShard:
+class ProcessShard:
     """One rank's sharded DiT in its own process: the module and its block-weights handle."""
 
     module: torch.nn.Module
@@ -83,7 +83,7 @@ class RankShard:
 
 
 def rank_shard(replica, rank: int, world_size: int, rank0_plan: BlockShardPlan | None = None,
-               inference: bool = False) -> RankShard:
+               inference: bool = False) -> ProcessShard:
     """Rank `rank`'s shard of `replica` (bound to the base, not yet loaded) in a process that
     holds no other rank: its card gets the non-block weights and its own block tensors only.
     `rank0_plan`: the plan rank 0 made, which this rank's layout must equal. `inference`:
@@ -101,4 +101,4 @@ def rank_shard(replica, rank: int, world_size: int, rank0_plan: BlockShardPlan |
         return replica.target_dtype(f"blocks.{index}.{name}", value)
 
     family = ShardedBlockWeights(models, dit_blocks, devices, plan=layout.plan, remote_dtype=loaded_dtype)
-    return RankShard(replica.module, family.rank_view(rank), layout)
+    return ProcessShard(replica.module, family.rank_view(rank), layout)

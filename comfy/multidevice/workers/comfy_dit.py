@@ -26,7 +26,7 @@ import torch
 
 from comfy.multidevice.weights.block_shards import BlockShardPlan
 from comfy.multidevice.weights.comfy_replicas import checkpoint_path_of, comfy_diffusion_model_replicas
-from comfy.multidevice.weights.shard_layout import rank_shard, RankShard
+from comfy.multidevice.weights.shard_layout import ProcessShard, rank_shard
 from comfy.multidevice.workers.recipe import ModelRecipe, recipe_builder, RecipeError, trusted_function
 from comfy.multidevice.workers.wire import check_sendable, decode, encode, wire_record, WireError, WireTypeError
 
@@ -184,7 +184,7 @@ def build_comfy_dit(device: torch.device | str, loader: LoaderCall, patches: tor
 @recipe_builder
 def build_comfy_dit_shard(device: torch.device | str, rank: int, world_size: int, plan: BlockShardPlan,
                           loader: LoaderCall, patches: torch.Tensor, digest: str, path: str | None, settings: dict,
-                          prelude: tuple = ()) -> RankShard:
+                          prelude: tuple = ()) -> ProcessShard:
     """A worker: rank `rank`'s shard of the recipe's DiT on `device`, patched as rank 0's and
     laid out as rank 0's `plan` (refused otherwise)."""
     patcher = _rebuilt_patcher(loader, patches, digest, settings, prelude)

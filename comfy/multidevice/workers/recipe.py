@@ -23,7 +23,7 @@ from comfy.multidevice.miniature.h3 import MiniatureH3Model, read_miniature_conf
 from comfy.multidevice.weights.block_shards import BlockShardPlan
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.replicas import RankReplica, RankReplicas
-from comfy.multidevice.weights.shard_layout import rank_shard, RankShard
+from comfy.multidevice.weights.shard_layout import ProcessShard, rank_shard
 from comfy.multidevice.workers.wire import check_sendable, register_record, wire_record, WireTypeError
 
 RECIPE_BUILDERS: dict[str, Callable] = {}  # "module:function" -> a function a worker may build with
@@ -71,7 +71,7 @@ def trusted_function(module: str, function: str, what: str) -> Callable:
 class ModelRecipe:
     """`module:function(device=..., **kwargs)` returns one rank's DiT on that device; a
     `sharded` recipe's function is also given the rank and world size and returns that rank's
-    shard (weights/shard_layout.py `RankShard`: dit_weights="shard"). The kwargs are data that
+    shard (weights/shard_layout.py `ProcessShard`: dit_weights="shard"). The kwargs are data that
     can travel (workers/wire.py), refused here naming the key otherwise."""
 
     module: str
@@ -98,9 +98,9 @@ class ModelRecipe:
         make = trusted_function(self.module, self.function, f"model recipe {self.describe()}")
         if self.sharded:
             shard = make(device=device, rank=rank, world_size=world_size, **self.kwargs)
-            if not isinstance(shard, RankShard):
+            if not isinstance(shard, ProcessShard):
                 raise RecipeError(f"sharded model recipe {self.describe()} returned {type(shard).__name__}, "
-                                  "not a RankShard")
+                                  "not a ProcessShard")
             return shard.module, shard.weights
         model = make(device=device, **self.kwargs)
         if not isinstance(model, torch.nn.Module):
@@ -124,7 +124,7 @@ def miniature_from_shared_checkpoint(path: str, device: torch.device | str = "cp
 
 @recipe_builder
 def miniature_shard_from_shared_checkpoint(path: str, device: torch.device | str = "cpu", rank: int = 0,
-                                           world_size: int = 1, plan=None) -> RankShard:
+                                           world_size: int = 1, plan=None) -> ProcessShard:
     """Rank `rank`'s shard of the miniature H3 DiT of a checkpoint file (its block tensors and
     the non-block weights; `plan`: rank 0's, checked)."""
     replica = RankReplica(SharedCheckpoint.open(path), device, rank=rank, template=_miniature_template(path))

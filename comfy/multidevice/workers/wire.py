@@ -56,13 +56,13 @@ class WireTypeError(WireError, TypeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Record:
+class _RecordSchema:
     cls: type
     fields: tuple[str, ...]
     make: Callable[..., Any]
 
 
-_RECORDS: dict[str, _Record] = {}
+_RECORDS: dict[str, _RecordSchema] = {}
 _RECORD_NAMES: dict[type, str] = {}
 
 
@@ -74,7 +74,7 @@ def register_record(cls: type, name: str, *, fields: tuple[str, ...] | None = No
     known = _RECORDS.get(name)
     if known is not None and (known.cls.__module__, known.cls.__qualname__) != (cls.__module__, cls.__qualname__):
         raise ValueError(f"wire record {name!r} is {known.cls.__qualname__} already; give {cls.__qualname__} another name")
-    _RECORDS[name] = _Record(cls, fields, cls if make is None else make)
+    _RECORDS[name] = _RecordSchema(cls, fields, cls if make is None else make)
     _RECORD_NAMES[cls] = name
     return cls
 
