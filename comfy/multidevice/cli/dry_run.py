@@ -47,7 +47,7 @@ from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
 from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
-from comfy.multidevice.weights.read_only import start_dispatch_warm_up
+from comfy.multidevice.weights.dispatch_warm_up import start_dispatch_warm_up
 from comfy.multidevice.weights.replicas import RankReplicas
 
 log = logging.getLogger(__name__)

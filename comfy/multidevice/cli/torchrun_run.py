@@ -34,7 +34,7 @@ from comfy.multidevice.sp.plan import ShardPlan
 from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.weights.block_shards import ShardedBlockWeights
-from comfy.multidevice.weights.read_only import start_dispatch_warm_up
+from comfy.multidevice.weights.dispatch_warm_up import start_dispatch_warm_up
 
 
 def _settings(args: argparse.Namespace, world: int) -> RunSettings:
