@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # ----------------------------------------------------------------------------- run
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    from comfy.multidevice.cli.dry_run import add_arguments
+    from comfy.multidevice.cli.dry_run_settings import add_arguments
     add_arguments(parser, repo_dir=Path(__file__).resolve().parent)
     parser.set_defaults(handler=run_main)
 

@@ -14,7 +14,7 @@ gathered by the project's own `allgather` strategy into the same sequence-major 
 real exchange fills. The other ranks' rows are already in that buffer, so the block time is
 the compute of one rank with the copy of its own K/V into place. The block is upstream's
 `DiTBlock` (comfy/ldm/minimax/model.py) when COMFYUI_DIR names a ComfyUI tree, else the
-project's miniature (comfy/multidevice/miniature/h3.py) built at the same sizes. Attention:
+project's miniature (comfy/multidevice/miniature/h3_blocks.py) built at the same sizes. Attention:
 what the block itself calls (SDPA / flash on CUDA), except on Ascend, where the fused
 attention the seed project used (`torch_npu.npu_fusion_attention`) takes the call.
 
@@ -211,10 +211,10 @@ def build_block(dims: Dims, dtype: torch.dtype, card: Card, seed: int = 0):
     """One transformer block with seeded random weights on the card; (block, which)."""
     tree = upstream_tree()
     if tree is None:
-        from comfy.multidevice.miniature.h3 import DiTBlock
+        from comfy.multidevice.miniature.h3_blocks import DiTBlock
         with torch.device(card.device):
             block = DiTBlock(dims.hidden, dims.heads, dims.head_dim, dims.ffn, dims.t_dim, dims.eps, dtype)
-        which = "miniature (comfy/multidevice/miniature/h3.py)"
+        which = "miniature (comfy/multidevice/miniature/h3_blocks.py)"
     else:
         import comfy.cli_args
         if card.device.type == "cpu":
@@ -243,7 +243,7 @@ def build_block(dims: Dims, dtype: torch.dtype, card: Card, seed: int = 0):
 def block_inputs(dims: Dims, workload: dict, world: int, dtype, device, seed: int = 1) -> dict:
     """Rank 0's inputs of one block: its rows of h, the RoPE table of the whole sequence (the
     forward holds it for every block) sliced to its rows, its modulation spans, t_emb."""
-    from comfy.multidevice.miniature.h3 import rope_rotation_table
+    from comfy.multidevice.miniature.h3_blocks import rope_rotation_table
 
     seq = workload["tokens"]
     plan = ShardPlan(seq, world, 0)

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 import minimax_h3_parallel  # noqa: E402
 from comfy.multidevice.cli import dry_run  # noqa: E402
+from comfy.multidevice.cli.dry_run_settings import make_settings  # noqa: E402
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel  # noqa: E402
 
@@ -61,7 +62,7 @@ class IndependentTiming:
     def __init__(self, devices: int, out_dir: str):
         args = minimax_h3_parallel.build_parser().parse_args(
             ["run", "--cpu", "--devices", str(devices), "--out", out_dir, "--no-progress"])
-        settings = dry_run.make_settings(args)
+        settings = make_settings(args)
         path, _ = dry_run.ensure_checkpoint(settings)
         self.x, self.context, self.kwargs = dry_run.make_inputs(settings)
         self.t = torch.tensor([1000.0])  # the first step's sigma (1.0), as the sampler passes it

@@ -28,7 +28,7 @@ modules the first time an op dispatches on a tensor subclass with __torch_dispat
 that one-time cost is reported as first_subclass_op_seconds. Two more runs, warm only, are
 fresh processes that paid nothing in advance, as the CLI and a torchrun rank start:
 upstream_mmap_standalone and ours_standalone (which starts that import on a thread first, as
-the CLI and torchrun do, comfy/multidevice/weights/read_only.py start_dispatch_warm_up): their
+the CLI and torchrun do, comfy/multidevice/weights/dispatch_warm_up.py start_dispatch_warm_up): their
 ratio is standalone_build_vs_upstream_mmap (target <= 1.2).
 
 Per run: build seconds, disk bytes (the child's /proc/self/io read_bytes: storage reads,
@@ -154,7 +154,8 @@ def run_child(method: str, path: str, ranks: int, reloads: int) -> dict:
     from comfy.multidevice.weights.offload import model_stage_unload
     from comfy.multidevice.weights.replicas import RankReplica
 
-    from comfy.multidevice.weights.read_only import ReadOnlyMemory, read_only_view, start_dispatch_warm_up
+    from comfy.multidevice.weights.dispatch_warm_up import start_dispatch_warm_up
+    from comfy.multidevice.weights.read_only import ReadOnlyMemory, read_only_view
     standalone = method in STANDALONE
     method = method.removesuffix("_standalone")
     load_torch_file = import_upstream_loader() if method in UPSTREAM else None

@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 import minimax_h3_parallel  # noqa: E402
 from comfy.multidevice.cli import dry_run  # noqa: E402
+from comfy.multidevice.cli.dry_run_settings import make_settings  # noqa: E402
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel  # noqa: E402
 from comfy.multidevice.tensor_bytes import tensor_nbytes  # noqa: E402
@@ -109,7 +110,7 @@ def timed(forward) -> float:
 def measure(world: int, forwards: int, out_dir: str, dit_weights: str = "replicate") -> dict:
     args = minimax_h3_parallel.build_parser().parse_args(
         ["run", "--cpu", "--devices", str(world), "--out", out_dir, "--no-progress"])
-    settings = dry_run.make_settings(args)
+    settings = make_settings(args)
     path, _ = dry_run.ensure_checkpoint(settings)
     x, context, kwargs = dry_run.make_inputs(settings)
     t = torch.tensor([1000.0])

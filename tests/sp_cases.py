@@ -7,7 +7,7 @@ import copy
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.miniature import h3 as miniature
+from comfy.multidevice.miniature import h3_blocks as miniature_blocks
 from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 
@@ -89,7 +89,7 @@ def run_sp(model, world, backend, case, sp_mode="allgather", seed=0):
         return out, sp, coord.byte_counts()
 
 
-class BlockWithoutAttentionArgument(miniature.DiTBlock):
+class BlockWithoutAttentionArgument(miniature_blocks.DiTBlock):
     """A block as ComfyUI v0.33.0 ships it: forward() has no `attention` parameter."""
 
     def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None):

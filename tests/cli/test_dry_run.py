@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from comfy.multidevice.cli import dry_run as minimax_h3_dry_run
+from comfy.multidevice.cli import dry_run_settings
 from comfy.multidevice.cli import report
 from comfy.multidevice.cli.report import REPORT_KEYS
 
@@ -144,18 +145,8 @@ def test_shard_dry_run_gives_the_replicate_latents_with_less_per_rank(tmp_path):
 def _parser():
     import argparse
     parser = argparse.ArgumentParser()
-    minimax_h3_dry_run.add_arguments(parser, repo_dir=REPO)
+    dry_run_settings.add_arguments(parser, repo_dir=REPO)
     return parser
-
-
-def test_default_devices_without_accelerators(monkeypatch):
-    monkeypatch.setattr(minimax_h3_dry_run, "visible_accelerators", lambda: [])
-    assert minimax_h3_dry_run.choose_devices(None, cpu=False) == ["cpu"] * 4
-    monkeypatch.setattr(minimax_h3_dry_run, "visible_accelerators", lambda: ["npu:0", "npu:1"])
-    assert minimax_h3_dry_run.choose_devices(None, cpu=False) == ["npu:0", "npu:1"]
-    assert minimax_h3_dry_run.choose_devices(3, cpu=True) == ["cpu"] * 3
-    with pytest.raises(ValueError, match="only 2 accelerator"):
-        minimax_h3_dry_run.choose_devices(4, cpu=False)
 
 
 # ----------------------------------------------------------------------------- every option checked first
@@ -377,7 +368,7 @@ def test_a_truncated_cached_checkpoint_is_rebuilt(tmp_path, caplog):
     cache, out = tmp_path / "cache", tmp_path / "out"
     args = _parser().parse_args(TINY_ARGS + ["--cpu", "--devices", "2", "--no-reference",
                                              "--cache", str(cache), "--out", str(out)])
-    path = minimax_h3_dry_run.checkpoint_path(minimax_h3_dry_run.make_settings(args))
+    path = minimax_h3_dry_run.checkpoint_path(dry_run_settings.make_settings(args))
     assert minimax_h3_dry_run.run(args, out=io.StringIO()) == 0
     whole = {k: v.clone() for k, v in load_file(str(path)).items()}
     cut = path.read_bytes()
@@ -398,7 +389,7 @@ def test_outputs_are_ordinary_files_honouring_the_umask(tmp_path):
         report.write_outputs(tmp_path, [torch.ones(2), torch.ones(3)], None, {"parity": "ok"})
     finally:
         os.umask(old)
-    for name in minimax_h3_dry_run.OUTPUT_FILES:
+    for name in dry_run_settings.OUTPUT_FILES:
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o640, name
     assert load_file(str(tmp_path / "latents.safetensors"))["audio"].shape == (3,)
 

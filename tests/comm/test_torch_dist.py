@@ -294,8 +294,8 @@ def ulysses_worker(comm):
 def _collective_path(worker):
     """`worker` with all_to_all_v on the path nccl/hccl take (one all_to_all_single per tensor)."""
     def run(comm):
-        from comfy.multidevice.comm import torch_dist
-        torch_dist._POINT_TO_POINT_WIRES = ()  # this process only
+        from comfy.multidevice.comm import torch_dist_transfers
+        torch_dist_transfers.POINT_TO_POINT_WIRES = ()  # this process only
         return worker(comm)
     return run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy.multidevice.miniature.h3 import (MiniatureConfig, apply_split_half_rope, build_layout, build_miniature, load_miniature, pack_audio, patchify_video, rope_rotation_table, save_miniature, unpack_audio, unpatchify_video)
+from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature, load_miniature, save_miniature
 from tests.sp_cases import TINY, make_inputs, rel_diff, tiny_model
 
 
@@ -51,37 +51,6 @@ def test_bf16_keeps_the_fp32_islands():
                 "final_layer.audio_out.weight", "time_embedder.proj_in.weight"):
         assert sd[key].dtype == torch.float32, key
     assert sd["blocks.0.attn.qkv_proj.weight"].dtype == torch.bfloat16
-
-
-def test_layout_puts_audio_then_video_last():
-    layout = build_layout(4, (2, 2, 3), 5, cond_frames=[1], ref_images=[(1, 2)], ref_audio=[2])
-    kinds = [k for _, _, k in layout.segments]
-    assert kinds == ["text", "cond", "ref_img", "ref_audio", "audio", "video"]
-    starts = [a for a, _, _ in layout.segments]
-    stops = [b for _, b, _ in layout.segments]
-    assert starts[0] == 0 and starts[1:] == stops[:-1]
-    assert layout.seq_len == 4 + 6 + 2 + 4 + 10 + 12
-    assert layout.position_ids.shape == (layout.seq_len, 3) and layout.position_ids.dtype == torch.float64
-
-
-def test_patchify_and_audio_packing_round_trip():
-    video = torch.randn(1, 24, 3, 4, 6)
-    rows = patchify_video(video, (1, 2, 2))
-    assert rows.shape == (3 * 2 * 3, 96)
-    assert torch.equal(unpatchify_video(rows, 3, 2, 3, 24, (1, 2, 2)), video)
-    audio = torch.randn(1, 32, 2, 5)
-    packed = pack_audio(audio)
-    assert torch.equal(packed[:5], audio[0, :, 0].T) and torch.equal(unpack_audio(packed), audio)
-
-
-def test_rope_rotates_only_part_of_the_head():
-    x = torch.randn(7, 2, 16)
-    table = rope_rotation_table(torch.randn(7, 6), torch.float32)
-    assert table.shape == (1, 7, 1, 6, 2, 2)
-    y = apply_split_half_rope(x, table)
-    assert torch.equal(y[..., 12:], x[..., 12:])
-    assert torch.allclose(y[..., :12].norm(dim=-1), x[..., :12].norm(dim=-1), atol=1e-5)
-    assert not torch.allclose(y[..., :12], x[..., :12])
 
 
 def test_attention_override_sees_heads_seq_headdim(model):

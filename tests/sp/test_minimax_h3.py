@@ -15,8 +15,8 @@ import types
 import pytest
 import torch
 
-from comfy.multidevice.miniature import h3 as miniature
-from comfy.multidevice.miniature.h3 import build_layout
+from comfy.multidevice.miniature import h3_blocks as miniature_blocks
+from comfy.multidevice.miniature.h3_sequence import build_layout
 from comfy.multidevice.sp.minimax_h3 import (WRAPPER_KEY, enable_sequence_parallel, enable_sequence_parallel_on_patcher, disable_sequence_parallel_on_patcher, install_rank_sequence_parallel, supports_sequence_parallel, contract_problems)
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
@@ -165,9 +165,9 @@ def test_callers_transformer_options_are_not_modified(model32):
 
 
 def test_bypassed_override_is_an_error_not_a_wrong_result(model32, monkeypatch):
-    monkeypatch.setattr(miniature, "attention",
+    monkeypatch.setattr(miniature_blocks, "attention",
                         lambda q, k, v, heads, transformer_options=None, **kw:
-                        miniature.scaled_dot_product(q, k, v, heads, **kw))
+                        miniature_blocks.scaled_dot_product(q, k, v, heads, **kw))
     x, t, ctx, kw = make_inputs("plain")
     with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
         sp = enable_sequence_parallel(replicas(model32, 2), coord)
@@ -352,7 +352,7 @@ def test_auto_decides_and_logs_once_over_many_forwards(model32, caplog):
 
 # ----------------------------------------------------------------------------- version guard
 
-class _BlockIgnoringAttention(miniature.DiTBlock):
+class _BlockIgnoringAttention(miniature_blocks.DiTBlock):
     """A block that takes `attention` but runs its own module anyway (what v0.33's block wrapper
     does with args["attention"]): under SP every rank would attend to its own rows only."""
 
@@ -411,9 +411,9 @@ def _with_preferred_attention(model, calls):
         with lock:
             calls.append(threading.current_thread().name)
         kwargs.pop("transformer_options", None)
-        return miniature.scaled_dot_product(q, k * 1.25, v, heads, **kwargs)
+        return miniature_blocks.scaled_dot_product(q, k * 1.25, v, heads, **kwargs)
     for module in out.modules():
-        if isinstance(module, miniature.Attention):
+        if isinstance(module, miniature_blocks.Attention):
             module.comfy_attention.function = preferred
     return out
 

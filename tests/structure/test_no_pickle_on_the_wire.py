@@ -10,7 +10,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 NETWORK_CODE = [*sorted((REPO / "comfy" / "multidevice" / "workers").glob("*.py")),
-                REPO / "comfy" / "multidevice" / "comm" / "torch_dist.py"]
+                REPO / "comfy" / "multidevice" / "comm" / "torch_dist.py",
+                REPO / "comfy" / "multidevice" / "comm" / "torch_dist_transfers.py"]
 UNPICKLERS = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "copyreg"}
 OBJECT_COLLECTIVES = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list"}

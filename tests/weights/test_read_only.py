@@ -225,7 +225,7 @@ RUNNING_STATS_READERS = {
 def test_every_unmarked_running_stats_op_is_listed():
     """The search that found UNMARKED_WRITES, repeated over this torch's schemas: an op that takes
     running stats without marking them written is either refused on a base or known to only read."""
-    from comfy.multidevice.weights.read_only import UNMARKED_WRITES
+    from comfy.multidevice.weights.op_writes import UNMARKED_WRITES
     found = {s.name for s in torch._C._jit_get_all_schemas()
              for a in s.arguments
              if a.name in ("running_mean", "running_var") and a.alias_info is None}

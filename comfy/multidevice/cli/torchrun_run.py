@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from comfy.multidevice.cli import dry_run as dry
+from comfy.multidevice.cli.dry_run_settings import DryRunError, make_settings, RunSettings, sequence_length
 from comfy.multidevice.cli.report import (parity_figures, parity_line, REPORT_KEYS, speedup_baseline, steady_seconds,
                                            write_outputs)
 from comfy.multidevice.comm.settings import SettingError
@@ -33,23 +34,23 @@ from comfy.multidevice.sp.plan import ShardPlan
 from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.weights.block_shards import ShardedBlockWeights
-from comfy.multidevice.weights.read_only import start_dispatch_warm_up
+from comfy.multidevice.weights.dispatch_warm_up import start_dispatch_warm_up
 
 
-def _settings(args: argparse.Namespace, world: int) -> dry.RunSettings:
+def _settings(args: argparse.Namespace, world: int) -> RunSettings:
     if args.devices is not None and args.devices != world:
-        raise dry.DryRunError(f"--devices {args.devices} under torchrun: the ranks are the "
-                              f"{world} processes; leave --devices out or start {args.devices} "
-                              "processes (torchrun --nproc-per-node / --nnodes)")
+        raise DryRunError(f"--devices {args.devices} under torchrun: the ranks are the "
+                          f"{world} processes; leave --devices out or start {args.devices} "
+                          "processes (torchrun --nproc-per-node / --nnodes)")
     # The dry run picks the devices of one process; here each process has its own device,
     # so validate every other option with a single CPU rank.
-    settings = dry.make_settings(argparse.Namespace(**{**vars(args), "devices": 1, "cpu": True}))
-    if dry.sequence_length(settings) < world:
-        raise dry.DryRunError(f"{dry.sequence_length(settings)} tokens cannot be split over {world} ranks")
+    settings = make_settings(argparse.Namespace(**{**vars(args), "devices": 1, "cpu": True}))
+    if sequence_length(settings) < world:
+        raise DryRunError(f"{sequence_length(settings)} tokens cannot be split over {world} ranks")
     return settings
 
 
-def _ensure_checkpoint_once(settings: dry.RunSettings, comm: DistributedComm, local_rank: int):
+def _ensure_checkpoint_once(settings: RunSettings, comm: DistributedComm, local_rank: int):
     """Rank 0 builds the cached checkpoint, then the first process of every other machine
     (its own disk), then the rest read it: never two writers of one file."""
     result = None
@@ -78,7 +79,7 @@ def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
     try:  # every rank validates the same options: all stop here, before joining the group
         env = read_torchrun_env()
         settings = _settings(args, env.world_size)
-    except (dry.DryRunError, SettingError) as exc:
+    except (DryRunError, SettingError) as exc:
         if env is None or env.rank == 0:
             print(f"minimax_h3_parallel.py run: {exc}", file=sys.stderr)
         return 2
@@ -105,7 +106,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
 
 
-def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int, out) -> int:
+def _run(args, settings: RunSettings, comm: DistributedComm, local_rank: int, out) -> int:
     lead = comm.rank == 0
     say = (lambda text: print(text, file=out, flush=True)) if lead else (lambda text: None)
     cfg, world, device = settings.config, comm.world_size, comm.device
@@ -126,7 +127,7 @@ def _run(args, settings: dry.RunSettings, comm: DistributedComm, local_rank: int
     index = torch.tensor([device.index if device.index is not None else -1])
     indices = comm.exchange([index], 0)[0].tolist()
     devices = [device.type if i < 0 else f"{device.type}:{i}" for i in indices]
-    seq_len = dry.sequence_length(settings)
+    seq_len = sequence_length(settings)
     tokens_per_rank = [b - a for a, b in ShardPlan.edges(seq_len, world)]
     backend = f"torch.distributed {comm.backend_name}"
     say(f"[ranks] {world} processes ({', '.join(devices)}), backend {backend}, sp mode {args.sp_mode}")

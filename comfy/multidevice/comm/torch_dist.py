@@ -1,8 +1,5 @@
 """A torch.distributed communicator: one rank per process, on one machine or several.
 
-Over 500 lines because each collective needs its gloo and its nccl/hccl path side by side
-(the same metadata exchange and checks, two transfer plans); split, they would share private state.
-
 `DistributedComm` has the per-rank interface of `comfy.multidevice.RankComm` (`rank`,
 `world_size`, `device`, `exchange`, `all_to_all_v`, `all_reduce`, `barrier`,
 `byte_counts`), so model code written against RankComm runs unchanged when each rank is
@@ -15,7 +12,7 @@ disagree; with a shard plan only on the plan's first call), then moves each tens
 flat buffer of exactly the gathered size. On gloo (host memory) every part goes point to
 point straight into its place, uneven or not; on nccl/hccl `all_gather_into_tensor` when all
 shards are equally long, otherwise one broadcast per root rank into that root's slice
-(issued asynchronously, then awaited).
+(issued asynchronously, then awaited). The transfers themselves: comm/torch_dist_transfers.py.
 
 Failures: every collective has the process group's timeout (COMFYUI_MULTI_DEVICE_TIMEOUT_S);
 a peer process that dies closes its connections, so the others fail at their next
@@ -28,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -39,11 +35,12 @@ from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduc
                                            check_all_to_all_metadata, check_all_to_all_plans,
                                            check_exchange_metadata, check_recv_splits, planned_metas)
 from comfy.multidevice.comm.errors import CollectiveError
-from comfy.multidevice.comm.layout import (alone_all_to_all, chunk_shape, chunks_back_to_back, displacements,
-                                           normalize_dims, numel, pack_chunks, pack_peer_chunks,
+from comfy.multidevice.comm.layout import (alone_all_to_all, displacements, normalize_dims, numel,
                                            planned_chunk_shapes, received_chunk_shapes, scratch, sequence_major,
                                            ShardMeta, unflatten_gathered)
 from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
+from comfy.multidevice.comm.torch_dist_transfers import (AllToAllTransfers, Gather, gather_point_to_point,
+                                                        goes_point_to_point, issue_all_gather)
 from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_bytes, exchange_traffic,
                                             TrafficCounter)
 from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS, resolve_device, set_thread_device
@@ -95,7 +92,7 @@ class DistributedComm:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; use init_from_env() or "
                                "init_process_group() from comfy.multidevice.comm.torch_dist")
-        self._dist = dist
+        self.dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -105,9 +102,9 @@ class DistributedComm:
         self._traffic = TrafficCounter()
         self._verified_plans: set = set()  # exchange plans whose shapes every rank confirmed
         # gloo moves CPU tensors only; nccl/hccl move tensors of this rank's device.
-        self._wire_device = torch.device("cpu") if self.backend_name == "gloo" else self.device
+        self.wire_device = torch.device("cpu") if self.backend_name == "gloo" else self.device
         # Equal-size all-gather into one tensor; renamed all_gather_single in torch 2.13.
-        self._all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def __repr__(self):
         return (f"DistributedComm(rank={self.rank}/{self.world_size}, device={self.device}, "
@@ -132,22 +129,22 @@ class DistributedComm:
         for i, dim in enumerate(dims):
             shard_metas = [m[i] for m in metas]
             counts = [numel(m.shape) for m in shard_metas]
-            tensor = tensors[i].detach().to(self._wire_device)
-            flat = scratch(workspace, ("recv", i), sum(counts), tensor.dtype, self._wire_device)
-            gathers.append(_Gather(tensor, dim, flat, shard_metas, counts, displacements(counts)))
+            tensor = tensors[i].detach().to(self.wire_device)
+            flat = scratch(workspace, ("recv", i), sum(counts), tensor.dtype, self.wire_device)
+            gathers.append(Gather(tensor, dim, flat, shard_metas, counts, displacements(counts)))
         # Every tensor's transfers are issued before any is awaited (K and V back to back).
-        if self._wire_device.type in _POINT_TO_POINT_WIRES:
-            works = self._gather_point_to_point(gathers)
+        if goes_point_to_point(self.wire_device):
+            works = gather_point_to_point(self, gathers)
         else:
-            works = [self._issue_all_gather(sequence_major(g.tensor, g.dim, workspace, ("send", i)), g.flat,
-                                            g.counts, g.displs) for i, g in enumerate(gathers)]
+            works = [issue_all_gather(self, sequence_major(g.tensor, g.dim, workspace, ("send", i)), g.flat,
+                                      g.counts, g.displs) for i, g in enumerate(gathers)]
         out = []
         for g, tensor_works in zip(gathers, works):
             for work in tensor_works:
-                self._call("exchange", work.wait)
+                self.call("exchange", work.wait)
             out.append(unflatten_gathered(g.flat, g.metas, g.counts, g.displs, g.dim).to(self.device))
         sent, received = exchange_traffic(metas, self.rank)
-        self._count("exchange", sent=sent, received=received)
+        self._traffic.add("exchange", sent, received)
         return out
 
     def _exchange_metas(self, tensors, dims, shard_sizes):
@@ -178,7 +175,7 @@ class DistributedComm:
         """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
         the chunks received are concatenated in source-rank order along cat_dim.
 
-        Straight into the result (see `_AllToAllTransfers`): the chunk a rank keeps is copied
+        Straight into the result (see `AllToAllTransfers`): the chunk a rank keeps is copied
         once from its source into its place, a peer's chunk is packed once (not when dense) and
         lands in its place (via one buffer and a copy where that place is strided, as a head
         block along cat_dim is). Every tensor's transfers start before any is awaited.
@@ -192,15 +189,15 @@ class DistributedComm:
             return out[0] if single else out
         received = self._all_to_all_shapes(tensors, splits, split_dim, cat_dim,
                                            check_recv_splits(recv_splits, self.world_size))
-        transfers = _AllToAllTransfers(self, workspace, write_own)
-        wires = [tensor.detach().to(self._wire_device) for tensor in tensors]
+        transfers = AllToAllTransfers(self, workspace, write_own)
+        wires = [tensor.detach().to(self.wire_device) for tensor in tensors]
         posted = [transfers.receive(t, wire, cat_dim, received[t]) for t, wire in enumerate(wires)]
         for t, (wire, (_, places)) in enumerate(zip(wires, posted)):
             transfers.send(t, wire, splits, split_dim, places)
         transfers.finish()
         sent, got = all_to_all_bytes([ShardMeta(tuple(t.shape), t.dtype) for t in tensors], splits, received,
                                      split_dim, self.rank)
-        self._count("all_to_all_v", sent=sent, received=got)
+        self._traffic.add("all_to_all_v", sent, got)
         out = [result.to(self.device) for result, _ in posted]
         return out[0] if single else out
 
@@ -232,11 +229,11 @@ class DistributedComm:
             return tensor.clone()
         metas = self._gather_metas([tensor], f"all_reduce {op}")
         check_all_reduce_metadata([m[0] for m, _ in metas])
-        work = tensor.detach().to(self._wire_device, copy=True).contiguous()
-        reduce_op = self._dist.ReduceOp.SUM if op == "sum" else self._dist.ReduceOp.MAX
-        self._call("all_reduce", self._dist.all_reduce, work, op=reduce_op, group=self.group)
+        work = tensor.detach().to(self.wire_device, copy=True).contiguous()
+        reduce_op = self.dist.ReduceOp.SUM if op == "sum" else self.dist.ReduceOp.MAX
+        self.call("all_reduce", self.dist.all_reduce, work, op=reduce_op, group=self.group)
         moved = all_reduce_traffic(tensor, self.world_size)
-        self._count("all_reduce", sent=moved, received=moved)
+        self._traffic.add("all_reduce", moved, moved)
         return work.to(self.device)
 
     def barrier(self) -> None:
@@ -253,9 +250,9 @@ class DistributedComm:
     def close(self) -> None:
         """Leave the process group (if this communicator made it). Peers still inside a
         collective then see the connection close and fail instead of waiting."""
-        if self._owns_group and self._dist.is_initialized():
+        if self._owns_group and self.dist.is_initialized():
             self._owns_group = False
-            self._dist.destroy_process_group()
+            self.dist.destroy_process_group()
 
     def __enter__(self):
         return self
@@ -263,8 +260,9 @@ class DistributedComm:
     def __exit__(self, *exc):
         self.close()
 
-    # -- internals
-    def _call(self, what: str, fn, *args, **kwargs):
+    # -- library calls (call and global_rank also serve comm/torch_dist_transfers.py)
+    def call(self, what: str, fn, *args, **kwargs):
+        """fn(*args, **kwargs), a library's RuntimeError turned into a CollectiveError naming `what`."""
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
@@ -283,9 +281,9 @@ class DistributedComm:
             code += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
         code += list(splits)
         header = torch.tensor([_OPS.index(what), len(tensors), len(code)], dtype=torch.int64,
-                              device=self._wire_device)
-        headers = torch.empty(self.world_size * 3, dtype=torch.int64, device=self._wire_device)
-        self._call(what, self._all_gather_equal, headers, header, group=self.group)
+                              device=self.wire_device)
+        headers = torch.empty(self.world_size * 3, dtype=torch.int64, device=self.wire_device)
+        self.call(what, self.all_gather_equal, headers, header, group=self.group)
         headers = headers.view(self.world_size, 3).tolist()
         ops = [h[0] for h in headers]
         if any(o != ops[0] for o in ops):
@@ -301,222 +299,17 @@ class DistributedComm:
         length = headers[0][1]
         if not length:  # nothing to describe (a barrier, or no tensors): the header was the sync
             return [([], ())] * self.world_size
-        mine = torch.tensor(code, dtype=torch.int64, device=self._wire_device)
-        everyone = torch.empty(self.world_size * length, dtype=torch.int64, device=self._wire_device)
-        self._call(what, self._all_gather_equal, everyone, mine, group=self.group)
+        mine = torch.tensor(code, dtype=torch.int64, device=self.wire_device)
+        everyone = torch.empty(self.world_size * length, dtype=torch.int64, device=self.wire_device)
+        self.call(what, self.all_gather_equal, everyone, mine, group=self.group)
         rows = everyone.view(self.world_size, length).tolist()
         return [_decode_metas(row, len(tensors), len(splits)) for row in rows]
 
-    def _gather_point_to_point(self, gathers) -> list[list]:
-        """The all-gather on gloo: every peer's part received straight into its place, this
-        rank's shard copied once into its own place (sequence-major) and sent from there.
-        One copy per tensor, as a packed send buffer would cost, but no second copy of the
-        own part by the collective, and gloo's point to point moves big messages several
-        times faster than its all_gather (bench/bench_exchange.py). Receives are posted first,
-        so a peer's send never waits for this rank to be ready."""
-        works = []
-        for tag, g in enumerate(gathers):
-            works.append(_start_point_to_point(self, "exchange", [
-                ("recv", g.part(src), src, tag) for src in range(self.world_size)
-                if src != self.rank and g.counts[src]]))
-        peers = _ring_peers(self.rank, self.world_size)
-        for tag, g in enumerate(gathers):
-            if not g.counts[self.rank]:
-                continue  # every rank skips the same empty shards
-            moved = g.tensor.movedim(g.dim, 0)
-            own = g.part(self.rank).view(moved.shape).copy_(moved)
-            works[tag] += _start_point_to_point(self, "exchange", [("send", own, dst, tag) for dst in peers])
-        return works
-
-    def _issue_all_gather(self, send: torch.Tensor, flat: torch.Tensor, counts, displs) -> list:
-        """Start gathering every rank's dense `send` into the flat buffer `flat`; the works."""
-        if len(set(counts)) == 1:
-            return [self._call("exchange", self._all_gather_equal, flat, send.view(-1),
-                               group=self.group, async_op=True)]
-        flat.narrow(0, displs[self.rank], counts[self.rank]).copy_(send.view(-1))
-        works = []
-        for root, (count, displ) in enumerate(zip(counts, displs)):
-            if count:  # every rank skips the same empty shards
-                works.append(self._call("exchange", self._dist.broadcast, flat.narrow(0, displ, count),
-                                        src=self._global_rank(root), group=self.group, async_op=True))
-        return works
-
-    def _global_rank(self, group_rank: int) -> int:
+    def global_rank(self, group_rank: int) -> int:
         if self.group is None:
             return group_rank
-        return self._dist.get_global_rank(self.group, group_rank)
+        return self.dist.get_global_rank(self.group, group_rank)
 
-    def _count(self, op: str, sent: int, received: int) -> None:
-        self._traffic.add(op, sent, received)
-
-
-# Wire devices whose all-gather and all-to-all go point to point (gloo's host memory); the
-# others take all_gather_into_tensor / all_to_all_single (tests run those over gloo by
-# emptying this).
-_POINT_TO_POINT_WIRES = ("cpu",)
-
-
-@dataclass(frozen=True)
-class _Gather:
-    """One tensor of an exchange: its shard, and the flat rank-major buffer it is gathered into."""
-
-    tensor: torch.Tensor
-    dim: int
-    flat: torch.Tensor
-    metas: list
-    counts: list[int]
-    displs: list[int]
-
-    def part(self, rank: int) -> torch.Tensor:
-        return self.flat.narrow(0, self.displs[rank], self.counts[rank])
-
-
-def _ring_peers(rank: int, world: int) -> list[int]:
-    """Every other rank, starting after `rank`: each rank serves a different peer first."""
-    return [(rank + step) % world for step in range(1, world)]
-
-
-# Each collective's point-to-point tags in their own range: after a shard plan is verified no
-# shapes travel, so ranks that (wrongly) enter different collectives must not match each
-# other's messages; a receive then waits for its own kind and times out with a clear error.
-_TAG_BASE = {"exchange": 0, "all_to_all_v": 1 << 16}
-
-
-def _start_point_to_point(comm: DistributedComm, what: str, ops) -> list:
-    """Start point-to-point `ops` (kind "send"/"recv", dense tensor, group rank of the peer,
-    tag) of collective `what`; their works. The tag is the tensor's index in the call: the
-    same on both ends of a transfer, and unique per pair and direction in one call."""
-    if not ops:
-        return []
-    dist = comm._dist
-    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, comm._global_rank(peer),
-                      group=comm.group, tag=_TAG_BASE[what] + tag) for kind, tensor, peer, tag in ops]
-    return list(comm._call(what, dist.batch_isend_irecv, p2p))
-
-
-class _AllToAllTransfers:
-    """The transfers of one all_to_all_v call, straight into each tensor's result: the chunk a
-    rank keeps is copied once from its source into its place and never crosses the wire.
-
-    gloo (host memory): point to point. Every receive is posted into its place first (via one
-    dense buffer when the place is strided), then per tensor each peer's chunk is packed (one
-    copy, none when dense) and sent at once, so gloo's threads move it while this one packs
-    the next; the kept chunks are copied after the last send starts, while the wire is busy.
-    nccl/hccl: one `all_to_all_single` per tensor (a collective every such backend has,
-    stream-ordered like the copies around it), straight from the tensor or into the result
-    where their chunks lie back to back (see `_collective`): a byte is copied at most once on
-    each side, besides what the call itself moves."""
-
-    def __init__(self, comm: DistributedComm, workspace: dict | None, write_own=None):
-        self.comm, self.workspace, self.write_own = comm, workspace, write_own
-        self.rank, self.world = comm.rank, comm.world_size
-        self.point_to_point = comm._wire_device.type in _POINT_TO_POINT_WIRES
-        self.started = []  # (works, [(received buffer, its place)]): awaited in order, then copied
-        self.kept = []  # (tensor, the chunk this rank keeps, its place)
-        self.rewritten = []  # (tensor, place): own chunks that went through a call unfilled
-        self.dense_results = {}  # tensor -> its result, where its places lie back to back in it
-
-    def receive(self, t, like, cat_dim, shapes):
-        """Tensor `t`'s result (`shapes`: the chunk from each source), complete after `finish`,
-        and its places per source; on gloo the receives are posted."""
-        sizes = [s[cat_dim] if numel(s) else 0 for s in shapes]
-        kept = [src for src, n in enumerate(sizes) if n]
-        if not kept:  # nothing comes from anyone: the concat of the empty chunks
-            return torch.cat([like.new_empty(s) for s in shapes], dim=cat_dim), {}
-        shape = chunk_shape(shapes[kept[0]], cat_dim, sum(sizes))
-        result = scratch(self.workspace, ("out", t), numel(shape), like.dtype, like.device).view(shape)
-        places = dict(zip(kept, result.split([sizes[src] for src in kept], cat_dim)))
-        if chunks_back_to_back(result, cat_dim):  # the places, in source order, are the result itself
-            self.dense_results[t] = result
-        if self.point_to_point:
-            for src in kept:
-                if src != self.rank:
-                    self._receive(t, src, places[src])
-        return result, places
-
-    def send(self, t, wire, splits, split_dim, places):
-        """Send tensor `t`'s chunks to the peers, then copy the chunk kept into its place."""
-        offsets = displacements(splits)
-        chunks = [wire.narrow(split_dim, offsets[j], splits[j]) for j in range(self.world)]
-        if self.point_to_point:
-            for dst in _ring_peers(self.rank, self.world):
-                if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
-                    self._start([("send", self._dense(("send", t, dst), chunks[dst]), dst, t)], [])
-        elif self._collective(t, wire, splits, split_dim, places):
-            if self.write_own is not None and self.rank in places:  # it went through unfilled
-                self.rewritten.append((t, places[self.rank]))
-            return  # the kept chunk went through the collective
-        if self.rank in places:  # copied in `finish`, once every tensor's sends are under way
-            self.kept.append((t, chunks[self.rank], places[self.rank]))
-
-    def finish(self):
-        """Copy the kept chunks into their places while the wire moves the others, then wait
-        for every transfer; a chunk received off its place is copied there on arrival."""
-        for t, chunk, place in self.kept:  # one copy, from its source to its place
-            if self.write_own is None:
-                place.copy_(chunk)
-            else:
-                self.write_own(t, place)
-        for works, copies in self.started:
-            for work in works:
-                self.comm._call("all_to_all_v", work.wait)
-            for buf, place in copies:
-                place.copy_(buf)
-        for t, place in self.rewritten:  # after the call that put the unfilled chunk there
-            self.write_own(t, place)
-
-    def _receive(self, t, src, place):
-        if place.is_contiguous():
-            self._start([("recv", place, src, t)], [])
-        else:  # a strided place (e.g. a head block of every row): received densely, copied on arrival
-            buf = scratch(self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device)
-            buf = buf.view(place.shape)
-            self._start([("recv", buf, src, t)], [(buf, place)])
-
-    def _dense(self, key, chunk):
-        """`chunk` as the wire takes it: itself when dense, else packed into a buffer (one copy)."""
-        if chunk.is_contiguous():
-            return chunk
-        return scratch(self.workspace, key, chunk.numel(), chunk.dtype, chunk.device).view(chunk.shape).copy_(chunk)
-
-    def _start(self, ops, copies):
-        self.started.append((_start_point_to_point(self.comm, "all_to_all_v", ops), copies))
-
-    def _collective(self, t, wire, splits, split_dim, places) -> bool:
-        """One all_to_all_single of tensor `t`; True when the kept chunk went through it.
-
-        The call takes counts but no displacements: its buffers hold the chunks back to back in
-        rank order. Where the wire's chunks already lie that way (split along its outermost
-        dim), the wire is the send buffer; where the places do (concat along the result's), the
-        result is the receive buffer. Then the kept chunk travels through the call as well (a
-        copy inside the device) so that side needs no copy at all. Otherwise no bytes go to
-        self: the peers' chunks are packed, received back to back, and copied to their places."""
-        result = self.dense_results.get(t)
-        if result is not None or chunks_back_to_back(wire, split_dim):
-            send = pack_chunks(wire, splits, split_dim, self.workspace, ("send", t))  # a view when back to back
-            out_counts = [numel(chunk_shape(wire.shape, split_dim, n)) for n in splits]
-            in_counts = [places[j].numel() if j in places else 0 for j in range(self.world)]
-            if result is not None:
-                self._all_to_all_single(result.view(-1), send, in_counts, out_counts, {})
-            else:
-                recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
-                self._all_to_all_single(recv, send, in_counts, out_counts, places)
-            return True
-        send, out_counts, _ = pack_peer_chunks(wire, splits, split_dim, self.rank, self.workspace, ("send", t),
-                                               back_to_back=True)
-        in_counts = [0 if j == self.rank or j not in places else places[j].numel() for j in range(self.world)]
-        recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
-        self._all_to_all_single(recv, send, in_counts, out_counts, places)
-        return False
-
-    def _all_to_all_single(self, recv, send, in_counts, out_counts, places):
-        """Start the call; arrivals in `places` are copied there from `recv` once it completes."""
-        work = self.comm._call("all_to_all_v", self.comm._dist.all_to_all_single, recv, send,
-                               output_split_sizes=in_counts, input_split_sizes=out_counts,
-                               group=self.comm.group, async_op=True)
-        copies = [(recv.narrow(0, offset, n).view(places[j].shape), places[j])
-                  for j, (offset, n) in enumerate(zip(displacements(in_counts), in_counts)) if n and j in places]
-        self.started.append(([work], copies))
 
 
 def _decode_metas(row: list[int], n_tensors: int, n_splits: int):

@@ -1,8 +1,5 @@
 """A small MiniMax-H3-shaped DiT, written here, for tests and the dry run.
 
-Over 500 lines because it mirrors one upstream model file: every part of the contract below
-(embeddings, blocks, final layer, wrappers) lives in the model, as upstream's does.
-
 It follows the contract of upstream ComfyUI's `MiniMaxH3Model` (written down in
 docs/ARCHITECTURE.md) closely enough that the sequence-parallel adapter cannot tell the
 two apart:
@@ -22,7 +19,8 @@ two apart:
   through the `diffusion_model` wrappers of `transformer_options["wrappers"]` and returns
   `[video_out, audio_out]`.
 
-Parameter names follow upstream's state-dict keys. Sizes are configurable; the defaults are tiny.
+Its layers live in `h3_blocks.py`, the packed sequence in `h3_sequence.py`. Parameter names
+follow upstream's state-dict keys. Sizes are configurable; the defaults are tiny.
 The output is a flow-matching velocity: one Euler step is `x + (sigma_next - sigma) * out`.
 """
 
@@ -30,12 +28,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from comfy.multidevice.miniature.h3_blocks import DiTBlock, FinalLayer, rope_rotation_table, TimeEmbedder, TokenRefiner
+from comfy.multidevice.miniature.h3_sequence import build_layout, pack_audio, patchify_video, unpack_audio, unpatchify_video
 
 DIFFUSION_MODEL_WRAPPERS = "diffusion_model"  # the WrappersMP.DIFFUSION_MODEL value of ComfyUI
 COND_TIMESTEP = 0.999  # cond / reference rows are (almost) clean
@@ -102,91 +102,6 @@ def time_shift_sigma(sigma: float, from_shift: float, to_shift: float) -> float:
     return to_shift * unshifted / (1.0 + (to_shift - 1.0) * unshifted)
 
 
-def patchify_video(latent: torch.Tensor, patch: Sequence[int]) -> torch.Tensor:
-    """[1, C, T, H, W] -> [T/pt * H/ph * W/pw, C*pt*ph*pw], rows in (t, h, w) order."""
-    _, c, t, h, w = latent.shape
-    pt, ph, pw = patch
-    x = latent[0].reshape(c, t // pt, pt, h // ph, ph, w // pw, pw)
-    x = x.permute(1, 3, 5, 0, 2, 4, 6)  # t', h', w', c, pt, ph, pw
-    return x.reshape((t // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
-
-
-def unpatchify_video(rows: torch.Tensor, t: int, h: int, w: int, c: int,
-                     patch: Sequence[int]) -> torch.Tensor:
-    """Inverse of patchify_video: rows -> [1, C, T, H, W] (t, h, w counted in patches)."""
-    pt, ph, pw = patch
-    x = rows.reshape(t, h, w, c, pt, ph, pw).permute(3, 0, 4, 1, 5, 2, 6)
-    return x.reshape(1, c, t * pt, h * ph, w * pw)
-
-
-def pack_audio(latent: torch.Tensor) -> torch.Tensor:
-    """[1, C, 2, T] -> [2*T, C]: stereo channel 0's frames, then channel 1's."""
-    return latent[0].permute(1, 2, 0).reshape(-1, latent.shape[1])
-
-
-def unpack_audio(rows: torch.Tensor, channels: int = 2) -> torch.Tensor:
-    return rows.reshape(channels, -1, rows.shape[-1]).permute(2, 0, 1).unsqueeze(0)
-
-
-def rope_rotation_table(angles: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[S, half] angles -> [1, S, 1, half, 2, 2] rotation matrices [[cos, -sin], [sin, cos]]."""
-    cos, sin = angles.cos(), angles.sin()
-    table = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)
-    return table.unsqueeze(0).unsqueeze(2).to(dtype)
-
-
-def apply_split_half_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[j], x[half + j]) of the first 2*half dims of x [S, heads, D]."""
-    half = table.shape[-3]
-    rot = table[0].to(x.dtype)  # [S, 1, half, 2, 2]
-    first, second, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-    new_first = rot[..., 0, 0] * first + rot[..., 0, 1] * second
-    new_second = rot[..., 1, 0] * first + rot[..., 1, 1] * second
-    return torch.cat([new_first, new_second, rest], dim=-1)
-
-
-def scaled_dot_product(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False,
-                       **kwargs):
-    """Plain attention with ComfyUI's optimized_attention calling convention.
-
-    skip_reshape=True: q/k/v are [B, heads, S, head_dim]; otherwise [B, S, heads*head_dim].
-    The output is [B, S, heads*head_dim] unless skip_output_reshape.
-    """
-    if not skip_reshape:
-        b, s, width = q.shape
-        q, k, v = (t.reshape(b, t.shape[1], heads, width // heads).transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if skip_output_reshape:
-        return out
-    b, h, s, d = out.shape
-    return out.transpose(1, 2).reshape(b, s, h * d)
-
-
-class PreferredAttention:
-    """Stands for upstream's ComfyAttention: `function` is the attention a checkpoint asks for
-    (None: the default)."""
-
-    def __init__(self):
-        self.function = None
-
-
-def attention(q, k, v, heads, transformer_options=None, preferred_attention=None, **kwargs):
-    """The miniature's optimized_attention: an override in transformer_options takes the call.
-
-    Like ComfyUI, the override is called as override(func, q, k, v, heads, **kwargs) with
-    plain tensors, where func is the attention it may delegate to, and the module's
-    preferred_attention is dropped then; without an override, preferred_attention.function
-    (when set) runs instead of the default.
-    """
-    override = (transformer_options or {}).get("optimized_attention_override")
-    if override is not None:
-        return override(scaled_dot_product, q, k, v, heads,
-                        transformer_options=transformer_options, **kwargs)
-    if preferred_attention is not None and preferred_attention.function is not None:
-        return preferred_attention.function(q, k, v, heads, transformer_options=transformer_options, **kwargs)
-    return scaled_dot_product(q, k, v, heads, **kwargs)
-
-
 class WrapperChain:
     """The calling protocol of ComfyUI's WrapperExecutor, enough for DIFFUSION_MODEL wrappers.
 
@@ -217,220 +132,6 @@ class WrapperChain:
 def diffusion_model_wrappers(transformer_options: dict) -> list:
     keyed = transformer_options.get("wrappers", {}).get(DIFFUSION_MODEL_WRAPPERS, {})
     return [w for ws in keyed.values() for w in ws]
-
-
-# ----------------------------------------------------------------------------- layout
-
-@dataclass
-class MiniatureLayout:
-    """The packed sequence: contiguous segments [(start, stop, kind)] and position ids [S, 3]."""
-
-    segments: list[tuple[int, int, str]]
-    position_ids: torch.Tensor  # [S, 3] float64 (t, h, w)
-    signature: tuple = field(default=())
-
-    @property
-    def seq_len(self) -> int:
-        return self.segments[-1][1]
-
-    def span(self, kind: str) -> tuple[int, int]:
-        a, b, _ = next(s for s in self.segments if s[2] == kind)
-        return a, b
-
-    @property
-    def audio_pos(self) -> torch.Tensor:
-        """Rows of the target audio in the packed sequence (upstream's PackedLayout.audio_pos)."""
-        return torch.arange(*self.span("audio"))
-
-
-def _frame_positions(t0: float, frames: int, rows_h: int, rows_w: int) -> torch.Tensor:
-    """(t, h, w) for `frames` latent frames of rows_h x rows_w patch rows, centred in h and w."""
-    t = t0 + torch.arange(frames, dtype=torch.float64)
-    h = torch.arange(rows_h, dtype=torch.float64) - (rows_h - 1) / 2
-    w = torch.arange(rows_w, dtype=torch.float64) - (rows_w - 1) / 2
-    grid = torch.stack(torch.meshgrid(t, h, w, indexing="ij"), dim=-1)
-    return grid.reshape(-1, 3)
-
-
-def _audio_positions(t0: float, frames: int, w_edges: tuple[float, float]) -> torch.Tensor:
-    """Stereo rows, channel-major: t advances per frame, w pinned to one edge per channel."""
-    pos = torch.zeros(2 * frames, 3, dtype=torch.float64)
-    pos[:, 0] = (t0 + torch.arange(frames, dtype=torch.float64)).repeat(2)
-    pos[:frames, 2], pos[frames:, 2] = w_edges
-    return pos
-
-
-def build_layout(text_len: int, video_rows: tuple[int, int, int], audio_t: int,
-                 cond_frames: Sequence[int] = (), ref_images: Sequence[tuple[int, int]] = (),
-                 ref_audio: Sequence[int] = ()) -> MiniatureLayout:
-    """Lay out text | cond | ref_img... | ref_audio... | audio | video; sizes in packed rows."""
-    vt, vh, vw = video_rows
-    pieces: list[tuple[str, torch.Tensor]] = []
-    text = torch.zeros(text_len, 3, dtype=torch.float64)
-    text[:, 0] = torch.arange(text_len, dtype=torch.float64)
-    pieces.append(("text", text))
-    cursor = float(text_len)
-    refs = []
-    for rh, rw in ref_images:
-        refs.append(("ref_img", _frame_positions(cursor, 1, rh, rw)))
-        cursor += 1.0
-    for rt in ref_audio:
-        refs.append(("ref_audio", _audio_positions(cursor, rt, (-(vw - 1) / 2, (vw - 1) / 2))))
-        cursor += float(rt)
-    # cond rows share the target's timeline origin (keyframes of the video being generated)
-    for ct in cond_frames:
-        pieces.append(("cond", _frame_positions(cursor, ct, vh, vw)))
-    pieces.extend(refs)
-    pieces.append(("audio", _audio_positions(cursor, audio_t, (-(vw - 1) / 2, (vw - 1) / 2))))
-    pieces.append(("video", _frame_positions(cursor, vt, vh, vw)))
-    segments, start = [], 0
-    for kind, pos in pieces:
-        segments.append((start, start + pos.shape[0], kind))
-        start += pos.shape[0]
-    signature = (text_len, tuple(video_rows), audio_t, tuple(cond_frames), tuple(ref_images),
-                 tuple(ref_audio))
-    return MiniatureLayout(segments, torch.cat([p for _, p in pieces]), signature)
-
-
-# ----------------------------------------------------------------------------- modules
-
-class TimeEmbedder(nn.Module):
-    def __init__(self, freq_dim, hidden, out):
-        super().__init__()
-        self.freq_dim = freq_dim
-        self.proj_in = nn.Linear(freq_dim, hidden, dtype=torch.float32)
-        self.proj_out = nn.Linear(hidden, out, dtype=torch.float32)
-
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        half = self.freq_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / half)
-        angles = 1000.0 * t.float()[:, None] * freqs[None]
-        return self.proj_out(F.silu(self.proj_in(torch.cat([angles.cos(), angles.sin()], -1))))
-
-
-class Attention(nn.Module):
-    def __init__(self, hidden, heads, head_dim, eps, dtype):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        self.qkv_proj = nn.Linear(hidden, 3 * heads * head_dim, bias=False, dtype=dtype)
-        self.q_norm = nn.RMSNorm(head_dim, eps=eps, dtype=dtype)
-        self.k_norm = nn.RMSNorm(head_dim, eps=eps, dtype=dtype)
-        self.out_proj = nn.Linear(heads * head_dim, hidden, bias=False, dtype=dtype)
-        self.comfy_attention = PreferredAttention()
-
-    def forward(self, x, rope_freqs=None, transformer_options=None):
-        s = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(s, 3, self.heads, self.head_dim).unbind(1)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope_freqs is not None:
-            q, k = apply_split_half_rope(q, rope_freqs), apply_split_half_rope(k, rope_freqs)
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, S, head_dim]
-        out = attention(q, k, v, self.heads, preferred_attention=self.comfy_attention, mask=None,
-                        skip_reshape=True, transformer_options=transformer_options)
-        return self.out_proj(out[0])
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden, ffn, dtype):
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype)
-        self.fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
-
-    def forward(self, x):
-        gate, up = self.fc1(x).chunk(2, dim=-1)  # the first half gates
-        return self.fc2(F.silu(gate) * up)
-
-
-class AdalnProj(nn.Module):
-    """t_emb [M, t_dim] -> `expand` tensors of [M * modalities, hidden]."""
-
-    def __init__(self, t_dim, hidden, expand, modalities, dtype):
-        super().__init__()
-        self.expand, self.modalities = expand, modalities
-        self.linear = nn.Linear(t_dim, expand * hidden * modalities, dtype=dtype)
-
-    def forward(self, t_emb):
-        out = self.linear(F.silu(t_emb))
-        return out.view(out.shape[0] * self.modalities, -1).chunk(self.expand, dim=-1)
-
-
-def modulate(h, shift, scale, segments):
-    """h * (1 + scale[row]) + shift[row] per span; row is an int or per-token indices."""
-    out = torch.empty_like(h)
-    for a, b, row in segments:
-        out[a:b] = h[a:b] * (1.0 + scale[row].to(h.dtype)) + shift[row].to(h.dtype)
-    return out
-
-
-def gated_residual(x, gate, update, segments):
-    out = torch.empty_like(x)
-    for a, b, row in segments:
-        out[a:b] = x[a:b] + gate[row].to(x.dtype) * update[a:b]
-    return out
-
-
-class RefinerBlock(nn.Module):
-    def __init__(self, hidden, heads, head_dim, ffn, eps, dtype):
-        super().__init__()
-        self.norm1 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.norm2 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.attn = Attention(hidden, heads, head_dim, eps, dtype)
-        self.mlp = MLP(hidden, ffn, dtype)
-
-    def forward(self, x, transformer_options=None):
-        x = x + self.attn(self.norm1(x), transformer_options=transformer_options)
-        return x + self.mlp(self.norm2(x))
-
-
-class TokenRefiner(nn.Module):
-    def __init__(self, layers, hidden, heads, head_dim, ffn, eps, dtype):
-        super().__init__()
-        self.blocks = nn.ModuleList(RefinerBlock(hidden, heads, head_dim, ffn, eps, dtype)
-                                    for _ in range(layers))
-        self.final_norm = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-
-    def forward(self, x, transformer_options=None):
-        for block in self.blocks:
-            x = block(x, transformer_options=transformer_options)
-        return self.final_norm(x)
-
-
-class DiTBlock(nn.Module):
-    def __init__(self, hidden, heads, head_dim, ffn, t_dim, eps, dtype):
-        super().__init__()
-        self.norm1 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.norm2 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.attn = Attention(hidden, heads, head_dim, eps, dtype)
-        self.mlp = MLP(hidden, ffn, dtype)
-        self.adaln_proj = AdalnProj(t_dim, hidden, 6, 3, dtype)
-
-    def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None, attention=None):
-        attention = self.attn if attention is None else attention
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaln_proj(t_emb)
-        h = modulate(self.norm1(x), shift_a, scale_a, mod_segments)
-        x = gated_residual(x, gate_a, attention(h, rope_freqs=rope_freqs,
-                                                transformer_options=transformer_options), mod_segments)
-        h = modulate(self.norm2(x), shift_m, scale_m, mod_segments)
-        return gated_residual(x, gate_m, self.mlp(h), mod_segments)
-
-
-class FinalLayer(nn.Module):
-    def __init__(self, hidden, t_dim, video_dim, audio_dim, eps, dtype):
-        super().__init__()
-        self.norm = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.adaln_proj = AdalnProj(t_dim, hidden, 2, 1, dtype)
-        self.video_out = nn.Linear(hidden, video_dim, dtype=torch.float32)
-        self.audio_out = nn.Linear(hidden, audio_dim, dtype=torch.float32)
-
-    def forward(self, x, t_emb, video_seg, audio_seg):
-        shift, scale = self.adaln_proj(t_emb)
-
-        def project(seg, head):
-            a, b, row = seg
-            h = self.norm(x[a:b]) * (1.0 + scale[row].to(x.dtype)) + shift[row].to(x.dtype)
-            return head(h.float())
-
-        return project(video_seg, self.video_out), project(audio_seg, self.audio_out)
 
 
 # ----------------------------------------------------------------------------- the model

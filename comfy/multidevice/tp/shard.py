@@ -1,8 +1,5 @@
 """Tensor parallelism for Llama/Qwen-style decoders (MiniMax-H3's Qwen3-VL text encoder).
 
-Over 500 lines because the split of one decoder layout (attention, MLP, norms, embedding,
-the plan of its bytes and the fan-out) is one job whose parts share the head arithmetic.
-
 H3's text encoder (Qwen3-VL-32B cut to 50 layers, ~51.5 GB in BF16) does not fit on one
 card beside anything else. Split over W ranks, each rank holds about 1/W of it:
 
@@ -35,19 +32,13 @@ Entry points
   shard_decoder(decoder, comm, weights=None)            one rank's shard (any communicator)
   planned_shard_bytes(decoder, world_size)              what each rank's shard will hold, before
                                                         anything is built (memory plans)
-  build_tensor_parallel_decoder(decoder, coordinator)   all shards + a fan-out module
-  tensor_parallel_clip(clip, coordinator)               upstream ComfyUI CLIP -> a new CLIP
-                                                        (the node's entry point; input untouched)
-  check_tensor_parallel_clip(clip, world_size)          its checks alone, for planners
-  apply_tensor_parallel_text_encoder(clip, coordinator) the same, in place on `clip`
-  remove_tensor_parallel_text_encoder(clip)             undo the in-place version
+All shards and the module that runs them: tp/fan_out.py; a ComfyUI CLIP: tp/clip.py.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Mapping
@@ -56,8 +47,6 @@ import torch
 import torch.nn as nn
 
 from comfy.multidevice.comm.layout import numel
-from comfy.multidevice.devices import copy_for_rank
-from comfy.multidevice.progress import CardProgress
 from comfy.multidevice.tensor_bytes import storage_bytes
 from comfy.multidevice.tp.layers import (check_head_split, ColumnParallelLinear, copy_whole, detached,
                                          frozen_parameter, head_shard, QuantizedWeightsError,
@@ -172,8 +161,9 @@ def check_decoder_split(decoder: nn.Module, world_size: int) -> list[_LayerLayou
 
 # ----------------------------------------------------------------------------- weight source
 
-class _WeightSource:
+class WeightSource:
     """Full tensors by decoder-relative name: from `weights` if given, else from the module.
+    check_all() is the early check the fan-out runs before any rank slices.
 
     With `weights`, every parameter must come from it (that is the point: the module may
     hold nothing useful, e.g. meta tensors); buffers missing from it (non-persistent ones
@@ -249,7 +239,7 @@ def shallow_module_copy(module: nn.Module) -> nn.Module:
     return new
 
 
-def _clone_structure(module: nn.Module, prefix: str, device, source: _WeightSource,
+def _clone_structure(module: nn.Module, prefix: str, device, source: WeightSource,
                      skip: set[str]) -> nn.Module:
     """A copy of `module` whose replicated tensors are fresh copies on `device`.
 
@@ -370,7 +360,7 @@ class _EmbeddingOnFirstUse(nn.Module):
     tensors are copied, puts the copy in its own place and runs it.
     """
 
-    def __init__(self, owner: nn.Module, original: nn.Module, device, source: "_WeightSource"):
+    def __init__(self, owner: nn.Module, original: nn.Module, device, source: "WeightSource"):
         super().__init__()
         # a plain tuple: nothing registered; a weak reference to the shard, so that a dropped
         # shard is freed at once (no reference cycle waiting for the garbage collector)
@@ -398,7 +388,7 @@ def shard_decoder(decoder: nn.Module, comm, weights: Mapping[str, torch.Tensor] 
     """
     world, rank, device = comm.world_size, comm.rank, comm.device
     layouts = check_decoder_split(decoder, world)
-    source = _WeightSource(decoder, weights)
+    source = WeightSource(decoder, weights)
     shard = _clone_structure(decoder, "", device, source, _split_skip(layouts))
     if getattr(decoder, "embed_tokens", None) is not None:
         shard.embed_tokens = _EmbeddingOnFirstUse(shard, decoder.embed_tokens, device, source)
@@ -426,7 +416,7 @@ def shard_decoder(decoder: nn.Module, comm, weights: Mapping[str, torch.Tensor] 
     return shard
 
 
-def _install_split(shard: nn.Module, split: _Split, comm, source: _WeightSource) -> None:
+def _install_split(shard: nn.Module, split: _Split, comm, source: WeightSource) -> None:
     weight = source.get(split.name + ".weight")
     bias = source.get(split.name + ".bias") if source.has(split.name + ".bias") else None
     if split.column:
@@ -437,141 +427,3 @@ def _install_split(shard: nn.Module, split: _Split, comm, source: _WeightSource)
     parent, _, name = split.name.rpartition(".")
     setattr(shard.get_submodule(parent), name, layer)
 
-
-# ----------------------------------------------------------------------------- fan-out
-
-def _first_tensor_device(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.device
-    if isinstance(obj, (tuple, list)):
-        items = obj
-    elif isinstance(obj, dict):
-        items = obj.values()
-    else:
-        return None
-    for item in items:
-        device = _first_tensor_device(item)
-        if device is not None:
-            return device
-    return None
-
-
-class TensorParallelDecoder(nn.Module):
-    """Runs a decoder's W shards concurrently on a coordinator's rank threads.
-
-    forward(*args, **kwargs) takes whatever the original decoder's forward takes: every
-    tensor argument is copied to each rank's device, each rank runs its shard, and rank
-    0's result comes back on the device of the first tensor argument. The shards are
-    kept outside the module tree (model managers moving this module must not move
-    them); the original's input embedding is kept as a submodule so callers that embed
-    tokens themselves (upstream's SDClipModel) still find `embed_tokens`, and the shards
-    hold none (see _EmbeddingOnFirstUse).
-    """
-
-    # Upstream's ComfyUI model code reads these flags from the language model.
-    fixed_kv = False
-    graph_dynamic_vbar_blocks = False
-    prefetch_dynamic_vbars = False
-
-    def __init__(self, coordinator, shards: list[nn.Module], source: nn.Module | None = None,
-                 weights: Mapping[str, torch.Tensor] | None = None):
-        super().__init__()
-        if len(shards) != coordinator.world_size:
-            raise TensorParallelError(f"{len(shards)} shards for {coordinator.world_size} ranks")
-        self.coordinator = coordinator
-        self.shards = list(shards)  # a plain list: not registered as submodules
-        self._source = [source]     # ditto: the single-device decoder, for remove/re-shard
-        self._weights = weights     # what the shards were sliced from, to rebuild a dropped one
-        self.shard_bytes = [storage_bytes(s) for s in shards]
-        # called on the caller's thread before each forward (roles/ loads the shards through
-        # ComfyUI's model management there)
-        self.before_forward = None
-        if source is not None:
-            if getattr(source, "embed_tokens", None) is not None:
-                self.embed_tokens = source.embed_tokens
-            if hasattr(source, "config"):
-                self.config = source.config
-
-    @property
-    def source_decoder(self) -> nn.Module | None:
-        return self._source[0]
-
-    @property
-    def world_size(self) -> int:
-        return self.coordinator.world_size
-
-    def drop_shard(self, rank: int) -> int:
-        """Free rank `rank`'s shard (its card's memory); the next forward or ensure_shards()
-        slices it again from the kept decoder (or weights), never from disk. Returns its bytes."""
-        if self.shards[rank] is None:
-            return 0
-        self.shards[rank] = None
-        return self.shard_bytes[rank]
-
-    def ensure_shards(self) -> None:
-        """Rebuild every dropped shard, each on its own rank thread."""
-        missing = [r for r, s in enumerate(self.shards) if s is None]
-        if not missing:
-            return
-        if self.source_decoder is None:
-            raise TensorParallelError("a dropped tensor-parallel shard cannot be rebuilt: no source decoder")
-        source, weights, shards = self.source_decoder, self._weights, self.shards
-
-        def rebuild(rank, comm):
-            if shards[rank] is None:
-                shards[rank] = shard_decoder(source, comm, weights)
-
-        self.coordinator.run(rebuild)
-        log.info("tensor parallel: rebuilt the shards of ranks %s from RAM", missing)
-
-    def get_dynamic_vram__units(self):
-        # Upstream's CLIP wrapper asks the language model for offloadable units; the
-        # shards stay resident on their ranks, so there are none.
-        return [], []
-
-    def forward(self, *args, **kwargs):
-        if kwargs.get("past_key_values") is not None:
-            raise TensorParallelError(
-                "text generation (past_key_values) is not supported by the tensor-parallel text "
-                "encoder; it only encodes prompts. Use the single-device CLIP for generation")
-        if self.before_forward is not None:
-            self.before_forward()
-        self.ensure_shards()
-        out_device = _first_tensor_device((args, kwargs))
-        per_rank = [(copy_for_rank(args, dev, True), copy_for_rank(kwargs, dev, True))
-                    for dev in self.coordinator.devices]
-        shards = self.shards
-
-        def run_shard(rank, comm, call):
-            return shards[rank](*call[0], **call[1])
-
-        results = self.coordinator.run(run_shard, per_rank)
-        # a call with token ids has made the shards copy the embedding: count it
-        self.shard_bytes = [storage_bytes(s) if s is not None else n for s, n in zip(shards, self.shard_bytes)]
-        if out_device is None:
-            return results[0]
-        return copy_for_rank(results[0], out_device)
-
-
-def build_tensor_parallel_decoder(decoder: nn.Module, coordinator,
-                                  weights: Mapping[str, torch.Tensor] | None = None) -> TensorParallelDecoder:
-    """Split `decoder` over all ranks of `coordinator` and return the fan-out module.
-
-    Every check runs on the caller's thread before any weight moves; then each rank
-    slices its own shard onto its device in its own thread. `decoder` is not modified.
-    """
-    check_decoder_split(decoder, coordinator.world_size)
-    if weights is not None:
-        _WeightSource(decoder, weights).check_all()
-
-    progress = CardProgress(f"text encoder shard (1/{coordinator.world_size} of each layer)",
-                            coordinator.world_size, log)
-
-    def build(rank, comm):
-        start = time.monotonic()
-        shard = shard_decoder(decoder, comm, weights)
-        progress.done(comm.device, storage_bytes(shard), "sliced from the loaded weights", start)
-        return shard
-
-    shards = coordinator.run(build)
-    return TensorParallelDecoder(coordinator, shards, source=decoder, weights=weights)

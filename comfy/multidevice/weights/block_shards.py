@@ -273,7 +273,8 @@ class ShardedBlockWeights:
             return _TensorSpec(name, value, is_parameter, dtype)
         self.specs = [{name: spec(i, name, slot[2]) for name, slot in slots.items()}
                       for i, slots in enumerate(self._slots[first])]
-        self._drop_unowned()
+        for r in self.local_ranks:
+            self.drop_unowned(r)
         self.lane = None
         self._own_lane = own_lane  # close() closes the lane only when it was made for this family
         self._lock = threading.Lock()
@@ -285,15 +286,12 @@ class ShardedBlockWeights:
         self._streams: dict = {}  # rank -> the side stream of its prefetches (cards only)
 
     # -- set-up
-    def _drop_unowned(self) -> None:
-        for r in self.local_ranks:
-            self.drop_unowned(r)
-
-    def drop_unowned(self, r: int) -> None:
-        """Empty rank `r`'s slots of the tensors other ranks own (again, after its module was
-        bound to a full set of weights, e.g. reloaded from the base after an eviction)."""
-        for i, slots in enumerate(self._slots[r]):
-            for name, slot in slots.items():
+    def drop_unowned(self, r: int, index: int | None = None) -> None:
+        """Empty rank `r`'s slots of the tensors other ranks own, of block `index` (after its
+        gather was used) or of every block (again, after its module was bound to a full set of
+        weights, e.g. reloaded from the base after an eviction)."""
+        for i in range(self.num_blocks) if index is None else (index,):
+            for name, slot in self._slots[r][i].items():
                 if self.plan.owner[i][name] != r:
                     _set(slot, self._placeholder(i, name, r))
 
@@ -495,8 +493,4 @@ class RankBlockWeights:
             _set(slots[name], value)
 
     def release(self, index: int) -> None:
-        family = self.family
-        slots = family._slots[self.rank][index]
-        for name in slots:
-            if family.plan.owner[index][name] != self.rank:
-                _set(slots[name], family._placeholder(index, name, self.rank))
+        self.family.drop_unowned(self.rank, index)

@@ -1,8 +1,5 @@
 """Zero-copy tensor views of memory that must not be written.
 
-Over 500 lines because the guard is one mechanism on two torch levels (dispatch and
-torch-function) plus the pickling that must agree with both.
-
 torch has no read-only tensors. The views handed out by the shared checkpoint are a small
 tensor subclass, ReadOnlyTensor, and the storages they point into are registered as guarded
 (process-wide, for as long as their ReadOnlyMemory record lives). Writes are refused with
@@ -14,12 +11,9 @@ ReadOnlyWeightError before they happen, on two levels:
   and refuses any op that would write into a guarded storage (add_, copy_, index assignment,
   out=..., F.relu(inplace=True), set_, resize_ ...), also through a plain tensor aliasing it
   that takes part in the same op, and `set_` that would make a plain tensor alias one. Some
-  kernels write an argument their schema does not mark: batch norm in training updates
-  running_mean / running_var in place (native_batch_norm, cudnn_batch_norm, miopen_batch_norm,
-  batch_norm_update_stats, batch_norm_gather_stats(_with_counts); and the composite batch_norm,
-  _batch_norm_impl_index, instance_norm with use_input_stats, _no_grad_embedding_renorm_).
-  UNMARKED_WRITES lists them (how they were found is written above it); in inference the
-  running stats are only read and pass.
+  kernels write an argument their schema does not mark (batch norm in training updates
+  running_mean / running_var in place): weights/op_writes.py reads the schema and lists those
+  kernels; in inference the running stats are only read and pass.
 - `__torch_function__`: methods that change a tensor without a writing ATen op (names ending
   in `_` such as share_memory_), and the wrapping of results (views of a view are views).
 
@@ -50,9 +44,6 @@ than a silent change of every rank's weights.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
-import sys
 import threading
 import weakref
 from multiprocessing.reduction import ForkingPickler
@@ -62,36 +53,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass, DispatchKey, DispatchKeySet
 from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode
 
-
-# The first op on any tensor with __torch_dispatch__ in a process makes torch import
-# torch.distributed.tensor (for its DTensor fast path; sympy with it): about 0.4 s of one core
-# and 40 MB, once per process. A ComfyUI server has paid it before its first prompt; a
-# standalone process (the CLI, each torchrun rank) pays it on its first op on a view unless
-# `start_dispatch_warm_up` was called where the process waits anyway.
-_DISPATCH_IMPORT = "torch.distributed.tensor"
-_warm_up_lock = threading.Lock()
-_warm_up_thread: threading.Thread | None = None
-
-
-def start_dispatch_warm_up() -> threading.Thread | None:
-    """Start torch's one-time import for dispatch subclasses on a daemon thread (once per
-    process; None when it is done or under way already, or torch.distributed is absent). The
-    first op on a view then waits at most for what is left of it."""
-    global _warm_up_thread
-    if _DISPATCH_IMPORT in sys.modules or not torch.distributed.is_available():
-        return None
-    with _warm_up_lock:
-        if _warm_up_thread is not None:
-            return None
-
-        def warm_up():
-            try:
-                importlib.import_module(_DISPATCH_IMPORT)
-            except Exception:  # torch retries at the first op and reports it there, if it must
-                pass
-        _warm_up_thread = threading.Thread(target=warm_up, name="read-only-dispatch-warm-up", daemon=True)
-        _warm_up_thread.start()
-        return _warm_up_thread
+from comfy.multidevice.weights.op_writes import leaves, written_tensors
 
 
 class ReadOnlyWeightError(RuntimeError):
@@ -196,75 +158,11 @@ def is_read_only(t: Any) -> bool:
     return isinstance(t, ReadOnlyTensor) and t._guard() is not None
 
 
-def _leaves(value: Any):
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-    else:
-        yield value
-
-
-# ATen ops whose kernels write arguments that their schema does not mark as written (a!), so the
-# schema check alone lets them through: op -> (the arguments written, the bool argument that must
-# be true for the write, None when the op always writes). Found by a search over every schema
-# (torch._C._jit_get_all_schemas()) for Tensor arguments without alias info named like state
-# (running_*, *_state, noise, scale, found_inf, ...) and in-place names (..._) that mark nothing;
-# each candidate checked (CPU ones run on a plain tensor, card-only ones from their kernels); the test
-# test_every_unmarked_running_stats_op_is_listed repeats the running_mean / running_var part.
-# batch_norm, _batch_norm_impl_index, instance_norm and _no_grad_embedding_renorm_ are composite
-# (they reach us as the ops they call, already checked) and are listed for when they do not.
-_RUNNING_STATS = ("running_mean", "running_var")
-UNMARKED_WRITES = {
-    "aten::native_batch_norm": (_RUNNING_STATS, "training"),
-    "aten::cudnn_batch_norm": (_RUNNING_STATS, "training"),
-    "aten::miopen_batch_norm": (_RUNNING_STATS, "training"),
-    "aten::batch_norm": (_RUNNING_STATS, "training"),
-    "aten::_batch_norm_impl_index": (_RUNNING_STATS, "training"),
-    "aten::instance_norm": (_RUNNING_STATS, "use_input_stats"),
-    "aten::batch_norm_update_stats": (_RUNNING_STATS, None),
-    "aten::batch_norm_gather_stats": (_RUNNING_STATS, None),
-    "aten::batch_norm_gather_stats_with_counts": (_RUNNING_STATS, None),
-    "aten::_no_grad_embedding_renorm_": (("weight",), None),
-}
-
-
-class _Written(NamedTuple):
-    """An argument an op writes: where it is, and the bool argument that must be true for it."""
-    position: int
-    name: str
-    kwarg_only: bool
-    when: "_Written | None" = None  # (the condition is read with the same lookup)
-
-
-@functools.lru_cache(maxsize=None)
-def _written_arguments(op) -> tuple[_Written, ...]:
-    """Every argument the op writes: those its schema marks (a!), and UNMARKED_WRITES."""
-    schema = getattr(op, "_schema", None)
-    if schema is None:
-        return ()
-    arguments = {a.name: _Written(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)}
-    written = [arguments[a.name] for a in schema.arguments
-               if a.alias_info is not None and a.alias_info.is_write]
-    names, condition = UNMARKED_WRITES.get(schema.name, ((), None))
-    when = arguments.get(condition)
-    written += [arguments[n]._replace(when=when) for n in names if n in arguments]
-    return tuple(written)
-
-
-def _argument(argument: _Written, args, kwargs):
-    if argument.kwarg_only or argument.position >= len(args):
-        return kwargs.get(argument.name)
-    return args[argument.position]
-
-
 def _check_writes(func, args, kwargs) -> None:
     """Refuse the ATen op `func` if it would write into a guarded storage, or (set_) make a
     tensor outside the guard alias one."""
     if getattr(getattr(func, "_schema", None), "name", None) == "aten::set_":
-        for source in _leaves((args[1:], kwargs)):
+        for source in leaves((args[1:], kwargs)):
             if isinstance(source, torch.Tensor):
                 tag = _tag_of(source)
             else:
@@ -272,14 +170,10 @@ def _check_writes(func, args, kwargs) -> None:
                 tag = None if memory is None else _Tag(memory, "(a storage of a read-only view)", None)
             if tag is not None:
                 _refuse(f"{func} onto it (it would make a writable alias)", tag)
-    for written in _written_arguments(func):
-        if written.when is not None and not _argument(written.when, args, kwargs):
-            continue  # e.g. batch norm in inference: the running stats are only read
-        for t in _leaves(_argument(written, args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                tag = _tag_of(t)
-                if tag is not None:
-                    _refuse(f"in-place op {func} (its argument {written.name})", tag)
+    for name, t in written_tensors(func, args, kwargs):
+        tag = _tag_of(t)
+        if tag is not None:
+            _refuse(f"in-place op {func} (its argument {name})", tag)
 
 
 def _refuse(what: str, tag: _Tag):
@@ -309,7 +203,7 @@ class ReadOnlyTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         guarded: dict[int, _Tag] = {}
-        for t in _leaves((args, kwargs)):
+        for t in leaves((args, kwargs)):
             if isinstance(t, ReadOnlyTensor):
                 tag = t._guard()
                 if tag is not None:
@@ -321,7 +215,7 @@ class ReadOnlyTensor(torch.Tensor):
         name = getattr(func, "__name__", "")
         if (name.endswith("_") and not name.startswith("__")
                 and name not in _ALLOWED_TRAILING_UNDERSCORE and args):
-            for t in _leaves(args[0]):
+            for t in leaves(args[0]):
                 if isinstance(t, ReadOnlyTensor) and t._guard() is not None:
                     _refuse(f"in-place {name}()", t._guard())
 
@@ -335,7 +229,7 @@ class ReadOnlyTensor(torch.Tensor):
         kwargs = kwargs or {}
         _check_writes(func, args, kwargs)
         guarded: dict[int, _Tag] = {}
-        for t in _leaves((args, kwargs)):
+        for t in leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):
                 tag = _tag_of(t)
                 if tag is not None:
@@ -418,7 +312,7 @@ def moved(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
     plain copy. For a read-only view the copy is made from a plain alias of its memory, which
     is only read: no op dispatches on the subclass, so a rank whose weights are copies (on a
     card, or in another dtype) never pays torch's one-time import for dispatch subclasses (see
-    `start_dispatch_warm_up`), nor the guard's per-op Python."""
+    weights/dispatch_warm_up.py), nor the guard's per-op Python."""
     target = torch.device(device)
     same_place = t.device.type == target.type and target.index in (None, t.device.index)
     if same_place and t.dtype == dtype:
