@@ -39,11 +39,11 @@ import torch  # noqa: E402
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
 from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature  # noqa: E402
-from comfy.multidevice.sp.cost_model import (DiTShape, activation_bytes, block_parameters,  # noqa: E402
-                                             sharded_weight_bytes)
+from comfy.multidevice.sp.cost_model import DiTShape, activation_bytes  # noqa: E402
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel  # noqa: E402
 from comfy.multidevice.weights.module_copies import replica_on  # noqa: E402
 
+from bench.h3_costs import block_parameters, sharded_weight_bytes  # noqa: E402
 from bench_sp_scaling import inputs  # noqa: E402  (this folder: the same seeded inputs)
 
 TEXT_TOKENS, AUDIO_FRAMES = 32, 32

@@ -15,14 +15,14 @@ much of a step the exchange is.
 
 1. Bytes (rank threads, W in --byte-worlds): the coordinator's logical bytes received per
    rank in one forward of each mode. The attention's exchanges are separated from the final
-   rows' gather to rank 0 by op: the all-gather's K/V go by `exchange` (one call a block) and
-   its only `all_to_all_v` calls are the final rows' gather; Ulysses' blocks and the same
-   final rows both go by `all_to_all_v`, so the all-gather run's `all_to_all_v` bytes (the
-   same calls with the same shapes, checked by their count) are subtracted from Ulysses' per
+   all-gather of the hidden state by op: that gather is one `exchange` call in both modes, the
+   only one in Ulysses (whose blocks go by `all_to_all_v`), while the all-gather's K/V go by
+   `exchange` too (one call a block); so Ulysses' `exchange` bytes (the same call with the
+   same shapes, checked by the call counts) are subtracted from the all-gather's per
    rank. Per block on the busiest rank:
      ulysses_vs_allgather_bytes_wW         measured Ulysses / all-gather (expected 2/W, 1.0 at W = 2)
      ulysses_vs_allgather_bytes_model_wW   cost_model.attention_traffic's ratio, busiest rank
-     bytes_wW                              both modes' bytes per block, the final rows, 2/W
+     bytes_wW                              both modes' bytes per block, the final gather's, 2/W
    processes_rank0_bytes_match_threads_wW: rank 0's bytes by op over gloo (DistributedComm's
    counters, W in --time-worlds) equal the rank threads' in both modes.
 2. Time per step (one DiT forward; W in --time-worlds): the median forward of each mode.
@@ -130,13 +130,13 @@ def calls(counts: dict, op: str) -> int:
 def attention_bytes(by_mode: dict, blocks: int) -> dict:
     """Per rank, the attention's received bytes of one forward of each mode (see the docstring)."""
     gather, ulysses = by_mode["allgather"], by_mode["ulysses"]
-    final_calls = {calls(c, "all_to_all_v") for c in gather}
-    if {calls(c, "exchange") for c in gather} != {blocks} or \
-            {calls(c, "all_to_all_v") for c in ulysses} != {2 * blocks + n for n in final_calls}:
+    if {calls(c, "exchange") for c in gather} != {blocks + 1} or \
+            {calls(c, "exchange") for c in ulysses} != {1} or \
+            {calls(c, "all_to_all_v") for c in ulysses} != {2 * blocks}:
         raise RuntimeError(f"unexpected collectives per forward: {by_mode}")
-    final = [received(c, "all_to_all_v") for c in gather]
-    return {"allgather": [received(c, "exchange") for c in gather],
-            "ulysses": [received(c, "all_to_all_v") - f for c, f in zip(ulysses, final)],
+    final = [received(c, "exchange") for c in ulysses]
+    return {"allgather": [received(c, "exchange") - f for c, f in zip(gather, final)],
+            "ulysses": [received(c, "all_to_all_v") for c in ulysses],
             "final_rows": final}
 
 

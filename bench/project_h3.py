@@ -45,8 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from comfy.multidevice.sp.cost_model import (DiTShape, forward_flops, forward_traffic,  # noqa: E402
-                                             h3_targets, ulysses_degree)
+from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic, ulysses_degree  # noqa: E402
+from bench.h3_costs import AUDIO_PATCH, forward_flops, linear_flops_per_token, VIDEO_PATCH  # noqa: E402
 from comfy.multidevice.sp.mode_choice import choose_sp_mode  # noqa: E402
 
 H3 = DiTShape()  # hidden 5376, 50 blocks, 56 heads x 128, SwiGLU 14336 (docs/ARCHITECTURE.md)
@@ -225,9 +225,9 @@ def usable_gbps(profile: dict, world: int, link_fraction: float) -> float:
 
 
 def received_per_rank(mode: str, tokens: dict, world: int) -> int:
-    """The most bytes any rank receives in one forward (cost model, rank-local final layer)."""
-    targets = h3_targets(H3, tokens["total"], tokens["video"], tokens["audio"])
-    return max(forward_traffic(mode, H3, tokens["total"], world, r, targets)["total"].received
+    """The most bytes any rank receives in one forward (cost model, the hidden state gathered
+    before the final layer)."""
+    return max(forward_traffic(mode, H3, tokens["total"], world, r)["total"].received
                for r in range(world))
 
 
@@ -246,10 +246,10 @@ def step_seconds(profile: dict, tokens: dict, world: int, mode: str, compute_fra
 def replicated_flops(tokens: dict) -> float:
     """FLOPs every rank repeats in full: the patch embeddings of every row, the text projection
     and token refiner (2 blocks on the text rows), the time embedder (negligible). The final
-    layer runs rank-local, so it is parallel."""
-    h, a, ffn = H3.hidden, H3.attention_width, H3.ffn
-    embed = 2 * h * (tokens["video"] * H3.video_out + tokens["audio"] * H3.audio_out + tokens["text"] * 5120)
-    block = 2 * (h * 3 * a + a * h + h * 2 * ffn + ffn * h) * tokens["text"] + 4 * tokens["text"] ** 2 * a
+    layer (projected rows, under 1%) is left out."""
+    h, a = H3.hidden, H3.attention_width
+    embed = 2 * h * (tokens["video"] * VIDEO_PATCH + tokens["audio"] * AUDIO_PATCH + tokens["text"] * 5120)
+    block = linear_flops_per_token(H3) * tokens["text"] + 4 * tokens["text"] ** 2 * a
     return embed + 2 * block
 
 
@@ -344,9 +344,7 @@ def card_profile(label: str) -> str | None:
 
 def block_flops(seq: int, rows: int) -> float:
     """One block's FLOPs on one rank: its rows through the linear layers, against all keys."""
-    one_row = forward_flops(DiTShape(hidden=H3.hidden, blocks=1, heads=H3.heads, head_dim=H3.head_dim,
-                                     ffn=H3.ffn), 1)["linear"]
-    return one_row * rows + 4 * rows * seq * H3.attention_width
+    return linear_flops_per_token(H3) * rows + 4 * rows * seq * H3.attention_width
 
 
 def fit_card(card: dict) -> dict:

@@ -265,7 +265,7 @@ def test_each_sp_mode_through_the_node_matches_one_card(npu_count, sp_mode, stra
     used = [state.strategy for state in fan_out.runner.last_rank_states]
     assert len(used) == npu_count and {s.name for s in used} == {strategy}
     # Ulysses: at least two all-to-alls per block (q/k/v there, the output back); the all-gather
-    # none per block (only the final rows' gather to rank 0 is one)
+    # none (its K/V and the hidden state before the final layer go by exchange)
     all_to_all = [c["by_op"].get("all_to_all_v", {}).get("calls", 0) for c in fan_out.runner.coordinator.byte_counts()]
     blocks = len(dit.blocks)
     assert all(n >= 2 * blocks if strategy == "ulysses" else n < blocks for n in all_to_all), all_to_all

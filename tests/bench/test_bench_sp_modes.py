@@ -38,8 +38,8 @@ def test_bench_sp_modes_quick_prints_every_figure_and_ulysses_moves_2_over_w():
         assert all(v > 0 for v in result[key].values()), key
     # the full K and V; Ulysses' received head blocks and its packed K/V (cost_model.exchanged_bytes)
     assert result["exchange_buffers_measured_vs_estimate_w4"] == {"allgather": 1.0, "ulysses": 1.0}
-    # the whole activation peak within the estimate's stated margin (cost_model.ACTIVATION_MARGIN),
+    # the whole activation peak within the estimate's stated margin (bench/h3_costs.py ACTIVATION_MARGIN),
     # and Ulysses' below the all-gather's, as the memory plan counts them
-    from comfy.multidevice.sp.cost_model import ACTIVATION_MARGIN
+    from bench.h3_costs import ACTIVATION_MARGIN
     assert all(r <= ACTIVATION_MARGIN for r in result["activation_measured_vs_estimate_w4"].values()), result
     assert result["activation_measured_bytes_w4"]["ulysses"] < result["activation_measured_bytes_w4"]["allgather"]

@@ -17,7 +17,7 @@ import torch
 
 from comfy.multidevice.miniature import h3_blocks as miniature_blocks
 from comfy.multidevice.miniature.h3_sequence import build_layout
-from comfy.multidevice.sp.minimax_h3 import (WRAPPER_KEY, enable_sequence_parallel, enable_sequence_parallel_on_patcher, disable_sequence_parallel_on_patcher, install_rank_sequence_parallel, supports_sequence_parallel, contract_problems)
+from comfy.multidevice.sp.minimax_h3 import (WRAPPER_KEY, enable_sequence_parallel, enable_sequence_parallel_on_patcher, install_rank_sequence_parallel, contract_problems)
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
 from comfy.multidevice.sp.plan import SequenceParallelError, ShardPlan
@@ -128,7 +128,7 @@ def test_text_refiner_attention_is_not_exchanged(model32):
     """Per rank and forward: one K/V exchange per DiT block plus the final gather, nothing else."""
     _, sp, _ = run_sp(model32, 2, "peer", "plain")
     for traffic in sp.fan_out.runner.last_traffic:
-        assert traffic["calls"] == TINY.num_layers + 2  # + the video and audio output rows
+        assert traffic["calls"] == TINY.num_layers + 1  # + the hidden state before the final layer
     assert TINY.token_refiner_num_layers > 0  # the refiner ran its attention, unexchanged
 
 
@@ -259,8 +259,8 @@ def test_replica_errors(model32):
             enable_sequence_parallel([model32, meta], coord)
         with pytest.raises(SequenceParallelError, match="MiniMax-H3"):
             enable_sequence_parallel([model32, torch.nn.Linear(2, 2)], coord)
-    assert supports_sequence_parallel(model32)
-    assert not supports_sequence_parallel(torch.nn.Linear(2, 2))
+    assert not contract_problems(model32)
+    assert contract_problems(torch.nn.Linear(2, 2))
 
 
 # ----------------------------------------------------------------------------- ComfyUI entry point
@@ -304,8 +304,6 @@ def test_patcher_entry_point(model32, references, fake_patcher_extension):
         fan_out = primary.wrappers["diffusion_model"][WRAPPER_KEY][0]
         assert [s.tokens for s in fan_out.runner.last_rank_states] == [
             b - a for a, b in ShardPlan.edges(sum(s.tokens for s in fan_out.runner.last_rank_states), 3)]
-    disable_sequence_parallel_on_patcher(primary)
-    assert primary.wrappers["diffusion_model"] == {}
 
 
 # ----------------------------------------------------------------------------- set-up once
@@ -333,9 +331,8 @@ def test_rank_set_up_is_made_once_and_reused_by_every_forward(model32, reference
             seen.append([(id(s), id(s.strategy), id(s.exchanging), id(s._table)) for s in sp.fan_out.runner.last_rank_states])
     assert seen[0] == seen[1] == seen[2]  # the same objects on every forward
     assert len(checks) == world  # once per rank's model, at its first forward
-    # once per rank and forward for the blocks (not once per block), plus the final layer's
-    # video and audio spans
-    assert sorted(slices) == sorted(list(range(world)) * forwards * (1 + 2))
+    # once per rank and forward for the blocks (not once per block)
+    assert sorted(slices) == sorted(list(range(world)) * forwards)
 
 
 def test_auto_decides_and_logs_once_over_many_forwards(model32, caplog):
@@ -372,7 +369,7 @@ def test_blocks_without_the_attention_hook_are_refused_before_anything_is_set_up
     old = _with_block_class(model32, BlockWithoutAttentionArgument)
     problems = contract_problems(old)
     assert any("takes no `attention` argument" in p and "update ComfyUI" in p for p in problems), problems
-    assert not supports_sequence_parallel(old)
+    assert contract_problems(old)
     with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
         with pytest.raises(SequenceParallelError, match="takes no `attention` argument.*v0.33.0"):
             enable_sequence_parallel([old, copy_of(old)], coord)
@@ -473,47 +470,14 @@ def test_block_patches_that_work_per_token_still_chain(model32, references):
 
 # ----------------------------------------------------------------------------- the final layer
 
-def test_final_layer_runs_rank_local_and_only_projected_rows_reach_rank_0(model32, references):
-    """The last block keeps each rank's rows; the final layer's output rows go to rank 0 alone,
-    and every replica's final layer is its plain class forward again afterwards."""
+def test_the_hidden_state_is_gathered_once_and_the_final_layer_runs_unpatched(model32, references):
+    """The last block all-gathers the rows (one exchange per rank on top of one per block): the
+    final layer runs on the full sequence on every rank, its class forward, nothing patched.
+    (Replaces the rank-local final layer's tests: its rows went to rank 0 alone by all_to_all_v.)"""
     out, sp, _ = run_sp(model32, 3, "peer", "masked")  # per-token modulation rows cut by shard edges
     assert rel_diff(out, references["masked"]) <= FP32_TOL
-    received = [t["received"] for t in sp.fan_out.runner.last_traffic]
     exchanges = sp.coordinator.byte_counts()
-    assert all("all_to_all_v" in c["by_op"] for c in exchanges)
-    assert all(exchanges[r]["by_op"]["all_to_all_v"]["received"] == 0 for r in (1, 2))
-    assert exchanges[0]["by_op"]["all_to_all_v"]["received"] > 0 and received[0] > received[1]
+    assert all(set(c["by_op"]) == {"exchange"} for c in exchanges)
+    assert all(c["by_op"]["exchange"]["calls"] == TINY.num_layers + 1 for c in exchanges)
+    assert all(c["by_op"]["exchange"]["received"] > 0 for c in exchanges)  # every rank gets all rows
     assert all("forward" not in vars(m.final_layer) for m in sp.models)
-
-
-def test_rank_threads_sharing_one_final_layer_each_get_their_own_override():
-    # CPU ranks (or the copy fallback) can share one DiT module: rank A arms, rank B arms, then
-    # they call in the other order; each must run its own rank-local call, never the other's.
-    import threading
-    from comfy.multidevice.sp.minimax_h3 import arm_rank_local_final_layer
-
-    final = torch.nn.Linear(2, 2)
-    h = {name: torch.randn(3, 2) for name in "AB"}
-    armed = {name: threading.Event() for name in "AB"}
-    results = {}
-
-    def rank(name, other):
-        arm_rank_local_final_layer(final, h[name], lambda layer, x: ("rank-local", name, x is h[name]))
-        armed[name].set()
-        armed[other].wait(5)
-        if name == "A":  # A calls only after B has armed and called
-            done_b.wait(5)
-        results[name] = final(h[name])
-        results[name + " other x"] = final(torch.zeros(1, 2))  # not its h: the layer's own forward
-        if name == "B":
-            done_b.set()
-
-    done_b = threading.Event()
-    threads = [threading.Thread(target=rank, args=p) for p in (("A", "B"), ("B", "A"))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert results["A"] == ("rank-local", "A", True) and results["B"] == ("rank-local", "B", True)
-    assert torch.is_tensor(results["A other x"]) and torch.is_tensor(results["B other x"])
-    assert "forward" not in final.__dict__  # nothing armed: no instance override is left

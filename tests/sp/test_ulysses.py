@@ -137,24 +137,24 @@ def test_byte_counters_match_the_cost_model(models, mode, heads, world):
     cfg = config(heads)
     x, t, ctx, kw = make_inputs("cond_refs")
     with torch.inference_mode():
-        seq_len = layout = None
+        seq_len = None
 
         def spy(args, extra):
-            nonlocal seq_len, layout
-            seq_len, layout = args["img"].shape[0], args["layout"]
+            nonlocal seq_len
+            seq_len = args["img"].shape[0]
             return extra["original_block"](args)
         models[heads](x, t, ctx, transformer_options={"patches_replace": {"dit": {("double_block", 0): spy}}},
                       **kw)
     _, _, counts = run_sp(models[heads], world, "peer", "cond_refs", mode)
     shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=heads,
-                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size,
-                     video_out=cfg.video_patch_dim, audio_out=cfg.audio_latents_dim)
-    targets = [(*layout.span("video"), shape.video_out), (*layout.span("audio"), shape.audio_out)]
+                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size)
     for rank, c in enumerate(counts):
-        want = forward_traffic(mode, shape, seq_len, world, rank, targets, itemsize=4)["total"]
+        want = forward_traffic(mode, shape, seq_len, world, rank, itemsize=4)["total"]
         assert (c["sent"], c["received"]) == (want.sent, want.received), (rank, c["by_op"])
     if mode == "ulysses" and ulysses_degree(world, heads) > 1:
-        assert set(counts[0]["by_op"]) == {"all_to_all_v"}  # the final rows to rank 0 too
+        # the blocks by all-to-all, the hidden state before the final layer by one exchange
+        assert set(counts[0]["by_op"]) == {"all_to_all_v", "exchange"}
+        assert counts[0]["by_op"]["exchange"]["calls"] == 1
 
 
 def test_ulysses_moves_fewer_bytes_than_allgather_at_four_ranks(models):

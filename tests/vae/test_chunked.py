@@ -2,15 +2,13 @@
 
 Chunked decode is compared with the decoder's own single-device decode bit for bit
 (torch.equal: the same ops run on the same inputs, only on other rank threads).
-Feathered windows are checked for exactness where windows agree, and for continuity
-(bounded frame-to-frame change across every seam) where they do not.
 """
 
 import pytest
 import torch
 
 from comfy.multidevice.weights.module_copies import replica_on
-from comfy.multidevice.vae.chunked import (ChunkedDecode, H3ChunkSchedule, ParallelDecodeError, feather_weights, feather_windows, feathered_decode, linear_blend, with_parallel_decode)
+from comfy.multidevice.vae.chunked import (ChunkedDecode, H3ChunkSchedule, ParallelDecodeError, linear_blend, with_parallel_decode)
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from tests.small_vaes import TinyCausalDecoder, TinyCausalVideoVAE
 
@@ -172,7 +170,7 @@ def test_a_changed_schedule_is_refused_not_merged_wrong():
 
 
 def test_a_decoder_without_chunk_interface_is_refused():
-    with pytest.raises(ParallelDecodeError, match="feathered_decode"):
+    with pytest.raises(ParallelDecodeError, match="decode it on one device"):
         ChunkedDecode(TinyCausalDecoder(), ["cpu"])
 
 
@@ -200,7 +198,7 @@ def test_replica_on_copies_weights_to_the_device():
         assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), n
 
 
-# ----------------------------------------------------------------------------- feathering
+# ----------------------------------------------------------------------------- blend
 
 def test_linear_blend_ramps_from_a_to_b():
     a = torch.zeros(1, 1, 6, 1, 1)
@@ -208,108 +206,3 @@ def test_linear_blend_ramps_from_a_to_b():
     out = linear_blend(a, b, 4)
     assert out.shape[2] == 8
     assert out[0, 0, :, 0, 0].tolist() == [0.0, 0.25, 0.5, 0.75, 1, 1, 1, 1]
-
-
-def test_feather_windows_cover_the_output_end_aligned():
-    causal = lambda n: 4 * n - 3  # noqa: E731
-    wins = feather_windows(20, window=8, overlap=3, frames_for=causal)
-    assert wins[0].latent == (0, 8) and wins[0].frames == (0, causal(8))
-    assert wins[-1].latent[1] == 20 and wins[-1].frames[1] == causal(20)
-    for prev, nxt in zip(wins, wins[1:]):
-        assert nxt.frames[0] < prev.frames[1]  # every seam overlaps
-    for i in range(len(wins)):  # neighbouring ramps sum to 1 over each overlap
-        w = feather_weights(wins, i)
-        assert w.min() > 0 and w.max() <= 1
-    total = torch.zeros(causal(20), dtype=torch.float64)
-    for i, win in enumerate(wins):
-        total[win.frames[0]:win.frames[1]] += feather_weights(wins, i)
-    assert torch.allclose(total, torch.ones_like(total))
-
-
-def test_feathered_windows_exact_when_windows_agree():
-    # A per-frame decoder (no temporal context): every window agrees with the full decode.
-    proj = torch.nn.Conv3d(4, 3 * 4, kernel_size=1)
-
-    def per_frame(device, z):
-        out = proj(z)  # [B, 12, T, h, w] -> 4 frames per latent frame
-        b, _, t, h, w = out.shape
-        return out.view(b, 3, 4, t, h, w).permute(0, 1, 3, 2, 4, 5).reshape(b, 3, t * 4, h, w)
-
-    z = latent(19, seed=2)
-    with torch.no_grad():
-        want = per_frame("cpu", z)
-        got = feathered_decode(per_frame, z, ["cpu"] * 3, window=6, overlap=2, frames_for=lambda n: 4 * n)
-    scale = want.abs().max()
-    assert (got - want).abs().max() <= 1e-6 * scale
-
-
-def ema_decoder(device, z, ratio=4):
-    """A causal decoder with memory: frame t is an exponential average of latents <= t.
-
-    Decoded alone, a window starts from an empty state, so it disagrees with its left
-    neighbour at its start; the disagreement halves with every latent frame.
-    """
-    state = torch.zeros_like(z[:, :, 0])
-    frames = []
-    for t in range(z.shape[2]):
-        state = 0.5 * state + 0.5 * z[:, :, t]
-        frames.append(state)
-    return torch.stack(frames, dim=2).repeat_interleave(ratio, dim=2)
-
-
-def test_feathered_windows_are_continuous_across_seams():
-    t = torch.arange(28, dtype=torch.float32).view(1, 1, -1, 1, 1)
-    phase = torch.rand(1, 3, 1, 2, 2, generator=torch.Generator().manual_seed(4)) * 6
-    z = 1.0 + torch.sin(t / 12 + phase)  # smooth in time, far from the empty state
-    window, overlap = 8, 4
-    frames_for = lambda n: 4 * n  # noqa: E731
-    wins = feather_windows(z.shape[2], window, overlap, frames_for)
-    got = feathered_decode(ema_decoder, z, ["cpu"] * 4, window=window, overlap=overlap,
-                           frames_for=frames_for)
-    parts = [ema_decoder("cpu", z[:, :, w.latent[0]:w.latent[1]]) for w in wins]
-    n_out = got.shape[2]
-
-    def steps(frames):  # per transition f -> f+1, the largest change over channels and pixels
-        return (frames[:, :, 1:] - frames[:, :, :-1]).abs().amax(dim=(0, 1, 3, 4))
-
-    # What the windows themselves do at each transition, and where seams are.
-    own = torch.zeros(n_out - 1)
-    seam = torch.zeros(n_out - 1, dtype=torch.bool)
-    disagreement = 0.0
-    for i, win in enumerate(wins):
-        a, b = win.frames
-        own[a:b - 1] = torch.maximum(own[a:b - 1], steps(parts[i]))
-        if i + 1 < len(wins):
-            b0 = wins[i + 1].frames[0]
-            seam[b0 - 1:b] = True  # entering, inside and leaving the overlap
-            d = (parts[i][:, :, b0 - a:] - parts[i + 1][:, :, :b - b0]).abs().max()
-            disagreement = max(disagreement, float(d))
-    ramp = overlap * 4 + 1  # overlap frames + 1: the weight changes by 1/ramp per frame
-    assert disagreement > 0.3  # the windows really disagree on their overlaps
-
-    # feathered: at every transition, the windows' own step plus at most disagreement / ramp
-    bound = own + seam.float() * (disagreement / ramp) + 1e-6
-    assert bool((steps(got) <= bound).all())
-
-    # a hard cut in the middle of each overlap breaks that bound at the cut (placed inside a
-    # latent frame's 4 output frames, where the windows themselves don't step)
-    hard = got.clone()
-    cuts = []
-    for i in range(1, len(wins)):
-        cut = (wins[i - 1].frames[1] + wins[i].frames[0]) // 2 + 2
-        b0, b1 = wins[i].frames
-        hard[:, :, cut:b1] = parts[i][:, :, cut - b0:]
-        cuts.append(cut - 1)
-    assert bool((steps(hard)[cuts] > bound[cuts]).all())
-
-    # outside the overlaps each window's frames come through unchanged
-    for i, win in enumerate(wins):
-        a, b = win.frames
-        lo = max(wins[i - 1].frames[1] - a, 0) if i > 0 else 0
-        hi = b - a - (max(b - wins[i + 1].frames[0], 0) if i + 1 < len(wins) else 0)
-        assert torch.allclose(got[:, :, a + lo:a + hi], parts[i][:, :, lo:hi], atol=1e-6)
-
-
-def test_feathered_refuses_bad_windows():
-    with pytest.raises(ParallelDecodeError, match="overlap < window"):
-        feather_windows(10, window=4, overlap=4, frames_for=lambda n: n)

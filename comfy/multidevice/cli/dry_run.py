@@ -41,7 +41,7 @@ from comfy.multidevice.comm.settings import BACKEND_ENV, read_variables, Setting
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.miniature.h3 import build_miniature, MiniatureH3Model, read_miniature_config, save_miniature
 from comfy.multidevice.tensor_bytes import module_bytes
-from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic, h3_targets
+from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic
 from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import ShardPlan
@@ -362,11 +362,8 @@ def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str
         measured = measurement_for(str(settings.devices[0]).split(":")[0], world)
         mode = choose_sp_mode("auto", world, cfg.num_attention_heads, cfg.attention_head_dim, measured=measured).mode
     shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=cfg.num_attention_heads,
-                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size,
-                     video_out=cfg.video_patch_dim, audio_out=cfg.audio_latents_dim)
-    rows = latent_rows(settings)
-    targets = h3_targets(shape, seq_len, rows["video"], rows["audio"])
+                     head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size)
     itemsize = settings.dtype.itemsize
-    total = sum(forward_traffic(mode, shape, seq_len, world, r, targets, itemsize)["total"].received
+    total = sum(forward_traffic(mode, shape, seq_len, world, r, itemsize)["total"].received
                 for r in range(world))
     return mode, total

@@ -61,9 +61,11 @@ class ExchangingAttention:
         return self
 
     @contextlib.contextmanager
-    def region(self, what: str = "attention", preferred: Callable | None = None):
+    def region(self, what: str = "attention", preferred: Callable | None = None, fix: str = ""):
         """Exchange K/V for the attention calls inside; `preferred` is the attention function the
-        module asked for (its preferred_attention), used when no other override is installed."""
+        module asked for (its preferred_attention), used when no other override is installed.
+        With no call through the override inside, raises naming `what` and `fix`. This count is
+        the one check that a region's attention went through the exchange."""
         if self._region_calls is not None:
             raise SequenceParallelError("sequence-parallel attention regions cannot nest")
         self._region_calls = 0
@@ -74,12 +76,7 @@ class ExchangingAttention:
                 raise SequenceParallelError(
                     f"rank {self.comm.rank}: {what} did not call the attention override in "
                     "transformer_options['optimized_attention_override']; sequence parallelism needs "
-                    "every attention of the SP region to go through it")
+                    "every attention of the SP region to go through it" + (f"; {fix}" if fix else ""))
         finally:
             self._region_calls = None
             self._preferred = None
-
-
-def install_exchanging_attention(transformer_options: dict, comm, strategy) -> ExchangingAttention:
-    """Put a new ExchangingAttention for this rank into transformer_options (chaining any override)."""
-    return ExchangingAttention(comm, strategy).install(transformer_options)

@@ -1,8 +1,8 @@
-"""What sequence-parallel attention costs: exact bytes per rank, and FLOPs per forward.
+"""What sequence parallel costs: exact bytes per rank, and the activation memory it holds.
 
-Pure arithmetic (no torch), shared by the `auto` mode choice (comfy/multidevice/sp/mode_choice.py), the H3
-performance projection (bench/project_h3.py) and the tests, which check these formulas
-against the byte counters of a real run.
+Pure arithmetic (no torch), read by the `auto` mode choice (comfy/multidevice/sp/mode_choice.py),
+the dry run and the memory plan; the tests check these formulas against the byte counters of a
+real run. The H3 projections add FLOPs and weight bytes to them in bench/h3_costs.py.
 
 The shard plan is the SP core's: rank r owns rows [S*r//W, S*(r+1)//W). Bytes are the
 coordinator's logical bytes (comfy/multidevice/comm/group.py): payload to / from *other* ranks.
@@ -90,112 +90,29 @@ class DiTShape:
     heads: int = 56
     head_dim: int = 128
     ffn: int = 14336  # SwiGLU: fc1 hidden -> 2*ffn, fc2 ffn -> hidden
-    video_out: int = 96  # the final layer's fp32 output channels per video row (24 x patch 2x2)
-    audio_out: int = 32  # ... per audio row
 
     @property
     def attention_width(self) -> int:
         return self.heads * self.head_dim
 
 
-def h3_targets(shape: DiTShape, seq_len: int, video_rows: int, audio_rows: int) -> tuple:
-    """The final layer's output spans [(start, stop, channels)]: target audio then target video
-    are the last two segments of H3's packed sequence."""
-    audio_start = seq_len - video_rows - audio_rows
-    return ((seq_len - video_rows, seq_len, shape.video_out),
-            (audio_start, audio_start + audio_rows, shape.audio_out))
-
-
-def final_layer_traffic(targets, seq_len: int, world: int, rank: int, to: str = "root",
-                        out_itemsize: int = 4) -> Traffic:
-    """Bytes of the rank-local final layer: every rank's projected rows of each target span
-    (fp32) go to rank 0 (`to="root"`, the in-process fan-out) or to every rank (`"all"`)."""
-    if to not in ("root", "all"):
-        raise ValueError(f"final rows go to 'root' or 'all', not {to!r}")
-    edges = [(seq_len * r // world, seq_len * (r + 1) // world) for r in range(world)]
-
-    def rows_of(r, a, b):
-        lo, hi = max(a, edges[r][0]), min(b, edges[r][1])
-        return max(0, hi - lo)
-
-    sent = received = 0
-    for a, b, channels in targets:
-        row = channels * out_itemsize
-        own = rows_of(rank, a, b) * row
-        others = (b - a) * row - own
-        if to == "all":
-            sent, received = sent + own * (world - 1), received + others
-        elif rank == 0:
-            received += others
-        else:
-            sent += own
-    return Traffic(sent, received)
-
-
 def hidden_gather_traffic(shape: DiTShape, seq_len: int, world: int, rank: int,
                           itemsize: int = 2) -> Traffic:
-    """Bytes of the final all-gather of the whole hidden state to every rank (what the last
-    block did before the final layer ran rank-local; the baseline of `final_gather_bytes_ratio`)."""
+    """Bytes of the all-gather of the hidden state after the last block (every rank gets the
+    full sequence for the final layer)."""
     own = shard_sizes(seq_len, world)[rank]
     row = shape.hidden * itemsize
     return Traffic(own * row * (world - 1), (seq_len - own) * row)
 
 
 def forward_traffic(mode: str, shape: DiTShape, seq_len: int, world: int, rank: int,
-                    targets, itemsize: int = 2, degree: int | None = None,
-                    final_rows_to: str = "root") -> dict:
+                    itemsize: int = 2, degree: int | None = None) -> dict:
     """Bytes of one DiT forward for one rank: attention exchanges of every block, plus the
-    rank-local final layer's output rows (`targets`: [(start, stop, channels)], e.g. from
-    `h3_targets`)."""
+    all-gather of the hidden state before the final layer."""
     attention = attention_traffic(mode, seq_len, world, rank, shape.heads, shape.head_dim,
                                   itemsize, degree).scaled(shape.blocks)
-    final = final_layer_traffic(targets, seq_len, world, rank, final_rows_to) if world > 1 \
-        else Traffic(0, 0)
-    total = attention + final
-    return {"attention": attention, "final_gather": final, "total": total}
-
-
-def forward_flops(shape: DiTShape, seq_len: int) -> dict:
-    """Multiply-add FLOPs (2 per MAC) of the blocks of one forward over `seq_len` tokens.
-
-    linear: qkv, out_proj, fc1, fc2 per token per block; attention: QK^T and PV
-    (4 * S^2 * H * D per block). Modulation, norms, RoPE, softmax, embeddings, the text
-    refiner and the final layer are left out (each under 1% at H3's sizes).
-    """
-    a, h = shape.attention_width, shape.hidden
-    per_token = 2 * (h * 3 * a + a * h + h * 2 * shape.ffn + shape.ffn * h)
-    linear = per_token * seq_len * shape.blocks
-    attention = 4 * seq_len * seq_len * a * shape.blocks
-    return {"linear": linear, "attention": attention, "total": linear + attention}
-
-
-# ----------------------------------------------------------------------------- memory
-
-def block_parameters(shape: DiTShape, t_dim: int = 2688, modalities: int = 3) -> int:
-    """Parameters of one H3 transformer block: qkv, out_proj, SwiGLU fc1/fc2, the adaLN
-    projection (6 chunks x modality rows from the t_dim-wide timestep embedding, with bias),
-    two RMS norms over the hidden size and the q/k norms over the head dim."""
-    a, h = shape.attention_width, shape.hidden
-    linear = h * 3 * a + a * h + h * 2 * shape.ffn + shape.ffn * h
-    adaln = (6 * h * modalities) * (t_dim + 1)
-    return linear + adaln + 2 * h + 2 * shape.head_dim
-
-
-def sharded_weight_bytes(block_bytes: int, blocks: int, other_bytes: int, world: int,
-                         in_flight: int = 2) -> dict:
-    """DiT weight bytes one card holds with dit_weights=shard (blocks balanced over W ranks by
-    whole tensors: the exact split is weights/block_shards.py's, this is its mean) and with
-    replicate. `in_flight`: gathered blocks alive at once (the running one and the prefetch)."""
-    replica = block_bytes * blocks + other_bytes
-    if world <= 1:
-        return {"replicate": replica, "shard": replica, "shard_resident": replica, "gathered": 0}
-    resident = other_bytes + -(-block_bytes * blocks // world)
-    gathered = min(in_flight, blocks) * block_bytes
-    return {"replicate": replica, "shard": resident + gathered, "shard_resident": resident,
-            "gathered": gathered}
-
-
-ACTIVATION_MARGIN = 1.25  # a measured peak over activation_bytes, at most (bench/bench_sp_modes.py)
+    final = hidden_gather_traffic(shape, seq_len, world, rank, itemsize)
+    return {"attention": attention, "final_gather": final, "total": attention + final}
 
 
 def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2,
@@ -213,7 +130,7 @@ def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 
     under the peer backend the previous block's own q/k/v rows, which the coordinator holds for
     the peers until the next collective (about 4 H*D per own row; bench/bench_sp_modes.py
     measures the all-gather's peak 1.2x this estimate on CPU ranks, Ulysses' 1.05x: within
-    ACTIVATION_MARGIN, which its test holds it to).
+    bench/h3_costs.py's ACTIVATION_MARGIN, which its test holds it to).
     """
     rows = -(-seq_len // max(world, 1))
     a, h = shape.attention_width, shape.hidden

@@ -1,8 +1,5 @@
 """Sequence parallelism for the MiniMax-H3 DiT (upstream `MiniMaxH3Model` or the miniature).
 
-Over 500 lines because the adapter's parts (contract check, block replacements, the
-rank-local final layer, the three entry points) all act on one per-rank set-up.
-
 Every rank holds a full replica of the DiT and runs the whole forward (embedding, text refiner,
 final layer) but computes the transformer blocks on 1/W of the packed token sequence:
 
@@ -10,11 +7,8 @@ final layer) but computes the transformer blocks on 1/W of the packed token sequ
 - every block runs the model's own block on the local rows with the RoPE table and the
   modulation spans sliced to those rows, and with `args["attention"]` = the block's attention
   inside an SP region, where the attention override exchanges K/V between the ranks;
-- the final layer runs rank-local: the last block keeps the rank's rows, the final layer is
-  applied to them with the video/audio spans clipped and re-based to those rows, and only the
-  projected rows (96 video / 32 audio channels instead of the hidden width) travel: to rank 0
-  alone in the in-process fan-out (only rank 0's result is used), to every rank when each
-  process is a rank that samples on with its own output (`final_rows_to="all"`).
+- the last block all-gathers the rows back (the same exchange the attention uses), so the
+  model's own final layer runs unpatched on the full sequence on every rank.
 
 The adapter does not know which model it drives; it relies only on the contract below, and each
 assumption is written next to the code that makes it ("H3 contract").
@@ -28,7 +22,7 @@ Entry points
   ComfyUI. Adds the fan-out as a DIFFUSION_MODEL wrapper (key `WRAPPER_KEY`) to the patcher,
   so every sampling step runs on all ranks; `replicas[r]` is rank r's model (ModelPatcher,
   BaseModel or the DiT module; `None` or the patcher itself for rank 0), loaded on
-  `coordinator.devices[r]` by the caller. `disable_sequence_parallel_on_patcher` removes it.
+  `coordinator.devices[r]` by the caller.
 - `install_rank_sequence_parallel(model, comm, transformer_options, sp_mode)`: one rank's
   set-up, for runs where each process is one rank (torch.distributed communicator) and calls
   its own forward.
@@ -38,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -50,8 +43,8 @@ from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import RankThreads, SequenceParallelFanOut
 from comfy.multidevice.sp.fun_controlnet import (described_fun_controls, RankFunControl,
                                                  unsupported_control_patches)
-from comfy.multidevice.sp.plan import (gather_rows, gather_rows_to_root, SequenceParallelError,
-                                       shard_sizes, ShardPlan, slice_mod_segments, take_rows)
+from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, shard_sizes, ShardPlan,
+                                       slice_mod_segments, take_rows)
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES, ShardedBlockWeights
 
@@ -60,11 +53,12 @@ log = logging.getLogger(__name__)
 WRAPPER_KEY = "minimax_h3_sequence_parallel"
 DIFFUSION_MODEL_WRAPPERS = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL
 ROPE_SEQ_DIM = 1  # H3 contract: rope_freqs is [1, S, 1, rot/2, 2, 2], the sequence on dim 1
-FINAL_ROWS_TO = ("root", "all")  # who receives the final layer's projected rows
 CHECKED_UPSTREAM = "01a56b76bba3f32021fa846104baf2e500adc0da"  # docs/ARCHITECTURE.md, "The upstream contract"
 UPDATE_COMFYUI = (f"update ComfyUI (git pull in the ComfyUI folder; checked with upstream commit "
                   f"{CHECKED_UPSTREAM[:8]}) or run the DiT on one card (npu_count 1)")
 # What contract_problems says of a ComfyUI whose H3 blocks lack the `attention` argument (v0.33.0)
+# What a block whose attention bypassed the exchange at run time most likely means
+STALE_BLOCKS_FIX = f"the installed ComfyUI's MiniMax-H3 blocks may ignore args['attention']: {UPDATE_COMFYUI}"
 OLD_COMFYUI_PROBLEM = (f"its blocks' forward() takes no `attention` argument: this ComfyUI predates the "
                        f"hook sequence parallelism needs (ComfyUI v0.33.0 and older lack it); {UPDATE_COMFYUI}")
 
@@ -115,11 +109,6 @@ def refuse_full_sequence_patches(block_patches: dict, where: str) -> None:
             "parallel): run this workflow with npu_count 1 or 2 (the DiT on one card), or remove it")
 
 
-def supports_sequence_parallel(model: Any) -> bool:
-    """True when `model` follows the MiniMax-H3 DiT contract this adapter drives."""
-    return not contract_problems(model)
-
-
 def _require_support(model: Any, what: str) -> None:
     problems = contract_problems(model)
     if problems:
@@ -140,15 +129,12 @@ class H3RankSetup:
     the shard plan with the RoPE rows and modulation spans sliced once for all blocks.
     """
 
-    def __init__(self, comm, sp_mode=None, block_weights=None, final_rows_to: str = "all",
+    def __init__(self, comm, sp_mode=None, block_weights=None,
                  before_block: Callable[[int], None] | None = None):
         """`before_block(i)`: called on this rank as block i starts (e.g. a Cancel check that every
         rank makes at the same block, so they stop in step)."""
-        if final_rows_to not in FINAL_ROWS_TO:
-            raise ValueError(f"final_rows_to {final_rows_to!r} must be one of {FINAL_ROWS_TO}")
         self.comm = comm
         self.block_weights = block_weights  # RankBlockWeights when dit_weights="shard", else None
-        self.final_rows_to = final_rows_to
         self.before_block = before_block
         self.strategy = make_kv_strategy(sp_mode)
         self.exchanging = ExchangingAttention(comm, self.strategy)
@@ -158,7 +144,6 @@ class H3RankSetup:
         self._previous: dict = {}     # i -> the replacement we chain to in this forward
         self.plan: ShardPlan | None = None
         self._sliced: dict = {}       # "rope_freqs" / "mod_segments" -> (full object, local rows)
-        self._attention_calls = 0     # calls of args["attention"] in the block running now
         self._fun: dict = {}          # block index -> its FunBlockControl in this forward
         self._control = RankFunControl(comm.device)
 
@@ -239,127 +224,52 @@ class H3RankSetup:
         local["mod_segments"] = self._local("mod_segments", args, lambda m: slice_mod_segments(m, plan))
         # H3 contract: original_block honours args["attention"], called as
         # attention(h, rope_freqs=..., transformer_options=...) in place of the block's .attn.
-        local["attention"] = self._attention(index)
+        attn = self.model.blocks[index].attn
+        local["attention"] = self._attention(attn)
         # args["layout"] still describes the full sequence; H3's block does not read it.
         previous = self._previous.get(index)
-        self._attention_calls = 0
         weights = self.block_weights
         if weights is not None:  # dit_weights="shard": block i's tensors are here only while it runs
             weights.bind(index, self.comm)
+        # The region spans the whole block: a block that ignores args["attention"] and an
+        # attention that bypasses the override both leave it with no exchanged call, an error
+        # (this rank would have attended to its own rows only).
+        # H3 contract: attn.comfy_attention.function, when set (e.g. a checkpoint's kitchen int8
+        # attention), is the preferred_attention the module passes; ComfyUI drops it whenever an
+        # override is installed, so the exchange is told to use it.
+        preferred = getattr(getattr(attn, "comfy_attention", None), "function", None)
         try:
-            out = previous(local, extra) if previous is not None else extra["original_block"](local)
+            with self.exchanging.region(f"block {index} did not call args['attention'] or its attention",
+                                        preferred=preferred, fix=STALE_BLOCKS_FIX):
+                out = previous(local, extra) if previous is not None else extra["original_block"](local)
         finally:
             if weights is not None:
                 weights.release(index)
-        if self._attention_calls == 0:
-            # The block ran without our attention: this rank attended to its own rows only.
-            raise SequenceParallelError(
-                f"rank {self.comm.rank}: block {index} did not call args['attention'], so its "
-                f"attention saw only this rank's rows and the result would be wrong; the "
-                f"installed ComfyUI's MiniMax-H3 blocks ignore that argument: {UPDATE_COMFYUI}")
         h = out["img"]
         if index in self._fun:
             h = self._control.add_control(index, self._fun[index], args, h, self.plan)
         if index == self.num_blocks - 1:
             self.strategy.end_forward()
-            # H3 contract: the forward hands the last block's h straight to
-            # final_layer(h, t_emb, video_seg, audio_seg, ...), which reads the two spans of h.
-            self._arm_final_layer(h)
+            # H3 contract: the forward hands the last block's h straight to the final layer,
+            # which then sees the full sequence, as on one card.
+            h = gather_rows(self.comm, h, 0)
         return {**out, "img": h}
 
-    def _arm_final_layer(self, h_local):
-        """Make the model's next final-layer call rank-local (a one-shot instance override).
-
-        H3 contract: the final layer is per token (norm, modulation row per token or span,
-        projection), segs are (start, stop, row) with row an int or one index per token, and it
-        returns (video rows, audio rows) of the two spans; a PDD head bank only changes the
-        projection weights, not which rows are used. So the rank's rows with its spans clipped
-        and re-based give exactly its part of the output rows.
-        """
-        plan, comm, to_root = self.plan, self.comm, self.final_rows_to == "root"
-
-        def rank_local(final, x, t_emb, video_seg, audio_seg, *rest, **kwargs):
-            segs = (video_seg, audio_seg)
-            local = final(x, t_emb, *(_local_span(seg, plan) for seg in segs), *rest, **kwargs)
-            return tuple(_output_rows(comm, rows, seg, to_root) for rows, seg in zip(local, segs))
-
-        arm_rank_local_final_layer(self.model.final_layer, h_local, rank_local)
-
-    def _attention(self, index):
+    def _attention(self, attn):
         # H3 contract: the block's attention module is model.blocks[i].attn; it projects,
         # normalises and rotates q/k per token, then calls optimized_attention, which honours
         # transformer_options["optimized_attention_override"] with [1, heads, S, head_dim]
         # tensors and skip_reshape=True, mask=None (one full self-attention, no cross-attention).
-        # H3 contract: attn.comfy_attention.function, when set (e.g. a checkpoint's kitchen int8
-        # attention), is the preferred_attention the module passes; ComfyUI drops it whenever an
-        # override is installed, so the exchange is told to use it.
-        attn = self.model.blocks[index].attn
-        preferred = getattr(getattr(attn, "comfy_attention", None), "function", None)
         exchanging = self.exchanging
 
         def exchanging_attention(h, rope_freqs=None, transformer_options=None):
-            self._attention_calls += 1
             # Our override only for this call: the text refiner and anything else outside the
             # blocks keep the rank's own transformer_options (and with them their preferred
             # attention) untouched.
             options = dict(transformer_options or {})
             exchanging.install(options)
-            with exchanging.region(f"block {index} attention", preferred=preferred):
-                return attn(h, rope_freqs=rope_freqs, transformer_options=options)
+            return attn(h, rope_freqs=rope_freqs, transformer_options=options)
         return exchanging_attention
-
-
-# Rank threads may share one DiT module (CPU ranks on one device, or the copy fallback when
-# every rank's device is the loaded model's): the final-layer override is armed per thread.
-_FINAL_ARM_LOCK = threading.Lock()
-_PENDING = "_multidevice_rank_local_final"  # the final layer's {thread id: (h, call)} while armed
-
-
-def arm_rank_local_final_layer(final, h_local, call) -> None:
-    """The next `final(h_local, ...)` from this thread runs `call(final, ...)` instead; any other
-    call (another thread's, another `x`) runs the layer's own forward. The instance override is
-    removed when no thread has one armed, so a copy of the model made later carries none."""
-    thread = threading.get_ident()
-    with _FINAL_ARM_LOCK:
-        pending = final.__dict__.get(_PENDING)
-        if pending is None:
-            pending = final.__dict__[_PENDING] = {}
-
-            def dispatch(x, *args, **kwargs):
-                with _FINAL_ARM_LOCK:
-                    entry = pending.pop(threading.get_ident(), None)
-                    if not pending:
-                        final.__dict__.pop("forward", None)
-                        final.__dict__.pop(_PENDING, None)
-                if entry is None or x is not entry[0]:
-                    return type(final).forward(final, x, *args, **kwargs)
-                return entry[1](final, x, *args, **kwargs)
-
-            final.forward = dispatch
-        pending[thread] = (h_local, call)
-
-
-def _local_span(seg, plan: ShardPlan):
-    """A final-layer span (start, stop, row) clipped to the rank's rows and re-based to 0; an
-    empty (0, 0, row) span when the rank holds none of it."""
-    clipped = slice_mod_segments([seg], plan)
-    if clipped:
-        return clipped[0]
-    row = seg[2]
-    return (0, 0, row[:0] if torch.is_tensor(row) and row.dim() > 0 else row)
-
-
-def _output_rows(comm, rows: torch.Tensor, seg, to_root: bool) -> torch.Tensor:
-    """The full output rows of one span from every rank's part (rank order is sequence order).
-
-    to_root: only rank 0 receives them; the other ranks return zeros of the full shape, which
-    the forward reshapes as usual and the fan-out discards (it returns rank 0's result)."""
-    if not to_root:
-        return gather_rows(comm, rows, 0)
-    full = gather_rows_to_root(comm, rows)
-    if comm.rank == 0:
-        return full
-    return rows.new_zeros((seg[1] - seg[0], *rows.shape[1:]))
 
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
@@ -375,7 +285,7 @@ def install_rank_sequence_parallel(model, comm, transformer_options: dict,
     weights/block_shards.py family holding this process's rank), used by a new set-up.
     """
     if setup is None:
-        setup = H3RankSetup(comm, sp_mode, block_weights, final_rows_to="all")
+        setup = H3RankSetup(comm, sp_mode, block_weights)
     return setup.install(model, transformer_options)
 
 
@@ -398,8 +308,7 @@ class _RankSetups:
         view = setup.block_weights if setup is not None else None
         if setup is None or setup.comm is not comm or (view.family if view else None) is not family:
             view = None if family is None else family.rank_view(rank)
-            # only rank 0's result is used: the final rows go to rank 0 alone
-            setup = self.setups[rank] = H3RankSetup(comm, self.sp_mode, view, final_rows_to="root")
+            setup = self.setups[rank] = H3RankSetup(comm, self.sp_mode, view)
         return setup.install(model, transformer_options)
 
 
@@ -538,9 +447,3 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     log.info("sequence parallel (%s) enabled on %d rank(s): %s", sp_mode or "allgather",
              coordinator.world_size, ", ".join(map(str, coordinator.devices)))
     return fan_out
-
-
-def disable_sequence_parallel_on_patcher(model_patcher) -> None:
-    """Remove the wrapper installed by enable_sequence_parallel_on_patcher (no-op if absent)."""
-    from comfy.patcher_extension import WrappersMP
-    model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)

@@ -4,8 +4,7 @@
 never padded; lengths differ by at most one row); `shard_sizes` is the same formula as a list.
 `take_rows` (e.g. the rows of a RoPE table), `slice_mod_segments` (a modulation table of
 (start, stop, row) spans, row an int or a per-token index tensor, clipped to the rank's rows and
-re-based to 0), `gather_rows` (all-gather-V of the rows back) and `gather_rows_to_root` (the
-same rows to one rank only) work on one rank's part.
+re-based to 0) and `gather_rows` (all-gather-V of the rows back) work on one rank's part.
 """
 
 from __future__ import annotations
@@ -107,12 +106,3 @@ def slice_mod_segments(segments: Sequence[tuple[int, int, Any]], plan: ShardPlan
 def gather_rows(comm, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """All-gather-V the ranks' rows back into the full sequence (rank order)."""
     return comm.exchange([tensor], [dim])[0]
-
-
-
-def gather_rows_to_root(comm, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """Gather-V of the ranks' rows (dim 0) to `root` only: `root` gets every rank's rows in rank
-    order, every other rank an empty `[0, ...]` tensor. One all-to-all in which every rank sends
-    all its rows to `root` and nothing elsewhere, so only `root` receives bytes."""
-    splits = [tensor.shape[0] if j == root else 0 for j in range(comm.world_size)]
-    return comm.all_to_all_v(tensor, splits, 0)

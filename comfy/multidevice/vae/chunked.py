@@ -1,18 +1,15 @@
 """Multi-device video VAE decode along time.
 
-Two ways to split a video latent `[B, C, T, H, W]` over W devices:
+A video latent `[B, C, T, H, W]` is split over W devices along the decoder's own temporal
+chunks (`ChunkedDecode`). MiniMax-H3's video VAE decodes in overlapping chunks: 5 latent
+frames <-> 17 frames, each chunk decoded on its own from a 7-latent window (5 + 2 overlap),
+its first frames blended with the previous chunk's tail. The chunks are independent, so they
+can run on different devices at once; merged in order on the first device with the decoder's
+own blend, the result is bit-identical to the single-device decode (same ops on the same
+inputs, only scheduled elsewhere). A decoder without that chunk interface is refused here
+(the node then decodes it on one card).
 
-1. **The decoder's own temporal chunks** (`ChunkedDecode`). MiniMax-H3's video VAE decodes
-   in overlapping chunks: 5 latent frames <-> 17 frames, each chunk decoded on its own from a
-   7-latent window (5 + 2 overlap), its first frames blended with the previous chunk's tail.
-   The chunks are independent, so they can run on different devices at once; merged in order
-   on the first device with the decoder's own blend, the result is bit-identical to the
-   single-device decode (same ops on the same inputs, only scheduled elsewhere).
-2. **Feathered windows** (`feathered_decode`) for a decoder without a chunk interface:
-   overlapping latent windows decoded independently, merged with linear weights over each
-   overlap, so the seams are continuous.
-
-Chunks/windows go to the devices round-robin; decoding runs on the coordinator's rank
+Chunks go to the devices round-robin; decoding runs on the coordinator's rank
 threads (one per device, a failing rank never hangs the others).
 """
 
@@ -183,7 +180,7 @@ class H3ChunkInterface:
         if missing:
             raise ParallelDecodeError(
                 f"{type(module).__name__} has no temporal chunk interface (missing "
-                f"{', '.join(missing)}); use feathered_decode for it instead")
+                f"{', '.join(missing)}); decode it on one device instead")
         self.module = module
         self.schedule = H3ChunkSchedule(int(module.clip_length), int(module.vae_ratio_t),
                                         int(module.token_drop))
@@ -360,100 +357,6 @@ def _check_output_buffer(output_buffer: torch.Tensor | None, total_frames: int) 
     if output_buffer is not None and output_buffer.shape[TIME_DIM] != total_frames:
         raise ParallelDecodeError(f"output_buffer has {output_buffer.shape[TIME_DIM]} frames, the decode "
                                   f"gives {total_frames}: allocate it with decode_output_shape(z.shape)")
-
-
-# ----------------------------------------------------------------------------- feathered windows
-
-@dataclass(frozen=True)
-class FeatherWindow:
-    latent: tuple    # (start, stop) latent frames
-    frames: tuple    # (start, stop) output frames this window's decode covers
-
-
-def feather_windows(latent_frames: int, window: int, overlap: int,
-                    frames_for: Callable[[int], int]) -> list[FeatherWindow]:
-    """Overlapping latent windows covering [0, latent_frames), each with its output frame range.
-
-    A window's decode is placed so it ends where the full decode of [0, stop) would end
-    (`frames_for(stop)`): right for decoders whose first latent frame makes fewer frames
-    (causal video VAEs: frames_for(L) = 4L - 3), and for plain ones (frames_for(L) = 4L).
-    """
-    if window < 1 or overlap < 0 or overlap >= window:
-        raise ParallelDecodeError(f"feathered windows need 0 <= overlap < window, got window={window}, "
-                                  f"overlap={overlap}")
-    step = window - overlap
-    span = max(latent_frames - window, 0)  # where the last window starts
-    n = -(-span // step) + 1
-    # spread the starts evenly over [0, span]: every overlap is at least `overlap`, and no
-    # window is pushed back onto its neighbours' overlap as a lone end-aligned one would be
-    starts = [round(i * span / (n - 1)) if n > 1 else 0 for i in range(n)]
-    out = []
-    for s in starts:
-        e = min(s + window, latent_frames)
-        length = frames_for(e - s)
-        end = frames_for(e)
-        out.append(FeatherWindow((s, e), (end - length, end)))
-    return out
-
-
-def feather_weights(windows: list[FeatherWindow], index: int) -> torch.Tensor:
-    """Per-frame weight of window `index`: ramps over its overlaps with both neighbours.
-
-    Over an overlap of O frames the incoming window's weight is (p+1)/(O+1), p = 0..O-1,
-    and the outgoing window's is the complement, so the two always sum to 1.
-    """
-    a, b = windows[index].frames
-    w = torch.ones(b - a, dtype=torch.float64)
-    if index > 0:
-        o = min(max(windows[index - 1].frames[1] - a, 0), b - a)
-        w[:o] = torch.arange(1, o + 1, dtype=torch.float64) / (o + 1)
-    if index + 1 < len(windows):
-        o = min(max(b - windows[index + 1].frames[0], 0), b - a)
-        if o:
-            w[b - a - o:] *= torch.arange(o, 0, -1, dtype=torch.float64) / (o + 1)
-    return w
-
-
-def feathered_decode(decode_fn: Callable, z: torch.Tensor, devices: Sequence, *, window: int,
-                     overlap: int, frames_for: Callable[[int], int],
-                     runner: SequenceParallelCoordinator | None = None, merge_device=None) -> torch.Tensor:
-    """Decode `z` in overlapping windows on `devices`; merge with linear feathering.
-
-    decode_fn(device, z_window) -> frames [B, C, F, H, W] for the window (on any device).
-    Output: float32 frames on the merge device (the first device unless given).
-    """
-    devices = [torch.device(d) for d in devices]
-    merge_device = torch.device(merge_device) if merge_device is not None else devices[0]
-    plan = feather_windows(z.shape[TIME_DIM], window, overlap, frames_for)
-
-    def decode_mine(rank, device, ids):
-        out = []
-        for i in ids:
-            s, e = plan[i].latent
-            frames = decode_fn(device, z[:, :, s:e].to(device))
-            want = plan[i].frames[1] - plan[i].frames[0]
-            if frames.shape[TIME_DIM] != want:
-                raise ParallelDecodeError(f"window {i} ({s}:{e}): decode gave {frames.shape[TIME_DIM]} "
-                                          f"frames, frames_for says {want}")
-            out.append((i, frames.to(merge_device)))
-        return out
-
-    results = _run_on_devices(devices, runner, decode_mine, round_robin(len(plan), len(devices)))
-    decoded = dict(item for rank_items in results for item in rank_items)
-    first = decoded[0]
-    total = frames_for(z.shape[TIME_DIM])
-    shape = list(first.shape)
-    shape[TIME_DIM] = total
-    acc = torch.zeros(shape, dtype=torch.float32, device=merge_device)
-    norm = torch.zeros(total, dtype=torch.float64)
-    for i, win in enumerate(plan):
-        w = feather_weights(plan, i)
-        a, b = win.frames
-        norm[a:b] += w
-        acc[:, :, a:b] += decoded[i].float() * w.to(torch.float32).view(1, 1, -1, 1, 1).to(merge_device)
-    if bool((norm <= 0).any()):
-        raise ParallelDecodeError("some output frames are covered by no window")
-    return acc / norm.to(torch.float32).view(1, 1, -1, 1, 1).to(merge_device)
 
 
 # ----------------------------------------------------------------------------- module stand-in

@@ -242,7 +242,7 @@ class WorkerPool:
             self.close()
             raise RecipeError("the model recipe " + self.recipe.describe() + " failed on " +
                               "; ".join(f"{self.identities[r].describe()}: {p}" for r, p in bad))
-        self.setup = H3RankSetup(self.comm, self.sp_mode, self.rank0_weights, final_rows_to="root",
+        self.setup = H3RankSetup(self.comm, self.sp_mode, self.rank0_weights,
                                  before_block=self._cancel_point)
         self.start_seconds = time.perf_counter() - started
         log.info("worker pool: %d ranks started in %.1f s: %s", self.world_size, self.start_seconds,

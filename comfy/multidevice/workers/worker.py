@@ -120,8 +120,7 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
         if cancel_flag.post():
             raise CancelledByRank0(index)
 
-    setup = H3RankSetup(comm, sp_mode, block_weights, final_rows_to="root",  # rank 0's result is used
-                        before_block=cancel_point)
+    setup = H3RankSetup(comm, sp_mode, block_weights, before_block=cancel_point)
     while True:
         if not link.wait_for_go():  # idle: no collective timeout here
             return 0
