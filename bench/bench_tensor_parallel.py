@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
-from comfy.multidevice.tp.fan_out import build_tensor_parallel_decoder  # noqa: E402
+from comfy.multidevice.tp.decoder import build_tensor_parallel_decoder  # noqa: E402
 from comfy.multidevice.tensor_bytes import storage_bytes
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
 

@@ -1,6 +1,6 @@
 """The tensor-parallel decoder (comfy/multidevice/tp/shard.py) against the single-device result:
 exactness in fp32 and bf16 (tolerances: tests/tp/tp_cases.py), what cannot be split, each rank's
-memory, and one rank per process over torch.distributed (the fan-out's own tests: test_fan_out.py).
+memory, and one rank per process over torch.distributed (the fan-out's own tests: test_decoder.py).
 """
 
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from comfy.multidevice.tensor_bytes import storage_bytes
 from comfy.multidevice.tp.layers import TensorParallelError
-from comfy.multidevice.tp.fan_out import build_tensor_parallel_decoder
+from comfy.multidevice.tp.decoder import build_tensor_parallel_decoder
 from comfy.multidevice.tp.shard import planned_shard_bytes, prefixed_weights, shard_decoder
 from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
 from tests.rank_processes import run_rank_processes

@@ -41,7 +41,7 @@ from comfy.multidevice.sp.attention_budget import FREE_SHARE, shares_host_memory
 from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
 from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.tp.clip import language_model_of
-from comfy.multidevice.tp.fan_out import TensorParallelDecoder
+from comfy.multidevice.tp.decoder import TensorParallelDecoder
 from comfy.multidevice.tp.shard import planned_shard_bytes
 from comfy.multidevice.weights.block_shards import block_tensors, BlockShardPlan, DIT_WEIGHT_MODES
 from comfy.multidevice.tensor_bytes import is_flattenable, tensor_nbytes

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from comfy.multidevice.tp.layers import TensorParallelError
-from comfy.multidevice.tp.fan_out import build_tensor_parallel_decoder, TensorParallelDecoder
+from comfy.multidevice.tp.decoder import build_tensor_parallel_decoder, TensorParallelDecoder
 from comfy.multidevice.tp.shard import check_decoder_split, prefixed_weights, shallow_module_copy
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ Entry points
   shard_decoder(decoder, comm, weights=None)            one rank's shard (any communicator)
   planned_shard_bytes(decoder, world_size)              what each rank's shard will hold, before
                                                         anything is built (memory plans)
-All shards and the module that runs them: tp/fan_out.py; a ComfyUI CLIP: tp/clip.py.
+All shards and the module that runs them: tp/decoder.py; a ComfyUI CLIP: tp/clip.py.
 """
 
 from __future__ import annotations

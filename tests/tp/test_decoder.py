@@ -1,4 +1,4 @@
-"""The tensor-parallel fan-out (comfy/multidevice/tp/fan_out.py): inputs copied per rank, outputs
+"""The tensor-parallel fan-out (comfy/multidevice/tp/decoder.py): inputs copied per rank, outputs
 handed back, a dropped shard freed, a failing rank or a generation call refused without a hang."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from comfy.multidevice.comm.errors import CollectiveAborted
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.miniature.qwen_decoder import build_miniature_decoder
-from comfy.multidevice.tp.fan_out import build_tensor_parallel_decoder
+from comfy.multidevice.tp.decoder import build_tensor_parallel_decoder
 from comfy.multidevice.tp.layers import TensorParallelError
 from tests.tp.tp_cases import LAYOUTS, coordinator, inputs
 

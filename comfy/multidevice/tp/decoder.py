@@ -1,4 +1,4 @@
-"""The tensor-parallel decoder's fan-out: W shards run concurrently on a coordinator's rank threads.
+"""The tensor-parallel decoder: W shards of one decoder run concurrently on a coordinator's rank threads.
 
 build_tensor_parallel_decoder(decoder, coordinator) checks the split, has every rank slice its
 own shard (tp/shard.py), and returns TensorParallelDecoder, which runs one forward on all ranks
