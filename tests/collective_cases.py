@@ -231,7 +231,7 @@ def test_a_shard_plan_that_does_not_fit_fails_on_every_rank(backend):
 
 def count_host_syncs_and_barriers(coord, monkeypatch):
     """Counters of device synchronizations and coordinator barriers, per rank."""
-    from comfy.multidevice.comm import ctypes_lib, group
+    from comfy.multidevice.comm import collectives, ctypes_lib
 
     syncs = [0] * coord.world_size
     barriers = [0] * coord.world_size
@@ -244,7 +244,7 @@ def count_host_syncs_and_barriers(coord, monkeypatch):
             return real(device)
         return sync
 
-    for module in (ctypes_lib, group):
+    for module in (ctypes_lib, collectives):  # where the slots synchronize (comm/collectives.py)
         monkeypatch.setattr(module, "synchronize", counted_sync(module.synchronize))
     real_wait = coord._barrier.wait
 
