@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comfy.multidevice.sp import attention_budget
-from comfy.multidevice.sp.attention_budget import (attend_in_row_pieces, attend_within_budget, rows_per_call,
+from comfy.multidevice.sp.attention_budget import (attend_within_budget, rows_per_call,
                                                    score_block_bytes)
 
 GIB = 2 ** 30
@@ -51,7 +51,8 @@ def test_row_pieces_give_the_rows_of_one_call(skip_reshape, skip_output_reshape)
     kw = dict(skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape)
     whole = plain_attention(q, k, v, h, **kw)
     seen = []
-    pieces = attend_in_row_pieces(recording(plain_attention, seen), q, k, v, h, rows=8, **kw)
+    cpu_rank = SimpleNamespace(world_size=2, device=torch.device("cpu"))
+    pieces = attend_within_budget(cpu_rank, recording(plain_attention, seen), q, k, v, h, rows=8, **kw)
     assert seen == [8, 8, 8, 8, 5]
     assert pieces.shape == whole.shape
     # rows are independent: the same rows, up to the matmul's blocking for another row count

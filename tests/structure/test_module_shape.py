@@ -46,3 +46,12 @@ def test_our_own_modules_are_imported_at_module_level():
     found = [f"{path.relative_to(REPO).as_posix()}:{line}: {module}"
              for path in modules() for line, module in function_local_imports(ast.parse(path.read_text(encoding="utf-8")))]
     assert not found, "import these at the top of the module:\n" + "\n".join(found)
+
+
+MAX_MODULE_LINES = 500  # issue "One seam": past this a module holds more than one job
+
+
+def test_no_module_is_over_500_lines():
+    long = {path.relative_to(REPO).as_posix(): n for path in modules()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these modules by responsibility (at most {MAX_MODULE_LINES} lines): {long}"

@@ -22,7 +22,7 @@ OURS = (REPO / "comfy" / "multidevice", REPO / "comfy_extras" / "nodes_multinpu.
 
 # where the chain starts on each thread (the code object's qualified name)
 FAN_OUT_ENTRY = "SequenceParallelFanOut.__call__"
-PROCESS_FAN_OUT_ENTRY = "ProcessFanOut.__call__"  # rank 0 of the processes runs on the caller's thread
+PROCESS_FAN_OUT_ENTRY = FAN_OUT_ENTRY  # one fan-out for both engines; rank 0 of the processes runs on the caller's thread
 WORKER_LOOP = "serve"  # workers/worker.py: a worker process follows rank 0's forwards here
 HAND_OFF = "SequenceParallelCoordinator.run"  # the caller waits here while the ranks run
 RANK_LOOP = "_RankWorker.run"

@@ -43,7 +43,7 @@ def test_frames_with_ranks_as_processes(upstream, patcher, tmp_path, monkeypatch
     if not upstream.has_attention_hook:
         pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
     from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
-    from comfy.multidevice.workers.fan_out import workers_on_patcher
+    from comfy.multidevice.workers.pool_runner import workers_on_patcher
     from tests.upstream import call_chain
     from tests.upstream.test_workers import PRELUDE
     monkeypatch.setenv(TRUSTED_MODULES_ENV, f"{PRELUDE[0][0]},{call_chain.__name__}")

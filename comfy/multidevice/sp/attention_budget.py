@@ -41,28 +41,21 @@ def rows_per_call(world: int, batch_heads: int, keys: int, free_bytes: int) -> i
     return max(1, per_rank // max(score_block_bytes(batch_heads, 1, keys), 1))
 
 
-def attend_in_row_pieces(attention_fn: Callable, q, k, v, heads, *args, rows: int, **kwargs):
-    """`attention_fn(q, k, v, heads, ...)` over pieces of at most `rows` query rows, joined.
+def attend_within_budget(comm, attention_fn: Callable, q, k, v, heads, *args, rows: int | None = None, **kwargs):
+    """The rank's attention call `attention_fn(q, k, v, heads, ...)`; on ranks that share one
+    memory, over pieces of at most `rows` query rows (default `rows_per_call` from the host's
+    available memory now, with this rank's batch x heads), joined. One function, not two: it
+    sits on every attention call's path.
 
     q is [B, heads, L, D] with skip_reshape (H3's layout), else [B, L, heads*D]; the output is
     [B, heads, L, D] with skip_output_reshape, else [B, L, heads*D]."""
     seq_dim = 2 if kwargs.get("skip_reshape", False) else 1
-    if q.shape[seq_dim] <= rows:
+    if rows is None and comm.world_size > 1 and shares_host_memory(getattr(comm, "device", q.device)):
+        free = available_memory_bytes()
+        if free is not None:
+            rows = rows_per_call(comm.world_size, q.shape[0] * heads, k.shape[seq_dim], free)
+    if rows is None or q.shape[seq_dim] <= rows:
         return attention_fn(q, k, v, heads, *args, **kwargs)
     out_dim = 2 if kwargs.get("skip_output_reshape", False) else 1
     pieces = [attention_fn(piece, k, v, heads, *args, **kwargs) for piece in q.split(rows, dim=seq_dim)]
     return torch.cat(pieces, dim=out_dim)
-
-
-def attend_within_budget(comm, attention_fn: Callable, q, k, v, heads, *args, **kwargs):
-    """The rank's attention call; on ranks that share one memory, in row pieces (`rows_per_call`
-    from the host's available memory now, with this rank's batch x heads)."""
-    device = getattr(comm, "device", q.device)
-    if comm.world_size == 1 or not shares_host_memory(device):
-        return attention_fn(q, k, v, heads, *args, **kwargs)
-    free = available_memory_bytes()
-    if free is None:
-        return attention_fn(q, k, v, heads, *args, **kwargs)
-    seq_dim = 2 if kwargs.get("skip_reshape", False) else 1
-    rows = rows_per_call(comm.world_size, q.shape[0] * heads, k.shape[seq_dim], free)
-    return attend_in_row_pieces(attention_fn, q, k, v, heads, *args, rows=rows, **kwargs)

@@ -108,7 +108,8 @@ class PoolRunner:
     def pool(self, value: WorkerPool | None) -> None:
         self._held["pool"] = value
 
-    def forward(self, model, method, args: list, kwargs: dict, position: int | None):
+    def forward(self, model, method, position: int | None, *args, **kwargs):
+        args = list(args)
         sent_args, sent_kwargs = list(args), travelling_kwargs(kwargs)
         options = transformer_options_of(sent_args, sent_kwargs, position)
         digest = self.digest_of()
