@@ -137,8 +137,6 @@ def test_patches_reach_every_replica_and_survive_reload(tmp_path):
     for name, t in written.items():
         assert bit_equal(ckpt[name], t), name             # the base never changes
     assert total_bytes_read() == before                   # patches and reloads read nothing
-    family.clear_patches()
-    assert all(is_read_only(r.state_dict()["embed.weight"]) for r in family)
 
 
 def _forward_float(module, x):
