@@ -361,3 +361,10 @@ def read_miniature_config(path) -> tuple[MiniatureConfig, torch.dtype]:
         raise ValueError(f"{path} is not a miniature checkpoint (no {SAFETENSORS_CONFIG_KEY!r} metadata); "
                          "delete it so it is rebuilt")
     return MiniatureConfig.from_json(meta[SAFETENSORS_CONFIG_KEY]), getattr(torch, meta.get("dtype", "float32"))
+
+
+def miniature_template(path) -> MiniatureH3Model:
+    """The structure of a saved miniature on the meta device: replicas take its weights from the file."""
+    config, dtype = read_miniature_config(path)
+    with torch.device("meta"):  # the template only lends its structure: allocate nothing
+        return MiniatureH3Model(config, dtype=dtype)
