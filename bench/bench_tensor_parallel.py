@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tensor-parallel text encoder: forward time at W=1 and W=2, and weight bytes per rank.
 
-The miniature Llama/Qwen decoder (comfy/multidevice/miniature/qwen_decoder.py) at a size
+The miniature Llama/Qwen decoder (tests/qwen_decoder.py) at a size
 where the matmuls dominate (default: hidden 1024, 8 query / 2 KV heads of 128, MLP
 4096, 4 layers, 256 tokens, fp32). W=1 is the plain single-device model; W=2 splits it
 over two CPU "devices" (rank threads) with the peer-copy all-reduce. Every rank runs
@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
 from comfy.multidevice.tp.decoder import build_tensor_parallel_decoder  # noqa: E402
 from comfy.multidevice.tensor_bytes import storage_bytes
-from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
+from tests.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
 
 
 def parse_args(argv=None):

@@ -151,7 +151,6 @@ def import_upstream_loader():
 def run_child(method: str, path: str, ranks: int, reloads: int) -> dict:
     from comfy.multidevice.comm.group import SequenceParallelCoordinator
     from comfy.multidevice.weights.checkpoint import SharedCheckpoint, total_bytes_read
-    from comfy.multidevice.weights.offload import model_stage_unload
     from comfy.multidevice.weights.replicas import RankReplica
 
     from comfy.multidevice.weights.dispatch_warm_up import start_dispatch_warm_up
@@ -194,7 +193,8 @@ def run_child(method: str, path: str, ranks: int, reloads: int) -> dict:
             result["logical_bytes_read"] = total_bytes_read() - read_before
             after_build = total_bytes_read()
             for _ in range(reloads):
-                model_stage_unload(replicas)
+                for replica in replicas:
+                    replica.unload()
                 coord.run(lambda rank, comm: replicas[rank].load() and None)
             result["reload_bytes_read"] = total_bytes_read() - after_build
         sums = {cs for _, cs in built}

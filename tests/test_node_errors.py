@@ -22,6 +22,7 @@ from comfy.multidevice.roles import apply as roles_apply
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import configure_parallel, shown_error
 from tests.node_cases import FakeModelPatcher, inputs, inventory, make_fake_comfy_api
+from tests.qwen_decoder import MiniatureDecoderConfig
 from tests.tp.tp_cases import LAYOUTS
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("close_coordinators")]
@@ -153,7 +154,6 @@ def test_a_control_patch_is_named_with_the_fix(fake_patcher_extension):  # noqa:
 
 
 def test_text_encoder_refusals_name_the_clip_input(fake_patcher_extension):  # noqa: F811
-    from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig
     lora = {"qwen3vl_32b.transformer.model.layers.0.mlp.up_proj.weight": [("lora",)]}
     assert_user_facing(refusal(objs=inputs(clip_patches=lora), npu_count=4, device_kind="cpu"),
                        ("the clip input carries a CLIP LoRA",), "remove the CLIP LoRA")

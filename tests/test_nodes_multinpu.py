@@ -25,12 +25,12 @@ from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.roles.apply import apply_role_plan
 from comfy.multidevice.roles.plan import RolePlanError
 from comfy.multidevice.tp.layers import TensorParallelError
-from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import NODE_SCHEMA, configure_parallel, widget_defaults
 from comfy.multidevice.roles.plan import plan_roles
 from tests.node_cases import (FakeModelPatcher, assert_same, inputs, inventory, make_fake_comfy_api, rank_threads,
                               run_dit, snapshot)
+from tests.qwen_decoder import MiniatureDecoderConfig
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
 from tests.sp_cases import make_inputs, rel_diff, tiny_model
 from tests.tp.tp_cases import LAYOUTS, WrappedWeight, mirror_clip

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature, load_miniature, save_miniature
+from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature, save_miniature
+from comfy.multidevice.workers.recipe import miniature_from_shared_checkpoint
 from tests.sp_cases import TINY, make_inputs, rel_diff, tiny_model
 
 
@@ -111,7 +112,7 @@ def test_diffusion_model_wrapper_is_called_with_the_model(model):
 def test_save_load_round_trip(model, tmp_path):
     path = tmp_path / "mini.safetensors"
     save_miniature(model, path)
-    loaded = load_miniature(path)
+    loaded = miniature_from_shared_checkpoint(path)  # how the workers load it
     assert loaded.config == model.config
     x, t, ctx, kw = make_inputs("masked")
     with torch.inference_mode():

@@ -17,7 +17,7 @@ import torch.nn as nn
 from comfy.multidevice.tp.layers import QuantizedWeightsError, TensorParallelError
 from comfy.multidevice.tp.decoder import TensorParallelDecoder
 from comfy.multidevice.tp.clip import (apply_tensor_parallel_text_encoder, remove_tensor_parallel_text_encoder, tensor_parallel_clip, check_tensor_parallel_clip)
-from comfy.multidevice.miniature.qwen_decoder import build_miniature_decoder
+from tests.qwen_decoder import build_miniature_decoder
 from tests.tp.tp_cases import (FP32_REL_TOL, LAYOUTS, MirrorCLIP, MirrorSD1ClipModel, WrappedWeight,
                                coordinator, mirror_clip, rel_err)
 

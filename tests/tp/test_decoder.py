@@ -8,9 +8,9 @@ import torch
 
 from comfy.multidevice.comm.errors import CollectiveAborted
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.miniature.qwen_decoder import build_miniature_decoder
 from comfy.multidevice.tp.decoder import build_tensor_parallel_decoder
 from comfy.multidevice.tp.layers import TensorParallelError
+from tests.qwen_decoder import build_miniature_decoder
 from tests.tp.tp_cases import LAYOUTS, coordinator, inputs
 
 

@@ -13,7 +13,7 @@ from comfy.multidevice.tensor_bytes import storage_bytes
 from comfy.multidevice.tp.layers import TensorParallelError
 from comfy.multidevice.tp.decoder import build_tensor_parallel_decoder
 from comfy.multidevice.tp.shard import planned_shard_bytes, prefixed_weights, shard_decoder
-from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
+from tests.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
 from tests.rank_processes import run_rank_processes
 from tests.tp.tp_cases import (BF16_REL_TOL, FP32_REL_TOL, LAYOUTS, coordinator, embedding_elements,
                                expected_rank_bytes, holds_embedding, inputs, rel_err, replicated_elements)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.miniature.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
+from tests.qwen_decoder import MiniatureDecoderConfig, build_miniature_decoder
 
 
 FP32_REL_TOL = 1e-5

@@ -30,9 +30,8 @@ from safetensors import safe_open
 
 import comfy.multidevice.weights.checkpoint as sc
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint, shared_checkpoint_sources
-from comfy.multidevice.weights.safetensors_header import (CheckpointError, MAX_JSON_DEPTH, SAFETENSORS_DTYPES,
-                                                          parse_safetensors_prefix)
-from tests.weights.weight_cases import raw_file, sample_tensors, write
+from comfy.multidevice.weights.safetensors_header import CheckpointError, MAX_JSON_DEPTH, SAFETENSORS_DTYPES
+from tests.weights.weight_cases import parse_safetensors_prefix, raw_file, sample_tensors, write
 
 CASES = 3000
 SEED = 20261201

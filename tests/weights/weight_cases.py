@@ -1,6 +1,6 @@
 """Shared inputs of the weights tests: tensors of every stored dtype, a tiny net (a buffer, a
-non-persistent buffer, a tied weight), writing them as a safetensors file, bitwise comparison,
-and a ModelPatcher stand-in."""
+non-persistent buffer, a tied weight), writing them as a safetensors file, parsing a header from
+its bytes, bitwise comparison, and a ModelPatcher stand-in."""
 
 import json
 import struct
@@ -8,6 +8,9 @@ import types
 
 import torch
 from safetensors.torch import save_file
+
+from comfy.multidevice.weights.safetensors_header import (CheckpointError, HEADER_LENGTH_BYTES, parse_header_json,
+                                                          parse_header_length, SafetensorsHeader)
 
 THREAD_LIMIT_S = 30
 
@@ -84,3 +87,16 @@ def fake_patcher(diffusion_model, path=None, patches=None):
     return types.SimpleNamespace(
         model=types.SimpleNamespace(diffusion_model=diffusion_model), patches=patches or {}, backup={},
         cached_patcher_init=(lambda *a: None, (str(path), {})) if path else None)
+
+
+def parse_safetensors_prefix(prefix: bytes, file_size: int | None = None,
+                             source: str = "<bytes>") -> SafetensorsHeader:
+    """A header parsed from the first bytes of a file of `file_size` bytes (default: len(prefix))
+    by the two steps weights/checkpoint.py reads a file with: the length field, then the JSON."""
+    size = len(prefix) if file_size is None else file_size
+    length = parse_header_length(prefix, size, source)
+    header = prefix[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + length]
+    if len(header) < length:
+        raise CheckpointError(f"{source}: file is truncated inside the header: {len(header)} of "
+                              f"{length} header bytes present")
+    return parse_header_json(header, size - HEADER_LENGTH_BYTES - length, source)

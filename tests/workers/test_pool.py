@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from comfy.multidevice.miniature.h3 import save_miniature
+from comfy.multidevice.workers.door import RendezvousError
 from comfy.multidevice.workers.pool import enable_sequence_parallel_workers, WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
-from comfy.multidevice.workers.rendezvous import RendezvousError
 from tests.helpers import free_port
 from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, run_sp, tiny_model
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV
-from comfy.multidevice.miniature.h3 import load_miniature, save_miniature
+from comfy.multidevice.miniature.h3 import save_miniature
 from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.pool_runner import travelling_options
 from comfy.multidevice.workers.pool import WorkerPool
-from comfy.multidevice.workers.recipe import ModelRecipe
+from comfy.multidevice.workers.recipe import miniature_from_shared_checkpoint, ModelRecipe
 from comfy.multidevice.workers.wire import encode
 from tests.sp.test_fun_controlnet import _fun_options, _FunBlockPatchStandIn
 from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, tiny_model
@@ -47,8 +47,8 @@ def test_fun_controlnet_over_worker_processes_equals_one_device(path, world):
     x, t, ctx, kw = make_inputs("plain")
     options, _ = _fun_options()
     with torch.inference_mode():
-        reference = load_miniature(path)(x, t, ctx, transformer_options=options, **kw)
-        plain = load_miniature(path)(x, t, ctx, **kw)
+        reference = miniature_from_shared_checkpoint(path)(x, t, ctx, transformer_options=options, **kw)
+        plain = miniature_from_shared_checkpoint(path)(x, t, ctx, **kw)
     assert rel_diff(reference, plain) > 1e-3  # the control acts
     options, control = _fun_options()
     recipe = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint", {"path": path})

@@ -17,9 +17,8 @@ import time
 
 import torch
 
-from comfy.multidevice.miniature.h3 import load_miniature
 from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
-from comfy.multidevice.workers.recipe import ModelRecipe
+from comfy.multidevice.workers.recipe import miniature_from_shared_checkpoint, ModelRecipe
 from tests.sp_cases import make_inputs, rel_diff
 
 
@@ -45,7 +44,7 @@ def main() -> int:
                          {"path": args.checkpoint})
     inputs = make_inputs("plain")
     with torch.inference_mode():
-        reference = load_miniature(args.checkpoint)(inputs[0], inputs[1], inputs[2], **inputs[3])
+        reference = miniature_from_shared_checkpoint(args.checkpoint)(inputs[0], inputs[1], inputs[2], **inputs[3])
 
     def new_pool():
         return WorkerPool(["cpu"] * 2, recipe, remote=2, address=args.address, port=args.port, timeout_s=args.timeout)

@@ -39,7 +39,7 @@ from comfy.multidevice.comm.errors import BackendUnavailable
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import BACKEND_ENV, read_variables, SettingError
 from comfy.multidevice.devices import copy_for_rank
-from comfy.multidevice.miniature.h3 import build_miniature, MiniatureH3Model, read_miniature_config, save_miniature
+from comfy.multidevice.miniature.h3 import build_miniature, miniature_template, read_miniature_config, save_miniature
 from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic
 from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
@@ -98,12 +98,9 @@ def build_replicas(path: Path, devices: list[str]) -> Replicas:
     Through comfy/multidevice/weights/: one read-only base in RAM, and each rank's hot cache
     built from it (a zero-copy view of the base on a CPU rank, a device copy elsewhere).
     """
-    config, dtype = read_miniature_config(path)
     base = SharedCheckpoint.open(path)
     read_before = base.bytes_read
-    with torch.device("meta"):  # the template only lends its structure: allocate nothing
-        template = MiniatureH3Model(config, dtype=dtype)
-    replicas = RankReplicas(base, devices, template=template, load=True)
+    replicas = RankReplicas(base, devices, template=miniature_template(path), load=True)
     return Replicas([r.module for r in replicas], "shared_checkpoint", read_before)
 
 

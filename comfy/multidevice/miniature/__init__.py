@@ -1,1 +1,1 @@
-"""Small models written here with upstream's contracts (an H3 DiT, a Qwen-style decoder) for tests and the dry run."""
+"""A small H3 DiT written here with upstream's contract, for tests and the dry run."""

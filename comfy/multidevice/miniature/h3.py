@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -364,16 +363,8 @@ def read_miniature_config(path) -> tuple[MiniatureConfig, torch.dtype]:
     return MiniatureConfig.from_json(meta[SAFETENSORS_CONFIG_KEY]), getattr(torch, meta.get("dtype", "float32"))
 
 
-def miniature_from_state_dict(state: dict[str, torch.Tensor], config: MiniatureConfig,
-                              dtype: torch.dtype, device: Any = "cpu") -> MiniatureH3Model:
-    """A replica on `device` from a state dict (tensors are copied; the source stays untouched)."""
-    with torch.device("meta"):
-        model = MiniatureH3Model(config, dtype=dtype)
-    model.load_state_dict({k: v.to(device, copy=True) for k, v in state.items()}, assign=True)
-    return model
-
-
-def load_miniature(path, device: Any = "cpu") -> MiniatureH3Model:
-    from safetensors.torch import load_file
+def miniature_template(path) -> MiniatureH3Model:
+    """The structure of a saved miniature on the meta device: replicas take its weights from the file."""
     config, dtype = read_miniature_config(path)
-    return miniature_from_state_dict(load_file(str(path)), config, dtype, device)
+    with torch.device("meta"):  # the template only lends its structure: allocate nothing
+        return MiniatureH3Model(config, dtype=dtype)

@@ -126,10 +126,6 @@ class CardMemory:
     def stage_total(self, stage: str) -> int:
         return sum(self.stages.get(stage, {}).values())
 
-    @property
-    def peak_stage(self) -> tuple[str, int]:
-        return max(((s, self.stage_total(s)) for s in self.stages), key=lambda x: x[1], default=("", 0))
-
 
 @dataclass
 class SharedHost:

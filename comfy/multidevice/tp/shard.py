@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 #
 # The layout this converter relies on, shared by upstream ComfyUI's Llama-family decoder
 # (comfy/text_encoders/llama.py: Llama2_, TransformerBlock, Attention, MLP) and by
-# comfy/multidevice/miniature/qwen_decoder.py:
+# tests/qwen_decoder.py (the tests' miniature):
 #   decoder.layers                   a ModuleList of blocks
 #   block.self_attn, block.mlp       the two parts that get split
 #   self_attn.num_heads / num_kv_heads / head_dim   ints that the attention's forward reads

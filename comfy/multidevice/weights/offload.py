@@ -22,14 +22,8 @@ def _replicas_of(stage: Any) -> list[RankReplica]:
         return list(stage.replicas)
     if isinstance(stage, Iterable) and not isinstance(stage, (str, bytes, Mapping, torch.nn.Module)):
         return [r for item in stage for r in _replicas_of(item)]
-    raise ValueError(f"model_stage_unload/offload_components take RankReplica or RankReplicas objects "
+    raise ValueError(f"offload_components takes RankReplica or RankReplicas objects "
                      f"(or lists of them), got {type(stage).__name__}")
-
-
-def model_stage_unload(stage: Any) -> int:
-    """Drop the device residency of a stage (a RankReplica, a RankReplicas family, or a list
-    of them) and keep its base; return the bytes dropped. A later load() copies from RAM."""
-    return sum(replica.unload() for replica in _replicas_of(stage))
 
 
 def release_cached_device_memory(device_types: Iterable[str]) -> list[str]:

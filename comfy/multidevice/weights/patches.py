@@ -59,11 +59,6 @@ class WeightPatches:
         """Mark the patch set changed: a resident replica whose version is older reloads."""
         self.version += 1
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self._layer.clear()
-        self.bump()
-
     def apply(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The patched weight as a new tensor on weight's device and dtype (weight is not changed)."""
         work = weight.to(torch.float32, copy=True)

@@ -469,11 +469,6 @@ class RankReplicas(Sequence):
         self._refresh(names)
         return names
 
-    def clear_patches(self) -> None:
-        names = self.patches.names()
-        self.patches.clear()
-        self._refresh(names)
-
     def _refresh(self, names: list[str]) -> None:
         self.patches.bump()
         for replica in self.replicas:

@@ -187,18 +187,6 @@ def parse_header_json(header: bytes, data_size: int, source: str) -> Safetensors
     return SafetensorsHeader(header_bytes=len(header), tensors=tensors, metadata=dict(metadata))
 
 
-def parse_safetensors_prefix(prefix: bytes, file_size: int | None = None,
-                             source: str = "<bytes>") -> SafetensorsHeader:
-    """Parse a header from the first bytes of a file of `file_size` bytes (default: len(prefix))."""
-    size = len(prefix) if file_size is None else file_size
-    length = parse_header_length(prefix, size, source)
-    header = prefix[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + length]
-    if len(header) < length:
-        raise CheckpointError(f"{source}: file is truncated inside the header: {len(header)} of "
-                              f"{length} header bytes present")
-    return parse_header_json(header, size - HEADER_LENGTH_BYTES - length, source)
-
-
 # ----------------------------------------------------------------------------- validation
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -23,7 +23,6 @@ import logging
 import select
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 
 from comfy.multidevice.workers import admission

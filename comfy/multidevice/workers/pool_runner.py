@@ -25,10 +25,10 @@ from comfy.multidevice.sp.plan import SequenceParallelError
 from comfy.multidevice.workers.admission import cluster_secret, SECRET_FILE_ENV
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
 from comfy.multidevice.workers.dit_file import DitFile
+from comfy.multidevice.workers.door import format_address
 from comfy.multidevice.workers.join import join_command
 from comfy.multidevice.workers.pool import WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe
-from comfy.multidevice.workers.rendezvous import format_address
 from comfy.multidevice.workers.towers import travelling_dit_patches
 from comfy.multidevice.workers.wire import check_sendable, WireTypeError
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV, trusted_modules_from_env
-from comfy.multidevice.miniature.h3 import MiniatureH3Model, read_miniature_config
+from comfy.multidevice.miniature.h3 import miniature_template
 from comfy.multidevice.weights.block_shards import BlockShardPlan
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.replicas import RankReplica, RankReplicas
@@ -109,17 +109,11 @@ class ModelRecipe:
         return model, None
 
 
-def _miniature_template(path: str) -> torch.nn.Module:
-    config, dtype = read_miniature_config(path)
-    with torch.device("meta"):  # the template only lends its structure
-        return MiniatureH3Model(config, dtype=dtype)
-
-
 @recipe_builder
 def miniature_from_shared_checkpoint(path: str, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The miniature H3 DiT of a checkpoint file through the shared read-only base (a CPU rank's
     weights are views of the mapped file; a card's are copied from it)."""
-    return RankReplicas(SharedCheckpoint.open(path), [device], template=_miniature_template(path), load=True)[0].module
+    return RankReplicas(SharedCheckpoint.open(path), [device], template=miniature_template(path), load=True)[0].module
 
 
 @recipe_builder
@@ -127,5 +121,5 @@ def miniature_shard_from_shared_checkpoint(path: str, device: torch.device | str
                                            world_size: int = 1, plan=None) -> ProcessShard:
     """Rank `rank`'s shard of the miniature H3 DiT of a checkpoint file (its block tensors and
     the non-block weights; `plan`: rank 0's, checked)."""
-    replica = RankReplica(SharedCheckpoint.open(path), device, rank=rank, template=_miniature_template(path))
+    replica = RankReplica(SharedCheckpoint.open(path), device, rank=rank, template=miniature_template(path))
     return rank_shard(replica, rank, world_size, plan)

@@ -24,7 +24,7 @@ import struct
 import threading
 
 from comfy.multidevice.workers import admission
-from comfy.multidevice.workers.door import Door, format_address, RendezvousError  # noqa: F401 - re-exported
+from comfy.multidevice.workers.door import Door
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
