@@ -89,5 +89,5 @@ def test_precision_names_and_fp8_without_the_dtype(monkeypatch):
     with pytest.raises(ExchangePrecisionError, match="exact, int8, fp8"):
         check_precision("int4")
     monkeypatch.setattr(compression, "fp8_dtype", lambda: None)
-    with pytest.raises(ExchangePrecisionError, match="exchange_precision=int8"):
+    with pytest.raises(ExchangePrecisionError, match="set exchange_precision to int8"):
         check_precision("fp8")

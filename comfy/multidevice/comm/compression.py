@@ -57,12 +57,26 @@ def check_precision(precision: str) -> str:
     """The precision name, checked: one of EXCHANGE_PRECISIONS and usable with this torch."""
     name = (precision or EXACT).strip().lower()
     if name not in EXCHANGE_PRECISIONS:
-        raise ExchangePrecisionError(f"exchange_precision={precision!r} is unknown: set it to one of "
-                                     f"{', '.join(EXCHANGE_PRECISIONS)}")
+        raise ExchangePrecisionError(f"exchange_precision={precision!r} is unknown: set exchange_precision "
+                                     f"to one of {', '.join(EXCHANGE_PRECISIONS)}.")
     if name == "fp8" and fp8_dtype() is None:
         raise ExchangePrecisionError(
-            f"exchange_precision=fp8 needs torch.{_FP8_NAME}, which torch {torch.__version__} lacks: "
-            "use exchange_precision=int8, or a torch of 2.1 or newer")
+            f"exchange_precision is fp8, which needs torch's {_FP8_NAME} and torch {torch.__version__} lacks "
+            "it: set exchange_precision to int8, or install a torch of 2.1 or newer.")
+    return name
+
+
+def check_device_support(precision: str, device) -> str:
+    """The checked precision, refused by name where `device` cannot make its payload (a tiny
+    cast on the device: fp8 needs the cast to float8_e4m3fn there)."""
+    name = check_precision(precision)
+    if name == "fp8":
+        try:
+            torch.ones(2, device=device).to(fp8_dtype()).float()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            raise ExchangePrecisionError(
+                f"exchange_precision is fp8, which {device} cannot make with this torch ({exc}): set "
+                "exchange_precision to int8.") from exc
     return name
 
 
@@ -72,7 +86,7 @@ def block_size(width: int, block: int = DEFAULT_BLOCK) -> int:
     if size < 1 or width % size:
         raise ExchangePrecisionError(
             f"a compressed exchange cuts the last dim ({width} values) into blocks of {size}: it "
-            "must divide it; use exchange_precision=exact for this model")
+            "must divide it: set exchange_precision to exact for this model.")
     return size
 
 
