@@ -36,12 +36,14 @@ _INT8_MAX = 127.0
 _FP8_NAME = "float8_e4m3fn"
 _FP8_MAX = 448.0  # E4M3's largest finite value
 
-# Documented bounds of the relative error (||out - exact|| / ||exact||, Frobenius) against
-# `exact`, measured by bench/bench_exchange_precision.py on H3's block dims with random
-# weights (block) and on the miniature H3's step; a test fails above them. Random weights
-# only: see the README for what real weights may do.
-BLOCK_REL_ERROR_BOUND = {"int8": 0.02, "fp8": 0.08}
-STEP_REL_ERROR_BOUND = {"int8": 0.02, "fp8": 0.08}
+# Documented bounds of the relative error (||out - exact|| / ||exact||, Frobenius) of the
+# output against the exact exchange at the same W. bench/bench_exchange_precision.py measured,
+# bf16, random weights: one block at H3's dims (5376, 56 x 128) int8 6.8e-4, fp8 1.2e-3; the
+# step of a 4-block miniature (8 x 128 heads) int8 1.8e-3, fp8 2.9e-3; the same at W = 2, 4
+# and 8 (every value is rounded once, whatever W). The bounds leave a margin of about 4x;
+# tests and the bench fail above them. Random weights only: see the README for real weights.
+BLOCK_REL_ERROR_BOUND = {"int8": 0.003, "fp8": 0.006}
+STEP_REL_ERROR_BOUND = {"int8": 0.008, "fp8": 0.015}
 
 
 class ExchangePrecisionError(ValueError):
