@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
+from comfy.multidevice.comm.compression import EXCHANGE_PRECISIONS
 from comfy.multidevice.roles.dit import DIT_RANKS, resolve_dit_ranks
 from comfy.multidevice.roles.memory_plan import AUTO_PLAN_TOKENS, LONGEST_WORKFLOW_TOKENS, MAX_PLAN_TOKENS
 from comfy.multidevice.roles.plan import plan_roles
@@ -93,6 +94,12 @@ NODE_SCHEMA = {
                     "Ulysses in groups where the heads do not divide; auto = "
                     "what doctor --deep measured here, else allgather at 2 cards, else ulysses "
                     "where it moves fewer bytes. Same result within the sequence-parallel tolerance."},
+        {"name": "exchange_precision", "type": "COMBO", "options": list(EXCHANGE_PRECISIONS), "default": "exact",
+         "optional": True, "advanced": True,
+         "tooltip": "What the DiT's cards send each other for attention: exact = the values as they are; "
+                    "int8 = 8-bit with a scale per 128 values (about half the bytes; the result is close "
+                    "to exact, not identical: see the README's bound); fp8 = 8-bit floats (where the "
+                    "cards and torch have them). Helps when the link between cards sets the pace."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",
@@ -119,7 +126,7 @@ def widget_defaults() -> list:
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                        device_kind="auto", devices="", inventory=None, dit_weights="auto",
                        plan_tokens=AUTO_PLAN_TOKENS, free_memory=None, dit_ranks="auto", prompt=None,
-                       tell=None, sp_mode="auto"):
+                       tell=None, sp_mode="auto", exchange_precision="exact"):
     """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
 
     Every check (card count, device kind, visible cards, backend name, the four inputs'
@@ -128,9 +135,11 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     name (tests). `prompt`: the workflow as ComfyUI queued it, read for its latents' sizes
     when plan_tokens is auto. `tell(text)`: shows a line on the node in the page. `sp_mode`: the
     DiT's attention exchange (comfy/multidevice/sp/mode_choice.py resolves auto).
+    `exchange_precision`: exact, int8 or fp8 for what that exchange sends (comm/compression.py).
     """
     from comfy.multidevice.comm.errors import BackendUnavailable
     from comfy.multidevice.cards import select_devices
+    from comfy.multidevice.comm.compression import check_device_support
     from comfy.multidevice.roles import apply as roles_apply
     from comfy.multidevice.roles.memory_plan import plan_memory
     from comfy.multidevice.roles.prompt_size import install_prompt_size_check, workflow_tokens
@@ -148,6 +157,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
         check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
     mode = dit_sp_mode(sp_mode, plan, selected, model, joining, backend)
+    check_device_support(exchange_precision, selected[0])  # refused by name before anything is made
     if type(plan_tokens) is int and plan_tokens == AUTO_PLAN_TOKENS:
         tokens, tokens_from = workflow_tokens(prompt), "the workflow's latents"
     else:  # a number is planned as given; anything else is refused by name in plan_memory
@@ -163,7 +173,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
         outputs = roles_apply.apply_role_plan(
             plan, selected, model, clip, video_vae, audio_vae,
             backend=None if backend == "default" else backend, dit_weights=memory.dit_weights,
-            dit_ranks=dit_ranks, tell=tell, sp_mode=mode)
+            dit_ranks=dit_ranks, tell=tell, sp_mode=mode, exchange_precision=exchange_precision)
     except BackendUnavailable as exc:  # a forced backend (the input or the variable) did not start
         from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env
         asked = f"backend is {backend}" if backend != "default" else \
@@ -317,7 +327,7 @@ def node_class():
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                     device_kind="auto", devices="", dit_weights="auto", plan_tokens=AUTO_PLAN_TOKENS,
-                    dit_ranks="auto", sp_mode="auto") -> io.NodeOutput:
+                    dit_ranks="auto", sp_mode="auto", exchange_precision="exact") -> io.NodeOutput:
             try:
                 # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
                 # None) is refused by name instead of being cast
@@ -325,7 +335,8 @@ def node_class():
                     model, clip, video_vae, audio_vae, npu_count=npu_count, backend=backend,
                     device_kind=device_kind, devices=devices, dit_weights=dit_weights,
                     plan_tokens=plan_tokens, dit_ranks=dit_ranks, prompt=_hidden(cls, "prompt"),
-                    tell=node_text(_hidden(cls, "unique_id")), sp_mode=sp_mode)
+                    tell=node_text(_hidden(cls, "unique_id")), sp_mode=sp_mode,
+                    exchange_precision=exchange_precision)
             except Exception as exc:
                 shown = shown_error(exc)
                 if shown is None:

@@ -19,6 +19,11 @@ TINY = MiniatureConfig(hidden_size=32, num_layers=3, token_refiner_num_layers=1,
                        attention_head_dim=16, ffn_hidden_size=48, text_dim=24, timestep_input_dim=16,
                        time_embed_hidden_size=32, time_embed_dim=16, rope_inv_freq_len=2)
 
+# 4 heads of 32: Ulysses is plain Ulysses at W = 2 and 4 (the compressed exchange's tests)
+FOUR_HEADS = MiniatureConfig(hidden_size=128, num_layers=2, token_refiner_num_layers=1, num_attention_heads=4,
+                             attention_head_dim=32, ffn_hidden_size=96, text_dim=24, timestep_input_dim=16,
+                             time_embed_hidden_size=32, time_embed_dim=16, rope_inv_freq_len=4)
+
 
 def tiny_model(dtype=torch.float32, seed=0):
     return build_miniature(TINY, seed=seed, dtype=dtype)

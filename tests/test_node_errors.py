@@ -103,6 +103,9 @@ CASES = {
     "dit_weights shard on one card": (
         dict(npu_count=1, device_kind="cpu", dit_weights="shard"), ("dit_weights is shard", "npu_count 1"),
         "set npu_count to 4 or 8"),
+    "exchange_precision unknown": (
+        dict(npu_count=4, device_kind="cpu", exchange_precision="int4"), ("exchange_precision='int4'",),
+        "set exchange_precision to one of exact, int8, fp8"),
     "dit_weights unknown": (
         dict(npu_count=4, device_kind="cpu", dit_weights="halves"), ("dit_weights='halves'",),
         "set dit_weights to one of"),
@@ -119,6 +122,13 @@ CASES = {
 def test_each_refusal_is_one_sentence_naming_the_input_and_the_fix(case, fake_patcher_extension):  # noqa: F811
     kwargs, names, fix = CASES[case]
     assert_user_facing(refusal(**kwargs), names, fix)
+
+
+def test_fp8_without_the_dtype_names_int8(fake_patcher_extension, monkeypatch):  # noqa: F811
+    from comfy.multidevice.comm import compression
+    monkeypatch.setattr(compression, "fp8_dtype", lambda: None)
+    assert_user_facing(refusal(npu_count=4, device_kind="cpu", exchange_precision="fp8"),
+                       ("exchange_precision is fp8",), "set exchange_precision to int8")
 
 
 def test_model_refusals_name_the_model_input(fake_patcher_extension):  # noqa: F811

@@ -49,7 +49,7 @@ def test_schema_inputs_outputs_types_defaults():
     ins = {s["name"]: s for s in NODE_SCHEMA["inputs"]}
     assert [s["name"] for s in NODE_SCHEMA["inputs"]] == [
         "model", "clip", "video_vae", "audio_vae", "npu_count", "backend", "device_kind", "devices",
-        "dit_weights", "plan_tokens", "dit_ranks", "sp_mode"]  # new widgets go last: saved workflows keep their positions
+        "dit_weights", "plan_tokens", "dit_ranks", "sp_mode", "exchange_precision"]  # new widgets go last: saved workflows keep their positions
     assert [(n, ins[n]["type"]) for n in ("model", "clip", "video_vae", "audio_vae")] == [
         ("model", "MODEL"), ("clip", "CLIP"), ("video_vae", "VAE"), ("audio_vae", "VAE")]
     assert ins["npu_count"] == {**ins["npu_count"], "type": "COMBO", "options": [1, 2, 4, 8], "default": 4}
@@ -66,11 +66,14 @@ def test_schema_inputs_outputs_types_defaults():
     assert ins["dit_ranks"]["optional"] and ins["dit_ranks"]["advanced"]
     assert ins["sp_mode"]["options"] == ["auto", "allgather", "ulysses", "hybrid"] and ins["sp_mode"]["default"] == "auto"
     assert ins["sp_mode"]["optional"] and ins["sp_mode"]["advanced"]
+    assert ins["exchange_precision"]["options"] == ["exact", "int8", "fp8"]
+    assert ins["exchange_precision"]["default"] == "exact"
+    assert ins["exchange_precision"]["optional"] and ins["exchange_precision"]["advanced"]
     assert [o["type"] for o in NODE_SCHEMA["outputs"]] == ["MODEL", "CLIP", "VAE", "VAE"]
     assert [o["name"] for o in NODE_SCHEMA["outputs"]] == ["model", "clip", "video_vae", "audio_vae"]
     assert all(o["tooltip"] for o in NODE_SCHEMA["outputs"])  # every output says what it carries
     assert {"multi gpu", "multi npu", "sequence parallel"} <= set(NODE_SCHEMA["search_aliases"])
-    assert widget_defaults() == [4, "default", "auto", "", "auto", 0, "auto", "auto"]  # plan_tokens 0: auto
+    assert widget_defaults() == [4, "default", "auto", "", "auto", 0, "auto", "auto", "exact"]  # plan_tokens 0: auto
     json.dumps(NODE_SCHEMA)  # plain data, readable by tools without ComfyUI
 
 
@@ -108,7 +111,8 @@ def test_v3_node_is_built_from_the_plain_schema(monkeypatch, with_advanced):
     assert seen["args"] == ("M", "C", "V", "A")
     assert seen["kwargs"] == {"npu_count": 2, "backend": "peer", "device_kind": "auto", "devices": "",
                               "dit_weights": "auto", "plan_tokens": 0, "dit_ranks": "auto",
-                              "prompt": None, "tell": seen["kwargs"]["tell"], "sp_mode": "auto"}
+                              "prompt": None, "tell": seen["kwargs"]["tell"], "sp_mode": "auto",
+                              "exchange_precision": "exact"}
     assert list(inspect.signature(node.execute).parameters)[:4] == ["model", "clip", "video_vae", "audio_vae"]
 
 
@@ -135,6 +139,8 @@ ERROR_CASES = {
     "bad kind": (with_inputs(device_kind="tpu"), DeviceSelectionError, "tpu"),
     "forced backend missing": (with_inputs(backend="nccl"), BackendUnavailable, "nccl"),
     "bad sp_mode": (with_inputs(sp_mode="ring"), ValueError, "sp_mode='ring' is unknown"),
+    "bad exchange_precision": (with_inputs(exchange_precision="int4"), ValueError,
+                               "exchange_precision='int4' is unknown"),
     "ulysses, heads not divisible": (with_inputs(sp_mode="ulysses"), ValueError,
                                      "3 heads over 4 ranks, and 3 does not divide by 4: set sp_mode to allgather"),
 }
@@ -271,6 +277,31 @@ def test_each_sp_mode_through_the_node_matches_one_card(npu_count, sp_mode, stra
     assert all(n >= 2 * blocks if strategy == "ulysses" else n < blocks for n in all_to_all), all_to_all
     name = "hybrid (2 groups of 4)" if npu_count == 8 and strategy == "ulysses" else strategy
     assert f"DiT sp_mode {name}: " in caplog.text
+
+
+@pytest.mark.parametrize("sp_mode", ["allgather", "ulysses"])
+def test_exchange_precision_int8_through_the_node_within_its_bound(sp_mode, fake_patcher_extension):
+    """The node's exchange_precision reaches every rank (a CompressedKV around the mode's
+    strategy): a 4-head DiT at 4 cards within the documented bound of one card, not equal to it."""
+    import dataclasses
+
+    from comfy.multidevice.comm.compression import STEP_REL_ERROR_BOUND
+    from comfy.multidevice.miniature.h3 import build_miniature
+    from comfy.multidevice.sp.strategies import CompressedKV
+    from tests.sp_cases import TINY
+    dit = build_miniature(dataclasses.replace(TINY, num_attention_heads=4), seed=3)
+    objs = inputs()
+    p_model = configure_parallel(FakeModelPatcher(dit), *objs[1:], npu_count=4, device_kind="cpu",
+                                 sp_mode=sp_mode, exchange_precision="int8")[0]
+    fan_out = p_model.wrappers["diffusion_model"]["minimax_h3_sequence_parallel"][0]
+    with torch.inference_mode():
+        x, t, ctx, kw = make_inputs("cond_refs", seed=1)
+        out, ref = run_dit(p_model, x, t, ctx, kw), dit(x, t, ctx, **kw)
+    used = [state.strategy for state in fan_out.runner.last_rank_states]
+    assert all(isinstance(s, CompressedKV) and s.name == sp_mode and s.precision == "int8" for s in used)
+    error = (sum(float((o - r).norm()) ** 2 for o, r in zip(out, ref)) /
+             sum(float(r.norm()) ** 2 for r in ref)) ** 0.5
+    assert 0 < error <= STEP_REL_ERROR_BOUND["int8"]
 
 
 def test_a_patch_added_after_the_node_reaches_every_rank(fake_patcher_extension):

@@ -18,6 +18,8 @@ from comfy.multidevice.cli import dry_run as minimax_h3_dry_run
 from comfy.multidevice.cli import dry_run_settings
 from comfy.multidevice.cli import report
 from comfy.multidevice.cli.report import REPORT_KEYS
+from comfy.multidevice.comm import compression
+from comfy.multidevice.comm.compression import STEP_REL_ERROR_BOUND
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_ARGS = ["--frames", "5", "--width", "64", "--height", "64", "--text-tokens", "9", "--hidden", "40",
@@ -140,6 +142,29 @@ def test_shard_dry_run_gives_the_replicate_latents_with_less_per_rank(tmp_path):
     assert all(s < f for s, f in zip(reports["shard"]["dit_weight_bytes_per_rank"], full))
     assert all(g > 0 for g in reports["shard"]["dit_gathered_bytes_per_step"])
     assert reports["replicate"]["dit_gathered_bytes_per_step"] == [0, 0, 0]
+
+
+@pytest.mark.timeout(120)
+def test_int8_exchange_dry_run_within_its_bound_with_fewer_bytes(tmp_path):
+    """--exchange-precision int8: parity within the documented bound (the default tolerance
+    becomes it), fewer bytes between the ranks than exact; fp8 without the dtype exits 2."""
+    reports = {}
+    for precision in ("exact", "int8"):
+        args = _parser().parse_args(TINY_ARGS + ["--devices", "2", "--cpu", "--exchange-precision", precision,
+                                                 "--cache", str(tmp_path / "c"), "--out", str(tmp_path / precision)])
+        out = io.StringIO()
+        assert minimax_h3_dry_run.run(args, out=out) == 0
+        reports[precision] = json.loads(out.getvalue().strip().splitlines()[-1])
+    int8 = reports["int8"]
+    assert int8["exchange_precision"] == "int8" and int8["parity"] == "ok"
+    assert int8["tolerance"] == STEP_REL_ERROR_BOUND["int8"] and int8["rel_diff"] > 0
+    assert int8["exchanged_bytes_per_step"] < reports["exact"]["exchanged_bytes_per_step"]
+
+
+def test_fp8_without_the_dtype_exits_2_naming_int8(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(compression, "fp8_dtype", lambda: None)
+    err = _exit_2_before_anything(tmp_path, capsys, ["--exchange-precision", "fp8"], "set exchange_precision to int8")
+    assert "--exchange-precision fp8" in err
 
 
 def _parser():

@@ -14,12 +14,14 @@ import time
 import pytest
 import torch
 
-from comfy.multidevice.miniature.h3 import save_miniature
+from comfy.multidevice.comm.compression import STEP_REL_ERROR_BOUND
+from comfy.multidevice.miniature.h3 import build_miniature, save_miniature
+from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.workers.door import RendezvousError
 from comfy.multidevice.workers.pool import enable_sequence_parallel_workers, WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
 from tests.helpers import free_port
-from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, run_sp, tiny_model
+from tests.sp_cases import FOUR_HEADS, FP32_TOL, make_inputs, rel_diff, run_sp, tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -412,3 +414,23 @@ def test_the_live_pool_is_closed_the_ordinary_way_at_exit(monkeypatch):
     assert closed == [1] and "pool" not in pool_module._live
     pool_module._close_at_exit()  # nothing left: nothing to do
     assert closed == [1]
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ulysses"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_int8_exchange_travels_to_the_workers_within_its_bound(tmp_path, world, mode):
+    """exchange_precision=int8 rides the build message (an SPMode record): the workers' output is
+    within the documented bound of the exact rank threads, and not equal to it (it was applied).
+    4 heads, so ulysses is plain Ulysses (all-to-alls of q, k, v and the output) at W = 2 and 4."""
+    model, path = build_miniature(FOUR_HEADS, seed=5), tmp_path / "four_heads.safetensors"
+    save_miniature(model, path)
+    x, t, ctx, kw = make_inputs("plain")
+    exact, _, _ = run_sp(model, world, "peer", "plain", sp_mode=mode)
+    dit = enable_sequence_parallel_workers(["cpu"] * world, recipe(path), SPMode(mode, exchange_precision="int8"))
+    try:
+        out = dit(x, t, ctx, **kw)
+    finally:
+        dit.close()
+    num = sum(float((o - e).norm()) ** 2 for o, e in zip(out, exact)) ** 0.5
+    error = num / sum(float(e.norm()) ** 2 for e in exact) ** 0.5
+    assert 0 < error <= STEP_REL_ERROR_BOUND["int8"], error

@@ -244,13 +244,15 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         backend = coord.backend_name
         say(f"[ranks] {world} x {settings.devices[0].split(':')[0]} ({', '.join(settings.devices)}), backend {backend}"
             + (f" (fallback: {coord.fallback_reason})" if coord.fallback_reason else "")
-            + f", sp mode {args.sp_mode}")
+            + f", sp mode {args.sp_mode}"
+            + ("" if args.exchange_precision == "exact" else f", {args.exchange_precision} exchange"))
         parts = ", ".join(f"{k} {n}" for k, n in latent_rows(settings).items())
         say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {tokens_per_rank}")
         # shard strips the ranks' copies: the reference gets its own (from the same base, no read)
         reference = (build_replicas(path, settings.devices[:1]).modules[0]
                      if args.dit_weights == "shard" else replicas[0])
-        sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap),
+        sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap,
+                                                                  exchange_precision=args.exchange_precision),
                                       dit_weights=args.dit_weights)
         exchanged = []
 
@@ -335,7 +337,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         "checkpoint": str(path), "checkpoint_reused": reused, "weights_source": built.source,
         "checkpoint_bytes_read": built.bytes_read,
         "out": str(args.out),
-        "sp_overlap": args.sp_overlap, "sp_mode_used": mode_used, "byte_counts": byte_counts,
+        "sp_overlap": args.sp_overlap, "sp_mode_used": mode_used, "exchange_precision": args.exchange_precision, "byte_counts": byte_counts,
         "model_bytes_per_step": model_bytes, "dit_weights": args.dit_weights,
         # DiT bytes each rank's module holds between blocks (on a card: resident there)
         "dit_weight_bytes_per_rank": dit_bytes, "dit_gathered_bytes_per_step": gathered,

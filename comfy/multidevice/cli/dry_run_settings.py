@@ -16,6 +16,7 @@ import torch
 
 from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names
 from comfy.multidevice.cli.options import finite_number, folder, folder_problem, integer, max_cpu_ranks
+from comfy.multidevice.comm.compression import EXACT, EXCHANGE_PRECISIONS, STEP_REL_ERROR_BOUND
 from comfy.multidevice.comm.settings import check_environment, user_cache_dir, VALID_BACKENDS
 from comfy.multidevice.devices import available_memory_bytes
 from comfy.multidevice.miniature.h3 import MiniatureConfig, MiniatureH3Model
@@ -61,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
     g.add_argument("--sp-overlap", type=integer, default=1, metavar="CHUNKS",
                    help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
                         "attention (default 1: no overlap)")
+    g.add_argument("--exchange-precision", choices=list(EXCHANGE_PRECISIONS), default=EXACT,
+                   help="what the ranks send each other for attention: exact, or int8 / fp8 with a "
+                        "scale per 128 values (about half the bytes of bf16; the result is close to "
+                        "exact, not identical; the default --tolerance becomes the documented bound) "
+                        "(default %(default)s)")
     g.add_argument("--dit-weights", choices=list(APPLIED_DIT_WEIGHT_MODES), default="replicate",
                    help="replicate = a full DiT on every rank; shard = each rank keeps 1/N of the "
                         "block weights and gathers a block just before it runs, the same result "
@@ -211,9 +217,10 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
         if getattr(args, name) < (1 if name == "text_tokens" else 0):
             raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
     try:
-        SPMode(args.sp_mode, overlap_chunks=args.sp_overlap)
+        SPMode(args.sp_mode, overlap_chunks=args.sp_overlap, exchange_precision=args.exchange_precision)
     except ValueError as exc:
-        raise DryRunError(f"--sp-mode {args.sp_mode} --sp-overlap {args.sp_overlap}: {exc}") from exc
+        raise DryRunError(f"--sp-mode {args.sp_mode} --sp-overlap {args.sp_overlap} --exchange-precision "
+                          f"{args.exchange_precision}: {exc}") from exc
     if args.tolerance is not None and not args.tolerance >= 0:
         raise DryRunError(f"--tolerance {args.tolerance}: must be >= 0")
     for name, least in (("hidden", 2), ("blocks", 1), ("heads", 1), ("head_dim", 8)):
@@ -235,6 +242,8 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
     devices = choose_devices(args.devices, args.cpu)
     dtype = getattr(torch, args.dtype)
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[args.dtype]
+    if args.tolerance is None and args.exchange_precision != EXACT:  # rounded on purpose: its bound
+        tolerance = max(tolerance, STEP_REL_ERROR_BOUND[args.exchange_precision])
     audio_t = math.ceil(args.frames / VIDEO_FPS * AUDIO_LATENT_HZ)
     settings = RunSettings(devices, (args.frames - 5) // 17 * 5 + 2, args.height // VAE_SPATIAL, args.width // VAE_SPATIAL,
                 audio_t, config, dtype, tolerance, args)

@@ -137,7 +137,8 @@ def _run(args, settings: RunSettings, comm: DistributedComm, local_rank: int, ou
     x, context, kwargs = [z.to(device) for z in x], context.to(device), copy_for_rank(kwargs, torch.device(device))
     sigmas = dry.sigma_schedule(args.steps, cfg.sigma_shift_video)
     shards = []
-    sp_mode = SPMode(args.sp_mode, getattr(args, "sp_overlap", 1))
+    sp_mode = SPMode(args.sp_mode, getattr(args, "sp_overlap", 1),
+                     exchange_precision=getattr(args, "exchange_precision", "exact"))
 
     def rank_forward(latents, timestep, text, **kw):
         options: dict = {}  # a fresh copy per forward, as the thread fan-out makes

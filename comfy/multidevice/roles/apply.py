@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
+from comfy.multidevice.comm.compression import check_precision, EXACT
 from comfy.multidevice.comm.group import lane_allowed, prefetch_lane, SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import backend_from_env, remote_ranks_from_env, rendezvous_from_env
 from comfy.multidevice.devices import resolve_device
@@ -41,6 +42,7 @@ from comfy.multidevice.roles.model_management import manage_decoder_copies, mana
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
 from comfy.multidevice.sp.fun_controlnet import unsupported_control_patches
 from comfy.multidevice.sp.minimax_h3 import CHECKED_UPSTREAM, contract_problems, OLD_COMFYUI_PROBLEM
+from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.tp.clip import (check_tensor_parallel_clip, language_model_of, language_model_patches,
                                        tensor_parallel_clip)
 from comfy.multidevice.tp.layers import QuantizedWeightsError, TensorParallelError
@@ -264,7 +266,7 @@ def chunked_video_vae(vae, devices, merge_device, coordinator):
 
 def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_vae, audio_vae,
                     backend: str | None = None, coordinator=None, dit_weights: str = "replicate",
-                    dit_ranks: str = "threads", tell=None, sp_mode=None):
+                    dit_ranks: str = "threads", tell=None, sp_mode=None, exchange_precision: str = "exact"):
     """Return (model, clip, video_vae, audio_vae) set up per `plan` on `devices`.
 
     devices[i] is plan card i. `backend` picks the collective backend (None: from the
@@ -276,8 +278,11 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     ranks of other servers COMFYUI_MULTI_DEVICE_REMOTE_RANKS counts. `tell(text)`: shows what
     the user should know beside the log (the node's text in ComfyUI's page). `sp_mode`: the DiT's
     attention exchange, a strategy name or a ModeChoice (sp/mode_choice.py; None: allgather).
+    `exchange_precision`: exact, or int8 / fp8 for what that exchange sends (comm/compression.py).
     """
     sp_mode = getattr(sp_mode, "mode", sp_mode) or "allgather"
+    if check_precision(exchange_precision) != EXACT:  # exact keeps the plain mode name
+        sp_mode = SPMode(sp_mode, exchange_precision=exchange_precision)
     if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
         raise RolePlanError(f"dit_weights={dit_weights!r}: apply_role_plan takes 'replicate' or 'shard'")
     if dit_ranks not in APPLIED_DIT_RANKS:

@@ -7,7 +7,9 @@
              the first call and logged once
 
 `SPMode` carries a mode with its options; `make_kv_strategy` turns a name or an SPMode into a
-strategy object with `attend(comm, attention_fn, q, k, v, heads, ...)`.
+strategy object with `attend(comm, attention_fn, q, k, v, heads, ...)`. An SPMode whose
+`exchange_precision` is not exact wraps that strategy in `CompressedKV`, which hands it a
+CompressedComm (comm/compressed_comm.py); the exact strategies never see one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from comfy.multidevice.comm.compressed_comm import CompressedComm
+from comfy.multidevice.comm.compression import check_precision, EXACT
 from comfy.multidevice.sp.attention_budget import attend_within_budget
 from comfy.multidevice.sp.cost_model import ulysses_degree
 from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
@@ -127,17 +131,42 @@ class AutoKV:
                                      shard_sizes=shard_sizes, **kwargs)
 
 
+class CompressedKV:
+    """Any K/V strategy with its exchanges coded at `precision` (int8 or fp8): what the strategy
+    moves (K, V for allgather; q, k, v and the output for ulysses) crosses as byte records."""
+
+    def __init__(self, strategy, precision: str):
+        self.strategy = strategy
+        self.precision = precision
+        self.name = strategy.name
+        self._comms: dict[int, CompressedComm] = {}  # id(comm) -> its wrapper, made once
+
+    def begin_forward(self) -> None:
+        self.strategy.begin_forward()
+
+    def end_forward(self) -> None:
+        self.strategy.end_forward()
+
+    def attend(self, comm, attention_fn, q, k, v, heads, *args, **kwargs):
+        wrapped = self._comms.get(id(comm))
+        if wrapped is None or wrapped.inner is not comm:
+            wrapped = self._comms[id(comm)] = CompressedComm(comm, self.precision)
+        return self.strategy.attend(wrapped, attention_fn, q, k, v, heads, *args, **kwargs)
+
+
 @dataclass(frozen=True)
 class SPMode:
     """A sequence-parallel mode with its options; pass it wherever an `sp_mode` string goes.
 
     mode: allgather | ulysses | auto; overlap_chunks: head chunks whose exchange overlaps the
-    attention (ulysses, 1 = off); degree: force the Ulysses group size (default: the hybrid rule).
+    attention (ulysses, 1 = off); degree: force the Ulysses group size (default: the hybrid rule);
+    exchange_precision: exact, int8 or fp8 (comm/compression.py; the attention's inputs rounded).
     """
 
     mode: str = "allgather"
     overlap_chunks: int = 1
     degree: int | None = None
+    exchange_precision: str = EXACT
 
     def __post_init__(self):
         if self.mode not in SP_MODES:
@@ -147,16 +176,22 @@ class SPMode:
             raise ValueError(f"overlap chunks must be >= 1 (1 = no overlap), got {self.overlap_chunks}")
         if self.overlap_chunks > 1 and self.mode == "allgather":
             raise ValueError("overlap applies to the ulysses exchange; use sp_mode ulysses or auto")
+        check_precision(self.exchange_precision)
 
     def make_kv_strategy(self):
         if self.mode == "ulysses":
-            return UlyssesKV(self.degree, self.overlap_chunks)
-        if self.mode == "auto":
-            return AutoKV(self.overlap_chunks)
-        return AllGatherKV()
+            strategy = UlyssesKV(self.degree, self.overlap_chunks)
+        elif self.mode == "auto":
+            strategy = AutoKV(self.overlap_chunks)
+        else:
+            strategy = AllGatherKV()
+        precision = check_precision(self.exchange_precision)
+        return strategy if precision == EXACT else CompressedKV(strategy, precision)
 
     def __str__(self):
-        return self.mode + (f" (overlap {self.overlap_chunks} chunks)" if self.overlap_chunks > 1 else "")
+        return (self.mode + (f" (overlap {self.overlap_chunks} chunks)" if self.overlap_chunks > 1 else "")
+                + ("" if check_precision(self.exchange_precision) == EXACT
+                   else f" ({self.exchange_precision} exchange)"))
 
 
 # The one registry of mode names: the CLI's choices, SPMode's check and make_kv_strategy use it.

@@ -20,6 +20,7 @@ import torch
 
 from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV, trusted_modules_from_env
 from comfy.multidevice.miniature.h3 import miniature_template
+from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.weights.block_shards import BlockShardPlan
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.replicas import RankReplica, RankReplicas
@@ -29,6 +30,7 @@ from comfy.multidevice.workers.wire import check_sendable, register_record, wire
 RECIPE_BUILDERS: dict[str, Callable] = {}  # "module:function" -> a function a worker may build with
 
 register_record(BlockShardPlan, "block_shard_plan")  # a sharded recipe's plan (plain data)
+register_record(SPMode, "sp_mode")  # the build message's mode with its options (exchange_precision)
 
 
 class RecipeError(ValueError):

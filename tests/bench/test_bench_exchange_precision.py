@@ -1,0 +1,32 @@
+"""bench/bench_exchange_precision.py runs end to end at its smallest (`--quick`): every figure
+present, int8's bytes at most 0.6 of exact, and each format's block and step error under the
+documented bound (comm/compression.py), yet above zero (the exchange was compressed)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from comfy.multidevice.comm.compression import BLOCK_REL_ERROR_BOUND, STEP_REL_ERROR_BOUND
+from tests.comfyui_server import REPO
+
+
+@pytest.mark.timeout(180)
+def test_bench_exchange_precision_quick_is_within_the_documented_bounds():
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_exchange_precision.py"), "--quick"],
+                         capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["int8_bytes_ratio"] <= 0.6
+    assert result["int8_bytes_ratio"] == pytest.approx((128 + 2) / 256, rel=0.01)
+    for precision in ("int8", "fp8"):
+        assert 0 < result[f"{precision}_block_rel_error"] <= BLOCK_REL_ERROR_BOUND[precision], result
+        assert 0 < result[f"{precision}_step_rel_error"] <= STEP_REL_ERROR_BOUND[precision], result
+        for world in (2, 4):
+            for mode in ("allgather", "ulysses"):
+                assert f"{mode}_w{world}" in result["block_rel_error"][precision]
+                assert f"{mode}_w{world}" in result["step_rel_error"][precision]
+    assert result["within_bounds"] is True
+    assert result["int8_processes_step_ratio"] > 0
+    assert set(result["processes_step"]["w2"]["step_s"]) == {"exact", "int8"}
