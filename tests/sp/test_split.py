@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
-from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel, strategy_for_split
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import SequenceParallelError, ShardPlan
-from comfy.multidevice.sp.split import parse_split, Split, SplitError, weights_from_times
+from comfy.multidevice.sp.split import parse_split, RowSplit, SplitError, strategy_for_split, weights_from_times
 from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
 from tests.sp_cases import CASES, FP32_TOL, make_inputs, rel_diff, replicas, run_sp
 
 
 def test_parse_split_even_auto_and_weights():
-    assert parse_split(None, 2) == parse_split("even", 2) == Split("even")
-    assert parse_split(" Auto ", 4) == Split("auto")
-    assert parse_split("3,1", 2) == Split("weights", (3.0, 1.0))
+    assert parse_split(None, 2) == parse_split("even", 2) == RowSplit("even")
+    assert parse_split(" Auto ", 4) == RowSplit("auto")
+    assert parse_split("3,1", 2) == RowSplit("weights", (3.0, 1.0))
     assert parse_split("3,1", 2).uneven and parse_split("auto", 2).uneven
     assert not parse_split("2,2", 2).uneven and not parse_split("even", 2).uneven
     assert parse_split("3,1", 2).describe() == "split 3,1"
@@ -72,16 +72,16 @@ def test_uneven_weights_match_one_device(model32, references, world):
 @pytest.mark.timeout(120)
 def test_auto_probes_once_logs_each_rank_and_matches_one_device(model32, references, caplog, monkeypatch):
     # rank 1 is made 3x slower in the probe only: it must get the smallest share
-    from comfy.multidevice.sp import minimax_h3
+    from comfy.multidevice.sp import split as split_module
     calls = []
-    real = minimax_h3.weights_from_times
+    real = split_module.weights_from_times
 
     def slowed(seconds, caps=None):
         calls.append(list(seconds))
         return real([s * (3 if r == 1 else 1) for r, s in enumerate(seconds)], caps)
-    monkeypatch.setattr(minimax_h3, "weights_from_times", slowed)
+    monkeypatch.setattr(split_module, "weights_from_times", slowed)
     x, t, ctx, kw = make_inputs("plain")
-    with caplog.at_level(logging.INFO, logger="comfy.multidevice.sp.minimax_h3"), \
+    with caplog.at_level(logging.INFO, logger="comfy.multidevice.sp"), \
             SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=30) as coord:
         sp = enable_sequence_parallel(replicas(model32, 3), coord, sp_mode="auto", split="auto")
         with torch.inference_mode():

@@ -264,7 +264,7 @@ def chunked_video_vae(vae, devices, merge_device, coordinator):
 
 def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_vae, audio_vae,
                     backend: str | None = None, coordinator=None, dit_weights: str = "replicate",
-                    dit_ranks: str = "threads", tell=None, sp_mode=None):
+                    dit_ranks: str = "threads", tell=None, sp_mode=None, split=None):
     """Return (model, clip, video_vae, audio_vae) set up per `plan` on `devices`.
 
     devices[i] is plan card i. `backend` picks the collective backend (None: from the
@@ -276,6 +276,7 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     ranks of other servers COMFYUI_MULTI_DEVICE_REMOTE_RANKS counts. `tell(text)`: shows what
     the user should know beside the log (the node's text in ComfyUI's page). `sp_mode`: the DiT's
     attention exchange, a strategy name or a ModeChoice (sp/mode_choice.py; None: allgather).
+    `split`: how the DiT's rows are shared over its ranks (a RowSplit of sp/split.py; None: even).
     """
     sp_mode = getattr(sp_mode, "mode", sp_mode) or "allgather"
     if dit_weights not in APPLIED_DIT_WEIGHT_MODES:
@@ -312,11 +313,11 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
 
     if plan.dit.mode == SEQUENCE_PARALLEL and dit_ranks == "processes":
         out_model = workers_dit(model, cards(plan.dit), remote_ranks, rendezvous_from_env(), dit_weights,
-                                sp_mode=sp_mode)
+                                sp_mode=sp_mode, split=split)
     elif plan.dit.mode == SEQUENCE_PARALLEL:
         lane = shared_prefetch_lane(coordinator) if dit_weights == "shard" else None
         out_model = sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane,
-                                          sp_mode=sp_mode)
+                                          sp_mode=sp_mode, split=split)
     else:
         out_model = place_dit(model, cards(plan.dit)[0])
 

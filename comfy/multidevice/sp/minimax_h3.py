@@ -33,22 +33,21 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import time
 from typing import Any, Callable, Sequence
 
 import torch
 
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.comm.group import prefetch_lane
-from comfy.multidevice.devices import module_device, synchronize
+from comfy.multidevice.devices import module_device
 from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import RankThreads, SequenceParallelFanOut
 from comfy.multidevice.sp.fun_controlnet import (described_fun_controls, RankFunControl,
                                                  unsupported_control_patches)
 from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, ShardPlan,
                                        slice_mod_segments, take_rows)
-from comfy.multidevice.sp.split import EVEN, parse_split, Split, weights_from_times
-from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
+from comfy.multidevice.sp.split import EVEN, measured_weights, parse_split, RowSplit, strategy_for_split
+from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES, ShardedBlockWeights
 
 log = logging.getLogger(__name__)
@@ -133,7 +132,7 @@ class H3RankSetup:
     """
 
     def __init__(self, comm, sp_mode=None, block_weights=None,
-                 before_block: Callable[[int], None] | None = None, split: Split | None = None):
+                 before_block: Callable[[int], None] | None = None, split: RowSplit | None = None):
         """`before_block(i)`: called on this rank as block i starts (e.g. a Cancel check that every
         rank makes at the same block, so they stop in step). `split`: how the rows are shared
         (sp/split.py; None: even)."""
@@ -265,31 +264,15 @@ class H3RankSetup:
         return {**out, "img": h}
 
     def _measured_weights(self, args, extra, h) -> tuple[float, ...]:
-        """split auto: every rank times block 0's forward on the same rows (the even share, its own
-        attention: nothing exchanged), the times are shared (all-reduce) and each rank's weight
-        follows its speed, capped by its memory; every rank computes the same weights."""
-        comm = self.comm
-        probe = ShardPlan(h.shape[0], comm.world_size, 0)
+        """split auto: block 0's forward on the same rows on every rank (the even share, with its
+        own attention: nothing exchanged), timed and shared by sp/split.py's `measured_weights`."""
+        probe = ShardPlan(h.shape[0], self.comm.world_size, 0)
         local = dict(args)
         local["img"] = take_rows(h, probe).clone()
         local["rope_freqs"] = take_rows(args["rope_freqs"], probe, ROPE_SEQ_DIM)
         local["mod_segments"] = slice_mod_segments(args["mod_segments"], probe)
         local["attention"] = self.model.blocks[0].attn  # H3 contract: called like the override
-        seconds = []
-        for _ in range(2):  # the first run warms up (allocations, kernels), the faster counts
-            synchronize(comm.device)
-            began = time.perf_counter()
-            extra["original_block"](local)
-            synchronize(comm.device)
-            seconds.append(time.perf_counter() - began)
-        times = torch.zeros(comm.world_size, dtype=torch.float32, device=comm.device)
-        times[comm.rank] = min(seconds)
-        times = comm.all_reduce(times, "sum").cpu().tolist()
-        weights, reasons = weights_from_times(times, self.split.caps)
-        if comm.rank == 0:
-            for r, (w, why) in enumerate(zip(weights, reasons)):
-                log.info("split auto: rank %d takes %.1f%% of the rows: %s", r, 100 * w / sum(weights), why)
-        return weights
+        return measured_weights(self.comm, lambda: extra["original_block"](local), self.split.caps)
 
     def _attention(self, attn):
         # H3 contract: the block's attention module is model.blocks[i].attn; it projects,
@@ -308,26 +291,9 @@ class H3RankSetup:
         return exchanging_attention
 
 
-def strategy_for_split(strategy, split: Split, rank: int = 0):
-    """The K/V strategy that runs with `split`: Ulysses keeps the heads even and needs even rows,
-    so an uneven split is refused with it (naming the fix) and `auto` becomes the all-gather."""
-    if not split.uneven:
-        return strategy
-    name = getattr(strategy, "name", None)
-    if name == "ulysses":
-        raise SequenceParallelError(
-            f"{split.describe()} gives the ranks different rows, but sp_mode ulysses (or hybrid) needs the "
-            "even split: set sp_mode to allgather or auto, or split to even")
-    if name == "auto":
-        if rank == 0:
-            log.info("sp_mode auto: allgather, since %s may give the ranks different rows", split.describe())
-        return AllGatherKV()
-    return strategy
-
-
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
                                    sp_mode=None, setup: H3RankSetup | None = None,
-                                   block_weights=None, split: Split | None = None) -> H3RankSetup:
+                                   block_weights=None, split: RowSplit | None = None) -> H3RankSetup:
     """Set up one rank for one forward: exchanging attention + block replacements.
 
     Edits `transformer_options` (the rank's own copy) and returns the rank's set-up. Pass
@@ -346,7 +312,7 @@ def install_rank_sequence_parallel(model, comm, transformer_options: dict,
 class _RankSetups:
     """The `prepare_rank` of a fan-out: each rank's H3RankSetup, made on its first forward."""
 
-    def __init__(self, sp_mode, block_weights=None, split: Split | None = None):
+    def __init__(self, sp_mode, block_weights=None, split: RowSplit | None = None):
         self.sp_mode = sp_mode
         self.split = split
         self.block_weights = block_weights  # ShardedBlockWeights of all ranks, or None
@@ -459,7 +425,7 @@ def enable_sequence_parallel(models: Sequence[torch.nn.Module], coordinator,
     Returns a callable with the DiT's forward signature
     `(x=[video, audio], timestep, context, transformer_options=None, **kwargs)` whose result is
     rank 0's output, equal to the single-device forward. `split`: how the rows are shared, a
-    `Split` or the node's text ("even", "auto", "3,1"; sp/split.py); None: even.
+    `RowSplit` or the node's text ("even", "auto", "3,1"; sp/split.py); None: even.
     """
     return SequenceParallelDiT(models, coordinator, sp_mode, dit_weights, prefetch, split)
 
@@ -480,7 +446,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     SequenceParallelError before changing the patcher when the mode, the replica count or the
     model is wrong. `block_weights`: for dit_weights="shard", a callable returning the
     ShardedBlockWeights of the replicas' current load (roles/dit_shards.py). `split`: how the
-    rows are shared (a `Split` or the node's text; None: even).
+    rows are shared (a `RowSplit` or the node's text; None: even).
     """
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 

@@ -8,16 +8,26 @@
 
 The all-gather is exact for any split (all-gather-V), so every split gives the one-card result.
 Ulysses splits the heads, which stay even; an uneven split therefore runs the all-gather
-(mode_choice.py refuses ulysses / hybrid with it, and `auto` picks the all-gather).
+(`strategy_for_split`; mode_choice.py refuses ulysses / hybrid with it, and `auto` picks the
+all-gather). `measured_weights` times a rank's probe and shares the times; `weights_from_times`
+turns them into weights.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from comfy.multidevice.sp.plan import check_weights, is_even
+import torch
+
+from comfy.multidevice.devices import synchronize
+from comfy.multidevice.sp.plan import check_weights, is_even, SequenceParallelError
+from comfy.multidevice.sp.strategies import AllGatherKV
+
+log = logging.getLogger(__name__)
 
 SPLIT_CHOICES = ("even", "auto")  # besides explicit weights such as "3,1"
 
@@ -27,7 +37,7 @@ class SplitError(ValueError):
 
 
 @dataclass(frozen=True)
-class Split:
+class RowSplit:
     """kind: even | auto | weights; `weights` for kind weights; `caps` for auto: per rank, the
     largest fraction of the rows its free memory holds (None: no cap known)."""
 
@@ -46,16 +56,16 @@ class Split:
         return f"split {self.kind}"
 
 
-EVEN = Split()
+EVEN = RowSplit()
 
 
-def parse_split(text, world: int) -> Split:
+def parse_split(text, world: int) -> RowSplit:
     """The node's `split` text ("even", "auto" or weights like "3,1", one per rank) for `world` ranks."""
-    if isinstance(text, Split):
+    if isinstance(text, RowSplit):
         return text
     value = (text or "even").strip().lower()
     if value in SPLIT_CHOICES:
-        return Split(value)
+        return RowSplit(value)
     try:
         numbers = [float(part) for part in value.replace(";", ",").split(",")]
     except ValueError:
@@ -64,7 +74,7 @@ def parse_split(text, world: int) -> Split:
         example = ",".join(["2"] + ["1"] * (world - 1)) if world > 1 else "1"
         raise SplitError(f"split={text!r} does not give {world} card(s) their shares: set split to even, auto, "
                          f"or one positive number per card in the order of the cards (e.g. {example}).")
-    return Split("weights", tuple(numbers))
+    return RowSplit("weights", tuple(numbers))
 
 
 def weights_from_times(seconds: Sequence[float], caps: Sequence[float] | None = None
@@ -97,3 +107,41 @@ def weights_from_times(seconds: Sequence[float], caps: Sequence[float] | None = 
                + (f", capped by its free memory at {caps[r]:.3f} of the rows" if r in capped else "")
                for r, s in enumerate(seconds)]
     return weights, reasons
+
+
+def measured_weights(comm, run_block: Callable[[], Any], caps: Sequence[float] | None = None) -> tuple[float, ...]:
+    """split auto on one rank: time `run_block` (one block's forward on the same rows on every
+    rank), share the times (an all-reduce: every rank then computes the same weights) and
+    return the weights; rank 0 logs each rank's share with its reason."""
+    seconds = []
+    for _ in range(2):  # the first run warms up (allocations, kernels), the faster counts
+        synchronize(comm.device)
+        began = time.perf_counter()
+        run_block()
+        synchronize(comm.device)
+        seconds.append(time.perf_counter() - began)
+    times = torch.zeros(comm.world_size, dtype=torch.float32, device=comm.device)
+    times[comm.rank] = min(seconds)
+    times = comm.all_reduce(times, "sum").cpu().tolist()
+    weights, reasons = weights_from_times(times, caps)
+    if comm.rank == 0:
+        for r, (w, why) in enumerate(zip(weights, reasons)):
+            log.info("split auto: rank %d takes %.1f%% of the rows: %s", r, 100 * w / sum(weights), why)
+    return weights
+
+
+def strategy_for_split(strategy, split: RowSplit, rank: int = 0):
+    """The K/V strategy that runs with `split`: Ulysses keeps the heads even and needs even rows,
+    so an uneven split is refused with it (naming the fix) and `auto` becomes the all-gather."""
+    if not split.uneven:
+        return strategy
+    name = getattr(strategy, "name", None)
+    if name == "ulysses":
+        raise SequenceParallelError(
+            f"{split.describe()} gives the ranks different rows, but sp_mode ulysses (or hybrid) needs the "
+            "even split: set sp_mode to allgather or auto, or split to even")
+    if name == "auto":
+        if rank == 0:
+            log.info("sp_mode auto: allgather, since %s may give the ranks different rows", split.describe())
+        return AllGatherKV()
+    return strategy

@@ -43,7 +43,7 @@ from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.progress import executing_node_text
 from comfy.multidevice.sp.fan_out import transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup, strategy_for_split
-from comfy.multidevice.sp.split import EVEN, parse_split, Split
+from comfy.multidevice.sp.split import EVEN, parse_split, RowSplit
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.admission import SECRET_FILE_ENV
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD
@@ -106,7 +106,7 @@ class WorkerPool:
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
                  timeout_s: float | None = None, rank0_model: torch.nn.Module | None = None,
                  remote: int = 0, address: str = "127.0.0.1", port: int = 0, rank0_weights=None,
-                 dit_file: "DitFile | None" = None, split: Split | None = None):
+                 dit_file: "DitFile | None" = None, split: RowSplit | None = None):
         """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's),
         with `rank0_weights`, its block-weights handle when it is rank 0's shard of a sharded
         recipe (weights/shard_layout.py); else rank 0 builds it from the recipe too.
@@ -460,7 +460,7 @@ class WorkersDiT:
     again after one that lost a rank."""
 
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
-                 timeout_s: float | None = None, split: Split | None = None):
+                 timeout_s: float | None = None, split: RowSplit | None = None):
         self.pool = WorkerPool(devices, recipe, sp_mode, timeout_s, split=split)  # checks the arguments now
         self._started = False
 
@@ -494,5 +494,5 @@ def enable_sequence_parallel_workers(devices: Sequence, recipe: ModelRecipe, sp_
     """Plain-module entry point with ranks as processes: rank 0 here on devices[0], one worker
     process per other device, each with the DiT `recipe` builds on its device. Returns a
     callable with the DiT's forward signature whose result equals the single-device forward.
-    `split`: how the rows are shared, a `Split` or the node's text (sp/split.py); None: even."""
+    `split`: how the rows are shared, a `RowSplit` or the node's text (sp/split.py); None: even."""
     return WorkersDiT(devices, recipe, sp_mode, timeout_s, parse_split(split, len(devices)))

@@ -22,7 +22,7 @@ from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut, transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.plan import SequenceParallelError
-from comfy.multidevice.sp.split import Split
+from comfy.multidevice.sp.split import RowSplit
 from comfy.multidevice.workers.admission import cluster_secret, SECRET_FILE_ENV
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
 from comfy.multidevice.workers.dit_file import DitFile
@@ -160,7 +160,7 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
                        timeout_s: float | None = None, prelude: Sequence[tuple[str, str]] = (),
                        remote: int = 0, address: str = "127.0.0.1", port: int = 0,
                        recipe: ModelRecipe | None = None, rank0_weights=None,
-                       split: Split | None = None) -> SequenceParallelFanOut:
+                       split: RowSplit | None = None) -> SequenceParallelFanOut:
     """ComfyUI entry point, ranks as processes: `model_patcher`'s DiT forward runs on rank 0
     (this process, devices[0]), on one worker process per other device, and on `remote` ranks
     of other servers (their join command logged here; `address`:`port` the rendezvous), each

@@ -20,7 +20,7 @@ import torch
 
 from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV, trusted_modules_from_env
 from comfy.multidevice.miniature.h3 import miniature_template
-from comfy.multidevice.sp.split import Split
+from comfy.multidevice.sp.split import RowSplit
 from comfy.multidevice.weights.block_shards import BlockShardPlan
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.replicas import RankReplica, RankReplicas
@@ -30,7 +30,7 @@ from comfy.multidevice.workers.wire import check_sendable, register_record, wire
 RECIPE_BUILDERS: dict[str, Callable] = {}  # "module:function" -> a function a worker may build with
 
 register_record(BlockShardPlan, "block_shard_plan")  # a sharded recipe's plan (plain data)
-register_record(Split, "sp_split")  # how the rows are shared, in the build message (plain data)
+register_record(RowSplit, "sp_split")  # how the rows are shared, in the build message (plain data)
 
 
 class RecipeError(ValueError):
