@@ -68,6 +68,7 @@ FALLBACK_NODE_SCHEMA = {
          "optional": True},
         {"name": "sp_mode", "type": "COMBO", "options": ["auto", "allgather", "ulysses", "hybrid"], "default": "auto",
          "optional": True},
+        {"name": "split", "type": "STRING", "default": "even", "optional": True},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL"},
