@@ -248,18 +248,24 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
     seq = sequence_length(settings)
     if seq < len(devices):
         raise DryRunError(f"{seq} tokens cannot be split over {len(devices)} ranks; use --devices {seq} or fewer")
-    text = getattr(args, "split", "even")
-    try:
-        settings.split = parse_split(text, len(devices))
-        strategy_for_split(SPMode(args.sp_mode, overlap_chunks=args.sp_overlap).make_kv_strategy(), settings.split, 1)
-    except (ValueError, SequenceParallelError) as exc:
-        raise DryRunError(f"--split {text}: {exc}") from exc
+    settings.split = checked_split(args, len(devices))
     if args.sp_overlap > args.heads:
         raise DryRunError(f"--sp-overlap {args.sp_overlap}: more chunks than the {args.heads} heads; "
                           f"use --sp-overlap {args.heads} or fewer")
     _check_memory(settings)
     _check_folders(args)
     return settings
+
+
+def checked_split(args: argparse.Namespace, world: int) -> RowSplit:
+    """--split for `world` ranks, with --sp-mode (Ulysses needs even rows); DryRunError naming the fix."""
+    text = getattr(args, "split", "even")
+    try:
+        split = parse_split(text, world)
+        strategy_for_split(SPMode(args.sp_mode, overlap_chunks=args.sp_overlap).make_kv_strategy(), split, 1)
+    except (ValueError, SequenceParallelError) as exc:
+        raise DryRunError(f"--split {text}: {exc}") from exc
+    return split
 
 
 def latent_rows(settings: RunSettings) -> dict[str, int]:
