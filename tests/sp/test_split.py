@@ -93,3 +93,24 @@ def test_auto_probes_once_logs_each_rank_and_matches_one_device(model32, referen
     assert rows[1] == min(rows) and sum(rows) == 35
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("split auto: rank")]
     assert len(lines) == 3 and "of the fastest's speed" in lines[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("split", ["auto", "1,3,2"])
+def test_sharded_block_weights_with_an_uneven_split_match_one_device(model32, references, split):
+    """dit_weights=shard: auto's probe runs block 0 with its gathered weights (bound once for the
+    probe and the block), and the split's rows run on the owners' bytes."""
+    x, t, ctx, kw = make_inputs("masked")
+    with SequenceParallelCoordinator(["cpu"] * 3, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, 3), coord, sp_mode="allgather", dit_weights="shard",
+                                      split=split)
+        try:
+            with torch.inference_mode():
+                for _ in range(2):
+                    assert rel_diff(sp(x, t, ctx, **kw), references["masked"]) <= FP32_TOL
+        finally:
+            sp.close()
+    rows = sp.tokens_per_rank()
+    assert min(rows) >= 1
+    if split != "auto":
+        assert rows == [b - a for a, b in ShardPlan.edges(sum(rows), 3, (1, 3, 2))]

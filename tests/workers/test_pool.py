@@ -68,12 +68,15 @@ def test_workers_match_one_device_and_the_rank_threads(checkpoint, world):
         dit.close()
 
 
-@pytest.mark.parametrize("world, split", [(2, "3,1"), (3, "auto"), (3, "1,4.5,2")])
-def test_workers_with_an_uneven_split_match_one_device(checkpoint, world, split):
+@pytest.mark.parametrize("world, split, sharded", [(2, "3,1", False), (3, "auto", False), (3, "1,4.5,2", False),
+                                                  (2, "auto", True)])
+def test_workers_with_an_uneven_split_match_one_device(checkpoint, world, split, sharded):
     """Mixed cards: the split travels in the build message (a wire record, not a pickle) and
-    every rank cuts the same uneven rows; exact against one device like the even split."""
+    every rank cuts the same uneven rows; exact against one device like the even split (with
+    sharded block weights too: auto's probe runs block 0 on its gathered weights)."""
     model, path = checkpoint
-    dit = enable_sequence_parallel_workers(["cpu"] * world, recipe(path), sp_mode="auto", split=split)
+    made = sharded_recipe(path) if sharded else recipe(path)
+    dit = enable_sequence_parallel_workers(["cpu"] * world, made, sp_mode="auto", split=split)
     try:
         for case in ("plain", "masked"):
             x, t, ctx, kw = make_inputs(case)
