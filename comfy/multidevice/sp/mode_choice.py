@@ -7,7 +7,8 @@ The node offers four choices; each becomes one of the two exchanges of strategie
   hybrid     Ulysses inside groups of U ranks (U: the largest divisor of W and the heads),
              K/V gathered across the groups; plain Ulysses when U = W
   auto       `choose_sp_mode`'s rule, first match:
-    1. one rank: allgather (nothing is exchanged);
+    1. one rank: allgather (nothing is exchanged); an uneven split (`uneven_rows`, sp/split.py):
+       allgather, since Ulysses needs even rows (ulysses / hybrid asked with one are refused);
     2. no group size above one divides both W and the heads: allgather (the hybrid would move
        the all-gather's bytes, in two rounds instead of one);
     3. this machine measured both exchanges at this W on these cards (`doctor --deep` keeps it in
