@@ -114,3 +114,9 @@ def test_sharded_block_weights_with_an_uneven_split_match_one_device(model32, re
     assert min(rows) >= 1
     if split != "auto":
         assert rows == [b - a for a, b in ShardPlan.edges(sum(rows), 3, (1, 3, 2))]
+
+
+def test_a_row_split_record_checks_itself():
+    for kind, weights in (("halves", None), ("weights", None), ("even", (1.0, 1.0)), ("weights", (1.0, -1.0))):
+        with pytest.raises(ValueError):
+            RowSplit(kind, weights)

@@ -45,6 +45,13 @@ class RowSplit:
     weights: tuple[float, ...] | None = None
     caps: tuple[float, ...] | None = None
 
+    def __post_init__(self):  # also what a worker checks of the record it receives
+        if self.kind not in (*SPLIT_CHOICES, "weights") or (self.kind == "weights") != (self.weights is not None):
+            raise SplitError(f"a row split of kind {self.kind!r} with weights {self.weights!r}: the kind is even, "
+                             "auto, or weights with one positive number per rank")
+        if self.weights is not None:
+            check_weights(self.weights, len(self.weights))
+
     @property
     def uneven(self) -> bool:
         """Whether the ranks may get different rows (auto may: it is decided at the first step)."""
