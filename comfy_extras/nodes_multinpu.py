@@ -100,6 +100,12 @@ NODE_SCHEMA = {
                     "int8 = 8-bit with a scale per 128 values (about half the bytes; the result is close "
                     "to exact, not identical: see the README's bound); fp8 = 8-bit floats (where the "
                     "cards and torch have them). Helps when the link between cards sets the pace."},
+        {"name": "split", "type": "STRING", "default": "even", "optional": True, "advanced": True,
+         "tooltip": "How the DiT's rows are shared over its cards (mixed cards): even = the same on every card; "
+                    "auto = each card times one block at the first step and takes rows in proportion to its "
+                    "speed, within what its free memory holds; or one weight per card in the order of the "
+                    "cards, e.g. 3,1. Exact for any split; an uneven split runs the all-gather (sp_mode "
+                    "ulysses / hybrid are refused with it)."},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL",
@@ -126,7 +132,7 @@ def widget_defaults() -> list:
 def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                        device_kind="auto", devices="", inventory=None, dit_weights="auto",
                        plan_tokens=AUTO_PLAN_TOKENS, free_memory=None, dit_ranks="auto", prompt=None,
-                       tell=None, sp_mode="auto", exchange_precision="exact"):
+                       tell=None, sp_mode="auto", exchange_precision="exact", split="even"):
     """Validate, plan, apply. Returns (model, clip, video_vae, audio_vae), all new objects.
 
     Every check (card count, device kind, visible cards, backend name, the four inputs'
@@ -136,6 +142,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     when plan_tokens is auto. `tell(text)`: shows a line on the node in the page. `sp_mode`: the
     DiT's attention exchange (comfy/multidevice/sp/mode_choice.py resolves auto).
     `exchange_precision`: exact, int8 or fp8 for what that exchange sends (comm/compression.py).
+    `split`: how the DiT's rows are shared over its cards (comfy/multidevice/sp/split.py).
     """
     from comfy.multidevice.comm.errors import BackendUnavailable
     from comfy.multidevice.cards import select_devices
@@ -156,7 +163,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     if any(len(role.cards) > 1 for role in plan.roles()):  # rank threads and a backend will start
         check_multi_device_environment(backend)
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
-    mode = dit_sp_mode(sp_mode, plan, selected, model, joining, backend)
+    rows = dit_split(split, plan, joining)
+    mode = dit_sp_mode(sp_mode, plan, selected, model, joining, backend, rows)
     check_device_support(exchange_precision, selected[0])  # refused by name before anything is made
     if type(plan_tokens) is int and plan_tokens == AUTO_PLAN_TOKENS:
         tokens, tokens_from = workflow_tokens(prompt), "the workflow's latents"
@@ -165,15 +173,17 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     memory = plan_memory(plan, selected, model, clip, video_vae, audio_vae, dit_weights=dit_weights,
                          tokens=tokens, free=free_memory, remote_ranks=joining,
                          backend=None if backend == "default" else backend, dit_ranks=dit_ranks,
-                         tokens_from=tokens_from, sp_mode=mode)
+                         tokens_from=tokens_from, sp_mode=mode,
+                         split_weights=rows.weights if rows.kind == "weights" else None)
     log.info("%s: %d card(s) %s; %s\n%s", NODE_ID, npu_count, ", ".join(map(str, selected)),
              plan.describe() + (f"; DiT {mode.describe()}" if mode.world > 1 else ""), memory.table())
     memory.check()
+    rows = logged_split(rows, memory, selected, joining)
     try:
         outputs = roles_apply.apply_role_plan(
             plan, selected, model, clip, video_vae, audio_vae,
             backend=None if backend == "default" else backend, dit_weights=memory.dit_weights,
-            dit_ranks=dit_ranks, tell=tell, sp_mode=mode, exchange_precision=exchange_precision)
+            dit_ranks=dit_ranks, tell=tell, sp_mode=mode, exchange_precision=exchange_precision, split=rows)
     except BackendUnavailable as exc:  # a forced backend (the input or the variable) did not start
         from comfy.multidevice.comm.settings import BACKEND_ENV, backend_from_env
         asked = f"backend is {backend}" if backend != "default" else \
@@ -187,22 +197,56 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     return outputs
 
 
-def dit_sp_mode(sp_mode, plan, selected, model, joining: int, backend: str = "default"):
+def dit_world(plan, joining: int) -> int:
+    """The DiT's ranks: its cards here plus other servers' ranks (1: the DiT on one card)."""
+    from comfy.multidevice.roles.plan import SEQUENCE_PARALLEL
+    return len(plan.dit.cards) + joining if plan.dit.mode == SEQUENCE_PARALLEL else 1
+
+
+def dit_split(split, plan, joining: int):
+    """The node's split for the DiT's ranks (sp/split.py), refused by name before anything is made;
+    even when the DiT runs on one card."""
+    from comfy.multidevice.sp.split import EVEN, parse_split
+    world = dit_world(plan, joining)
+    return EVEN if world <= 1 else parse_split(split, world)
+
+
+def logged_split(rows, memory, selected, joining: int):
+    """The split as it runs: auto with each card's memory cap from the plan; each card's share logged."""
+    from comfy.multidevice.sp.split import RowSplit
+    if rows.kind == "even":
+        return rows
+    cards = [str(d) for d in selected[:memory.dit_world - joining]] + [f"remote rank {r}" for r in range(joining)]
+    if rows.kind == "auto":
+        rows = RowSplit("auto", caps=memory.split_caps())
+        caps = rows.caps or [1.0] * len(cards)
+        for card, cap in zip(cards, caps):
+            log.info("%s: split auto: %s's rows follow its speed, timed at the first step, capped at %.1f%% by its "
+                     "free memory", NODE_ID, card, 100 * cap)
+        return rows
+    total = sum(rows.weights)
+    for card, weight in zip(cards, rows.weights):
+        log.info("%s: %s: %s takes %.1f%% of the rows (asked)", NODE_ID, rows.describe(), card, 100 * weight / total)
+    return rows
+
+
+def dit_sp_mode(sp_mode, plan, selected, model, joining: int, backend: str = "default", split=None):
     """The node's sp_mode resolved for the DiT's ranks (sp/mode_choice.py), refused by name before
     anything is made: W counts other servers' ranks, the heads come from the DiT's first block; a
-    measurement counts when it was taken with the backend the node names (any, for default/auto)."""
+    measurement counts when it was taken with the backend the node names (any, for default/auto).
+    `split`: the DiT's split (sp/split.py); an uneven one runs the all-gather."""
     from comfy.multidevice.comfy_objects import dit_module
     from comfy.multidevice.roles.memory_plan import dit_shape_of
-    from comfy.multidevice.roles.plan import SEQUENCE_PARALLEL
     from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
 
-    world = len(plan.dit.cards) + joining if plan.dit.mode == SEQUENCE_PARALLEL else 1
+    world = dit_world(plan, joining)
     shape = dit_shape_of(dit_module(model)) if world > 1 else None
     kind = str(selected[0]).split(":")[0]
     named = None if backend in ("default", "auto") else backend
     return choose_sp_mode(sp_mode, world, shape.heads if shape else None, shape.head_dim if shape else 128,
                           other_servers=joining > 0,
-                          measured=measurement_for(kind, world, backend=named) if world > 1 else None)
+                          measured=measurement_for(kind, world, backend=named) if world > 1 else None,
+                          uneven_rows=split is not None and split.uneven)
 
 
 def remote_ranks_of_environment() -> int:
@@ -327,7 +371,7 @@ def node_class():
         @classmethod
         def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
                     device_kind="auto", devices="", dit_weights="auto", plan_tokens=AUTO_PLAN_TOKENS,
-                    dit_ranks="auto", sp_mode="auto", exchange_precision="exact") -> io.NodeOutput:
+                    dit_ranks="auto", sp_mode="auto", exchange_precision="exact", split="even") -> io.NodeOutput:
             try:
                 # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
                 # None) is refused by name instead of being cast
@@ -336,7 +380,7 @@ def node_class():
                     device_kind=device_kind, devices=devices, dit_weights=dit_weights,
                     plan_tokens=plan_tokens, dit_ranks=dit_ranks, prompt=_hidden(cls, "prompt"),
                     tell=node_text(_hidden(cls, "unique_id")), sp_mode=sp_mode,
-                    exchange_precision=exchange_precision)
+                    exchange_precision=exchange_precision, split=split)
             except Exception as exc:
                 shown = shown_error(exc)
                 if shown is None:

@@ -83,12 +83,12 @@ def rel_diff(out, ref) -> float:
     return diff / scale
 
 
-def run_sp(model, world, backend, case, sp_mode="allgather", seed=0):
+def run_sp(model, world, backend, case, sp_mode="allgather", seed=0, split=None):
     """One sequence-parallel forward of `model` on `world` CPU ranks over `backend` for the named
     layout: (outputs, the parallel model, the coordinator's per-rank byte counts)."""
     x, t, ctx, kw = make_inputs(case, seed)
     with SequenceParallelCoordinator(["cpu"] * world, backend=backend, timeout_s=30) as coord:
-        sp = enable_sequence_parallel(replicas(model, world), coord, sp_mode=sp_mode)
+        sp = enable_sequence_parallel(replicas(model, world), coord, sp_mode=sp_mode, split=split)
         with torch.inference_mode():
             out = sp(x, t, ctx, **kw)
         return out, sp, coord.byte_counts()

@@ -28,6 +28,7 @@ from comfy.multidevice.tp.layers import TensorParallelError
 from comfy_extras import nodes_multinpu
 from comfy_extras.nodes_multinpu import NODE_SCHEMA, configure_parallel, widget_defaults
 from comfy.multidevice.roles.plan import plan_roles
+from comfy.multidevice.sp.plan import shard_sizes
 from tests.node_cases import (FakeModelPatcher, assert_same, inputs, inventory, make_fake_comfy_api, rank_threads,
                               run_dit, snapshot)
 from tests.qwen_decoder import MiniatureDecoderConfig
@@ -49,7 +50,7 @@ def test_schema_inputs_outputs_types_defaults():
     ins = {s["name"]: s for s in NODE_SCHEMA["inputs"]}
     assert [s["name"] for s in NODE_SCHEMA["inputs"]] == [
         "model", "clip", "video_vae", "audio_vae", "npu_count", "backend", "device_kind", "devices",
-        "dit_weights", "plan_tokens", "dit_ranks", "sp_mode", "exchange_precision"]  # new widgets go last: saved workflows keep their positions
+        "dit_weights", "plan_tokens", "dit_ranks", "sp_mode", "exchange_precision", "split"]  # new widgets go last: saved workflows keep their positions
     assert [(n, ins[n]["type"]) for n in ("model", "clip", "video_vae", "audio_vae")] == [
         ("model", "MODEL"), ("clip", "CLIP"), ("video_vae", "VAE"), ("audio_vae", "VAE")]
     assert ins["npu_count"] == {**ins["npu_count"], "type": "COMBO", "options": [1, 2, 4, 8], "default": 4}
@@ -69,11 +70,13 @@ def test_schema_inputs_outputs_types_defaults():
     assert ins["exchange_precision"]["options"] == ["exact", "int8", "fp8"]
     assert ins["exchange_precision"]["default"] == "exact"
     assert ins["exchange_precision"]["optional"] and ins["exchange_precision"]["advanced"]
+    assert ins["split"]["type"] == "STRING" and ins["split"]["default"] == "even"
+    assert ins["split"]["optional"] and ins["split"]["advanced"]
     assert [o["type"] for o in NODE_SCHEMA["outputs"]] == ["MODEL", "CLIP", "VAE", "VAE"]
     assert [o["name"] for o in NODE_SCHEMA["outputs"]] == ["model", "clip", "video_vae", "audio_vae"]
     assert all(o["tooltip"] for o in NODE_SCHEMA["outputs"])  # every output says what it carries
     assert {"multi gpu", "multi npu", "sequence parallel"} <= set(NODE_SCHEMA["search_aliases"])
-    assert widget_defaults() == [4, "default", "auto", "", "auto", 0, "auto", "auto", "exact"]  # plan_tokens 0: auto
+    assert widget_defaults() == [4, "default", "auto", "", "auto", 0, "auto", "auto", "exact", "even"]  # plan_tokens 0: auto
     json.dumps(NODE_SCHEMA)  # plain data, readable by tools without ComfyUI
 
 
@@ -112,7 +115,7 @@ def test_v3_node_is_built_from_the_plain_schema(monkeypatch, with_advanced):
     assert seen["kwargs"] == {"npu_count": 2, "backend": "peer", "device_kind": "auto", "devices": "",
                               "dit_weights": "auto", "plan_tokens": 0, "dit_ranks": "auto",
                               "prompt": None, "tell": seen["kwargs"]["tell"], "sp_mode": "auto",
-                              "exchange_precision": "exact"}
+                              "exchange_precision": "exact", "split": "even"}
     assert list(inspect.signature(node.execute).parameters)[:4] == ["model", "clip", "video_vae", "audio_vae"]
 
 
@@ -143,6 +146,11 @@ ERROR_CASES = {
                                "exchange_precision='int4' is unknown"),
     "ulysses, heads not divisible": (with_inputs(sp_mode="ulysses"), ValueError,
                                      "3 heads over 4 ranks, and 3 does not divide by 4: set sp_mode to allgather"),
+    "bad split": (with_inputs(split="3,1"), ValueError, r"split='3,1' does not give 4 card\(s\) their shares: "
+                                                        r"set split to even, auto, or one positive number per card"),
+    "ulysses, uneven split": (with_inputs(sp_mode="hybrid", split="auto"), ValueError,
+                              "sp_mode=hybrid splits the attention heads evenly .* set sp_mode to allgather or "
+                              "auto, or split to even"),
 }
 
 
@@ -302,6 +310,33 @@ def test_exchange_precision_int8_through_the_node_within_its_bound(sp_mode, fake
     error = (sum(float((o - r).norm()) ** 2 for o, r in zip(out, ref)) /
              sum(float(r.norm()) ** 2 for r in ref)) ** 0.5
     assert 0 < error <= STEP_REL_ERROR_BOUND["int8"]
+
+
+@pytest.mark.parametrize("split", ["3,1,2,1.5", "auto"])
+def test_an_uneven_split_through_the_node_matches_one_card(split, fake_patcher_extension, caplog):
+    """Mixed cards: the node's split reaches every rank thread, auto picks the all-gather (Ulysses
+    needs even rows) and every card's share is logged with its reason."""
+    import dataclasses
+
+    from comfy.multidevice.miniature.h3 import build_miniature
+    from tests.sp_cases import TINY
+    dit = build_miniature(dataclasses.replace(TINY, num_attention_heads=4), seed=3)
+    objs = inputs()
+    caplog.set_level("INFO")
+    p_model = configure_parallel(FakeModelPatcher(dit), *objs[1:], npu_count=4, device_kind="cpu",
+                                 sp_mode="auto", split=split)[0]
+    fan_out = p_model.wrappers["diffusion_model"]["minimax_h3_sequence_parallel"][0]
+    with torch.inference_mode():
+        x, t, ctx, kw = make_inputs("cond_refs", seed=1)
+        assert rel_diff(run_dit(p_model, x, t, ctx, kw), dit(x, t, ctx, **kw)) <= FP32_TOL
+    states = fan_out.runner.last_rank_states
+    assert {s.strategy.name for s in states} == {"allgather"}
+    assert "DiT sp_mode allgather: " in caplog.text
+    if split == "auto":
+        assert caplog.text.count("split auto: rank") == 4 and caplog.text.count("capped at") == 4
+    else:
+        assert states[0].plan.sizes == shard_sizes(states[0].plan.seq_len, 4, (3, 1, 2, 1.5))
+        assert "split 3,1,2,1.5: cpu takes 40.0% of the rows (asked)" in caplog.text
 
 
 def test_a_patch_added_after_the_node_reaches_every_rank(fake_patcher_extension):

@@ -68,6 +68,9 @@ FALLBACK_NODE_SCHEMA = {
          "optional": True},
         {"name": "sp_mode", "type": "COMBO", "options": ["auto", "allgather", "ulysses", "hybrid"], "default": "auto",
          "optional": True},
+        {"name": "exchange_precision", "type": "COMBO", "options": ["exact", "int8", "fp8"], "default": "exact",
+         "optional": True},
+        {"name": "split", "type": "STRING", "default": "even", "optional": True},
     ],
     "outputs": [
         {"name": "model", "type": "MODEL"},

@@ -20,6 +20,7 @@ from comfy.multidevice.cli import report
 from comfy.multidevice.cli.report import REPORT_KEYS
 from comfy.multidevice.comm import compression
 from comfy.multidevice.comm.compression import STEP_REL_ERROR_BOUND
+from comfy.multidevice.sp.plan import shard_sizes
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_ARGS = ["--frames", "5", "--width", "64", "--height", "64", "--text-tokens", "9", "--hidden", "40",
@@ -75,6 +76,9 @@ def test_dry_run_cli_parity_cache_and_outputs(tmp_path):
     (["--head-dim", "4"], "--head-dim 4: too small for the miniature; use --head-dim 8 or more"),
     (["--hidden", "1"], "--hidden 1: too small for the miniature; use --hidden 2 or more"),
     (["--heads", "0"], "--heads 0: too small for the miniature; use --heads 1 or more"),
+    (["--split", "3,0"], "--split 3,0: split='3,0' does not give 4 card(s) their shares"),
+    (["--split", "3,1,1,1", "--sp-mode", "ulysses", "--heads", "4"],
+     "--split 3,1,1,1: split 3,1,1,1 gives the ranks different rows, but sp_mode ulysses"),
 ])
 def test_bad_options_exit_2_with_the_fix(tmp_path, capsys, bad, message):
     args = _parser().parse_args(TINY_ARGS + ["--cpu", "--cache", str(tmp_path), "--out", str(tmp_path)] + bad)
@@ -165,6 +169,22 @@ def test_fp8_without_the_dtype_exits_2_naming_int8(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(compression, "fp8_dtype", lambda: None)
     err = _exit_2_before_anything(tmp_path, capsys, ["--exchange-precision", "fp8"], "set exchange_precision to int8")
     assert "--exchange-precision fp8" in err
+
+
+@pytest.mark.parametrize("split", ["3,1,2", "auto"])
+def test_an_uneven_split_dry_run_keeps_parity_with_its_rows(tmp_path, split):
+    args = _parser().parse_args(TINY_ARGS + ["--devices", "3", "--cpu", "--split", split, "--sp-mode", "auto",
+                                             "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "o")])
+    out = io.StringIO()
+    assert minimax_h3_dry_run.run(args, out=out) == 0
+    result = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert result["parity"] == "ok" and result["sp_mode_used"] == "allgather"
+    rows = result["tokens_per_rank"]
+    assert sum(rows) == result["tokens"] and len(rows) == 3
+    if split != "auto":
+        assert rows == shard_sizes(result["tokens"], 3, (3, 1, 2))
+    # every rank receives the others' K/V rows: the byte model follows the uneven rows
+    assert result["model_bytes_per_step"] == result["exchanged_bytes_per_step"]
 
 
 def _parser():

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from comfy.multidevice.cli.report import REPORT_KEYS
+from comfy.multidevice.sp.plan import shard_sizes
 from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,19 @@ def test_torchrun_runs_one_rank_per_process_with_parity(tmp_path):
     assert report["parity"] == "ok" and report["rel_diff"] <= 1e-5
     assert (tmp_path / "out" / "report.json").exists()
     assert out.count("MiniMax-H3 dry run under torchrun") == 1  # only rank 0 prints
+
+
+@pytest.mark.timeout(LIMIT_S + 30)
+@pytest.mark.parametrize("split", ["3,1", "auto"])
+def test_torchrun_with_an_uneven_split_keeps_parity(tmp_path, split):
+    code, out, err = torchrun(2, *TINY, "--split", split, "--cache", str(tmp_path / "cache"),
+                              "--out", str(tmp_path / "out"))
+    assert code == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    report = json.loads(out.strip().splitlines()[-1])
+    rows = report["tokens_per_rank"]
+    assert report["parity"] == "ok" and report["rel_diff"] <= 1e-5 and sum(rows) == report["tokens"]
+    if split == "3,1":
+        assert rows == shard_sizes(report["tokens"], 2, (3, 1))
 
 
 @pytest.mark.timeout(2 * LIMIT_S + 30)

@@ -92,6 +92,7 @@ CHECKED = {
     ".venv/bin/python bench/bench_exchange.py": LONG,
     ".venv/bin/python bench/bench_sp_scaling.py": LONG,
     ".venv/bin/python bench/bench_sp_modes.py": LONG,
+    ".venv/bin/python bench/bench_mixed_split.py": "about 20 s; its --quick run is tests/bench/test_bench_mixed_split.py",
     "COMFYUI_DIR=<ComfyUI checkout> <its python> bench/bench_weights.py": COMFYUI,
     "flock /tmp/bench.lock .venv/bin/python bench/bench_memory.py [--video-rows 4096] [--rounds 3] [--blocks 24]": LONG,
     "COMFYUI_DIR=<ComfyUI> <its Python> bench/bench_real_length.py [--seconds 15] [--cards 4]": COMFYUI,

@@ -400,3 +400,23 @@ def test_a_gathered_quantized_tensor_is_a_copy_beside_the_gathered_bytes():
             inside = [start <= leaf.untyped_storage().data_ptr() < end
                       for leaf in ([value.a, value.b] if hasattr(value, "a") else [value])]
             assert all(inside) != (name == "adaln_proj.linear.weight"), (rank, name)
+
+
+def test_an_uneven_split_counts_the_largest_share_and_auto_caps_each_card_by_its_free_memory():
+    from comfy.multidevice.sp.cost_model import row_bytes
+    from comfy.multidevice.sp.plan import shard_sizes
+    model, clip, video, audio = inputs()
+    shape = dit_shape_of(model.model.diffusion_model)
+    even = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="replicate", tokens=TOKENS)
+    uneven = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="replicate", tokens=TOKENS,
+                         split_weights=(3, 1, 1, 1))
+    largest = max(shard_sizes(TOKENS, 4, (3, 1, 1, 1)))
+    assert (uneven.cards[0].stages["DiT"]["activations"] - even.cards[0].stages["DiT"]["activations"]
+            == (largest - TOKENS // 4) * row_bytes(shape))
+    assert uneven.for_tokens(TOKENS).split_weights == (3, 1, 1, 1)
+    assert even.split_caps() == (1.0,) * 4  # CPU: no free-memory figure, no cap
+    # a card with room for 100 rows more than the even share's 250 may take 350 of the 1000
+    stage = even.cards[0].stage_total("DiT")
+    roomy = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="replicate", tokens=TOKENS,
+                        free={"cpu": stage + 100 * row_bytes(shape)})
+    assert roomy.split_caps() == pytest.approx((0.35,) * 4)

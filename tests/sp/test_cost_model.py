@@ -63,3 +63,15 @@ def test_forward_traffic_adds_the_hidden_state_gather_before_the_final_layer():
     assert forward_traffic("allgather", shape, 7, 1, 0, itemsize=4)["final_gather"] == Traffic(0, 0)
     assert t["total"].received == t["attention"].received + t["final_gather"].received
     assert t["attention"].received == 3 * attention_traffic("allgather", 7, 2, 1, 2, 4, 4).received
+
+
+def test_uneven_weights_count_the_largest_share_and_each_ranks_own_rows():
+    from comfy.multidevice.sp.cost_model import activation_bytes, attention_traffic, DiTShape, row_bytes
+    shape = DiTShape()
+    even = activation_bytes(shape, 1000, 2)
+    assert activation_bytes(shape, 1000, 2, weights=(1, 1)) == even
+    # 1 + floor(998 * 3/4) = 749 rows on the fast rank, 500 with the even split
+    assert activation_bytes(shape, 1000, 2, weights=(3, 1)) - even == (749 - 500) * row_bytes(shape)
+    fast = attention_traffic("allgather", 1000, 2, 0, 4, 8, 2, weights=(3, 1))
+    slow = attention_traffic("allgather", 1000, 2, 1, 4, 8, 2, weights=(3, 1))
+    assert fast.received == slow.sent and fast.sent == slow.received and fast.sent / slow.sent == 749 / 251

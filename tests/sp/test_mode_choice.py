@@ -104,3 +104,15 @@ def test_a_measurement_of_another_backend_does_not_count_when_the_node_names_one
     assert measurement_for("npu", 4, path, backend="hccl") is None  # the node runs HCCL: not this timing
     assert measurement_for("npu", 4, path, backend="peer")["backend"] == "peer"
     assert measurement_for("npu", 4, path)["allgather_s"] == 0.001  # default/auto: any backend's
+
+
+def test_an_uneven_split_runs_the_allgather_and_refuses_ulysses_naming_the_fix():
+    from comfy.multidevice.sp.mode_choice import choose_sp_mode, SPModeError
+    choice = choose_sp_mode("auto", 4, 56, uneven_rows=True)
+    assert (choice.mode, choice.degree) == ("allgather", 1) and "split gives the cards different rows" in choice.reason
+    assert choose_sp_mode("allgather", 4, 56, uneven_rows=True).reason == "asked"
+    for mode in ("ulysses", "hybrid"):
+        with pytest.raises(SPModeError, match=f"sp_mode={mode} splits the attention heads evenly .* set sp_mode to "
+                                              "allgather or auto, or split to even"):
+            choose_sp_mode(mode, 4, 56, uneven_rows=True)
+    assert choose_sp_mode("ulysses", 1, 56, uneven_rows=True).mode == "allgather"  # one rank: nothing to split

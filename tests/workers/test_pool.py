@@ -16,6 +16,7 @@ import torch
 
 from comfy.multidevice.comm.compression import STEP_REL_ERROR_BOUND
 from comfy.multidevice.miniature.h3 import build_miniature, save_miniature
+from comfy.multidevice.sp.plan import shard_sizes
 from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.workers.door import RendezvousError
 from comfy.multidevice.workers.pool import enable_sequence_parallel_workers, WorkerPool, WorkerPoolError
@@ -65,6 +66,29 @@ def test_workers_match_one_device_and_the_rank_threads(checkpoint, world):
             assert rel_diff(out, threads) <= FP32_TOL, case
         assert dit.pool.start_seconds > 0
         assert all(0 < n < 1 << 20 for n in dit.pool.bytes_sent_per_forward)  # the inputs only
+    finally:
+        dit.close()
+
+
+@pytest.mark.parametrize("world, split, sharded", [(2, "3,1", False), (3, "auto", False), (3, "1,4.5,2", False),
+                                                  (2, "auto", True)])
+def test_workers_with_an_uneven_split_match_one_device(checkpoint, world, split, sharded):
+    """Mixed cards: the split travels in the build message (a wire record, not a pickle) and
+    every rank cuts the same uneven rows; exact against one device like the even split (with
+    sharded block weights too: auto's probe runs block 0 on its gathered weights)."""
+    model, path = checkpoint
+    made = sharded_recipe(path) if sharded else recipe(path)
+    dit = enable_sequence_parallel_workers(["cpu"] * world, made, sp_mode="auto", split=split)
+    try:
+        for case in ("plain", "masked"):
+            x, t, ctx, kw = make_inputs(case)
+            with torch.inference_mode():
+                reference = model(x, t, ctx, **kw)
+            assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL, case
+        rows = dit.pool.setup.plan.sizes
+        if split != "auto":
+            assert rows == shard_sizes(sum(rows), world, [float(w) for w in split.split(",")])
+        assert dit.pool.setup.weights is not None and len(dit.pool.setup.weights) == world
     finally:
         dit.close()
 

@@ -139,6 +139,13 @@ def test_a_build_message_with_a_sharded_recipe_round_trips():
     assert got == recipe and type(got.kwargs["plan"]) is BlockShardPlan and got.kwargs["plan"].owned_bytes(0) == 12
 
 
+def test_the_split_travels_in_the_build_message_as_a_record():
+    from comfy.multidevice.sp.split import RowSplit
+    for split in (RowSplit(), RowSplit("weights", (3.0, 1.0)), RowSplit("auto", caps=(0.4, 1.0))):
+        *_, got = round_trip((BUILD, "recipe", "allgather", None, split))
+        assert got == split and type(got) is RowSplit
+
+
 def test_encode_refuses_what_cannot_travel_naming_where_it_sits():
     class Color(enum.IntEnum):
         RED = 1

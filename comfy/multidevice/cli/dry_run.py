@@ -236,7 +236,10 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     x, context, kwargs = make_inputs(settings)
     sigmas = sigma_schedule(args.steps, cfg.sigma_shift_video)
     seq_len = sequence_length(settings)
-    tokens_per_rank = [b - a for a, b in ShardPlan.edges(seq_len, world)]
+    split = settings.split
+    # auto's rows are known after its first step's probe
+    tokens_per_rank = ([b - a for a, b in ShardPlan.edges(seq_len, world, split.weights)]
+                       if split.kind != "auto" else None)
 
     threads_before = torch.get_num_threads()
     per_rank_threads = _cpu_threads_per_rank(settings.devices)
@@ -247,13 +250,14 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
             + f", sp mode {args.sp_mode}"
             + ("" if args.exchange_precision == "exact" else f", {args.exchange_precision} exchange"))
         parts = ", ".join(f"{k} {n}" for k, n in latent_rows(settings).items())
-        say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {tokens_per_rank}")
+        say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank "
+            + (str(tokens_per_rank) if tokens_per_rank is not None else "by split auto's probe at the first step"))
         # shard strips the ranks' copies: the reference gets its own (from the same base, no read)
         reference = (build_replicas(path, settings.devices[:1]).modules[0]
                      if args.dit_weights == "shard" else replicas[0])
         sp = enable_sequence_parallel(replicas, coord, sp_mode=SPMode(args.sp_mode, args.sp_overlap,
                                                                   exchange_precision=args.exchange_precision),
-                                      dit_weights=args.dit_weights)
+                                      dit_weights=args.dit_weights, split=split)
         exchanged = []
 
         # torch.set_num_threads is per thread for OpenMP but global for MKL: each run sets its
@@ -290,6 +294,9 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
             if args.dit_weights == "shard":
                 sp.close()  # the prefetch lane's rank threads
         latents, seconds = sampled[0]
+        if tokens_per_rank is None:
+            tokens_per_rank = sp.tokens_per_rank()
+            say(f"[split] auto: tokens per rank {tokens_per_rank}")
         if sp.tokens_per_rank() != tokens_per_rank:
             raise RuntimeError(f"ranks held {sp.tokens_per_rank()} tokens, expected {tokens_per_rank}")
         byte_counts = coord.byte_counts()  # per rank, the whole sampling
@@ -304,7 +311,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
         gathered = [(b - b0) // args.steps for b, b0 in zip(sp.block_weights.gathered_bytes, gathered_before)]
         say(f"[weights] shard: DiT MiB per rank between blocks {[round(b / 2 ** 20, 2) for b in dit_bytes]}, "
             f"block weights gathered per rank and step {[round(b / 2 ** 20, 2) for b in gathered]} MiB")
-    mode_used, model_bytes = _traffic_model(settings, seq_len, world)
+    mode_used, model_bytes = _traffic_model(settings, seq_len, world, tokens_per_rank)
     say(f"[traffic] sp mode {mode_used}: received per rank and step "
         f"{[round(c['received'] / args.steps / 2 ** 20, 2) for c in byte_counts]} MiB "
         f"(byte model: {model_bytes / 2 ** 20:.2f} MiB in all ranks per step)")
@@ -353,16 +360,18 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     return 1 if report["parity"] == "fail" else 0
 
 
-def _traffic_model(settings: RunSettings, seq_len: int, world: int) -> tuple[str, int]:
-    """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks)."""
+def _traffic_model(settings: RunSettings, seq_len: int, world: int, rows: list[int]) -> tuple[str, int]:
+    """The mode `auto` resolves to, and the cost model's bytes received per step (all ranks) for
+    the ranks' `rows`."""
     cfg = settings.config
     mode = settings.args.sp_mode
     if mode == "auto":  # the rule the ranks' AutoKV follows, with the same measurement
         measured = measurement_for(str(settings.devices[0]).split(":")[0], world)
-        mode = choose_sp_mode("auto", world, cfg.num_attention_heads, cfg.attention_head_dim, measured=measured).mode
+        mode = choose_sp_mode("auto", world, cfg.num_attention_heads, cfg.attention_head_dim, measured=measured,
+                              uneven_rows=settings.split.uneven).mode
     shape = DiTShape(hidden=cfg.hidden_size, blocks=cfg.num_layers, heads=cfg.num_attention_heads,
                      head_dim=cfg.attention_head_dim, ffn=cfg.ffn_hidden_size)
     itemsize = settings.dtype.itemsize
-    total = sum(forward_traffic(mode, shape, seq_len, world, r, itemsize)["total"].received
+    total = sum(forward_traffic(mode, shape, seq_len, world, r, itemsize, weights=rows)["total"].received
                 for r in range(world))
     return mode, total

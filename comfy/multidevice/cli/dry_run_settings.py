@@ -20,6 +20,8 @@ from comfy.multidevice.comm.compression import EXACT, EXCHANGE_PRECISIONS, STEP_
 from comfy.multidevice.comm.settings import check_environment, user_cache_dir, VALID_BACKENDS
 from comfy.multidevice.devices import available_memory_bytes
 from comfy.multidevice.miniature.h3 import MiniatureConfig, MiniatureH3Model
+from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.sp.split import EVEN, parse_split, RowSplit, strategy_for_split
 from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES, SPMode
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
@@ -59,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser, repo_dir: Path) -> None:
                         "and values (simple; the most bytes at 8 cards), ulysses = each rank takes a "
                         "block of heads over the whole sequence (fewer bytes at 4-8 cards), auto = "
                         "whichever moves fewer bytes for these cards and heads (default %(default)s)")
+    g.add_argument("--split", default="even", metavar="SPLIT",
+                   help="how the rows are shared over the ranks (mixed cards): even, auto (each rank "
+                        "times one block at the first step and takes rows by its speed) or one weight "
+                        "per rank such as 3,1 (default %(default)s)")
     g.add_argument("--sp-overlap", type=integer, default=1, metavar="CHUNKS",
                    help="ulysses/auto: cut each rank's heads into CHUNKS whose exchange overlaps the "
                         "attention (default 1: no overlap)")
@@ -118,6 +124,7 @@ class RunSettings:
     tolerance: float
     args: argparse.Namespace
     notes: list[str] = field(default_factory=list)
+    split: RowSplit = EVEN  # --split for these ranks (sp/split.py)
 
 
 def visible_accelerators() -> list[str]:
@@ -250,12 +257,24 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
     seq = sequence_length(settings)
     if seq < len(devices):
         raise DryRunError(f"{seq} tokens cannot be split over {len(devices)} ranks; use --devices {seq} or fewer")
+    settings.split = checked_split(args, len(devices))
     if args.sp_overlap > args.heads:
         raise DryRunError(f"--sp-overlap {args.sp_overlap}: more chunks than the {args.heads} heads; "
                           f"use --sp-overlap {args.heads} or fewer")
     _check_memory(settings)
     _check_folders(args)
     return settings
+
+
+def checked_split(args: argparse.Namespace, world: int) -> RowSplit:
+    """--split for `world` ranks, with --sp-mode (Ulysses needs even rows); DryRunError naming the fix."""
+    text = getattr(args, "split", "even")
+    try:
+        split = parse_split(text, world)
+        strategy_for_split(SPMode(args.sp_mode, overlap_chunks=args.sp_overlap).make_kv_strategy(), split, 1)
+    except (ValueError, SequenceParallelError) as exc:
+        raise DryRunError(f"--split {text}: {exc}") from exc
+    return split
 
 
 def latent_rows(settings: RunSettings) -> dict[str, int]:

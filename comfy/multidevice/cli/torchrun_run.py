@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from comfy.multidevice.cli import dry_run as dry
-from comfy.multidevice.cli.dry_run_settings import DryRunError, make_settings, RunSettings, sequence_length
+from comfy.multidevice.cli.dry_run_settings import (checked_split, DryRunError, make_settings, RunSettings,
+                                                    sequence_length)
 from comfy.multidevice.cli.report import (parity_figures, parity_line, REPORT_KEYS, speedup_baseline, steady_seconds,
                                            write_outputs)
 from comfy.multidevice.comm.settings import SettingError
@@ -44,9 +45,10 @@ def _settings(args: argparse.Namespace, world: int) -> RunSettings:
                           "processes (torchrun --nproc-per-node / --nnodes)")
     # The dry run picks the devices of one process; here each process has its own device,
     # so validate every other option with a single CPU rank.
-    settings = make_settings(argparse.Namespace(**{**vars(args), "devices": 1, "cpu": True}))
+    settings = make_settings(argparse.Namespace(**{**vars(args), "devices": 1, "cpu": True, "split": "even"}))
     if sequence_length(settings) < world:
         raise DryRunError(f"{sequence_length(settings)} tokens cannot be split over {world} ranks")
+    settings.split = checked_split(args, world)  # for the processes, not the one rank validated above
     return settings
 
 
@@ -128,10 +130,13 @@ def _run(args, settings: RunSettings, comm: DistributedComm, local_rank: int, ou
     indices = comm.exchange([index], 0)[0].tolist()
     devices = [device.type if i < 0 else f"{device.type}:{i}" for i in indices]
     seq_len = sequence_length(settings)
-    tokens_per_rank = [b - a for a, b in ShardPlan.edges(seq_len, world)]
+    # split auto's rows are known after its first step's probe
+    tokens_per_rank = (None if settings.split.kind == "auto"
+                       else [b - a for a, b in ShardPlan.edges(seq_len, world, settings.split.weights)])
     backend = f"torch.distributed {comm.backend_name}"
     say(f"[ranks] {world} processes ({', '.join(devices)}), backend {backend}, sp mode {args.sp_mode}")
-    say(f"[sequence] {seq_len} tokens; tokens per rank {tokens_per_rank}")
+    say(f"[sequence] {seq_len} tokens; tokens per rank "
+        + (str(tokens_per_rank) if tokens_per_rank is not None else "by split auto's probe at the first step"))
 
     x, context, kwargs = dry.make_inputs(settings)
     x, context, kwargs = [z.to(device) for z in x], context.to(device), copy_for_rank(kwargs, torch.device(device))
@@ -145,7 +150,7 @@ def _run(args, settings: RunSettings, comm: DistributedComm, local_rank: int, ou
         # the set-up of the first forward is reused by every later one
         shards.append(install_rank_sequence_parallel(replica, comm, options, sp_mode,
                                                      setup=shards[-1] if shards else None,
-                                                     block_weights=block_weights))
+                                                     block_weights=block_weights, split=settings.split))
         return replica(latents, timestep, text, transformer_options=options, **kw)
 
     # The processes of one machine share its cores: each takes its share while they sample
@@ -167,6 +172,9 @@ def _run(args, settings: RunSettings, comm: DistributedComm, local_rank: int, ou
         rank_forward, x, context, kwargs, sigmas,
         dry.Progress(f"sampling on {world} processes", args.steps, lead and not args.no_progress),
         after_step=after_step)
+    if tokens_per_rank is None:
+        tokens_per_rank = _per_rank(comm, shards[-1].tokens)
+        say(f"[split] auto: tokens per rank {tokens_per_rank}")
     if shards[-1].tokens != tokens_per_rank[comm.rank]:
         raise RuntimeError(f"rank {comm.rank} held {shards[-1].tokens} tokens, expected "
                            f"{tokens_per_rank[comm.rank]}")

@@ -266,7 +266,8 @@ def chunked_video_vae(vae, devices, merge_device, coordinator):
 
 def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_vae, audio_vae,
                     backend: str | None = None, coordinator=None, dit_weights: str = "replicate",
-                    dit_ranks: str = "threads", tell=None, sp_mode=None, exchange_precision: str = "exact"):
+                    dit_ranks: str = "threads", tell=None, sp_mode=None, exchange_precision: str = "exact",
+                    split=None):
     """Return (model, clip, video_vae, audio_vae) set up per `plan` on `devices`.
 
     devices[i] is plan card i. `backend` picks the collective backend (None: from the
@@ -279,6 +280,7 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
     the user should know beside the log (the node's text in ComfyUI's page). `sp_mode`: the DiT's
     attention exchange, a strategy name or a ModeChoice (sp/mode_choice.py; None: allgather).
     `exchange_precision`: exact, or int8 / fp8 for what that exchange sends (comm/compression.py).
+    `split`: how the DiT's rows are shared over its ranks (a RowSplit of sp/split.py; None: even).
     """
     sp_mode = getattr(sp_mode, "mode", sp_mode) or "allgather"
     if check_precision(exchange_precision) != EXACT:  # exact keeps the plain mode name
@@ -317,11 +319,11 @@ def apply_role_plan(plan, devices: Sequence[torch.device], model, clip, video_va
 
     if plan.dit.mode == SEQUENCE_PARALLEL and dit_ranks == "processes":
         out_model = workers_dit(model, cards(plan.dit), remote_ranks, rendezvous_from_env(), dit_weights,
-                                sp_mode=sp_mode)
+                                sp_mode=sp_mode, split=split)
     elif plan.dit.mode == SEQUENCE_PARALLEL:
         lane = shared_prefetch_lane(coordinator) if dit_weights == "shard" else None
         out_model = sequence_parallel_dit(model, cards(plan.dit), coordinator, dit_weights, lane=lane,
-                                          sp_mode=sp_mode)
+                                          sp_mode=sp_mode, split=split)
     else:
         out_model = place_dit(model, cards(plan.dit)[0])
 

@@ -231,19 +231,21 @@ def _module_replicas(model: torch.nn.Module, devices: Sequence[torch.device]) ->
     return [first] + [r.module for r in others]
 
 
-def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", lane=None, sp_mode="allgather"):
+def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", lane=None, sp_mode="allgather",
+                          split=None):
     """The DiT's role on several cards: a MODEL (or bare module) set up for sequence parallel
     over `devices`, its per-card weights replicated or sharded as `dit_weights` says, its
-    attention exchanged as `sp_mode` says (strategies.py)."""
+    attention exchanged as `sp_mode` says (strategies.py), its rows shared as `split` says
+    (sp/split.py; None: even)."""
     if not is_model_patcher(model):  # a plain DiT module (tests, the dry run)
         models = _module_replicas(model, devices)
         if dit_weights == "shard" and models[0] is model:  # sharding strips rank 0's copy, not the input
             models[0] = replica_on(model, devices[0])
-        return enable_sequence_parallel(models, coordinator, sp_mode=sp_mode, dit_weights=dit_weights)
+        return enable_sequence_parallel(models, coordinator, sp_mode=sp_mode, dit_weights=dit_weights, split=split)
     if dit_weights == "shard":  # roles/dit_shards.py: every card, card 0 included, holds a shard
         primary, shards = sharded_primary(model, devices, coordinator, lane=lane)
         enable_sequence_parallel_on_patcher(primary, coordinator, [RankDit(shards.running_module, r) for r in range(len(devices))],
-                                            sp_mode=sp_mode,
+                                            sp_mode=sp_mode, split=split,
                                             block_weights=lambda: shards.family)
         primary.multinpu_dit_shards = shards  # for unload / inspection
         _register_with_model_management(primary, shards.card_copies())
@@ -253,7 +255,8 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
         log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
         primary.load_device = devices[0]
     replicas = DitReplicas(primary, devices[1:])
-    enable_sequence_parallel_on_patcher(primary, coordinator, [None] + replicas.entries(), sp_mode=sp_mode)
+    enable_sequence_parallel_on_patcher(primary, coordinator, [None] + replicas.entries(), sp_mode=sp_mode,
+                                        split=split)
     replicas.armed = True
     primary.multinpu_dit_replicas = replicas  # for unload / inspection
     _register_with_model_management(primary, replicas.card_copies())
@@ -261,7 +264,8 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
 
 
 def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, int] = ("127.0.0.1", 0),
-                dit_weights: str = "replicate", prelude: Sequence[tuple[str, str]] = (), sp_mode: str = "allgather"):
+                dit_weights: str = "replicate", prelude: Sequence[tuple[str, str]] = (), sp_mode: str = "allgather",
+                split=None):
     """The DiT's role with its ranks as processes: a clone of the MODEL whose forward runs on
     devices[0] here, on one worker process per other card (workers/pool_runner.py) and on
     `remote_ranks` ranks of other servers meeting at `rendezvous` (host, port); the pool
@@ -269,7 +273,8 @@ def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, in
     weights: rank 0's shard is made here (the MODEL output runs it), each worker makes its own.
     Refused before anything is made for a bare module or a MODEL a worker cannot rebuild.
     `prelude`: functions a worker calls first (workers/comfy_dit.py; tests' stand-ins). `sp_mode`:
-    the attention exchange every rank runs (strategies.py)."""
+    the attention exchange every rank runs (strategies.py). `split`: how the rows are shared
+    (a RowSplit of sp/split.py; None: even), sent to the workers with the build message."""
     if not is_model_patcher(model):
         raise RolePlanError("dit_ranks=processes needs a ComfyUI MODEL (its workers load it as ComfyUI "
                             f"did), got {type(model).__name__}; use dit_ranks=threads")
@@ -290,7 +295,7 @@ def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, in
             primary.load_device = devices[0]
     primary.multinpu_workers = workers_on_patcher(primary, devices, sp_mode, remote=remote_ranks, address=rendezvous[0],
                                                   port=rendezvous[1], recipe=recipe, prelude=prelude,
-                                                  rank0_weights=rank0_weights)  # for close / inspection
+                                                  rank0_weights=rank0_weights, split=split)  # for close / inspection
     return primary
 
 

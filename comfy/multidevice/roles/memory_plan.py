@@ -38,7 +38,7 @@ from comfy.multidevice.roles.apply import has_chunk_interface, text_encoder_spli
 from comfy.multidevice.roles.communicator_memory import card_communicators, card_kind
 from comfy.multidevice.roles.plan import RolePlanError, SEQUENCE_PARALLEL, TEMPORAL_CHUNKS, TENSOR_PARALLEL
 from comfy.multidevice.sp.attention_budget import FREE_SHARE, shares_host_memory
-from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape
+from comfy.multidevice.sp.cost_model import activation_bytes, DiTShape, row_bytes
 from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.tp.clip import language_model_of
 from comfy.multidevice.tp.decoder import TensorParallelDecoder
@@ -150,11 +150,34 @@ class MemoryPlan:
     dit_world: int = 1
     sp_mode: str = "allgather"  # the attention exchange the activations are counted for
     sp_degree: int | None = None  # its Ulysses group size (None: the hybrid rule)
+    split_weights: tuple | None = None  # the DiT ranks' explicit row weights (None: even; the largest share counts)
 
     def activations(self, tokens: int) -> int:
         if self.dit_shape is None:
             return 0
-        return activation_bytes(self.dit_shape, tokens, self.dit_world, mode=self.sp_mode, degree=self.sp_degree)
+        return activation_bytes(self.dit_shape, tokens, self.dit_world, mode=self.sp_mode, degree=self.sp_degree,
+                                weights=self.split_weights)
+
+    def split_caps(self) -> tuple[float, ...] | None:
+        """split auto: per DiT rank, the largest fraction of the planned tokens its card's free
+        memory holds in the DiT stage (1.0 where the free memory is not known: a CPU card, another
+        server's rank); None when the sequence is not known yet."""
+        if self.dit_shape is None or not self.tokens:
+            return None
+        per_row = row_bytes(self.dit_shape)
+        even_rows = -(-self.tokens // self.dit_world)
+        caps = []
+        for card in self.cards:
+            if "DiT" not in card.stages:
+                continue
+            if card.free is None:
+                caps.append(1.0)
+                continue
+            # the stage's need without the even share's own rows, then as many rows as the rest holds
+            room = card.free - card.stage_total("DiT") + even_rows * per_row
+            caps.append(min(1.0, max(room // per_row, 1) / self.tokens))
+        caps += [1.0] * (self.dit_world - len(caps))
+        return tuple(caps)
 
     def for_tokens(self, tokens: int, tokens_from: str = "this prompt") -> "MemoryPlan":
         """The same plan with the DiT's activations counted for `tokens` (the free memory
@@ -169,7 +192,7 @@ class MemoryPlan:
         if host is not None:
             host = SharedHost(host.cards, {**host.items, "activations": act * host.cards}, host.free)
         return MemoryPlan(self.dit_weights, int(tokens), cards, host, tokens_from, self.dit_shape, self.dit_world,
-                          self.sp_mode, self.sp_degree)
+                          self.sp_mode, self.sp_degree, self.split_weights)
 
     def _fewer_tokens(self) -> str:
         """How to sample less, in the words of where the token count came from."""
@@ -268,7 +291,8 @@ def _shared_host(cards, dit_cards, free) -> SharedHost | None:
 def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: str = "auto",
                 tokens: int | None = LONGEST_WORKFLOW_TOKENS, free: dict | None = None,
                 remote_ranks: int = 0, backend: str | None = None,
-                dit_ranks: str = "threads", tokens_from: str = "plan_tokens", sp_mode=None) -> MemoryPlan:
+                dit_ranks: str = "threads", tokens_from: str = "plan_tokens", sp_mode=None,
+                split_weights=None) -> MemoryPlan:
     """The per-card memory plan for a role plan; `auto` resolved. `free` overrides the probed
     free bytes per device name (tests). `remote_ranks`: DiT ranks of other servers that join a
     sequence-parallel DiT (ranks as processes): this server's cards then hold 1/W of the
@@ -277,7 +301,8 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
     will hold. `tokens` None: the sequence is not known yet (no activations counted; the
     caller checks `for_tokens` at the first step); `tokens_from` names where it came from.
     `sp_mode`: the DiT's attention exchange (a ModeChoice of sp/mode_choice.py; None: allgather),
-    whose buffers the activations count."""
+    whose buffers the activations count. `split_weights`: the DiT ranks' explicit row weights
+    (mixed cards; None: even): every card is counted with the largest share."""
     if dit_weights not in DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown: set dit_weights to one of "
                          f"{', '.join(DIT_WEIGHT_MODES)}.")
@@ -299,17 +324,17 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
         chosen = "replicate"
         if sequence_parallel and plan.n_cards > 1:
             trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free,
-                           remote_ranks, backend, dit_ranks, tokens_from, sp_mode)
+                           remote_ranks, backend, dit_ranks, tokens_from, sp_mode, split_weights)
             if any(stage == "DiT" for _, stage, _ in trial.problems()):
                 chosen = "shard"
         dit_weights = chosen
     return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks,
-                  backend, dit_ranks, tokens_from, sp_mode)
+                  backend, dit_ranks, tokens_from, sp_mode, split_weights)
 
 
 def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free,
            remote_ranks: int = 0, backend: str | None = None, dit_ranks: str = "threads",
-           tokens_from: str = "plan_tokens", sp_mode=None) -> MemoryPlan:
+           tokens_from: str = "plan_tokens", sp_mode=None, split_weights=None) -> MemoryPlan:
     cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
              for d in devices]
     dit = dit_module(model)
@@ -318,7 +343,7 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     dit_cards = list(plan.dit.cards)
     world = len(dit_cards) + remote_ranks if plan.dit.mode == SEQUENCE_PARALLEL else 1
     mode, degree = (sp_mode.mode, sp_mode.degree) if sp_mode is not None else ("allgather", None)
-    act = activation_bytes(shape, tokens, world, mode=mode, degree=degree) \
+    act = activation_bytes(shape, tokens, world, mode=mode, degree=degree, weights=split_weights) \
         if shape is not None and tokens is not None else 0
     if dit_weights == "shard":
         sizes = _block_sizes(dit)
@@ -359,4 +384,4 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
         for stage in card.stages.values():
             stage.update(items)
     return MemoryPlan(dit_weights, tokens, cards, _shared_host(cards, dit_cards, free), tokens_from, shape, world,
-                      mode, degree)
+                      mode, degree, None if split_weights is None else tuple(split_weights))

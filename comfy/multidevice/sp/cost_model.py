@@ -46,13 +46,13 @@ class Traffic:
 
 
 def attention_traffic(mode: str, seq_len: int, world: int, rank: int, heads: int, head_dim: int,
-                      itemsize: int, degree: int | None = None) -> Traffic:
+                      itemsize: int, degree: int | None = None, weights=None) -> Traffic:
     """Bytes rank `rank` sends / receives for ONE attention call (one block) in `mode`.
 
     mode "ulysses" uses `degree` (default: `ulysses_degree(world, heads)`); "allgather" is
-    the K/V all-gather. Exact for uneven shards (S not divisible by W).
+    the K/V all-gather. Exact for uneven shards (S not divisible by W, or per-rank `weights`).
     """
-    rows = shard_sizes(seq_len, world)
+    rows = shard_sizes(seq_len, world, weights)
     width = head_dim * itemsize  # bytes of one row of one head
     if world == 1:
         return Traffic(0, 0)
@@ -97,26 +97,26 @@ class DiTShape:
 
 
 def hidden_gather_traffic(shape: DiTShape, seq_len: int, world: int, rank: int,
-                          itemsize: int = 2) -> Traffic:
+                          itemsize: int = 2, weights=None) -> Traffic:
     """Bytes of the all-gather of the hidden state after the last block (every rank gets the
     full sequence for the final layer)."""
-    own = shard_sizes(seq_len, world)[rank]
+    own = shard_sizes(seq_len, world, weights)[rank]
     row = shape.hidden * itemsize
     return Traffic(own * row * (world - 1), (seq_len - own) * row)
 
 
 def forward_traffic(mode: str, shape: DiTShape, seq_len: int, world: int, rank: int,
-                    itemsize: int = 2, degree: int | None = None) -> dict:
+                    itemsize: int = 2, degree: int | None = None, weights=None) -> dict:
     """Bytes of one DiT forward for one rank: attention exchanges of every block, plus the
     all-gather of the hidden state before the final layer."""
     attention = attention_traffic(mode, seq_len, world, rank, shape.heads, shape.head_dim,
-                                  itemsize, degree).scaled(shape.blocks)
-    final = hidden_gather_traffic(shape, seq_len, world, rank, itemsize)
+                                  itemsize, degree, weights).scaled(shape.blocks)
+    final = hidden_gather_traffic(shape, seq_len, world, rank, itemsize, weights)
     return {"attention": attention, "final_gather": final, "total": attention + final}
 
 
 def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2,
-                     mode: str = "allgather", degree: int | None = None) -> int:
+                     mode: str = "allgather", degree: int | None = None, weights=None) -> int:
     """An estimate of the DiT's peak activation bytes on one rank under sequence parallel.
 
     Held for the whole sequence on every rank: the embedded hidden state before block 0 and
@@ -126,18 +126,22 @@ def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 
     Held for the rank's own rows L = ceil(S/W) inside one block: q/k/v before and after the
     norm and rotation (6 H*D), the attention output (H*D), the modulated inputs and residual
     updates (4 hidden) and the SwiGLU's 2F + F. A fused attention kernel is assumed (no
-    [L, S] score matrix). Not counted: the text refiner (short), allocator fragmentation, and
+    [L, S] score matrix); with per-rank `weights` (mixed cards) L is the largest share. Not counted: the text refiner (short), allocator fragmentation, and
     under the peer backend the previous block's own q/k/v rows, which the coordinator holds for
     the peers until the next collective (about 4 H*D per own row; bench/bench_sp_modes.py
     measures the all-gather's peak 1.2x this estimate on CPU ranks, Ulysses' 1.05x: within
     bench/h3_costs.py's ACTIVATION_MARGIN, which its test holds it to).
     """
-    rows = -(-seq_len // max(world, 1))
-    a, h = shape.attention_width, shape.hidden
+    rows = -(-seq_len // max(world, 1)) if weights is None else max(shard_sizes(seq_len, world, weights))
     rope = seq_len * (shape.head_dim * 3 // 4) * 2 * 4  # 96 rotated dims -> 48 pairs of 2x2 fp32
-    full = seq_len * 2 * h * itemsize + rope
-    local = rows * (6 * a + a + 4 * h + 3 * shape.ffn) * itemsize
-    return full + exchanged_bytes(shape, seq_len, world, itemsize, mode, degree) + local
+    full = seq_len * 2 * shape.hidden * itemsize + rope
+    return full + exchanged_bytes(shape, seq_len, world, itemsize, mode, degree) + rows * row_bytes(shape, itemsize)
+
+
+def row_bytes(shape: DiTShape, itemsize: int = 2) -> int:
+    """What one of the rank's own rows holds inside one block (activation_bytes' L term)."""
+    a = shape.attention_width
+    return (6 * a + a + 4 * shape.hidden + 3 * shape.ffn) * itemsize
 
 
 def exchanged_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2,

@@ -44,8 +44,9 @@ from comfy.multidevice.sp.attention import ExchangingAttention
 from comfy.multidevice.sp.fan_out import RankThreads, SequenceParallelFanOut
 from comfy.multidevice.sp.fun_controlnet import (described_fun_controls, RankFunControl,
                                                  unsupported_control_patches)
-from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, shard_sizes, ShardPlan,
+from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, ShardPlan,
                                        slice_mod_segments, take_rows)
+from comfy.multidevice.sp.split import EVEN, measured_weights, parse_split, RowSplit, strategy_for_split
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES, ShardedBlockWeights
 
@@ -131,13 +132,17 @@ class H3RankSetup:
     """
 
     def __init__(self, comm, sp_mode=None, block_weights=None,
-                 before_block: Callable[[int], None] | None = None):
+                 before_block: Callable[[int], None] | None = None, split: RowSplit | None = None):
         """`before_block(i)`: called on this rank as block i starts (e.g. a Cancel check that every
-        rank makes at the same block, so they stop in step)."""
+        rank makes at the same block, so they stop in step). `split`: how the rows are shared
+        (sp/split.py; None: even)."""
         self.comm = comm
         self.block_weights = block_weights  # RankBlockWeights when dit_weights="shard", else None
         self.before_block = before_block
-        self.strategy = make_kv_strategy(sp_mode)
+        self.split = EVEN if split is None else split
+        self.strategy = strategy_for_split(make_kv_strategy(sp_mode), self.split, comm.rank)
+        # the plan's per-rank weights: explicit ones now, auto's after the first step's probe
+        self.weights = self.split.weights if self.split.kind == "weights" else None
         self.exchanging = ExchangingAttention(comm, self.strategy)
         self.model = None
         self.num_blocks = 0
@@ -198,11 +203,18 @@ class H3RankSetup:
         if self.before_block is not None:
             self.before_block(index)
         h = args["img"]
+        weights = self.block_weights
+        bound = False
         if index == 0:
+            if self.split.kind == "auto" and self.weights is None:
+                if weights is not None:  # dit_weights="shard": the probe runs block 0's full weights
+                    weights.bind(0, self.comm)
+                    bound = True
+                self.weights = self._measured_weights(args, extra, h)
             # H3 contract: block 0 receives the full hidden state [S, hidden] in packed order.
-            self.plan = ShardPlan(h.shape[0], self.comm.world_size, self.comm.rank)
+            self.plan = ShardPlan(h.shape[0], self.comm.world_size, self.comm.rank, self.weights)
             # every rank's rows, known from the plan: the K/V exchanges need no shape round
-            self.exchanging.shard_sizes = shard_sizes(h.shape[0], self.comm.world_size)
+            self.exchanging.shard_sizes = self.plan.sizes
             self.strategy.begin_forward()  # exchange buffers shared by this forward's blocks
             self._sliced = {}
             self._control.start_forward(h, self._fun)
@@ -225,8 +237,7 @@ class H3RankSetup:
         local["attention"] = self._attention(attn)
         # args["layout"] still describes the full sequence; H3's block does not read it.
         previous = self._previous.get(index)
-        weights = self.block_weights
-        if weights is not None:  # dit_weights="shard": block i's tensors are here only while it runs
+        if weights is not None and not bound:  # dit_weights="shard": block i's tensors are here only while it runs
             weights.bind(index, self.comm)
         # The region spans the whole block: a block that ignores args["attention"] and an
         # attention that bypasses the override both leave it with no exchanged call, an error
@@ -252,6 +263,17 @@ class H3RankSetup:
             h = gather_rows(self.comm, h, 0)
         return {**out, "img": h}
 
+    def _measured_weights(self, args, extra, h) -> tuple[float, ...]:
+        """split auto: block 0's forward on the same rows on every rank (the even share, with its
+        own attention: nothing exchanged), timed and shared by sp/split.py's `measured_weights`."""
+        probe = ShardPlan(h.shape[0], self.comm.world_size, 0)
+        local = dict(args)
+        local["img"] = take_rows(h, probe).clone()
+        local["rope_freqs"] = take_rows(args["rope_freqs"], probe, ROPE_SEQ_DIM)
+        local["mod_segments"] = slice_mod_segments(args["mod_segments"], probe)
+        local["attention"] = self.model.blocks[0].attn  # H3 contract: called like the override
+        return measured_weights(self.comm, lambda: extra["original_block"](local), self.split.caps)
+
     def _attention(self, attn):
         # H3 contract: the block's attention module is model.blocks[i].attn; it projects,
         # normalises and rotates q/k per token, then calls optimized_attention, which honours
@@ -271,7 +293,7 @@ class H3RankSetup:
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
                                    sp_mode=None, setup: H3RankSetup | None = None,
-                                   block_weights=None) -> H3RankSetup:
+                                   block_weights=None, split: RowSplit | None = None) -> H3RankSetup:
     """Set up one rank for one forward: exchanging attention + block replacements.
 
     Edits `transformer_options` (the rank's own copy) and returns the rank's set-up. Pass
@@ -280,17 +302,19 @@ def install_rank_sequence_parallel(model, comm, transformer_options: dict,
     the full output (each process samples on with its own).
     `block_weights`: this rank's `RankBlockWeights` for dit_weights="shard" (a
     weights/block_shards.py family holding this process's rank), used by a new set-up.
+    `split`: how the rows are shared (sp/split.py; None: even).
     """
     if setup is None:
-        setup = H3RankSetup(comm, sp_mode, block_weights)
+        setup = H3RankSetup(comm, sp_mode, block_weights, split=split)
     return setup.install(model, transformer_options)
 
 
 class _RankSetups:
     """The `prepare_rank` of a fan-out: each rank's H3RankSetup, made on its first forward."""
 
-    def __init__(self, sp_mode, block_weights=None):
+    def __init__(self, sp_mode, block_weights=None, split: RowSplit | None = None):
         self.sp_mode = sp_mode
+        self.split = split
         self.block_weights = block_weights  # ShardedBlockWeights of all ranks, or None
         self.setups: dict[int, H3RankSetup] = {}  # each rank thread writes its own key
 
@@ -305,7 +329,7 @@ class _RankSetups:
         view = setup.block_weights if setup is not None else None
         if setup is None or setup.comm is not comm or (view.family if view else None) is not family:
             view = None if family is None else family.rank_view(rank)
-            setup = self.setups[rank] = H3RankSetup(comm, self.sp_mode, view)
+            setup = self.setups[rank] = H3RankSetup(comm, self.sp_mode, view, split=self.split)
         return setup.install(model, transformer_options)
 
 
@@ -334,8 +358,10 @@ class SequenceParallelDiT:
     """Calls like the DiT; runs each forward on all ranks of `coordinator` (rank 0's result)."""
 
     def __init__(self, models: Sequence[torch.nn.Module], coordinator, sp_mode: str | None = None,
-                 dit_weights: str = "replicate", prefetch: bool = True):
-        make_kv_strategy(sp_mode)  # a bad mode fails here, before anything is set up
+                 dit_weights: str = "replicate", prefetch: bool = True, split=None):
+        split = parse_split(split, coordinator.world_size)
+        # a bad mode, or ulysses with an uneven split, fails here, before anything is set up
+        strategy_for_split(make_kv_strategy(sp_mode), split, rank=1)
         _check_dit_weights(dit_weights)
         if len(models) != coordinator.world_size:
             raise ValueError(f"enable_sequence_parallel got {len(models)} model replicas for "
@@ -351,7 +377,8 @@ class SequenceParallelDiT:
         self.sp_mode = sp_mode
         self.block_weights = (shard_dit_blocks(self.models, coordinator, prefetch)
                               if dit_weights == "shard" else None)
-        self.ranks = RankThreads(coordinator, self.models, prepare_rank=_RankSetups(sp_mode, self.block_weights))
+        self.ranks = RankThreads(coordinator, self.models,
+                                 prepare_rank=_RankSetups(sp_mode, self.block_weights, split))
         self.fan_out = SequenceParallelFanOut(self.ranks)
 
     @property
@@ -388,7 +415,7 @@ def _check_dit_weights(dit_weights: str) -> None:
 
 def enable_sequence_parallel(models: Sequence[torch.nn.Module], coordinator,
                              sp_mode: str | None = "allgather", dit_weights: str = "replicate",
-                             prefetch: bool = True) -> SequenceParallelDiT:
+                             prefetch: bool = True, split=None) -> SequenceParallelDiT:
     """Plain-module entry point: sequence parallelism over per-rank replicas.
 
     models[r]: rank r's DiT replica on coordinator.devices[r] (same weights on every rank).
@@ -397,16 +424,17 @@ def enable_sequence_parallel(models: Sequence[torch.nn.Module], coordinator,
     and gathers a block just before it runs (`prefetch`: the next block's gather overlaps).
     Returns a callable with the DiT's forward signature
     `(x=[video, audio], timestep, context, transformer_options=None, **kwargs)` whose result is
-    rank 0's output, equal to the single-device forward.
+    rank 0's output, equal to the single-device forward. `split`: how the rows are shared, a
+    `RowSplit` or the node's text ("even", "auto", "3,1"; sp/split.py); None: even.
     """
-    return SequenceParallelDiT(models, coordinator, sp_mode, dit_weights, prefetch)
+    return SequenceParallelDiT(models, coordinator, sp_mode, dit_weights, prefetch, split)
 
 
 # ----------------------------------------------------------------------------- ComfyUI
 
 def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Sequence[Any],
                                         sp_mode: str | None = "allgather",
-                                        block_weights=None) -> SequenceParallelFanOut:
+                                        block_weights=None, split=None) -> SequenceParallelFanOut:
     """ComfyUI entry point: make `model_patcher`'s DiT forward run sequence parallel.
 
     replicas[r]: rank r's model on coordinator.devices[r] (ModelPatcher, BaseModel or the DiT
@@ -417,11 +445,13 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     sampling step then runs on all ranks and returns rank 0's result. Raises ValueError /
     SequenceParallelError before changing the patcher when the mode, the replica count or the
     model is wrong. `block_weights`: for dit_weights="shard", a callable returning the
-    ShardedBlockWeights of the replicas' current load (roles/dit_shards.py).
+    ShardedBlockWeights of the replicas' current load (roles/dit_shards.py). `split`: how the
+    rows are shared (a `RowSplit` or the node's text; None: even).
     """
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
-    make_kv_strategy(sp_mode)
+    split = parse_split(split, coordinator.world_size)
+    strategy_for_split(make_kv_strategy(sp_mode), split, rank=1)
     if len(replicas) != coordinator.world_size:
         raise ValueError(f"enable_sequence_parallel_on_patcher got {len(replicas)} replicas for "
                          f"{coordinator.world_size} ranks; pass one per rank (None for rank 0)")
@@ -437,7 +467,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     for r, rep in enumerate(entries):
         if rep is not None:
             _require_support(dit_module(rep), f"replica {r}")
-    fan_out = SequenceParallelFanOut(RankThreads(coordinator, entries, prepare_rank=_RankSetups(sp_mode, block_weights),
+    fan_out = SequenceParallelFanOut(RankThreads(coordinator, entries, prepare_rank=_RankSetups(sp_mode, block_weights, split),
                                                  resolve_model=dit_module))
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, fan_out)

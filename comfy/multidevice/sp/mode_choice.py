@@ -7,7 +7,8 @@ The node offers four choices; each becomes one of the two exchanges of strategie
   hybrid     Ulysses inside groups of U ranks (U: the largest divisor of W and the heads),
              K/V gathered across the groups; plain Ulysses when U = W
   auto       `choose_sp_mode`'s rule, first match:
-    1. one rank: allgather (nothing is exchanged);
+    1. one rank: allgather (nothing is exchanged); an uneven split (`uneven_rows`, sp/split.py):
+       allgather, since Ulysses needs even rows (ulysses / hybrid asked with one are refused);
     2. no group size above one divides both W and the heads: allgather (the hybrid would move
        the all-gather's bytes, in two rounds instead of one);
     3. this machine measured both exchanges at this W on these cards (`doctor --deep` keeps it in
@@ -79,15 +80,25 @@ def held_ratio(world: int, heads: int, head_dim: int, degree: int) -> float:
 
 
 def choose_sp_mode(choice: str, world: int, heads: int | None, head_dim: int = 128,
-                   other_servers: bool = False, measured: dict | None = None) -> ModeChoice:
+                   other_servers: bool = False, measured: dict | None = None,
+                   uneven_rows: bool = False) -> ModeChoice:
     """The node's `choice` at `world` DiT ranks of a DiT with `heads` heads (None: not readable),
     `other_servers` when ranks of other servers join, `measured` this machine's timing of both
     exchanges at this W on these cards (`measurement_for(device kind, W)`: the device kind enters
-    the rule there)."""
+    the rule there). `uneven_rows`: the node's split may give the ranks different rows (mixed
+    cards, sp/split.py): Ulysses keeps the heads even and needs even rows, so it is refused and
+    auto runs the all-gather."""
     if choice not in SP_MODE_CHOICES:
         raise SPModeError(f"sp_mode={choice!r} is unknown: set sp_mode to one of {', '.join(SP_MODE_CHOICES)}.")
     if world <= 1:
         return ModeChoice("allgather", 1, world, "one rank, nothing to exchange")
+    if uneven_rows and choice in ("ulysses", "hybrid"):
+        raise SPModeError(f"sp_mode={choice} splits the attention heads evenly and needs every card to hold the same "
+                          "rows, but split gives the cards different rows: set sp_mode to allgather or auto, or "
+                          "split to even.")
+    if uneven_rows:
+        return ModeChoice("allgather", 1, world, "asked" if choice == "allgather" else
+                          "auto: split gives the cards different rows, which the all-gather exchanges exactly")
     if heads is None:
         if choice in ("allgather", "auto"):
             return ModeChoice("allgather", 1, world, "asked" if choice == "allgather" else

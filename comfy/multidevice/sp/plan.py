@@ -2,6 +2,9 @@
 
 `ShardPlan`: rank r of W owns rows [S*r//W, S*(r+1)//W) of a packed sequence of S rows (exact,
 never padded; lengths differ by at most one row); `shard_sizes` is the same formula as a list.
+With per-rank `weights` (mixed cards: a faster card takes more rows) rank r starts at
+r + floor((S-W) * w[:r] / sum(w)): every rank keeps one row, the rest follow the cumulative
+weights, and equal weights give the even formula's edges exactly.
 `take_rows` (e.g. the rows of a RoPE table), `slice_mod_segments` (a modulation table of
 (start, stop, row) spans, row an int or a per-token index tensor, clipped to the rank's rows and
 re-based to 0) and `gather_rows` (all-gather-V of the rows back) work on one rank's part.
@@ -10,7 +13,9 @@ re-based to 0) and `gather_rows` (all-gather-V of the rows back) work on one ran
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Sequence
 
 import torch
@@ -24,23 +29,53 @@ class SequenceParallelError(RuntimeError):
 
 # ----------------------------------------------------------------------------- shard plan
 
-def shard_start(total: int, world: int, rank: int) -> int:
+def check_weights(weights, world: int) -> tuple[float, ...] | None:
+    """`weights` as a tuple of `world` positive finite numbers (None stays None: the even split);
+    a ValueError that names the value and the fix otherwise."""
+    if weights is None:
+        return None
+    try:
+        values = tuple(float(w) for w in weights)
+    except (TypeError, ValueError):
+        values = None
+    if values is None or len(values) != world or not all(math.isfinite(w) and w > 0 for w in values):
+        raise ValueError(
+            f"split weights {weights!r} do not fit {world} rank(s): give one positive number per rank "
+            f"(e.g. {','.join(['1'] * world)} for an even split, or 3,1 to give the first of two "
+            "ranks three times the rows of the second), or use split even")
+    return values
+
+
+def shard_start(total: int, world: int, rank: int, weights: Sequence[float] | None = None) -> int:
     """Where rank `rank` of `world` starts in `total` rows: the one shard formula of the package."""
-    return total * rank // world
+    if weights is None:
+        return total * rank // world
+    # exact rationals: every rank computes the same edges from the same floats
+    shares = [Fraction(w) for w in check_weights(weights, world)]
+    spare = max(total - world, 0)
+    return rank + math.floor(spare * sum(shares[:rank]) / sum(shares))
 
 
-def shard_sizes(total: int, world: int) -> list[int]:
-    """Rows per rank under the plan [S*r//W, S*(r+1)//W)."""
-    return [shard_start(total, world, r + 1) - shard_start(total, world, r) for r in range(world)]
+def shard_sizes(total: int, world: int, weights: Sequence[float] | None = None) -> list[int]:
+    """Rows per rank under the plan (the even [S*r//W, S*(r+1)//W) when `weights` is None)."""
+    return [shard_start(total, world, r + 1, weights) - shard_start(total, world, r, weights)
+            for r in range(world)]
+
+
+def is_even(weights: Sequence[float] | None) -> bool:
+    """Whether `weights` split the rows as the even formula does (None or all equal)."""
+    return weights is None or len(set(float(w) for w in weights)) <= 1
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which rows of a packed sequence of `seq_len` rows rank `rank` of `world_size` owns."""
+    """Which rows of a packed sequence of `seq_len` rows rank `rank` of `world_size` owns;
+    `weights`: per-rank shares (None: the even split)."""
 
     seq_len: int
     world_size: int
     rank: int
+    weights: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -51,23 +86,29 @@ class ShardPlan:
             raise ValueError(
                 f"a sequence of {self.seq_len} rows cannot be split over {self.world_size} ranks "
                 f"(every rank needs at least one row); use at most {self.seq_len} ranks")
+        object.__setattr__(self, "weights", check_weights(self.weights, self.world_size))
 
     @staticmethod
-    def edges(seq_len: int, world_size: int) -> list[tuple[int, int]]:
-        return [(shard_start(seq_len, world_size, r), shard_start(seq_len, world_size, r + 1))
+    def edges(seq_len: int, world_size: int, weights: Sequence[float] | None = None) -> list[tuple[int, int]]:
+        return [(shard_start(seq_len, world_size, r, weights), shard_start(seq_len, world_size, r + 1, weights))
                 for r in range(world_size)]
 
     @property
     def start(self) -> int:
-        return shard_start(self.seq_len, self.world_size, self.rank)
+        return shard_start(self.seq_len, self.world_size, self.rank, self.weights)
 
     @property
     def stop(self) -> int:
-        return shard_start(self.seq_len, self.world_size, self.rank + 1)
+        return shard_start(self.seq_len, self.world_size, self.rank + 1, self.weights)
 
     @property
     def length(self) -> int:
         return self.stop - self.start
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every rank's rows under this plan."""
+        return shard_sizes(self.seq_len, self.world_size, self.weights)
 
 
 def take_rows(tensor: torch.Tensor | None, plan: ShardPlan, dim: int = 0) -> torch.Tensor | None:

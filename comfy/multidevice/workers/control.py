@@ -6,7 +6,7 @@ group: its length first, then its bytes, both broadcast from rank 0. The tensors
 (latents, timestep, conditioning) travel inside the message; the K/V exchange between the ranks
 goes over the communicator, not here. A worker checks the announced length against
 MAX_MESSAGE_BYTES before it allocates, and decodes only the records this package registered
-(the imports below register them: a recipe, its plan, a repeated tensor, a Fun ControlNet).
+(the imports below register them: a recipe, its plan, the split, a repeated tensor, a Fun ControlNet).
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.progress import executing_node_text
 from comfy.multidevice.sp.fan_out import transformer_options_of
-from comfy.multidevice.sp.minimax_h3 import H3RankSetup
+from comfy.multidevice.sp.minimax_h3 import H3RankSetup, strategy_for_split
+from comfy.multidevice.sp.split import EVEN, parse_split, RowSplit
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.workers.admission import SECRET_FILE_ENV
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD
@@ -105,7 +106,7 @@ class WorkerPool:
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
                  timeout_s: float | None = None, rank0_model: torch.nn.Module | None = None,
                  remote: int = 0, address: str = "127.0.0.1", port: int = 0, rank0_weights=None,
-                 dit_file: "DitFile | None" = None):
+                 dit_file: "DitFile | None" = None, split: RowSplit | None = None):
         """`rank0_model`: rank 0's DiT when this process has it already (a ComfyUI MODEL's),
         with `rank0_weights`, its block-weights handle when it is rank 0's shard of a sharded
         recipe (weights/shard_layout.py); else rank 0 builds it from the recipe too.
@@ -114,13 +115,16 @@ class WorkerPool:
         picks it; ranks on other servers need a fixed one, and the cluster secret).
         `dit_file`: the DiT file rank 0's weights came from and its identity, which every
         worker checks its own file against before it loads (default: the recipe's `path`
-        as it is now)."""
+        as it is now). `split`: how the rows are shared (sp/split.py; None: even), sent to the
+        workers in the build message."""
         if len(devices) + remote < 2:
             raise ValueError(f"a worker pool needs at least 2 ranks, got {len(devices)} device(s) and "
                              f"{remote} remote rank(s); one card runs without one")
         if remote < 0:
             raise ValueError(f"remote={remote} ranks: give 0 or more")
-        make_kv_strategy(sp_mode)  # a bad mode fails here, before any process starts
+        self.split = EVEN if split is None else split
+        # a bad mode, or ulysses with an uneven split, fails here, before any process starts
+        strategy_for_split(make_kv_strategy(sp_mode), self.split, rank=1)
         self.devices = [resolve_device(d) for d in devices]
         self.remote = remote
         self.address = address
@@ -213,7 +217,7 @@ class WorkerPool:
                     self.cancel_flag = BlockFlag(group)
                     self.sent_tensors = SentTensors()  # the workers start with nothing held
                     self._send((BUILD, self.recipe, self.sp_mode,
-                                None if self.dit_file is None else self.dit_file.to_data()))
+                                None if self.dit_file is None else self.dit_file.to_data(), self.split))
                     lane = block_gather_lane(self.devices[0], self.timeout_s) if self.recipe.sharded else None
             finally:
                 self.rendezvous.close_pool(pool)  # a rank coming later waits for the next pool
@@ -243,7 +247,7 @@ class WorkerPool:
             raise RecipeError("the model recipe " + self.recipe.describe() + " failed on " +
                               "; ".join(f"{self.identities[r].describe()}: {p}" for r, p in bad))
         self.setup = H3RankSetup(self.comm, self.sp_mode, self.rank0_weights,
-                                 before_block=self._cancel_point)
+                                 before_block=self._cancel_point, split=self.split)
         self.start_seconds = time.perf_counter() - started
         log.info("worker pool: %d ranks started in %.1f s: %s", self.world_size, self.start_seconds,
                  ", ".join(f"{i.describe()} {self._device_of(i.rank)}" for i in self.identities))
@@ -456,8 +460,8 @@ class WorkersDiT:
     again after one that lost a rank."""
 
     def __init__(self, devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = None,
-                 timeout_s: float | None = None):
-        self.pool = WorkerPool(devices, recipe, sp_mode, timeout_s)  # checks the arguments now
+                 timeout_s: float | None = None, split: RowSplit | None = None):
+        self.pool = WorkerPool(devices, recipe, sp_mode, timeout_s, split=split)  # checks the arguments now
         self._started = False
 
     def __call__(self, x, timestep, context, transformer_options: dict | None = None, **kwargs):
@@ -475,7 +479,8 @@ class WorkersDiT:
     def _renew(self):
         old = self.pool
         self.pool = WorkerPool(old.devices, old.recipe, old.sp_mode, old.timeout_s, remote=old.remote,
-                               address=old.address, port=old.requested_port, dit_file=old.dit_file)
+                               address=old.address, port=old.requested_port, dit_file=old.dit_file,
+                               split=old.split)
         self._started = False
 
     def close(self):
@@ -485,8 +490,9 @@ class WorkersDiT:
 
 
 def enable_sequence_parallel_workers(devices: Sequence, recipe: ModelRecipe, sp_mode: str | None = "allgather",
-                                     timeout_s: float | None = None) -> WorkersDiT:
+                                     timeout_s: float | None = None, split=None) -> WorkersDiT:
     """Plain-module entry point with ranks as processes: rank 0 here on devices[0], one worker
     process per other device, each with the DiT `recipe` builds on its device. Returns a
-    callable with the DiT's forward signature whose result equals the single-device forward."""
-    return WorkersDiT(devices, recipe, sp_mode, timeout_s)
+    callable with the DiT's forward signature whose result equals the single-device forward.
+    `split`: how the rows are shared, a `RowSplit` or the node's text (sp/split.py); None: even."""
+    return WorkersDiT(devices, recipe, sp_mode, timeout_s, parse_split(split, len(devices)))

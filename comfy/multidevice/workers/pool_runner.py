@@ -22,6 +22,7 @@ from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.sp.fan_out import SequenceParallelFanOut, transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.plan import SequenceParallelError
+from comfy.multidevice.sp.split import RowSplit
 from comfy.multidevice.workers.admission import cluster_secret, SECRET_FILE_ENV
 from comfy.multidevice.workers.comfy_dit import comfy_dit_recipe, patches_digest
 from comfy.multidevice.workers.dit_file import DitFile
@@ -158,7 +159,8 @@ def _close_held(held: dict) -> None:
 def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "allgather",
                        timeout_s: float | None = None, prelude: Sequence[tuple[str, str]] = (),
                        remote: int = 0, address: str = "127.0.0.1", port: int = 0,
-                       recipe: ModelRecipe | None = None, rank0_weights=None) -> SequenceParallelFanOut:
+                       recipe: ModelRecipe | None = None, rank0_weights=None,
+                       split: RowSplit | None = None) -> SequenceParallelFanOut:
     """ComfyUI entry point, ranks as processes: `model_patcher`'s DiT forward runs on rank 0
     (this process, devices[0]), on one worker process per other device, and on `remote` ranks
     of other servers (their join command logged here; `address`:`port` the rendezvous), each
@@ -166,7 +168,8 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
     Installs the wrapper under sp/minimax_h3.py's WRAPPER_KEY and returns it; refuses a MODEL
     it cannot rebuild (RecipeError) before changing the patcher. `recipe`, `rank0_weights`:
     for dit_weights="shard", the sharded recipe made from the MODEL before its patches went
-    into the shards, and rank 0's block-weights handle (roles/dit.py `workers_dit`)."""
+    into the shards, and rank 0's block-weights handle (roles/dit.py `workers_dit`). `split`:
+    how the rows are shared (sp/split.py; None: even)."""
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
     if remote:  # refused now, naming how to make and place it, not at the first step
@@ -184,7 +187,8 @@ def workers_on_patcher(model_patcher, devices: Sequence, sp_mode: str | None = "
     def make_pool(rank0_dit):
         made = recipe if recipe is not None else comfy_dit_recipe(sampling_patcher(), prelude)
         return WorkerPool(devices, made, sp_mode, timeout_s, rank0_model=rank0_dit, remote=remote,
-                          address=address, port=port, rank0_weights=rank0_weights, dit_file=dit_file)
+                          address=address, port=port, rank0_weights=rank0_weights, dit_file=dit_file,
+                          split=split)
 
     def patch_set():
         if recipe is None:  # the workers load the sampling patcher's own patches: a new set, a new pool

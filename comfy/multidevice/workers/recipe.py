@@ -20,6 +20,7 @@ import torch
 
 from comfy.multidevice.comm.settings import TRUSTED_MODULES_ENV, trusted_modules_from_env
 from comfy.multidevice.miniature.h3 import miniature_template
+from comfy.multidevice.sp.split import RowSplit
 from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.weights.block_shards import BlockShardPlan
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
@@ -31,6 +32,7 @@ RECIPE_BUILDERS: dict[str, Callable] = {}  # "module:function" -> a function a w
 
 register_record(BlockShardPlan, "block_shard_plan")  # a sharded recipe's plan (plain data)
 register_record(SPMode, "sp_mode")  # the build message's mode with its options (exchange_precision)
+register_record(RowSplit, "sp_split")  # how the rows are shared, in the build message (plain data)
 
 
 class RecipeError(ValueError):

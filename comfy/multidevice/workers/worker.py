@@ -92,7 +92,7 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
     the process's start (time.monotonic()), for its one start-up line."""
     if not link.wait_for_go():
         return 0
-    kind, recipe, sp_mode, dit_file = control.receive()
+    kind, recipe, sp_mode, dit_file, split = control.receive()
     if kind != BUILD:
         raise RuntimeError(f"rank {comm.rank}: expected the build message first, got {kind!r}")
     lane = block_gather_lane(device, timeout_s) if recipe.sharded else None
@@ -120,7 +120,7 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
         if cancel_flag.post():
             raise CancelledByRank0(index)
 
-    setup = H3RankSetup(comm, sp_mode, block_weights, before_block=cancel_point)
+    setup = H3RankSetup(comm, sp_mode, block_weights, before_block=cancel_point, split=split)
     while True:
         if not link.wait_for_go():  # idle: no collective timeout here
             return 0
