@@ -43,6 +43,21 @@ def test_int8_on_rank_threads_within_the_bound(patcher, one_card, world, mode):
 
 
 @pytest.mark.parametrize("mode", ["allgather", "ulysses"])
+def test_int8_through_the_node_within_the_bound(patcher, one_card, mode):
+    """The node's own input (configure_parallel, 4 CPU cards, rank threads): every rank's
+    strategy compressed, the sampling within the bound of one card's exact one."""
+    from comfy_extras.nodes_multinpu import configure_parallel
+    from tests.node_cases import inputs
+    _, clip, video_vae, audio_vae = inputs()
+    parallel = configure_parallel(patcher, clip, video_vae, audio_vae, npu_count=4, device_kind="cpu",
+                                  dit_ranks="threads", sp_mode=mode, exchange_precision="int8")[0]
+    out = sample(parallel)
+    states = parallel.wrappers["diffusion_model"][WRAPPER_KEY][0].runner.last_rank_states
+    assert {(s.strategy.name, s.strategy.precision) for s in states} == {(mode, "int8")}
+    assert 0 < relative_error(out, one_card) <= STEP_REL_ERROR_BOUND["int8"]
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ulysses"])
 def test_int8_with_ranks_as_processes_within_the_bound(patcher, one_card, mode):
     parallel, fan_out = workers(patcher, 2, sp_mode=SPMode(mode, exchange_precision="int8"))
     try:
