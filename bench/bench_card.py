@@ -23,7 +23,8 @@ card synchronised around each), the card's peak memory (weights + activations + 
 K/V) beside the memory plan's estimate (sp/cost_model.py `activation_bytes`), the bytes one
 rank receives per block (sp/cost_model.py) and the time the card's copy engine takes to move
 them (a device-to-device copy: the in-node lower bound of the exchange; one card has no
-peer). From those: the DiT time per step (50 blocks, the exchange added: overlap is not
+peer), and what exchange_precision=int8 would move instead and the time its coding takes on
+the card (this rank's K/V coded, every rank's decoded). From those: the DiT time per step (50 blocks, the exchange added: overlap is not
 proven) and per 50-step run at W = 1, 2, 4, 8, the same for the seed's run (4 cards, 15 s,
 8 steps) and SGLang's (8 cards, 5 s, 50 steps) beside those anchors (bench/project_h3.py
 ANCHORS) as ratios. Human-readable lines go to stderr, one JSON object to stdout (its only
@@ -61,6 +62,7 @@ import torch  # noqa: E402
 from bench import project_h3  # noqa: E402
 from comfy.multidevice.comm.layout import displacements, numel, scratch, unflatten_gathered  # noqa: E402
 from comfy.multidevice.comm.checks import planned_metas  # noqa: E402
+from comfy.multidevice.comm.compression import bytes_ratio, dequantize, quantize  # noqa: E402
 from comfy.multidevice.devices import accelerator_api, resolve_device, set_thread_device  # noqa: E402
 from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names  # noqa: E402
 from comfy.multidevice.sp.attention import ExchangingAttention  # noqa: E402
@@ -343,6 +345,7 @@ def measure_point(block, dims: Dims, workload: dict, world: int, card: Card, dty
     plan_block = weights + plan_activations - 2 * seq * dims.hidden * itemsize
     point = {"workload": None, "tokens": seq, "world": world, "rows": shard_sizes(seq, world)[0],
              "block_s": None, "block_s_all": [], "exchange_bytes": received, "exchange_copy_s": None,
+             "int8_exchange_bytes": round(received * bytes_ratio(dims.head_dim, dtype)), "int8_code_s": None,
              "weights_bytes": weights, "gathered_kv_bytes": gathered, "peak_bytes": None,
              "activation_bytes": None, "plan_activation_bytes": plan_activations,
              "plan_block_bytes": plan_block, "measured_vs_plan": None, "error": None}
@@ -372,6 +375,7 @@ def measure_point(block, dims: Dims, workload: dict, world: int, card: Card, dty
         del inputs, attention
         inputs = None
         point["exchange_copy_s"] = copy_seconds(card, received, dtype, warmup, repeats)
+        point["int8_code_s"] = int8_code_seconds(card, dims, seq, world, dtype, warmup, repeats)
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
         if not is_out_of_memory(exc):
             raise
@@ -392,6 +396,21 @@ def copy_seconds(card: Card, nbytes: int, dtype, warmup: int, repeats: int) -> f
     dst = torch.empty_like(src)
     seconds = timed(card, lambda: dst.copy_(src), warmup, repeats)
     del src, dst
+    return statistics.median(seconds)
+
+
+def int8_code_seconds(card: Card, dims: Dims, seq: int, world: int, dtype, warmup: int, repeats: int) -> float:
+    """Median seconds exchange_precision=int8 adds to one block's all-gather on this rank: its
+    own K and V coded into records, every rank's records decoded (comm/compression.py); 0 at W = 1."""
+    if world == 1:
+        return 0.0
+    rows = shard_sizes(seq, world)[0]
+    own = torch.empty(2, rows, dims.heads, dims.head_dim, dtype=dtype, device=card.device).normal_()
+    received = quantize(torch.empty(2, seq, dims.heads, dims.head_dim, dtype=dtype, device=card.device).normal_(),
+                        "int8")
+    seconds = timed(card, lambda: (quantize(own, "int8"), dequantize(received, "int8", dtype, dims.head_dim)),
+                    warmup, repeats)
+    del own, received
     return statistics.median(seconds)
 
 
@@ -475,7 +494,9 @@ def run(card: Card, dims: Dims, names, worlds, divisor: int, warmup: int, repeat
             peak = "n/a" if point["peak_bytes"] is None else f"{point['peak_bytes'] / 2 ** 30:.2f} GiB"
             log(f"  {name} W={world}: {point['rows']} rows x {point['tokens']} keys, block "
                 f"{point['block_s'] * 1e3:.2f} ms, exchange {point['exchange_bytes'] / 1e6:.1f} MB in "
-                f"{point['exchange_copy_s'] * 1e3:.3f} ms (copy engine), peak {peak}")
+                f"{point['exchange_copy_s'] * 1e3:.3f} ms (copy engine), peak {peak}"
+                + (f"; int8 exchange {point['int8_exchange_bytes'] / 1e6:.1f} MB, coding "
+                   f"{point['int8_code_s'] * 1e3:.3f} ms" if point["world"] > 1 else ""))
     projected = projection(points, dims, workloads(divisor))
     anchors = anchor_ratios(projected)
     if mode == "cpu":

@@ -118,6 +118,10 @@ def test_cpu_run_measures_every_point_and_projects_from_them(cpu_run):
         assert p["exchange_bytes"] == attention_traffic("allgather", p["tokens"], p["world"], 0, dims["heads"],
                                                         dims["head_dim"], 2).received
         assert (p["exchange_copy_s"] == 0.0) == (p["world"] == 1)
+        # exchange_precision=int8's side: its record bytes and its coding time
+        per_row = dims["head_dim"] + 2 * -(-dims["head_dim"] // 128)  # a bf16 scale per <= 128 values
+        assert p["int8_exchange_bytes"] == round(p["exchange_bytes"] * per_row / (2 * dims["head_dim"]))
+        assert (p["int8_code_s"] == 0.0) == (p["world"] == 1) and p["int8_code_s"] >= 0
         assert p["peak_bytes"] is None  # the CPU cannot say; a card does (see the fake card below)
         step = result["projection"][p["workload"]][str(p["world"])]
         assert step["step_s"] == pytest.approx(dims["blocks"] * (p["block_s"] + p["exchange_copy_s"]))
@@ -139,8 +143,8 @@ def test_a_card_is_synchronised_around_every_timed_call_and_its_peak_is_read(fak
     card = fake_npu_card()
     result = run_fake(card, warmup=1, repeats=2)
     # per timed series: one sync after the warm-up, then one before and one after each call;
-    # W=1 times the block only, W=8 the block and the exchange copy
-    assert card.api.syncs == (1 + 2 * 2) + 2 * (1 + 2 * 2)
+    # W=1 times the block only, W=8 the block, the exchange copy and the int8 coding
+    assert card.api.syncs == (1 + 2 * 2) + 3 * (1 + 2 * 2)
     assert card.api.peak_resets >= 2 * len(result["points"])
     for p in result["points"]:
         assert p["peak_bytes"] == FAKE_PEAK
