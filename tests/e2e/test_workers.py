@@ -4,8 +4,8 @@ node's dit_ranks=processes starts one worker process per other card at the first
 A tiny t2va prompt at 4 CPU cards with processes equals the same prompt at 1 card; a worker
 killed with SIGKILL between prompts fails the next prompt naming its rank, and the prompt
 after it (fresh workers) equals the 1-card prompt again; so does the prompt with
-dit_weights=shard (each process holding its rank's block weights); a prompt with the node's
-split 3,1,2,1 and exchange_precision int8 stays within the int8 bound of one card. On v0.33.0 sequence parallel is
+dit_weights=shard (each process holding its rank's block weights); so does one with the node's
+split auto; one with split 3,1,2,1 and exchange_precision int8 stays within the int8 bound of one card. On v0.33.0 sequence parallel is
 refused by design (test_install_ways.py checks that), so this file skips there.
 """
 
@@ -148,8 +148,17 @@ def test_processes_sample_like_one_card_and_a_killed_worker_fails_one_prompt_onl
         assert "DiT shard of rank 0" in server.log_text()
         assert np.abs(saved_frames(tree, "sharded") - saved_frames(tree, "one_card_11")).max() <= MAX_LEVELS
 
-        # mixed cards and a compressed exchange, from the node's own inputs: uneven rows (3,1,2,1)
-        # are exact; the int8 exchange is not, its frames stay within INT8_FRAMES_REL of one card's
+        # mixed cards from the node's own input: split auto (each rank times a block at the first
+        # step) is exact, as is any split
+        auto = prompt_with("split_auto", 11, processes=True)
+        auto["5"]["inputs"]["split"] = "auto"
+        done = run_prompt(server, auto)
+        assert done["status"]["status_str"] == "success", error_text(done) + server.log_text()[-3000:]
+        assert "split auto: rank 0" in server.log_text(), server.log_text()[-3000:]
+        assert np.abs(saved_frames(tree, "split_auto") - saved_frames(tree, "one_card_11")).max() <= MAX_LEVELS
+
+        # and a compressed exchange with uneven rows (3,1,2,1): int8 is not exact, its frames stay
+        # within INT8_FRAMES_REL of one card's
         mixed = prompt_with("mixed_int8", 11, processes=True)
         mixed["5"]["inputs"].update(split="3,1,2,1", exchange_precision="int8", sp_mode="allgather")
         done = run_prompt(server, mixed)
