@@ -14,7 +14,7 @@ from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import SequenceParallelError, ShardPlan
 from comfy.multidevice.sp.split import parse_split, RowSplit, SplitError, strategy_for_split, weights_from_times
-from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
+from comfy.multidevice.sp.strategies import AllGatherKV, CompressedKV, make_kv_strategy, SPMode
 from tests.sp_cases import CASES, FP32_TOL, make_inputs, rel_diff, replicas, run_sp
 
 
@@ -54,6 +54,15 @@ def test_ulysses_with_an_uneven_split_is_refused_and_auto_becomes_the_allgather(
     assert isinstance(strategy_for_split(make_kv_strategy("auto"), parse_split("auto", 2)), AllGatherKV)
     even = make_kv_strategy("ulysses")
     assert strategy_for_split(even, parse_split("1,1", 2)) is even
+
+
+def test_an_uneven_split_keeps_the_exchange_precision():
+    # sp_mode auto with exchange_precision int8: the all-gather it becomes still sends int8 records
+    chosen = strategy_for_split(make_kv_strategy(SPMode("auto", exchange_precision="int8")), parse_split("auto", 2))
+    assert isinstance(chosen, CompressedKV) and isinstance(chosen.strategy, AllGatherKV)
+    assert chosen.precision == "int8" and chosen.name == "allgather"
+    with pytest.raises(SequenceParallelError, match="sp_mode ulysses"):
+        strategy_for_split(make_kv_strategy(SPMode("ulysses", exchange_precision="int8")), parse_split("3,1", 2))
 
 
 @pytest.mark.timeout(240)

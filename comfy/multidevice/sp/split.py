@@ -25,7 +25,7 @@ import torch
 
 from comfy.multidevice.devices import synchronize
 from comfy.multidevice.sp.plan import check_weights, is_even, SequenceParallelError
-from comfy.multidevice.sp.strategies import AllGatherKV
+from comfy.multidevice.sp.strategies import AllGatherKV, CompressedKV
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,8 @@ def strategy_for_split(strategy, split: RowSplit, rank: int = 0):
     so an uneven split is refused with it (naming the fix) and `auto` becomes the all-gather."""
     if not split.uneven:
         return strategy
+    if isinstance(strategy, CompressedKV):  # the exchange's precision stays whatever runs inside
+        return CompressedKV(strategy_for_split(strategy.strategy, split, rank), strategy.precision)
     name = getattr(strategy, "name", None)
     if name == "ulysses":
         raise SequenceParallelError(
