@@ -28,6 +28,11 @@ and engine (not to one device: the exchange is what differs). Relative error is
      processes_step_s                      the medians, per W and precision
    On one machine gloo moves bytes through memory: the ratio says what the coding costs
    against what it saves here, not on a PCIe or network link.
+4. Memory (the step model, allgather, W = the first of --worlds, rank threads): the busiest
+   rank's peak of live activation bytes in a forward (bench/bench_sp_modes.py's tracker),
+   exact and int8, against the memory plan's estimate for each (sp/cost_model.py
+   activation_bytes, which counts int8's received records beside what they decode into).
+     activation_measured_vs_estimate       per precision: measured / estimate
 
 The documented bounds (comm/compression.py BLOCK_REL_ERROR_BOUND / STEP_REL_ERROR_BOUND) are
 printed beside each error, and `within_bounds` says whether every error is under its bound.
@@ -57,6 +62,8 @@ from comfy.multidevice.comm.compression import (BLOCK_REL_ERROR_BOUND, fp8_dtype
                                                 STEP_REL_ERROR_BOUND)
 from comfy.multidevice.comm.group import SequenceParallelCoordinator  # noqa: E402
 from comfy.multidevice.miniature.h3 import build_miniature, MiniatureConfig, save_miniature  # noqa: E402
+from comfy.multidevice.roles.memory_plan import dit_shape_of  # noqa: E402
+from comfy.multidevice.sp.cost_model import activation_bytes  # noqa: E402
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel  # noqa: E402
 from comfy.multidevice.sp.strategies import SPMode  # noqa: E402
 from comfy.multidevice.workers.pool import WorkerPool  # noqa: E402
@@ -145,6 +152,29 @@ def errors_and_bytes(model, worlds, video_rows: int, hidden: int, capture_block:
     return {"errors": errors, "bytes": nbytes}
 
 
+def activation_peaks(model, world: int, video_rows: int) -> dict:
+    """Per precision (exact, int8; allgather): the busiest rank's measured peak of live bytes in
+    one forward, the plan's estimate for it, and their ratio."""
+    from bench_sp_modes import LiveStorageBytes, tracked_ranks  # the same tracker as the SP modes' bench
+    x, t, ctx = inputs(video_rows)
+    shape = dit_shape_of(model)
+    out = {}
+    with SequenceParallelCoordinator(["cpu"] * world, backend="peer", timeout_s=600) as coord:
+        for precision in ("exact", "int8"):
+            sp = enable_sequence_parallel([model] * world, coord, sp_mode=SPMode("allgather", exchange_precision=precision))
+            with torch.inference_mode():
+                sp(x, t, ctx)  # warm-up: the strategy's buffers exist before the measured forward
+                trackers = [LiveStorageBytes() for _ in range(world)]
+                with tracked_ranks(coord, trackers):
+                    sp(x, t, ctx)
+            measured = max(tr.peak for tr in trackers)
+            estimate = activation_bytes(shape, sum(sp.tokens_per_rank()), world, DTYPE.itemsize, precision=precision)
+            out[precision] = {"measured": measured, "estimate": estimate, "ratio": round(measured / estimate, 3)}
+    print("memory W=%d: " % world + ", ".join(f"{p} {v['measured'] / 1e6:.1f} MB measured, {v['estimate'] / 1e6:.1f} MB "
+                                              f"estimated ({v['ratio']})" for p, v in out.items()), flush=True)
+    return out
+
+
 def processes_times(path: str, worlds, video_rows: int, rounds: int, forwards: int) -> dict:
     recipe = ModelRecipe("comfy.multidevice.workers.recipe", "miniature_from_shared_checkpoint", {"path": path})
     x, t, ctx = inputs(video_rows, seed=1)
@@ -201,6 +231,7 @@ def main(argv=None) -> int:
     step_cfg = config(1024, 8, 2048, args.step_blocks)
     step_model = build_miniature(step_cfg, seed=1, dtype=DTYPE)
     step = errors_and_bytes(step_model, args.worlds, 256, 1024, False, "step")
+    peaks = activation_peaks(step_model, args.worlds[0], 256)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "step.safetensors")
         save_miniature(step_model, path)
@@ -230,6 +261,9 @@ def main(argv=None) -> int:
     first = args.time_worlds[0]
     result["int8_processes_step_ratio"] = timing[first]["ratio"]
     result["processes_step"] = {f"w{w}": v for w, v in timing.items()}
+    result["activation_w"] = args.worlds[0]
+    result["activation_bytes"] = peaks
+    result["activation_measured_vs_estimate"] = {p: v["ratio"] for p, v in peaks.items()}
     result["within_bounds"] = within
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(f"processes W={first}: int8 / exact step {timing[first]['ratio']} ({timing[first]['step_s']})", flush=True)

@@ -165,7 +165,7 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     roles_apply.check_inputs(plan, model, clip, video_vae, audio_vae)
     rows = dit_split(split, plan, joining)
     mode = dit_sp_mode(sp_mode, plan, selected, model, joining, backend, rows)
-    check_device_support(exchange_precision, selected[0])  # refused by name before anything is made
+    exchange_precision = check_device_support(exchange_precision, selected[0])  # refused before anything is made
     if type(plan_tokens) is int and plan_tokens == AUTO_PLAN_TOKENS:
         tokens, tokens_from = workflow_tokens(prompt), "the workflow's latents"
     else:  # a number is planned as given; anything else is refused by name in plan_memory
@@ -174,7 +174,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
                          tokens=tokens, free=free_memory, remote_ranks=joining,
                          backend=None if backend == "default" else backend, dit_ranks=dit_ranks,
                          tokens_from=tokens_from, sp_mode=mode,
-                         split_weights=rows.weights if rows.kind == "weights" else None)
+                         split_weights=rows.weights if rows.kind == "weights" else None,
+                         exchange_precision=exchange_precision)
     log.info("%s: %d card(s) %s; %s\n%s", NODE_ID, npu_count, ", ".join(map(str, selected)),
              plan.describe() + (f"; DiT {mode.describe()}" if mode.world > 1 else ""), memory.table())
     memory.check()

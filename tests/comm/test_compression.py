@@ -71,6 +71,19 @@ def test_strided_records_and_inputs_decode_the_same(precision):
                        dequantize(view.contiguous(), precision, torch.float32, 32))
 
 
+
+@pytest.mark.parametrize("precision", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_decoding_in_the_target_dtype_equals_decoding_in_fp32(precision, dtype):
+    """dequantize scales in bf16 / fp32 in place (no fp32 copy of what was received): bit for bit
+    the codes times the scales in fp32, rounded once to `dtype`."""
+    x = (torch.randn(3, 5, 256) * torch.logspace(-3, 3, 5).view(1, 5, 1)).to(dtype)
+    rec = quantize(x, precision)
+    codes = rec[..., :256].contiguous().view(torch.int8 if precision == "int8" else compression.fp8_dtype())
+    reference = (codes.float().unflatten(-1, (2, 128)) * scales_of(rec, 256).unsqueeze(-1)).flatten(-2).to(dtype)
+    decoded = dequantize(rec, precision, dtype, 256)
+    assert decoded.dtype == dtype and torch.equal(decoded, reference)
+
 def test_zero_blocks_decode_to_zero():
     x = torch.zeros(2, 3, 128)
     for precision in FORMATS:

@@ -420,3 +420,18 @@ def test_an_uneven_split_counts_the_largest_share_and_auto_caps_each_card_by_its
     roomy = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="replicate", tokens=TOKENS,
                         free={"cpu": stage + 100 * row_bytes(shape)})
     assert roomy.split_caps() == pytest.approx((0.35,) * 4)
+
+
+def test_a_compressed_exchange_is_counted_on_every_dit_card_and_kept_per_prompt():
+    from comfy.multidevice.sp.cost_model import activation_bytes
+    model, clip, video, audio = inputs()
+    shape = dit_shape_of(model.model.diffusion_model)
+    exact = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="replicate", tokens=TOKENS)
+    int8 = plan_memory(plan_roles(4), CPU4, model, clip, video, audio, dit_weights="replicate", tokens=TOKENS,
+                       exchange_precision="int8")
+    more = activation_bytes(shape, TOKENS, 4, precision="int8") - activation_bytes(shape, TOKENS, 4)
+    assert more > 0
+    for a, b in zip(exact.cards, int8.cards):
+        assert b.stages["DiT"]["activations"] - a.stages["DiT"]["activations"] == more
+    assert int8.for_tokens(2 * TOKENS).activations(2 * TOKENS) == activation_bytes(shape, 2 * TOKENS, 4,
+                                                                                     precision="int8")

@@ -75,3 +75,15 @@ def test_uneven_weights_count_the_largest_share_and_each_ranks_own_rows():
     fast = attention_traffic("allgather", 1000, 2, 0, 4, 8, 2, weights=(3, 1))
     slow = attention_traffic("allgather", 1000, 2, 1, 4, 8, 2, weights=(3, 1))
     assert fast.received == slow.sent and fast.sent == slow.received and fast.sent / slow.sent == 749 / 251
+
+
+def test_a_compressed_exchange_counts_its_records_beside_the_decoded_tensors():
+    from comfy.multidevice.sp.cost_model import activation_bytes, exchanged_bytes
+    shape = DiTShape()  # H3: 56 heads x 128
+    for mode in ("allgather", "ulysses"):
+        exact = activation_bytes(shape, 109_952, 4, mode=mode)
+        values = exchanged_bytes(shape, 109_952, 4, 2, mode) // 2
+        for precision in ("int8", "fp8"):
+            # one byte per value and a 2-byte scale per 128 values
+            assert activation_bytes(shape, 109_952, 4, mode=mode, precision=precision) - exact == values * 130 // 128
+    assert activation_bytes(shape, 109_952, 1, precision="int8") == activation_bytes(shape, 109_952, 1)

@@ -106,7 +106,7 @@ def quantize(x: torch.Tensor, precision: str, block: int = DEFAULT_BLOCK) -> tor
     """x [..., n] (floating) -> its records [..., record_width(n)] uint8, contiguous."""
     n = x.shape[-1]
     size = block_size(n, block)
-    blocks = x.float().unflatten(-1, (n // size, size))  # [..., n/b, b]
+    blocks = x.to(torch.float32, copy=True).unflatten(-1, (n // size, size))  # [..., n/b, b], coded in place
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     top = _INT8_MAX if precision == "int8" else _FP8_MAX
     # the nearest bf16, one bf16 step up where that lies below amax / top: |x| / scale <= top,
@@ -114,7 +114,7 @@ def quantize(x: torch.Tensor, precision: str, block: int = DEFAULT_BLOCK) -> tor
     scale = (amax / top).to(SCALE_DTYPE)
     scale = torch.where(scale.float() * top < amax, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
-    coded = blocks / scale.float()
+    coded = blocks.div_(scale.float())
     if precision == "int8":
         payload = coded.round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
     elif precision == "fp8":
@@ -135,8 +135,14 @@ def dequantize(records: torch.Tensor, precision: str, dtype: torch.dtype, width:
     if records.shape[-1] != record_width(width, block):
         raise ExchangePrecisionError(f"dequantize: records of {records.shape[-1]} bytes, expected "
                                      f"{record_width(width, block)} for {width} values")
-    scales = records[..., width:].contiguous().view(SCALE_DTYPE).float()  # [..., n/b]
+    # Decoded straight into `dtype` and scaled in place: no fp32 copy of what was received (at
+    # 768p 15 s a block's gathered K and V are GBs). The same values as decoding in fp32 and
+    # rounding once: the codes (int8, E4M3) are exact in bf16 and fp32, and torch multiplies
+    # bf16 in fp32 and rounds once. fp16 (or another dtype) takes the fp32 route.
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    scales = records[..., width:].contiguous().view(SCALE_DTYPE).to(work)  # [..., n/b]
     raw = records[..., :width]
     payload = raw.view(torch.int8 if precision == "int8" else fp8_dtype())  # one byte each: any strides
-    values = payload.float().unflatten(-1, (count, size)) * scales.unsqueeze(-1)
+    values = payload.to(work).unflatten(-1, (count, size))
+    values.mul_(scales.unsqueeze(-1))
     return values.flatten(-2).to(dtype)

@@ -151,12 +151,13 @@ class MemoryPlan:
     sp_mode: str = "allgather"  # the attention exchange the activations are counted for
     sp_degree: int | None = None  # its Ulysses group size (None: the hybrid rule)
     split_weights: tuple | None = None  # the DiT ranks' explicit row weights (None: even; the largest share counts)
+    exchange_precision: str = "exact"  # int8 / fp8: the exchange's records are counted too
 
     def activations(self, tokens: int) -> int:
         if self.dit_shape is None:
             return 0
         return activation_bytes(self.dit_shape, tokens, self.dit_world, mode=self.sp_mode, degree=self.sp_degree,
-                                weights=self.split_weights)
+                                weights=self.split_weights, precision=self.exchange_precision)
 
     def split_caps(self) -> tuple[float, ...] | None:
         """split auto: per DiT rank, the largest fraction of the planned tokens its card's free
@@ -192,7 +193,7 @@ class MemoryPlan:
         if host is not None:
             host = SharedHost(host.cards, {**host.items, "activations": act * host.cards}, host.free)
         return MemoryPlan(self.dit_weights, int(tokens), cards, host, tokens_from, self.dit_shape, self.dit_world,
-                          self.sp_mode, self.sp_degree, self.split_weights)
+                          self.sp_mode, self.sp_degree, self.split_weights, self.exchange_precision)
 
     def _fewer_tokens(self) -> str:
         """How to sample less, in the words of where the token count came from."""
@@ -292,7 +293,7 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
                 tokens: int | None = LONGEST_WORKFLOW_TOKENS, free: dict | None = None,
                 remote_ranks: int = 0, backend: str | None = None,
                 dit_ranks: str = "threads", tokens_from: str = "plan_tokens", sp_mode=None,
-                split_weights=None) -> MemoryPlan:
+                split_weights=None, exchange_precision: str = "exact") -> MemoryPlan:
     """The per-card memory plan for a role plan; `auto` resolved. `free` overrides the probed
     free bytes per device name (tests). `remote_ranks`: DiT ranks of other servers that join a
     sequence-parallel DiT (ranks as processes): this server's cards then hold 1/W of the
@@ -302,7 +303,8 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
     caller checks `for_tokens` at the first step); `tokens_from` names where it came from.
     `sp_mode`: the DiT's attention exchange (a ModeChoice of sp/mode_choice.py; None: allgather),
     whose buffers the activations count. `split_weights`: the DiT ranks' explicit row weights
-    (mixed cards; None: even): every card is counted with the largest share."""
+    (mixed cards; None: even): every card is counted with the largest share. `exchange_precision`:
+    int8 / fp8 count the exchange's byte records beside what they decode into."""
     if dit_weights not in DIT_WEIGHT_MODES:
         raise ValueError(f"dit_weights={dit_weights!r} is unknown: set dit_weights to one of "
                          f"{', '.join(DIT_WEIGHT_MODES)}.")
@@ -324,17 +326,18 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
         chosen = "replicate"
         if sequence_parallel and plan.n_cards > 1:
             trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free,
-                           remote_ranks, backend, dit_ranks, tokens_from, sp_mode, split_weights)
+                           remote_ranks, backend, dit_ranks, tokens_from, sp_mode, split_weights, exchange_precision)
             if any(stage == "DiT" for _, stage, _ in trial.problems()):
                 chosen = "shard"
         dit_weights = chosen
     return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks,
-                  backend, dit_ranks, tokens_from, sp_mode, split_weights)
+                  backend, dit_ranks, tokens_from, sp_mode, split_weights, exchange_precision)
 
 
 def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free,
            remote_ranks: int = 0, backend: str | None = None, dit_ranks: str = "threads",
-           tokens_from: str = "plan_tokens", sp_mode=None, split_weights=None) -> MemoryPlan:
+           tokens_from: str = "plan_tokens", sp_mode=None, split_weights=None,
+           exchange_precision: str = "exact") -> MemoryPlan:
     cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
              for d in devices]
     dit = dit_module(model)
@@ -343,7 +346,8 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     dit_cards = list(plan.dit.cards)
     world = len(dit_cards) + remote_ranks if plan.dit.mode == SEQUENCE_PARALLEL else 1
     mode, degree = (sp_mode.mode, sp_mode.degree) if sp_mode is not None else ("allgather", None)
-    act = activation_bytes(shape, tokens, world, mode=mode, degree=degree, weights=split_weights) \
+    act = activation_bytes(shape, tokens, world, mode=mode, degree=degree, weights=split_weights,
+                           precision=exchange_precision) \
         if shape is not None and tokens is not None else 0
     if dit_weights == "shard":
         sizes = _block_sizes(dit)
@@ -384,4 +388,4 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
         for stage in card.stages.values():
             stage.update(items)
     return MemoryPlan(dit_weights, tokens, cards, _shared_host(cards, dit_cards, free), tokens_from, shape, world,
-                      mode, degree, None if split_weights is None else tuple(split_weights))
+                      mode, degree, None if split_weights is None else tuple(split_weights), exchange_precision)

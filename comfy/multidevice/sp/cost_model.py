@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from comfy.multidevice.comm.compression import EXACT, record_width
 from comfy.multidevice.sp.plan import shard_sizes
 
 
@@ -116,7 +117,8 @@ def forward_traffic(mode: str, shape: DiTShape, seq_len: int, world: int, rank: 
 
 
 def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 2,
-                     mode: str = "allgather", degree: int | None = None, weights=None) -> int:
+                     mode: str = "allgather", degree: int | None = None, weights=None,
+                     precision: str = EXACT) -> int:
     """An estimate of the DiT's peak activation bytes on one rank under sequence parallel.
 
     Held for the whole sequence on every rank: the embedded hidden state before block 0 and
@@ -126,7 +128,10 @@ def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 
     Held for the rank's own rows L = ceil(S/W) inside one block: q/k/v before and after the
     norm and rotation (6 H*D), the attention output (H*D), the modulated inputs and residual
     updates (4 hidden) and the SwiGLU's 2F + F. A fused attention kernel is assumed (no
-    [L, S] score matrix); with per-rank `weights` (mixed cards) L is the largest share. Not counted: the text refiner (short), allocator fragmentation, and
+    [L, S] score matrix); with per-rank `weights` (mixed cards) L is the largest share. With a
+    compressed exchange (`precision` int8 / fp8) the received byte records are held beside what
+    they decode into: (1 + 2/128) bytes per exchanged value more (comm/compression.py). Not
+    counted: the text refiner (short), allocator fragmentation, and
     under the peer backend the previous block's own q/k/v rows, which the coordinator holds for
     the peers until the next collective (about 4 H*D per own row; bench/bench_sp_modes.py
     measures the all-gather's peak 1.2x this estimate on CPU ranks, Ulysses' 1.05x: within
@@ -135,7 +140,10 @@ def activation_bytes(shape: DiTShape, seq_len: int, world: int, itemsize: int = 
     rows = -(-seq_len // max(world, 1)) if weights is None else max(shard_sizes(seq_len, world, weights))
     rope = seq_len * (shape.head_dim * 3 // 4) * 2 * 4  # 96 rotated dims -> 48 pairs of 2x2 fp32
     full = seq_len * 2 * shape.hidden * itemsize + rope
-    return full + exchanged_bytes(shape, seq_len, world, itemsize, mode, degree) + rows * row_bytes(shape, itemsize)
+    held = exchanged_bytes(shape, seq_len, world, itemsize, mode, degree)
+    if precision != EXACT:
+        held += held // itemsize * record_width(shape.head_dim) // shape.head_dim
+    return full + held + rows * row_bytes(shape, itemsize)
 
 
 def row_bytes(shape: DiTShape, itemsize: int = 2) -> int:
