@@ -129,3 +129,26 @@ def test_a_row_split_record_checks_itself():
     for kind, weights in (("halves", None), ("weights", None), ("even", (1.0, 1.0)), ("weights", (1.0, -1.0))):
         with pytest.raises(ValueError):
             RowSplit(kind, weights)
+
+
+def test_the_probe_attends_to_as_many_keys_as_a_step(model32):
+    """split auto's probe: a card's queries against the whole sequence's worth of keys (its own
+    K and V repeated; nothing exchanged), as in the step that follows, so attention weighs in
+    the timing as much as it does when the step runs."""
+    seen = []  # (query rows, key rows) of every attention call, through an override set before ours
+
+    def recording(func, q, k, v, *args, **kwargs):
+        seen.append((q.shape[2], k.shape[2]))
+        return func(q, k, v, *args, **kwargs)
+    x, t, ctx, kw = make_inputs("plain")
+    kw = {**kw, "transformer_options": {"optimized_attention_override": recording}}
+    with SequenceParallelCoordinator(["cpu"] * 2, backend="peer", timeout_s=30) as coord:
+        sp = enable_sequence_parallel(replicas(model32, 2), coord, split="auto")
+        with torch.inference_mode():
+            sp(x, t, ctx, **kw)
+    seq_len = sum(sp.tokens_per_rank())
+    probe_rows = ShardPlan(seq_len, 2, 0).length
+    assert seen.count((probe_rows, seq_len)) >= 2 * 2  # two probe runs per rank, all keys each
+    # the step's blocks attend to every key too (the text refiner's own attention, as many
+    # queries as keys, aside)
+    assert {keys for rows, keys in seen if rows != keys} == {seq_len}

@@ -264,14 +264,18 @@ class H3RankSetup:
         return {**out, "img": h}
 
     def _measured_weights(self, args, extra, h) -> tuple[float, ...]:
-        """split auto: block 0's forward on the same rows on every rank (the even share, with its
-        own attention: nothing exchanged), timed and shared by sp/split.py's `measured_weights`."""
+        """split auto: block 0's forward on the same rows on every rank (the even share), timed
+        and shared by sp/split.py's `measured_weights`. Its queries attend to as many keys as in
+        a step (the rank's own K and V repeated to the whole sequence; nothing exchanged), so a
+        card's attention weighs against the rest of its block as it does when the step runs."""
         probe = ShardPlan(h.shape[0], self.comm.world_size, 0)
         local = dict(args)
         local["img"] = take_rows(h, probe).clone()
         local["rope_freqs"] = take_rows(args["rope_freqs"], probe, ROPE_SEQ_DIM)
         local["mod_segments"] = slice_mod_segments(args["mod_segments"], probe)
-        local["attention"] = self.model.blocks[0].attn  # H3 contract: called like the override
+        attn = self.model.blocks[0].attn
+        preferred = getattr(getattr(attn, "comfy_attention", None), "function", None)  # as _run_block
+        local["attention"] = _all_keys_attention(attn, h.shape[0], preferred)
         return measured_weights(self.comm, lambda: extra["original_block"](local), self.split.caps)
 
     def _attention(self, attn):
@@ -289,6 +293,27 @@ class H3RankSetup:
             exchanging.install(options)
             return attn(h, rope_freqs=rope_freqs, transformer_options=options)
         return exchanging_attention
+
+
+def _all_keys_attention(attn, keys: int, preferred: Callable | None):
+    """`attn`, called like the block's attention argument, with its K and V repeated along the
+    sequence to `keys` rows: one rank's queries against a whole sequence's worth of keys, with
+    no exchange (split auto's probe)."""
+    def attention(h, rope_freqs=None, transformer_options=None):
+        options = dict(transformer_options or {})
+        previous = options.get("optimized_attention_override")
+
+        def override(func, q, k, v, *args, **kwargs):
+            # H3 contract: [1, heads, rows, head_dim] (skip_reshape=True), the sequence on dim 2
+            times = -(-keys // k.shape[2])
+            k, v = (t.repeat(1, 1, times, 1)[:, :, :keys] for t in (k, v))
+            if previous is not None:
+                return previous(func, q, k, v, *args, **kwargs)
+            return (preferred or func)(q, k, v, *args, **kwargs)
+
+        options["optimized_attention_override"] = override
+        return attn(h, rope_freqs=rope_freqs, transformer_options=options)
+    return attention
 
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
