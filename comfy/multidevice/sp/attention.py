@@ -7,7 +7,8 @@ it passes the call through to the override it replaced, or to the attention func
 The attention the exchange finally calls is the one the module would have used on one card:
 the override it replaced when there is one, else the module's preferred attention (ComfyUI
 drops `preferred_attention` once any override is installed, so the region is told it), else
-the default function.
+the default function. `all_keys_attention`: one rank's attention against a whole sequence's
+worth of keys without an exchange (split auto's probe times it).
 """
 
 from __future__ import annotations
@@ -80,3 +81,24 @@ class ExchangingAttention:
         finally:
             self._region_calls = None
             self._preferred = None
+
+
+def all_keys_attention(attn, keys: int, preferred: Callable | None):
+    """`attn`, called like the block's attention argument, with its K and V repeated along the
+    sequence to `keys` rows: one rank's queries against a whole sequence's worth of keys, with
+    no exchange (split auto's probe)."""
+    def attention(h, rope_freqs=None, transformer_options=None):
+        options = dict(transformer_options or {})
+        previous = options.get("optimized_attention_override")
+
+        def override(func, q, k, v, *args, **kwargs):
+            # H3 contract: [1, heads, rows, head_dim] (skip_reshape=True), the sequence on dim 2
+            times = -(-keys // k.shape[2])
+            k, v = (t.repeat(1, 1, times, 1)[:, :, :keys] for t in (k, v))
+            if previous is not None:
+                return previous(func, q, k, v, *args, **kwargs)
+            return (preferred or func)(q, k, v, *args, **kwargs)
+
+        options["optimized_attention_override"] = override
+        return attn(h, rope_freqs=rope_freqs, transformer_options=options)
+    return attention

@@ -40,7 +40,7 @@ import torch
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.devices import module_device
-from comfy.multidevice.sp.attention import ExchangingAttention
+from comfy.multidevice.sp.attention import all_keys_attention, ExchangingAttention
 from comfy.multidevice.sp.fan_out import RankThreads, SequenceParallelFanOut
 from comfy.multidevice.sp.fun_controlnet import (described_fun_controls, RankFunControl,
                                                  unsupported_control_patches)
@@ -275,7 +275,7 @@ class H3RankSetup:
         local["mod_segments"] = slice_mod_segments(args["mod_segments"], probe)
         attn = self.model.blocks[0].attn
         preferred = getattr(getattr(attn, "comfy_attention", None), "function", None)  # as _run_block
-        local["attention"] = _all_keys_attention(attn, h.shape[0], preferred)
+        local["attention"] = all_keys_attention(attn, h.shape[0], preferred)
         return measured_weights(self.comm, lambda: extra["original_block"](local), self.split.caps)
 
     def _attention(self, attn):
@@ -293,27 +293,6 @@ class H3RankSetup:
             exchanging.install(options)
             return attn(h, rope_freqs=rope_freqs, transformer_options=options)
         return exchanging_attention
-
-
-def _all_keys_attention(attn, keys: int, preferred: Callable | None):
-    """`attn`, called like the block's attention argument, with its K and V repeated along the
-    sequence to `keys` rows: one rank's queries against a whole sequence's worth of keys, with
-    no exchange (split auto's probe)."""
-    def attention(h, rope_freqs=None, transformer_options=None):
-        options = dict(transformer_options or {})
-        previous = options.get("optimized_attention_override")
-
-        def override(func, q, k, v, *args, **kwargs):
-            # H3 contract: [1, heads, rows, head_dim] (skip_reshape=True), the sequence on dim 2
-            times = -(-keys // k.shape[2])
-            k, v = (t.repeat(1, 1, times, 1)[:, :, :keys] for t in (k, v))
-            if previous is not None:
-                return previous(func, q, k, v, *args, **kwargs)
-            return (preferred or func)(q, k, v, *args, **kwargs)
-
-        options["optimized_attention_override"] = override
-        return attn(h, rope_freqs=rope_freqs, transformer_options=options)
-    return attention
 
 
 def install_rank_sequence_parallel(model, comm, transformer_options: dict,
