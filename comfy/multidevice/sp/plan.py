@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -76,6 +76,8 @@ class ShardPlan:
     world_size: int
     rank: int
     weights: tuple[float, ...] | None = None
+    # every rank's start, then the end: computed once (the properties below are read per block)
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -87,6 +89,8 @@ class ShardPlan:
                 f"a sequence of {self.seq_len} rows cannot be split over {self.world_size} ranks "
                 f"(every rank needs at least one row); use at most {self.seq_len} ranks")
         object.__setattr__(self, "weights", check_weights(self.weights, self.world_size))
+        object.__setattr__(self, "_starts", tuple(shard_start(self.seq_len, self.world_size, r, self.weights)
+                                                  for r in range(self.world_size + 1)))
 
     @staticmethod
     def edges(seq_len: int, world_size: int, weights: Sequence[float] | None = None) -> list[tuple[int, int]]:
@@ -95,11 +99,11 @@ class ShardPlan:
 
     @property
     def start(self) -> int:
-        return shard_start(self.seq_len, self.world_size, self.rank, self.weights)
+        return self._starts[self.rank]
 
     @property
     def stop(self) -> int:
-        return shard_start(self.seq_len, self.world_size, self.rank + 1, self.weights)
+        return self._starts[self.rank + 1]
 
     @property
     def length(self) -> int:
@@ -108,7 +112,7 @@ class ShardPlan:
     @property
     def sizes(self) -> list[int]:
         """Every rank's rows under this plan."""
-        return shard_sizes(self.seq_len, self.world_size, self.weights)
+        return [b - a for a, b in zip(self._starts, self._starts[1:])]
 
 
 def take_rows(tensor: torch.Tensor | None, plan: ShardPlan, dim: int = 0) -> torch.Tensor | None:
