@@ -198,17 +198,11 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
     return outputs
 
 
-def dit_world(plan, joining: int) -> int:
-    """The DiT's ranks: its cards here plus other servers' ranks (1: the DiT on one card)."""
-    from comfy.multidevice.roles.plan import SEQUENCE_PARALLEL
-    return len(plan.dit.cards) + joining if plan.dit.mode == SEQUENCE_PARALLEL else 1
-
-
 def dit_split(split, plan, joining: int):
     """The node's split for the DiT's ranks (sp/split.py), refused by name before anything is made;
     even when the DiT runs on one card."""
     from comfy.multidevice.sp.split import EVEN, parse_split
-    world = dit_world(plan, joining)
+    world = plan.dit_world(joining)
     return EVEN if world <= 1 else parse_split(split, world)
 
 
@@ -240,7 +234,7 @@ def dit_sp_mode(sp_mode, plan, selected, model, joining: int, backend: str = "de
     from comfy.multidevice.roles.memory_plan import dit_shape_of
     from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
 
-    world = dit_world(plan, joining)
+    world = plan.dit_world(joining)
     shape = dit_shape_of(dit_module(model)) if world > 1 else None
     kind = str(selected[0]).split(":")[0]
     named = None if backend in ("default", "auto") else backend

@@ -344,7 +344,7 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
     dit_bytes = module_bytes(dit)
     shape = dit_shape_of(dit)
     dit_cards = list(plan.dit.cards)
-    world = len(dit_cards) + remote_ranks if plan.dit.mode == SEQUENCE_PARALLEL else 1
+    world = plan.dit_world(remote_ranks)
     mode, degree = (sp_mode.mode, sp_mode.degree) if sp_mode is not None else ("allgather", None)
     act = activation_bytes(shape, tokens, world, mode=mode, degree=degree, weights=split_weights,
                            precision=exchange_precision) \

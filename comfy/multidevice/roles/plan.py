@@ -59,6 +59,10 @@ class RolePlan:
     def describe(self) -> str:
         return "; ".join(f"{r.component} -> cards {list(r.cards)} ({r.mode})" for r in self.roles())
 
+    def dit_world(self, remote_ranks: int = 0) -> int:
+        """The DiT's ranks: its cards here plus other servers' ranks (1: the DiT on one card)."""
+        return len(self.dit.cards) + remote_ranks if self.dit.mode == SEQUENCE_PARALLEL else 1
+
 
 def plan_roles(n_cards: int, remote_ranks: int = 0) -> RolePlan:
     """Per component, the card(s) and the parallel mode for 1, 2, 4 or 8 cards (the table above).
