@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from comfy.multidevice.cli.dry_run_settings import (DryRunError, latent_rows, make_settings, RunSettings,
-                                                    sequence_length)
+from comfy.multidevice.cli.dry_run_settings import (DryRunError, latent_rows, make_settings, planned_rows,
+                                                    rows_text, RunSettings, sequence_length)
 from comfy.multidevice.cli.machine_load import LoadMeter, not_quiet_reason
 from comfy.multidevice.cli.report import (paired_speedup, parity_figures, parity_line, speedup_baseline,
                                            steady_seconds, write_outputs)
@@ -44,7 +44,6 @@ from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.sp.cost_model import DiTShape, forward_traffic
 from comfy.multidevice.sp.mode_choice import choose_sp_mode, measurement_for
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
-from comfy.multidevice.sp.plan import ShardPlan
 from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.weights.checkpoint import SharedCheckpoint
 from comfy.multidevice.weights.dispatch_warm_up import start_dispatch_warm_up
@@ -237,9 +236,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
     sigmas = sigma_schedule(args.steps, cfg.sigma_shift_video)
     seq_len = sequence_length(settings)
     split = settings.split
-    # auto's rows are known after its first step's probe
-    tokens_per_rank = ([b - a for a, b in ShardPlan.edges(seq_len, world, split.weights)]
-                       if split.kind != "auto" else None)
+    tokens_per_rank = planned_rows(split, seq_len, world)
 
     threads_before = torch.get_num_threads()
     per_rank_threads = _cpu_threads_per_rank(settings.devices)
@@ -250,8 +247,7 @@ def _run_on(coord: SequenceParallelCoordinator, settings: RunSettings, args: arg
             + f", sp mode {args.sp_mode}"
             + ("" if args.exchange_precision == "exact" else f", {args.exchange_precision} exchange"))
         parts = ", ".join(f"{k} {n}" for k, n in latent_rows(settings).items())
-        say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank "
-            + (str(tokens_per_rank) if tokens_per_rank is not None else "by split auto's probe at the first step"))
+        say(f"[sequence] {seq_len} tokens ({parts}); tokens per rank {rows_text(tokens_per_rank)}")
         # shard strips the ranks' copies: the reference gets its own (from the same base, no read)
         reference = (build_replicas(path, settings.devices[:1]).modules[0]
                      if args.dit_weights == "shard" else replicas[0])

@@ -20,8 +20,8 @@ from comfy.multidevice.comm.compression import EXACT, EXCHANGE_PRECISIONS, STEP_
 from comfy.multidevice.comm.settings import check_environment, user_cache_dir, VALID_BACKENDS
 from comfy.multidevice.devices import available_memory_bytes
 from comfy.multidevice.miniature.h3 import MiniatureConfig, MiniatureH3Model
-from comfy.multidevice.sp.plan import SequenceParallelError
-from comfy.multidevice.sp.split import EVEN, parse_split, RowSplit, strategy_for_split
+from comfy.multidevice.sp.plan import SequenceParallelError, shard_sizes
+from comfy.multidevice.sp.split import check_mode_for_split, EVEN, parse_split, RowSplit
 from comfy.multidevice.sp.strategies import DEFAULT_SP_MODE, SP_MODES, SPMode
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES
 
@@ -266,12 +266,22 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
     return settings
 
 
+def planned_rows(split: RowSplit, seq_len: int, world: int) -> list[int] | None:
+    """Tokens per rank under `split`; None for auto, whose rows its first step's probe decides."""
+    return None if split.kind == "auto" else shard_sizes(seq_len, world, split.weights)
+
+
+def rows_text(rows: list[int] | None) -> str:
+    """The [sequence] line's tokens per rank."""
+    return str(rows) if rows is not None else "by split auto's probe at the first step"
+
+
 def checked_split(args: argparse.Namespace, world: int) -> RowSplit:
     """--split for `world` ranks, with --sp-mode (Ulysses needs even rows); DryRunError naming the fix."""
     text = getattr(args, "split", "even")
     try:
         split = parse_split(text, world)
-        strategy_for_split(SPMode(args.sp_mode, overlap_chunks=args.sp_overlap).make_kv_strategy(), split, 1)
+        check_mode_for_split(SPMode(args.sp_mode, overlap_chunks=args.sp_overlap), split)
     except (ValueError, SequenceParallelError) as exc:
         raise DryRunError(f"--split {text}: {exc}") from exc
     return split

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from comfy.multidevice.cli import dry_run as dry
-from comfy.multidevice.cli.dry_run_settings import (checked_split, DryRunError, make_settings, RunSettings,
-                                                    sequence_length)
+from comfy.multidevice.cli.dry_run_settings import (checked_split, DryRunError, make_settings, planned_rows,
+                                                    rows_text, RunSettings, sequence_length)
 from comfy.multidevice.cli.report import (parity_figures, parity_line, REPORT_KEYS, speedup_baseline, steady_seconds,
                                            write_outputs)
 from comfy.multidevice.comm.settings import SettingError
@@ -31,7 +31,6 @@ from comfy.multidevice.comm.settings import local_world_size, read_torchrun_env
 from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
-from comfy.multidevice.sp.plan import ShardPlan
 from comfy.multidevice.tensor_bytes import module_bytes
 from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.weights.block_shards import ShardedBlockWeights
@@ -130,13 +129,10 @@ def _run(args, settings: RunSettings, comm: DistributedComm, local_rank: int, ou
     indices = comm.exchange([index], 0)[0].tolist()
     devices = [device.type if i < 0 else f"{device.type}:{i}" for i in indices]
     seq_len = sequence_length(settings)
-    # split auto's rows are known after its first step's probe
-    tokens_per_rank = (None if settings.split.kind == "auto"
-                       else [b - a for a, b in ShardPlan.edges(seq_len, world, settings.split.weights)])
+    tokens_per_rank = planned_rows(settings.split, seq_len, world)
     backend = f"torch.distributed {comm.backend_name}"
     say(f"[ranks] {world} processes ({', '.join(devices)}), backend {backend}, sp mode {args.sp_mode}")
-    say(f"[sequence] {seq_len} tokens; tokens per rank "
-        + (str(tokens_per_rank) if tokens_per_rank is not None else "by split auto's probe at the first step"))
+    say(f"[sequence] {seq_len} tokens; tokens per rank {rows_text(tokens_per_rank)}")
 
     x, context, kwargs = dry.make_inputs(settings)
     x, context, kwargs = [z.to(device) for z in x], context.to(device), copy_for_rank(kwargs, torch.device(device))

@@ -46,7 +46,8 @@ from comfy.multidevice.sp.fun_controlnet import (described_fun_controls, RankFun
                                                  unsupported_control_patches)
 from comfy.multidevice.sp.plan import (gather_rows, SequenceParallelError, ShardPlan,
                                        slice_mod_segments, take_rows)
-from comfy.multidevice.sp.split import EVEN, measured_weights, parse_split, RowSplit, strategy_for_split
+from comfy.multidevice.sp.split import (check_mode_for_split, EVEN, measured_weights, parse_split, RowSplit,
+                                        strategy_for_split)
 from comfy.multidevice.sp.strategies import make_kv_strategy
 from comfy.multidevice.weights.block_shards import APPLIED_DIT_WEIGHT_MODES, ShardedBlockWeights
 
@@ -365,7 +366,7 @@ class SequenceParallelDiT:
                  dit_weights: str = "replicate", prefetch: bool = True, split=None):
         split = parse_split(split, coordinator.world_size)
         # a bad mode, or ulysses with an uneven split, fails here, before anything is set up
-        strategy_for_split(make_kv_strategy(sp_mode), split, rank=1)
+        check_mode_for_split(sp_mode, split)
         _check_dit_weights(dit_weights)
         if len(models) != coordinator.world_size:
             raise ValueError(f"enable_sequence_parallel got {len(models)} model replicas for "
@@ -455,7 +456,7 @@ def enable_sequence_parallel_on_patcher(model_patcher, coordinator, replicas: Se
     from comfy.patcher_extension import WrappersMP  # lazy: ComfyUI is optional for this module
 
     split = parse_split(split, coordinator.world_size)
-    strategy_for_split(make_kv_strategy(sp_mode), split, rank=1)
+    check_mode_for_split(sp_mode, split)
     if len(replicas) != coordinator.world_size:
         raise ValueError(f"enable_sequence_parallel_on_patcher got {len(replicas)} replicas for "
                          f"{coordinator.world_size} ranks; pass one per rank (None for rank 0)")

@@ -25,7 +25,7 @@ import torch
 
 from comfy.multidevice.devices import synchronize
 from comfy.multidevice.sp.plan import check_weights, is_even, SequenceParallelError
-from comfy.multidevice.sp.strategies import AllGatherKV, CompressedKV
+from comfy.multidevice.sp.strategies import AllGatherKV, CompressedKV, make_kv_strategy
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +137,16 @@ def measured_weights(comm, run_block: Callable[[], Any], caps: Sequence[float] |
     return weights
 
 
-def strategy_for_split(strategy, split: RowSplit, rank: int = 0):
+def check_mode_for_split(sp_mode, split: RowSplit) -> None:
+    """A bad sp_mode, or Ulysses with an uneven split, refused before anything is set up (the
+    entry points call it; nothing is logged)."""
+    strategy_for_split(make_kv_strategy(sp_mode), split, rank=None)
+
+
+def strategy_for_split(strategy, split: RowSplit, rank: int | None = 0):
     """The K/V strategy that runs with `split`: Ulysses keeps the heads even and needs even rows,
-    so an uneven split is refused with it (naming the fix) and `auto` becomes the all-gather."""
+    so an uneven split is refused with it (naming the fix) and `auto` becomes the all-gather
+    (said in the log by rank 0; `rank` None: said by nobody)."""
     if not split.uneven:
         return strategy
     if isinstance(strategy, CompressedKV):  # the exchange's precision stays whatever runs inside

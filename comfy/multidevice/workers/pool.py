@@ -42,9 +42,8 @@ from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.progress import executing_node_text
 from comfy.multidevice.sp.fan_out import transformer_options_of
-from comfy.multidevice.sp.minimax_h3 import H3RankSetup, strategy_for_split
-from comfy.multidevice.sp.split import EVEN, parse_split, RowSplit
-from comfy.multidevice.sp.strategies import make_kv_strategy
+from comfy.multidevice.sp.minimax_h3 import H3RankSetup
+from comfy.multidevice.sp.split import check_mode_for_split, EVEN, parse_split, RowSplit
 from comfy.multidevice.workers.admission import SECRET_FILE_ENV
 from comfy.multidevice.workers.control import BlockFlag, BUILD, ControlChannel, FORWARD
 from comfy.multidevice.workers.join import join_command
@@ -124,7 +123,7 @@ class WorkerPool:
             raise ValueError(f"remote={remote} ranks: give 0 or more")
         self.split = EVEN if split is None else split
         # a bad mode, or ulysses with an uneven split, fails here, before any process starts
-        strategy_for_split(make_kv_strategy(sp_mode), self.split, rank=1)
+        check_mode_for_split(sp_mode, self.split)
         self.devices = [resolve_device(d) for d in devices]
         self.remote = remote
         self.address = address
