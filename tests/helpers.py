@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -50,3 +53,13 @@ def file_hashes(root: Path, skip=lambda relative: False) -> dict:
                 found[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
         dirs[:] = [d for d in dirs if not skip((Path(folder) / d).relative_to(root).as_posix())]
     return found
+
+
+def bench_json(script: str, *args: str, timeout: float) -> dict:
+    """Run bench/`script` with `args` in a fresh interpreter; its last stdout line, as JSON (a
+    bench's one machine-readable line). Fails with the bench's stderr tail when it exits non-zero."""
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(repo / "bench" / script), *args],
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -83,6 +83,13 @@ def rel_diff(out, ref) -> float:
     return diff / scale
 
 
+def frobenius_rel(out, ref) -> float:
+    """||out - ref|| / ||ref|| over both streams (Frobenius): the compressed exchange's error measure."""
+    num = sum(float((o.float() - r.float()).norm()) ** 2 for o, r in zip(out, ref))
+    den = sum(float(r.float().norm()) ** 2 for r in ref)
+    return (num / den) ** 0.5
+
+
 def run_sp(model, world, backend, case, sp_mode="allgather", seed=0, split=None):
     """One sequence-parallel forward of `model` on `world` CPU ranks over `backend` for the named
     layout: (outputs, the parallel model, the coordinator's per-rank byte counts)."""

@@ -33,7 +33,7 @@ from tests.node_cases import (FakeModelPatcher, assert_same, inputs, inventory, 
                               run_dit, snapshot)
 from tests.qwen_decoder import MiniatureDecoderConfig
 from tests.small_vaes import TinyAudioVAE, TinyCausalVideoVAE, VAEWrapper
-from tests.sp_cases import make_inputs, rel_diff, tiny_model
+from tests.sp_cases import frobenius_rel, make_inputs, rel_diff, tiny_model
 from tests.tp.tp_cases import LAYOUTS, WrappedWeight, mirror_clip
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("close_coordinators")]
@@ -307,8 +307,7 @@ def test_exchange_precision_int8_through_the_node_within_its_bound(sp_mode, fake
         out, ref = run_dit(p_model, x, t, ctx, kw), dit(x, t, ctx, **kw)
     used = [state.strategy for state in fan_out.runner.last_rank_states]
     assert all(isinstance(s, CompressedKV) and s.name == sp_mode and s.precision == "int8" for s in used)
-    error = (sum(float((o - r).norm()) ** 2 for o, r in zip(out, ref)) /
-             sum(float(r.norm()) ** 2 for r in ref)) ** 0.5
+    error = frobenius_rel(out, ref)
     assert 0 < error <= STEP_REL_ERROR_BOUND["int8"]
 
 

@@ -3,22 +3,15 @@ present, int8's bytes at most 0.6 of exact, and each format's block and step err
 documented bound (comm/compression.py), yet above zero (the exchange was compressed); the
 activation peak with int8 within the memory plan's margin of its estimate."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from comfy.multidevice.comm.compression import BLOCK_REL_ERROR_BOUND, STEP_REL_ERROR_BOUND
-from tests.comfyui_server import REPO
+from tests.helpers import bench_json
 
 
 @pytest.mark.timeout(180)
 def test_bench_exchange_precision_quick_is_within_the_documented_bounds():
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_exchange_precision.py"), "--quick"],
-                         capture_output=True, text=True, timeout=170)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_json("bench_exchange_precision.py", "--quick", timeout=170)
     assert result["int8_bytes_ratio"] <= 0.6
     assert result["int8_bytes_ratio"] == pytest.approx((128 + 2) / 256, rel=0.01)
     for precision in ("int8", "fp8"):

@@ -2,21 +2,14 @@
 identity reads the header and 64 MiB (the cold run from storage), the cached call reads nothing,
 and the full hash reads the whole file."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.comfyui_server import REPO
+from tests.helpers import bench_json
 
 
 @pytest.mark.timeout(120)
 def test_bench_file_identity_reports_bounded_identity_reads_against_a_full_hash(tmp_path):
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_file_identity.py"), "--gib", "0.125",
-                          "--dir", str(tmp_path)], capture_output=True, text=True, timeout=110)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_json("bench_file_identity.py", "--gib", "0.125", "--dir", str(tmp_path), timeout=110)
     assert result["file_bytes"] == 2**27 == result["full"]["bytes_read"]
     assert 64 << 20 < result["identity"]["bytes_read"] < (64 << 20) + 4096  # the sample + a small header
     assert result["cached"]["bytes_read"] == 0

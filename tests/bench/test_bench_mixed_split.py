@@ -3,21 +3,14 @@ both splits within the SP tolerance of one device, auto's weights favour the fas
 sleeps as long again as it computes, so its probe is about twice rank 0's). Timings are only
 checked to be there (they depend on the machine's load)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.comfyui_server import REPO
+from tests.helpers import bench_json
 
 
 @pytest.mark.timeout(180)
 def test_bench_mixed_split_quick_prints_every_figure_and_auto_gives_the_fast_rank_more_rows():
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_mixed_split.py"), "--quick"],
-                         capture_output=True, text=True, timeout=170)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_json("bench_mixed_split.py", "--quick", timeout=170)
     for key in ("mixed_auto_vs_even_step_ratio", "step_s_auto", "step_s_even", "step_s_auto_rounds",
                 "step_s_even_rounds", "slowdown", "world", "tokens", "seconds"):
         assert key in result, key

@@ -4,23 +4,16 @@ all-gather's attention bytes per block (measured, and the cost model agreeing), 
 bytes are the same over gloo processes as over rank threads, and the all-gather's exchange
 buffers are what cost_model.exchanged_bytes says. Timings are only checked to be there."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.comfyui_server import REPO
+from tests.helpers import bench_json
 
 MODES = ("allgather", "ulysses")
 
 
 @pytest.mark.timeout(180)
 def test_bench_sp_modes_quick_prints_every_figure_and_ulysses_moves_2_over_w():
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_sp_modes.py"), "--quick"],
-                         capture_output=True, text=True, timeout=170)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_json("bench_sp_modes.py", "--quick", timeout=170)
     for world in (2, 4, 8):
         measured = result[f"ulysses_vs_allgather_bytes_w{world}"]
         assert measured == pytest.approx(2 / world, rel=0.05), (world, measured)

@@ -3,21 +3,14 @@ present, and the one that does not depend on the machine's load checked: what ra
 step is its latents and timestep and little more (pickling's framing), the conditioning having
 gone with the first step."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.comfyui_server import REPO
+from tests.helpers import bench_json
 
 
 @pytest.mark.timeout(300)
 def test_bench_workers_prints_every_figure_and_rank0_sends_the_inputs_only():
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_workers.py"), "--worlds", "2",
-                          "--forwards", "1"], capture_output=True, text=True, timeout=280)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_json("bench_workers.py", "--worlds", "2", "--forwards", "1", timeout=280)
     for key in ("workers_vs_threads_step_ratio_w2", "rank0_bytes_per_step_w2", "pool_start_s_w2",
                 "worker_anonymous_bytes_w2", "thread_rank_anonymous_bytes_w2", "worker_extra_rss_ratio_w2",
                 "bare_torch_process_anonymous_bytes", "target_met"):

@@ -134,11 +134,7 @@ def test_shard_dry_run_gives_the_replicate_latents_with_less_per_rank(tmp_path):
     SP computation over the owners' bytes), each rank holding less of the DiT."""
     reports, latents = {}, {}
     for mode in ("replicate", "shard"):
-        args = _parser().parse_args(TINY_ARGS + ["--devices", "3", "--cpu", "--dit-weights", mode,
-                                                 "--cache", str(tmp_path / "c"), "--out", str(tmp_path / mode)])
-        out = io.StringIO()
-        assert minimax_h3_dry_run.run(args, out=out) == 0
-        reports[mode] = json.loads(out.getvalue().strip().splitlines()[-1])
+        reports[mode] = _report(tmp_path, ["--devices", "3", "--dit-weights", mode], mode)
         latents[mode] = load_file(str(tmp_path / mode / "latents.safetensors"))
     assert reports["shard"]["parity"] == "ok" and reports["shard"]["dit_weights"] == "shard"
     assert all(torch.equal(latents["shard"][k], latents["replicate"][k]) for k in latents["replicate"])
@@ -154,11 +150,7 @@ def test_int8_exchange_dry_run_within_its_bound_with_fewer_bytes(tmp_path):
     becomes it), fewer bytes between the ranks than exact; fp8 without the dtype exits 2."""
     reports = {}
     for precision in ("exact", "int8"):
-        args = _parser().parse_args(TINY_ARGS + ["--devices", "2", "--cpu", "--exchange-precision", precision,
-                                                 "--cache", str(tmp_path / "c"), "--out", str(tmp_path / precision)])
-        out = io.StringIO()
-        assert minimax_h3_dry_run.run(args, out=out) == 0
-        reports[precision] = json.loads(out.getvalue().strip().splitlines()[-1])
+        reports[precision] = _report(tmp_path, ["--devices", "2", "--exchange-precision", precision], precision)
     int8 = reports["int8"]
     assert int8["exchange_precision"] == "int8" and int8["parity"] == "ok"
     assert int8["tolerance"] == STEP_REL_ERROR_BOUND["int8"] and int8["rel_diff"] > 0
@@ -173,11 +165,7 @@ def test_fp8_without_the_dtype_exits_2_naming_int8(tmp_path, capsys, monkeypatch
 
 @pytest.mark.parametrize("split", ["3,1,2", "auto"])
 def test_an_uneven_split_dry_run_keeps_parity_with_its_rows(tmp_path, split):
-    args = _parser().parse_args(TINY_ARGS + ["--devices", "3", "--cpu", "--split", split, "--sp-mode", "auto",
-                                             "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "o")])
-    out = io.StringIO()
-    assert minimax_h3_dry_run.run(args, out=out) == 0
-    result = json.loads(out.getvalue().strip().splitlines()[-1])
+    result = _report(tmp_path, ["--devices", "3", "--split", split, "--sp-mode", "auto"], "o")
     assert result["parity"] == "ok" and result["sp_mode_used"] == "allgather"
     rows = result["tokens_per_rank"]
     assert sum(rows) == result["tokens"] and len(rows) == 3
@@ -185,6 +173,16 @@ def test_an_uneven_split_dry_run_keeps_parity_with_its_rows(tmp_path, split):
         assert rows == shard_sizes(result["tokens"], 3, (3, 1, 2))
     # every rank receives the others' K/V rows: the byte model follows the uneven rows
     assert result["model_bytes_per_step"] == result["exchanged_bytes_per_step"]
+
+
+def _report(tmp_path, extra, out_dir: str) -> dict:
+    """run() on CPU ranks with TINY_ARGS + extra (cache tmp_path/c, output tmp_path/out_dir):
+    exit 0, and its JSON report."""
+    args = _parser().parse_args(TINY_ARGS + ["--cpu", "--cache", str(tmp_path / "c"),
+                                             "--out", str(tmp_path / out_dir)] + extra)
+    out = io.StringIO()
+    assert minimax_h3_dry_run.run(args, out=out) == 0
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 def _parser():

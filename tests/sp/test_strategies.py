@@ -9,7 +9,7 @@ from comfy.multidevice.comm.compression import STEP_REL_ERROR_BOUND
 from comfy.multidevice.miniature.h3 import build_miniature
 from comfy.multidevice.sp.strategies import AllGatherKV, CompressedKV, make_kv_strategy, SPMode
 from comfy.multidevice.sp.ulysses import UlyssesKV
-from tests.sp_cases import FOUR_HEADS, run_sp
+from tests.sp_cases import FOUR_HEADS, frobenius_rel, run_sp
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,12 +24,6 @@ def backend(request):
     if request.param != "peer":
         request.getfixturevalue(f"use_fake_{request.param}")
     return request.param
-
-
-def frobenius_rel(out, ref) -> float:
-    num = sum(float((o.float() - r.float()).norm()) ** 2 for o, r in zip(out, ref))
-    den = sum(float(r.float().norm()) ** 2 for r in ref)
-    return (num / den) ** 0.5
 
 
 def test_exact_is_the_plain_strategy_and_the_others_wrap_it():

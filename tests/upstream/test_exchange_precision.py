@@ -16,16 +16,12 @@ from comfy.multidevice.comm.compression import STEP_REL_ERROR_BOUND
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.minimax_h3 import WRAPPER_KEY
 from comfy.multidevice.sp.strategies import SPMode
+from tests.sp_cases import frobenius_rel
 from tests.upstream.test_sampling import sample
 from tests.upstream.test_sp_modes import H12, one_card, tiny_file, _needs_the_hook  # noqa: F401 - fixtures
 from tests.upstream.test_workers import trusted_stand_ins, workers  # noqa: F401 - an autouse fixture
 
 pytestmark = pytest.mark.timeout(300)  # the worker cases start processes
-
-
-def relative_error(out, ref) -> float:
-    num = sum(float((o.float() - r.float()).norm()) ** 2 for o, r in zip(out, ref))
-    return (num / sum(float(r.float().norm()) ** 2 for r in ref)) ** 0.5
 
 
 @pytest.mark.parametrize("mode", ["allgather", "ulysses"])
@@ -39,7 +35,7 @@ def test_int8_on_rank_threads_within_the_bound(patcher, one_card, world, mode):
     fan_out = parallel.wrappers["diffusion_model"][WRAPPER_KEY][0]
     strategies = [state.strategy for state in fan_out.runner.last_rank_states]
     assert {(s.name, s.precision) for s in strategies} == {(mode, "int8")}
-    assert 0 < relative_error(out, one_card) <= STEP_REL_ERROR_BOUND["int8"]
+    assert 0 < frobenius_rel(out, one_card) <= STEP_REL_ERROR_BOUND["int8"]
 
 
 @pytest.mark.parametrize("mode", ["allgather", "ulysses"])
@@ -54,7 +50,7 @@ def test_int8_through_the_node_within_the_bound(patcher, one_card, mode):
     out = sample(parallel)
     states = parallel.wrappers["diffusion_model"][WRAPPER_KEY][0].runner.last_rank_states
     assert {(s.strategy.name, s.strategy.precision) for s in states} == {(mode, "int8")}
-    assert 0 < relative_error(out, one_card) <= STEP_REL_ERROR_BOUND["int8"]
+    assert 0 < frobenius_rel(out, one_card) <= STEP_REL_ERROR_BOUND["int8"]
 
 
 @pytest.mark.parametrize("mode", ["allgather", "ulysses"])
@@ -66,4 +62,4 @@ def test_int8_with_ranks_as_processes_within_the_bound(patcher, one_card, mode):
         assert (setup.strategy.name, setup.strategy.precision) == (mode, "int8")
     finally:
         fan_out.close()
-    assert 0 < relative_error(out, one_card) <= STEP_REL_ERROR_BOUND["int8"]
+    assert 0 < frobenius_rel(out, one_card) <= STEP_REL_ERROR_BOUND["int8"]

@@ -17,20 +17,11 @@ from comfy.multidevice.sp.split import parse_split
 from tests.sp_cases import rel_diff
 from tests.upstream.test_h3_dit import FP32_TOL
 from tests.upstream.test_sampling import sample
+# the refusal skip and one card's sampling of this module's (conftest's) tiny file
+from tests.upstream.test_sp_modes import _needs_the_hook, one_card  # noqa: F401 - fixtures
 from tests.upstream.test_workers import trusted_stand_ins, workers  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(300)  # the worker cases start processes
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _needs_the_hook(upstream):
-    if not upstream.has_attention_hook:
-        pytest.skip("this ComfyUI refuses sequence parallel (test_h3_dit.py checks that)")
-
-
-@pytest.fixture(scope="module")
-def one_card(patcher):
-    return sample(patcher)
 
 
 @pytest.mark.parametrize("split", ["auto", "3,1,2,1.5"])
