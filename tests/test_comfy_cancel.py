@@ -9,8 +9,14 @@ import threading
 import types
 
 import pytest
+import torch
 
 from comfy.multidevice.comfy_cancel import checks_at_block_starts
+from comfy.multidevice.comm.collectives import SharedBlockFlag
+from comfy.multidevice.comm.errors import CollectiveError
+from comfy.multidevice.comm.group import SequenceParallelCoordinator
+from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
+from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, replicas, tiny_model
 
 
 class Interrupted(BaseException):
@@ -69,3 +75,83 @@ def test_without_comfyui_nothing_changes(monkeypatch):
     monkeypatch.setitem(sys.modules, "comfy.ops", None)
     with checks_at_block_starts():
         pass
+
+
+# ----------------------------------------------------------------------------- a DiT forward's Cancel
+
+def _cancel_modules(monkeypatch):
+    """Stand-ins for ComfyUI's model_management and ops as the rank threads see them: the ops'
+    per-layer check raises and clears a set flag, as upstream's does."""
+    state = {"flag": False}
+    mm = types.ModuleType("comfy.model_management")
+    mm.interrupt_processing_mutex = threading.RLock()
+    mm.InterruptProcessingException = Interrupted
+
+    def processing_interrupted():
+        with mm.interrupt_processing_mutex:
+            return state["flag"]
+
+    def throw_exception_if_processing_interrupted():
+        with mm.interrupt_processing_mutex:
+            if state["flag"]:
+                state["flag"] = False
+                raise Interrupted()
+    mm.processing_interrupted = processing_interrupted
+    mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
+    ops = types.ModuleType("comfy.ops")
+    ops.run_every_op = throw_exception_if_processing_interrupted
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.ops", ops)
+    return state
+
+
+@pytest.mark.parametrize("pressed_in", [0, 1])
+def test_rank_threads_stop_together_one_block_after_the_cancel_and_stay_usable(backend, monkeypatch, pressed_in):
+    """Cancel pressed while rank 0 runs block `pressed_in` of the 3-block miniature (every rank's
+    layers then check the flag, as ComfyUI's ops do): rank 0 sees it as the next block starts and
+    every rank stops as the one after starts (after the last block: at the forward's end), none
+    inside a block, the same way a worker pool stops (tests/workers/test_pool.py). ComfyUI's
+    interrupt is raised, the flag cleared, nothing aborted; the next forward equals one device."""
+    state = _cancel_modules(monkeypatch)
+    model = tiny_model()
+    x, t, ctx, kw = make_inputs("plain")
+    with torch.inference_mode():
+        reference = model(x, t, ctx, **kw)
+    with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=30) as coord:
+        models = replicas(model, 3)
+        sp = enable_sequence_parallel(models, coord)
+        entered = [[] for _ in models]
+        armed = {"once": True}
+        for rank, replica in enumerate(models):
+            for index, block in enumerate(replica.blocks):
+                def check(module, args, rank=rank, index=index):
+                    entered[rank].append(index)
+                    if rank == 0 and index == pressed_in and armed.pop("once", False):
+                        state["flag"] = True  # the user presses Cancel while block `pressed_in` runs
+                    sys.modules["comfy.ops"].run_every_op()
+                block.mlp.register_forward_pre_hook(check)
+        with torch.inference_mode(), pytest.raises(Interrupted):
+            sp(x, t, ctx, **kw)
+        assert entered == [list(range(pressed_in + 2))] * 3  # every rank stopped at the same place
+        assert not state["flag"] and not coord.closed
+        for ran in entered:
+            ran.clear()
+        with torch.inference_mode():
+            assert rel_diff(sp(x, t, ctx, **kw), reference) <= FP32_TOL
+        assert entered == [[0, 1, 2]] * 3
+    ops, mm = sys.modules["comfy.ops"], sys.modules["comfy.model_management"]
+    assert ops.run_every_op is mm.throw_exception_if_processing_interrupted  # ComfyUI's check is back
+
+
+def test_the_threads_flag_is_read_one_block_late_and_refuses_a_read_before_rank_0_posted():
+    flag = SharedBlockFlag(2)
+    assert flag.post(0, True) is False  # block 0: nothing posted before it
+    assert flag.post(1) is False
+    assert flag.post(0) is True and flag.post(1) is True  # block 1: block 0's yes, on both ranks
+    late = SharedBlockFlag(2)
+    late.post(1)
+    with pytest.raises(CollectiveError, match="before rank 0 posted"):
+        late.settle(1)  # rank 1 ran ahead of rank 0: no collective ordered them
+    done = SharedBlockFlag(2)
+    done.post(0, False), done.post(1)
+    assert done.settle(0) is False and done.settle(1) is False and done.settle(1) is False

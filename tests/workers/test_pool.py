@@ -244,11 +244,14 @@ def test_comfyuis_cancel_stops_every_rank_at_the_same_block_and_the_pool_stays_u
         dit.close()
 
 
-def test_a_cancel_pressed_inside_a_block_keeps_the_pool(checkpoint, plain, monkeypatch):
+@pytest.mark.parametrize("pressed_in", [0, 1])
+def test_a_cancel_pressed_inside_a_block_keeps_the_pool(checkpoint, plain, monkeypatch, pressed_in):
     """ComfyUI's ops check the Cancel flag at every layer (comfy.ops.run_every_op): pressed while
     rank 0 is inside block 0 (after its exchange), it is not raised there (the workers would be
     left in a collective) but seen as block 1 starts; every rank stops as block 2 starts, the
-    same workers serve the next forward, exact. Stand-ins for ComfyUI's two modules."""
+    same workers serve the next forward, exact. Pressed inside block 1, it is seen as the last
+    block (2) starts and every rank stops after it, at the forward's end (3). Stand-ins for
+    ComfyUI's two modules."""
     import threading
     import types
     _, path = checkpoint
@@ -287,10 +290,10 @@ def test_a_cancel_pressed_inside_a_block_keeps_the_pool(checkpoint, plain, monke
             if pressed.pop("armed", False):
                 state["flag"] = True
             sys.modules["comfy.ops"].run_every_op()
-        hook = dit.pool.model.blocks[0].mlp.register_forward_pre_hook(press_cancel_then_check)
+        hook = dit.pool.model.blocks[pressed_in].mlp.register_forward_pre_hook(press_cancel_then_check)
         with pytest.raises(Interrupted):
             dit(x, t, ctx, **kw)
-        assert dit.pool.cancelled_at == [2] and not state["flag"]  # seen as block 1 starts
+        assert dit.pool.cancelled_at == [pressed_in + 2] and not state["flag"]  # seen as the next block starts
         assert [w.process.pid for w in dit.pool.workers] == pids and all(
             w.process.poll() is None for w in dit.pool.workers)
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL  # the same pool, in step

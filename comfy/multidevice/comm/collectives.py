@@ -64,8 +64,57 @@ class RankComm:
     def barrier(self):
         self.coordinator.barrier(self.rank)
 
+    def block_flag(self) -> "RankBlockFlag":
+        """This rank's end of the run's SharedBlockFlag (ComfyUI's Cancel at block starts)."""
+        return RankBlockFlag(self.coordinator, self.rank)
+
     def __repr__(self):
         return f"RankComm(rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+class SharedBlockFlag:
+    """Rank 0's yes/no to every rank thread once per block, one block late (between processes:
+    workers/control.py BlockFlag): rank 0 appends a value as each block starts, every rank reads
+    it as the next one starts. No lock or wait: every collective passes the slot barrier, so
+    the collectives of block i order rank 0's value of block i before any rank's read at block
+    i + 1. The coordinator starts a fresh one for every run."""
+
+    def __init__(self, world_size: int):
+        self.values: list[bool] = []  # rank 0's, one per block
+        self.read = [0] * world_size  # values each rank has read
+        self.unread = [False] * world_size  # the rank posted and has not read that block's value
+
+    def post(self, rank: int, value: bool = False) -> bool:
+        if self.settle(rank):
+            return True
+        if rank == 0:
+            self.values.append(bool(value))
+        self.unread[rank] = True
+        return False
+
+    def settle(self, rank: int) -> bool:
+        if not self.unread[rank]:
+            return False
+        self.unread[rank] = False
+        self.read[rank] += 1
+        if self.read[rank] > len(self.values):
+            raise CollectiveError(f"rank {rank} read block {self.read[rank] - 1}'s Cancel flag before rank 0 "
+                                  "posted it: a block without a collective between the ranks")
+        return self.values[self.read[rank] - 1]
+
+
+class RankBlockFlag:
+    """One rank's `post` / `settle` on the coordinator's current SharedBlockFlag."""
+
+    def __init__(self, coordinator: "SlotCollectives", rank: int):
+        self.coordinator = coordinator
+        self.rank = rank
+
+    def post(self, value: bool = False) -> bool:
+        return self.coordinator.block_flag.post(self.rank, value)
+
+    def settle(self) -> bool:
+        return self.coordinator.block_flag.settle(self.rank)
 
 
 class SlotCollectives:
@@ -88,6 +137,7 @@ class SlotCollectives:
         self._traffic = [TrafficCounter() for _ in range(self.world_size)]  # each rank writes its own
         self._last_activity = time.monotonic()  # a rank returned or reached a collective (watchdog)
         self._a2a_fallback_logged = False
+        self.block_flag = SharedBlockFlag(self.world_size)
 
     def comm(self, rank: int) -> RankComm:
         return self._comms[rank]
@@ -96,6 +146,7 @@ class SlotCollectives:
         """Before a run: a failed run can leave ranks at different collective counts."""
         self._barrier.reset()
         self._parity = [0] * self.world_size
+        self.block_flag = SharedBlockFlag(self.world_size)
         for slots in (*self._meta_slots, *self._data_slots, *self._op_slots):
             slots[:] = [None] * self.world_size
 

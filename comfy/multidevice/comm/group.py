@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from comfy.multidevice.comfy_cancel import cancel_requested, raise_cancel
+from comfy.multidevice.comfy_cancel import cancel_requested, CancelledAtBlock, raise_cancel
 from comfy.multidevice.comm.collectives import SlotCollectives
 from comfy.multidevice.comm.errors import (BackendUnavailable, CollectiveAborted, CollectiveError,
                                            CollectiveTimeout)
@@ -168,7 +168,7 @@ class SequenceParallelCoordinator(SlotCollectives):
             return PeerCopyBackend(self)
 
     # -- running work on the ranks
-    def run(self, fn: Callable[..., Any], *per_rank_args: Sequence[Any]) -> list:
+    def run(self, fn: Callable[..., Any], *per_rank_args: Sequence[Any], cancel_at_block_starts: bool = False) -> list:
         """Run fn(rank, comm, *args_of_rank) on every rank thread; return the results by rank.
 
         Each entry of per_rank_args is a sequence with one item per rank. Every rank runs in the
@@ -182,7 +182,10 @@ class SequenceParallelCoordinator(SlotCollectives):
         has not returned is abandoned (its daemon thread and its memory stay until it returns by
         itself), the coordinator is closed, and the error is raised; `closed` tells the next user
         to build a fresh coordinator. A Cancel that every rank obeyed leaves it usable and raises
-        ComfyUI's own InterruptProcessingException. With a library backend that can abort (NCCL),
+        ComfyUI's own InterruptProcessingException. With `cancel_at_block_starts` (a DiT forward)
+        the ranks stop on a Cancel by themselves, together as a block starts (comfy_cancel.py
+        `BlockCancel` raising CancelledAtBlock on every rank): nothing is aborted then, and
+        ComfyUI's interrupt is raised the same way. With a library backend that can abort (NCCL),
         a communicator that reports an error, or ranks inside a library collective for
         `timeout_s`, end the run the same way at once: the communicators are aborted (the ranks
         inside return) and the coordinator is closed; abandoned ranks' communicators are aborted
@@ -214,7 +217,9 @@ class SequenceParallelCoordinator(SlotCollectives):
                     if rank not in running:  # an abandoned rank came back after run() gave up
                         return
                     self._last_activity = time.monotonic()
-                    if exc is not None:
+                    if isinstance(exc, CancelledAtBlock):  # every rank stops at this block start
+                        errors.append((time.monotonic(), rank, exc))
+                    elif exc is not None:
                         errors.append((time.monotonic(), rank, exc))
                         self._barrier.abort(f"rank {rank} failed: {describe_error(exc)}")
                     else:
@@ -227,10 +232,17 @@ class SequenceParallelCoordinator(SlotCollectives):
             for r, worker in enumerate(self._workers):
                 worker.jobs.put((fn, tuple(a[r] for a in per_rank_args), grad_modes, done))
             with finished:
-                cancel = self._wait_for_ranks(finished, running, errors, fn)
+                cancel = self._wait_for_ranks(finished, running, errors, fn, cancel_at_block_starts)
                 stuck = sorted(running)
                 running.clear()  # from here on, a late rank's result is dropped
             self._release_slots()
+            stopped = [e for _, _, e in errors if isinstance(e, CancelledAtBlock)]
+            failures = [e for e in errors if not isinstance(e[2], CancelledAtBlock)]
+            if stopped and not failures and not stuck:  # a Cancel every rank obeyed at one block
+                errors = []
+                cancel = cancel or (0, next((e.module for e in stopped if e.module is not None), None))
+            elif failures:
+                errors = failures
             self._last_run_failed = bool(errors)
             if stuck:
                 self._abandon(stuck, fn)
@@ -246,7 +258,8 @@ class SequenceParallelCoordinator(SlotCollectives):
                 raise exc
             return results
 
-    def _wait_for_ranks(self, finished: threading.Condition, running: set, errors: list, fn):
+    def _wait_for_ranks(self, finished: threading.Condition, running: set, errors: list, fn,
+                        cancel_at_block_starts: bool = False):
         """Wait (holding `finished`) until every rank has returned or the ones left must be
         abandoned. Polls ComfyUI's interrupt flag; returns (time, module) of a Cancel, else None.
         """
@@ -268,8 +281,9 @@ class SequenceParallelCoordinator(SlotCollectives):
                     give_up_at = now + grace
                 elif cancel is None and (module := cancel_requested()) is not None:
                     cancel = (now, module)
-                    self._barrier.abort("cancelled from ComfyUI (interrupt)")
-                    give_up_at = now + grace
+                    if not cancel_at_block_starts:  # else the ranks stop at their next block start
+                        self._barrier.abort("cancelled from ComfyUI (interrupt)")
+                        give_up_at = now + grace
                 elif len(running) < self.world_size:
                     stall_since = stall_since or now
                     if now - stall_since > self.timeout_s and self._barrier.waiting == 0:

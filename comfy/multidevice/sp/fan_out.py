@@ -20,6 +20,7 @@ import inspect
 import logging
 from typing import Any, Callable, Protocol, Sequence
 
+from comfy.multidevice.comfy_cancel import checks_at_block_starts
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.plan import SequenceParallelError
 
@@ -60,8 +61,9 @@ class RankRunner(Protocol):
     rank's DiT on its own copy of them; each rank's transformer_options (at `position` or by
     keyword) get that rank's sequence-parallel set-up first. Returns rank 0's output.
     Failure semantics: a rank that fails stops the others (none waits on it forever) and its
-    error is raised here, naming the rank; ComfyUI's Cancel stops every rank and raises
-    ComfyUI's interrupt (comfy_cancel.py). `close()` releases the ranks (idempotent).
+    error is raised here, naming the rank; ComfyUI's Cancel stops every rank together as a block
+    starts (comfy_cancel.py `BlockCancel`, the same in both runners) and raises ComfyUI's
+    interrupt, the ranks staying usable. `close()` releases the ranks (idempotent).
     """
 
     world_size: int
@@ -119,8 +121,8 @@ class RankThreads:
     into one (e.g. a ComfyUI ModelPatcher). Before each rank's forward,
     `prepare_rank(rank, comm, model, transformer_options)` edits that rank's own
     transformer_options (the model adapter installs block replacements and the exchanging
-    attention there) and may return a per-rank state, kept in `last_rank_states`. Failure and
-    Cancel: comm/group.py `SequenceParallelCoordinator.run`.
+    attention there, and its Cancel at block starts over `comm.block_flag()`) and may return a
+    per-rank state, kept in `last_rank_states`. Failure: comm/group.py `SequenceParallelCoordinator.run`.
     """
 
     def __init__(self, coordinator, models: Sequence[Any],
@@ -156,7 +158,8 @@ class RankThreads:
             return methods[rank](*rank_args, **rank_kwargs)
 
         before = self._traffic_counts()
-        results = self.coordinator.run(run_rank, inputs)
+        with checks_at_block_starts():  # ComfyUI's per-layer check leaves a Cancel to the block starts
+            results = self.coordinator.run(run_rank, inputs, cancel_at_block_starts=True)
         self.last_traffic = [{"received": a["received"] - b["received"], "calls": a["calls"] - b["calls"]}
                              for a, b in zip(self._traffic_counts(), before)]
         return results[0]

@@ -33,10 +33,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from comfy.multidevice.comfy_cancel import BlockCancel
 from comfy.multidevice.comfy_objects import block_patches_of, dit_module
 from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.devices import module_device
@@ -132,14 +133,13 @@ class H3RankSetup:
     the shard plan with the RoPE rows and modulation spans sliced once for all blocks.
     """
 
-    def __init__(self, comm, sp_mode=None, block_weights=None,
-                 before_block: Callable[[int], None] | None = None, split: RowSplit | None = None):
-        """`before_block(i)`: called on this rank as block i starts (e.g. a Cancel check that every
-        rank makes at the same block, so they stop in step). `split`: how the rows are shared
-        (sp/split.py; None: even)."""
+    def __init__(self, comm, sp_mode=None, block_weights=None, cancel_flag=None, split: RowSplit | None = None):
+        """`cancel_flag`: rank 0's yes/no to every rank once per block (comfy_cancel.py
+        `BlockCancel`: ComfyUI's Cancel stops every rank as the same block starts); None: no
+        Cancel inside a forward (no ComfyUI). `split`: how the rows are shared (sp/split.py; None: even)."""
         self.comm = comm
         self.block_weights = block_weights  # RankBlockWeights when dit_weights="shard", else None
-        self.before_block = before_block
+        self.cancel = None if cancel_flag is None else BlockCancel(cancel_flag, comm.rank)
         self.split = EVEN if split is None else split
         self.strategy = strategy_for_split(make_kv_strategy(sp_mode), self.split, comm.rank)
         # the plan's per-rank weights: explicit ones now, auto's after the first step's probe
@@ -201,8 +201,8 @@ class H3RankSetup:
         return cached[1]
 
     def _run_block(self, index, args, extra):
-        if self.before_block is not None:
-            self.before_block(index)
+        if self.cancel is not None:
+            self.cancel.at_block_start(index)
         h = args["img"]
         weights = self.block_weights
         bound = False
@@ -258,6 +258,8 @@ class H3RankSetup:
         if index in self._fun:
             h = self._control.add_control(index, self._fun[index], args, h, self.plan)
         if index == self.num_blocks - 1:
+            if self.cancel is not None:
+                self.cancel.at_forward_end(self.num_blocks)
             self.strategy.end_forward()
             # H3 contract: the forward hands the last block's h straight to the final layer,
             # which then sees the full sequence, as on one card.
@@ -334,7 +336,7 @@ class _RankSetups:
         view = setup.block_weights if setup is not None else None
         if setup is None or setup.comm is not comm or (view.family if view else None) is not family:
             view = None if family is None else family.rank_view(rank)
-            setup = self.setups[rank] = H3RankSetup(comm, self.sp_mode, view, split=self.split)
+            setup = self.setups[rank] = H3RankSetup(comm, self.sp_mode, view, comm.block_flag(), self.split)
         return setup.install(model, transformer_options)
 
 

@@ -94,7 +94,8 @@ class BlockFlag:
     """Rank 0's yes/no to every rank once per block, one block late: posted (an asynchronous
     broadcast) as a block starts and read as the next one starts, so its round trip overlaps a
     block's work instead of holding every rank at each block start. Every rank calls `post`
-    at every block start and `settle` after each forward, in the same order."""
+    at every block start and `settle` after the last block, in the same order (comfy_cancel.py
+    `BlockCancel`; between rank threads: comm/collectives.py `SharedBlockFlag`)."""
 
     def __init__(self, group=None):
         import torch.distributed as dist

@@ -13,8 +13,8 @@ their results (only rank 0's rows are assembled). A worker that dies fails the f
 rank 0 at once (gloo sees the closed connection), one that hangs within the collective
 timeout; either way every worker here is then killed, the error names the rank, its server,
 its process and the last line it wrote (its live connection to the door tells which one
-ended), and the next forward starts a fresh pool. ComfyUI's Cancel is told to every rank as a
-block starts, so all stop at that block and the pool stays up. Between forwards the workers
+ended), and the next forward starts a fresh pool. ComfyUI's Cancel stops every rank as one
+block starts, as with rank threads (comfy_cancel.py `BlockCancel`), and the pool stays up. Between forwards the workers
 wait on the door for rank 0's "go", not in a collective: an idle pool outlives any pause.
 
 The ranks meet at this process's door (workers/door.py, workers/rendezvous.py), each pool a
@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from comfy.multidevice.comfy_cancel import cancel_requested, checks_at_block_starts, raise_cancel
+from comfy.multidevice.comfy_cancel import cancel_requested, CancelledAtBlock, checks_at_block_starts, raise_cancel
 from comfy.multidevice.comm.settings import timeout_from_env
 from comfy.multidevice.comm.torch_dist import init_process_group
 from comfy.multidevice.devices import copy_for_rank, resolve_device
@@ -53,7 +53,7 @@ from comfy.multidevice.workers.process import WorkerProcess, worker_arguments, w
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
 from comfy.multidevice.workers.rendezvous import gloo_interface, gloo_interface_for, rendezvous_at
 from comfy.multidevice.workers.repeats import SentTensors
-from comfy.multidevice.workers.worker import block_gather_lane, CancelledByRank0, control_group
+from comfy.multidevice.workers.worker import block_gather_lane, control_group
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,6 @@ class WorkerPool:
         self.bytes_sent_per_forward: list[int] = []
         self.control_seconds_per_forward: list[float] = []  # rank 0's sends and Cancel flags
         self.cancelled_at: list[int] = []  # the block each cancelled forward stopped at
-        self._cancel_module = None
 
     @property
     def world_size(self) -> int:
@@ -245,8 +244,7 @@ class WorkerPool:
             self.close()
             raise RecipeError("the model recipe " + self.recipe.describe() + " failed on " +
                               "; ".join(f"{self.identities[r].describe()}: {p}" for r, p in bad))
-        self.setup = H3RankSetup(self.comm, self.sp_mode, self.rank0_weights,
-                                 before_block=self._cancel_point, split=self.split)
+        self.setup = H3RankSetup(self.comm, self.sp_mode, self.rank0_weights, self.cancel_flag, self.split)
         self.start_seconds = time.perf_counter() - started
         log.info("worker pool: %d ranks started in %.1f s: %s", self.world_size, self.start_seconds,
                  ", ".join(f"{i.describe()} {self._device_of(i.rank)}" for i in self.identities))
@@ -371,10 +369,9 @@ class WorkerPool:
             self.setup.install(getattr(rank0_forward, "__self__", rank0_forward), transformer_options_of(args, kwargs, options_at))
             with torch.inference_mode(), checks_at_block_starts():  # a Cancel stops every rank together
                 out = rank0_forward(*args, **kwargs)
-            self.cancel_flag.settle()  # the last block's flag, before the next message
             self.control_seconds_per_forward.append(self.control.seconds + self.cancel_flag.seconds - control_before)
             return out
-        except CancelledByRank0 as cancelled:
+        except CancelledAtBlock as cancelled:
             cancel = cancelled  # every rank stopped at this block; the pool stays up
         except Exception as exc:
             self._fail(exc, "a forward")
@@ -391,16 +388,7 @@ class WorkerPool:
             torch.set_num_threads(threads)
         log.info("worker pool: the forward was cancelled from ComfyUI at block %d on every rank", cancel.block)
         self.cancelled_at.append(cancel.block)
-        raise_cancel(self._cancel_module)
-
-    def _cancel_point(self, index: int):
-        """Rank 0, as block `index` starts: ComfyUI's Cancel flag, told to every worker; a
-        Cancel seen as block i starts stops every rank as block i + 1 starts."""
-        module = cancel_requested()
-        if module is not None:
-            self._cancel_module = module
-        if self.cancel_flag.post(module is not None):
-            raise CancelledByRank0(index)
+        raise_cancel(cancel.module)
 
     def _fail(self, exc: BaseException, during: str):
         """Kill every worker here, leave the process group, raise what happened naming the

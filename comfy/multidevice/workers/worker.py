@@ -27,6 +27,7 @@ import torch
 
 from comfy.multidevice.comm.settings import parse_rendezvous
 from comfy.multidevice.comm.torch_dist import dist_backend_for, DistributedComm, init_process_group
+from comfy.multidevice.comfy_cancel import CancelledAtBlock
 from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import options_position, transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
@@ -39,13 +40,6 @@ from comfy.multidevice.workers.repeats import ReceivedTensors
 
 log = logging.getLogger("comfy.multidevice.workers.worker")  # its name also when run as __main__
 
-
-class CancelledByRank0(Exception):
-    """Rank 0 said stop at this block (ComfyUI's Cancel); the pool stays up."""
-
-    def __init__(self, block: int):
-        super().__init__(f"cancelled at block {block}")
-        self.block = block
 
 
 def control_group(device: torch.device):
@@ -113,14 +107,9 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
     log.info("worker rank %d of %d on %s: %s, %d intra-op thread(s), pid %d, ready in %.1f s", comm.rank,
              comm.world_size, socket.gethostname(), device, torch.get_num_threads(), os.getpid(),
              time.monotonic() - started)
-    cancel_flag = BlockFlag(control.group)
     received = ReceivedTensors()
-
-    def cancel_point(index):  # rank 0 says at every block whether ComfyUI's Cancel was pressed
-        if cancel_flag.post():
-            raise CancelledByRank0(index)
-
-    setup = H3RankSetup(comm, sp_mode, block_weights, before_block=cancel_point, split=split)
+    # rank 0 says at every block whether ComfyUI's Cancel was pressed (comfy_cancel.py)
+    setup = H3RankSetup(comm, sp_mode, block_weights, BlockFlag(control.group), split)
     while True:
         if not link.wait_for_go():  # idle: no collective timeout here
             return 0
@@ -137,8 +126,7 @@ def serve(comm, control: ControlChannel, device: torch.device, timeout_s: float,
         try:
             with torch.inference_mode():
                 forward(*args, **kwargs)
-            cancel_flag.settle()  # the last block's flag, before the next message
-        except CancelledByRank0 as cancelled:  # every rank stopped at the same block: wait for the next
+        except CancelledAtBlock as cancelled:  # every rank stopped at the same block: wait for the next
             log.info("rank %d: the forward was cancelled at block %d", comm.rank, cancelled.block)
 
 
