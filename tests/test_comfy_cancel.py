@@ -105,13 +105,16 @@ def _cancel_modules(monkeypatch):
     return state
 
 
+@pytest.mark.parametrize("dit_weights", ["replicate", "shard"])
 @pytest.mark.parametrize("pressed_in", [0, 1])
-def test_rank_threads_stop_together_one_block_after_the_cancel_and_stay_usable(backend, monkeypatch, pressed_in):
+def test_rank_threads_stop_together_one_block_after_the_cancel_and_stay_usable(backend, monkeypatch, pressed_in,
+                                                                              dit_weights):
     """Cancel pressed while rank 0 runs block `pressed_in` of the 3-block miniature (every rank's
     layers then check the flag, as ComfyUI's ops do): rank 0 sees it as the next block starts and
     every rank stops as the one after starts (after the last block: at the forward's end), none
     inside a block, the same way a worker pool stops (tests/workers/test_pool.py). ComfyUI's
-    interrupt is raised, the flag cleared, nothing aborted; the next forward equals one device."""
+    interrupt is raised, the flag cleared, nothing aborted; the next forward equals one device
+    (with shard, the block gathers, prefetched on a lane with peer, stay paired across the cancel)."""
     state = _cancel_modules(monkeypatch)
     model = tiny_model()
     x, t, ctx, kw = make_inputs("plain")
@@ -119,7 +122,7 @@ def test_rank_threads_stop_together_one_block_after_the_cancel_and_stay_usable(b
         reference = model(x, t, ctx, **kw)
     with SequenceParallelCoordinator(["cpu"] * 3, backend=backend, timeout_s=30) as coord:
         models = replicas(model, 3)
-        sp = enable_sequence_parallel(models, coord)
+        sp = enable_sequence_parallel(models, coord, dit_weights=dit_weights)
         entered = [[] for _ in models]
         armed = {"once": True}
         for rank, replica in enumerate(models):
@@ -139,6 +142,7 @@ def test_rank_threads_stop_together_one_block_after_the_cancel_and_stay_usable(b
         with torch.inference_mode():
             assert rel_diff(sp(x, t, ctx, **kw), reference) <= FP32_TOL
         assert entered == [[0, 1, 2]] * 3
+        sp.close()
     ops, mm = sys.modules["comfy.ops"], sys.modules["comfy.model_management"]
     assert ops.run_every_op is mm.throw_exception_if_processing_interrupted  # ComfyUI's check is back
 

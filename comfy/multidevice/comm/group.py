@@ -121,7 +121,9 @@ class SequenceParallelCoordinator(SlotCollectives):
     """W rank threads over W devices plus the collectives between them."""
 
     def __init__(self, devices: Sequence[Any], backend: str | None = None,
-                 timeout_s: float | None = None, run_timeout_s: float | None = None):
+                 timeout_s: float | None = None, run_timeout_s: float | None = None, watch_cancel: bool = True):
+        """`watch_cancel=False`: ComfyUI's Cancel is never looked at here (a prefetch lane, whose
+        runs belong to a forward that stops at its block starts)."""
         if not devices:
             raise ValueError("SequenceParallelCoordinator needs at least one device, got none")
         self.devices = [resolve_device(d) for d in devices]
@@ -129,6 +131,7 @@ class SequenceParallelCoordinator(SlotCollectives):
         self.timeout_s = check_timeout(timeout_s) if timeout_s is not None else timeout_from_env()
         self.run_timeout_s = (check_timeout(run_timeout_s, "run_timeout_s") if run_timeout_s is not None
                               else run_timeout_from_env())
+        self.watch_cancel = watch_cancel
         requested = backend_from_env(backend)
         self.requested_backend = requested
         self._init_collectives(self.timeout_s)
@@ -183,9 +186,9 @@ class SequenceParallelCoordinator(SlotCollectives):
         itself), the coordinator is closed, and the error is raised; `closed` tells the next user
         to build a fresh coordinator. A Cancel that every rank obeyed leaves it usable and raises
         ComfyUI's own InterruptProcessingException. With `cancel_at_block_starts` (a DiT forward)
-        the ranks stop on a Cancel by themselves, together as a block starts (comfy_cancel.py
-        `BlockCancel` raising CancelledAtBlock on every rank): nothing is aborted then, and
-        ComfyUI's interrupt is raised the same way. With a library backend that can abort (NCCL),
+        this call does not look at the flag: the ranks stop on a Cancel by themselves, together as
+        a block starts (comfy_cancel.py `BlockCancel` raising CancelledAtBlock on every rank);
+        nothing is aborted, and ComfyUI's interrupt is raised the same way. With a library backend that can abort (NCCL),
         a communicator that reports an error, or ranks inside a library collective for
         `timeout_s`, end the run the same way at once: the communicators are aborted (the ranks
         inside return) and the coordinator is closed; abandoned ranks' communicators are aborted
@@ -232,7 +235,8 @@ class SequenceParallelCoordinator(SlotCollectives):
             for r, worker in enumerate(self._workers):
                 worker.jobs.put((fn, tuple(a[r] for a in per_rank_args), grad_modes, done))
             with finished:
-                cancel = self._wait_for_ranks(finished, running, errors, fn, cancel_at_block_starts)
+                cancel = self._wait_for_ranks(finished, running, errors, fn,
+                                              self.watch_cancel and not cancel_at_block_starts)
                 stuck = sorted(running)
                 running.clear()  # from here on, a late rank's result is dropped
             self._release_slots()
@@ -258,10 +262,10 @@ class SequenceParallelCoordinator(SlotCollectives):
                 raise exc
             return results
 
-    def _wait_for_ranks(self, finished: threading.Condition, running: set, errors: list, fn,
-                        cancel_at_block_starts: bool = False):
+    def _wait_for_ranks(self, finished: threading.Condition, running: set, errors: list, fn, watch_cancel: bool):
         """Wait (holding `finished`) until every rank has returned or the ones left must be
-        abandoned. Polls ComfyUI's interrupt flag; returns (time, module) of a Cancel, else None.
+        abandoned. With `watch_cancel`, polls ComfyUI's interrupt flag; returns (time, module) of
+        a Cancel, else None.
         """
         grace = self.abandon_grace_s
         cancel = None
@@ -279,11 +283,10 @@ class SequenceParallelCoordinator(SlotCollectives):
                     self._barrier.abort(reason)
                     self._abort_communicators(reason)
                     give_up_at = now + grace
-                elif cancel is None and (module := cancel_requested()) is not None:
+                elif watch_cancel and cancel is None and (module := cancel_requested()) is not None:
                     cancel = (now, module)
-                    if not cancel_at_block_starts:  # else the ranks stop at their next block start
-                        self._barrier.abort("cancelled from ComfyUI (interrupt)")
-                        give_up_at = now + grace
+                    self._barrier.abort("cancelled from ComfyUI (interrupt)")
+                    give_up_at = now + grace
                 elif len(running) < self.world_size:
                     stall_since = stall_since or now
                     if now - stall_since > self.timeout_s and self._barrier.waiting == 0:
@@ -432,4 +435,4 @@ def prefetch_lane(coordinator: SequenceParallelCoordinator) -> SequenceParallelC
     if not lane_allowed(coordinator):
         return None
     return SequenceParallelCoordinator(coordinator.devices, backend=coordinator.backend_name,
-                                       timeout_s=coordinator.timeout_s)
+                                       timeout_s=coordinator.timeout_s, watch_cancel=False)
