@@ -31,7 +31,7 @@ import torch
 
 from comfy.multidevice.cards import auto_kind, DEVICE_KINDS, DeviceInventory, visible_device_names
 from comfy.multidevice.cli.deep_checks import deep_checks
-from comfy.multidevice.cli.options import integer, max_cpu_ranks, seconds
+from comfy.multidevice.cli.options import cpu_ranks_problem, integer, seconds
 from comfy.multidevice.comm import torch_dist as multinode
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.hccl import (all_gather_v_supported_on, HCCL_DEFAULT_LIBRARY, HCCL_FUNCTIONS,
@@ -101,10 +101,6 @@ def devices_report() -> dict:
         memory = None
     return {"npu": _accelerator("npu"), "cuda": _accelerator("cuda"),
             "cpu": {"count": os.cpu_count(), "memory_bytes": memory}}
-
-
-def environment_report() -> dict:
-    return read_variables(ENV_VARS, ENV_PREFIXES)
 
 
 def probe_library(table, path_env: str, default_path: str) -> dict:
@@ -177,10 +173,8 @@ def self_test_devices(kind: str, count: int | None, devices: dict) -> list[str]:
                 "torch_npu or a CUDA build of torch is installed; to self-test "
                 f"{count} CPU ranks instead, add --device-kind cpu")
     if kind == "cpu":
-        if count is not None and count > max_cpu_ranks():
-            raise DoctorFailure(f"--devices {count}: CPU ranks are threads sharing this machine's "
-                                f"{os.cpu_count()} CPU core(s), and more than {max_cpu_ranks()} only "
-                                f"take turns; use --devices {max_cpu_ranks()} or fewer")
+        if problem := cpu_ranks_problem(count):
+            raise DoctorFailure(problem)
         return ["cpu"] * (count or CPU_SELF_TEST_RANKS)
     have = found[kind]
     want = have if count is None else count
@@ -278,7 +272,7 @@ def collect_report(device_kind: str = "auto", count: int | None = None, backend:
     report = {"ok": False, "reason": None, "platform": platform_report(), "versions": versions_report()}
     report["devices"] = devices_report()
     report["backends"] = backends_report([d["name"] for d in report["devices"]["npu"]["devices"]])
-    report["environment"] = environment_report()
+    report["environment"] = read_variables(ENV_VARS, ENV_PREFIXES)
     try:  # the same checks, and the same words, as `run`
         check_environment()
         requested = backend_from_env(backend)
