@@ -332,16 +332,10 @@ def build_miniature(config: MiniatureConfig | None = None, seed: int = 0,
                     p.add_(0.1 * torch.randn_like(p))
     finally:
         torch.random.set_rng_state(gen_state)
-    return model.to(dtype=dtype) if dtype == torch.float32 else _cast_blocks(model, dtype)
-
-
-def _cast_blocks(model: MiniatureH3Model, dtype: torch.dtype) -> MiniatureH3Model:
-    """Cast everything but the fp32 islands (patch projections, time embedder, output heads)."""
-    keep_fp32 = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
-                 "final_layer.audio_out.", "rope.")
-    state = {k: (v if k.startswith(keep_fp32) else v.to(dtype)) for k, v in model.state_dict().items()}
+    if dtype == torch.float32:
+        return model
     out = MiniatureH3Model(model.config, dtype=dtype)
-    out.load_state_dict(state)
+    out.load_state_dict(model.state_dict())  # cast into each parameter's dtype: the fp32 islands stay
     return out
 
 
