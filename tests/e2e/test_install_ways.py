@@ -36,10 +36,15 @@ PROMPT_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def tiny_models(upstream, tmp_path_factory):  # noqa: F811
-    """The try-out's tiny files, made once for the module's trees (copied into each)."""
-    from comfy.multidevice.tryout.models import make_models
+    """The try-out's tiny files, made once for the module's trees (copied into each), under
+    models/<folder>/<released name>."""
+    from comfy.multidevice.tryout.models import tiny_files
     models = tmp_path_factory.mktemp("tiny-models")
-    make_models(models)
+    names = released_names()
+    for role, data in tiny_files().items():
+        folder, name = names[role]
+        (models / folder).mkdir(exist_ok=True)
+        (models / folder / name).write_bytes(data)
     return models
 
 

@@ -102,9 +102,8 @@ class _Blocks(torch.nn.Module):
 def shard_gather_beside_exchange(devices, backend, timeout_s) -> tuple[bool, str]:
     weights = [torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(BLOCKS)]
     x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(99))
-    with torch.no_grad():
-        want = _Blocks(weights).blocks  # the same kernels as the ranks', on the full weights
-        want = torch.nn.Sequential(*want)(x)
+    with torch.no_grad():  # the same kernels as the ranks', on the full weights
+        want = torch.nn.Sequential(*_Blocks(weights).blocks)(x)
     with SequenceParallelCoordinator(devices, backend=backend, timeout_s=timeout_s) as coord:
         models = [_Blocks(weights).to(d) for d in coord.devices]
         family = shard_dit_blocks(models, coord)
@@ -156,9 +155,9 @@ class ScaledWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket.__name__ in cls._LAYOUT_OPS and isinstance(args[0], ScaledWeight):
-            w = args[0]
-            return ScaledWeight(func(w.data_int8, *args[1:], **{k: v for k, v in kwargs.items() if k != "dtype"}),
-                                func(w.scale, *args[1:], **{k: v for k, v in kwargs.items() if k != "dtype"}))
+            w, layout_kwargs = args[0], {k: v for k, v in kwargs.items() if k != "dtype"}
+            return ScaledWeight(func(w.data_int8, *args[1:], **layout_kwargs),
+                                func(w.scale, *args[1:], **layout_kwargs))
         plain = [a.value() if isinstance(a, ScaledWeight) else a for a in args]
         return func(*plain, **kwargs)
 

@@ -31,7 +31,7 @@ import torch
 
 from comfy.multidevice.cards import auto_kind, DEVICE_KINDS, DeviceInventory, visible_device_names
 from comfy.multidevice.cli.deep_checks import deep_checks
-from comfy.multidevice.cli.options import integer, max_cpu_ranks, seconds
+from comfy.multidevice.cli.options import cpu_ranks_problem, integer, seconds
 from comfy.multidevice.comm import torch_dist as multinode
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.hccl import (all_gather_v_supported_on, HCCL_DEFAULT_LIBRARY, HCCL_FUNCTIONS,
@@ -40,7 +40,7 @@ from comfy.multidevice.comm.nccl import NCCL_DEFAULT_LIBRARY, NCCL_FUNCTIONS, NC
 from comfy.multidevice.comm.settings import (BACKEND_ENV, backend_from_env, check_environment,
                                              launched_by_torchrun, library_path, MAX_TIMEOUT_S,
                                              MULTI_DEVICE_ENV_VARS, read_variables, read_visible_devices,
-                                             SettingError, VALID_BACKENDS, VISIBLE_DEVICES_ENV)
+                                             SettingError, VALID_BACKENDS)
 from comfy.multidevice.devices import accelerator_api, ACCELERATOR_KINDS
 
 CPU_SELF_TEST_RANKS = 2
@@ -103,10 +103,6 @@ def devices_report() -> dict:
             "cpu": {"count": os.cpu_count(), "memory_bytes": memory}}
 
 
-def environment_report() -> dict:
-    return read_variables(ENV_VARS, ENV_PREFIXES)
-
-
 def probe_library(table, path_env: str, default_path: str) -> dict:
     """Load a collective library the way the backend would and list the symbols of its table."""
     path = library_path(path_env, default_path)
@@ -118,11 +114,9 @@ def probe_library(table, path_env: str, default_path: str) -> dict:
         entry["error"] = f"cannot load {path!r}: {exc}; install it or set {path_env}"
         return entry
     entry["loaded"] = True
-    for spec in table:
-        present = hasattr(lib, spec.name)
-        entry["symbols"][spec.name] = present
-        if not present and not spec.optional:
-            entry["missing_required"].append(spec.name)
+    entry["symbols"] = {spec.name: hasattr(lib, spec.name) for spec in table}
+    entry["missing_required"] = [spec.name for spec in table
+                                 if not (spec.optional or entry["symbols"][spec.name])]
     if entry["missing_required"]:
         entry["error"] = f"missing required symbol(s) {', '.join(entry['missing_required'])}"
     entry["usable"] = entry["error"] is None
@@ -166,36 +160,28 @@ def self_test_devices(kind: str, count: int | None, devices: dict) -> list[str]:
     """The devices the self-test uses; DoctorFailure when they are not there."""
     if count is not None and count < 1:
         raise DoctorFailure(f"--devices {count}: give a positive number of devices")
-    inventory = DeviceInventory(counts={k: devices[k]["count"] for k in ACCELERATOR_KINDS})
-    found = inventory.counts
+    inventory = DeviceInventory(counts={k: devices[k]["count"] for k in ACCELERATOR_KINDS},
+                                env=read_visible_devices())
     if kind == "auto":
         kind = auto_kind(inventory)
         if kind == "cpu" and count is not None:
             raise DoctorFailure(
                 f"asked for {count} device(s) but found 0 accelerators (npu: 0, cuda: 0; "
-                f"{_visible_text('npu')}, {_visible_text('cuda')}). Check the driver and that "
+                f"{inventory.env_text('npu')}, {inventory.env_text('cuda')}). Check the driver and that "
                 "torch_npu or a CUDA build of torch is installed; to self-test "
                 f"{count} CPU ranks instead, add --device-kind cpu")
     if kind == "cpu":
-        if count is not None and count > max_cpu_ranks():
-            raise DoctorFailure(f"--devices {count}: CPU ranks are threads sharing this machine's "
-                                f"{os.cpu_count()} CPU core(s), and more than {max_cpu_ranks()} only "
-                                f"take turns; use --devices {max_cpu_ranks()} or fewer")
+        if problem := cpu_ranks_problem(count):
+            raise DoctorFailure(problem)
         return ["cpu"] * (count or CPU_SELF_TEST_RANKS)
-    have = found[kind]
+    have = inventory.count(kind)
     want = have if count is None else count
     if have == 0 or want > have:
         raise DoctorFailure(
             f"asked for {want if count is not None else 'the'} {kind} device(s) but found {have} "
-            f"{kind} device(s) ({_visible_text(kind)}); use --devices {have} or fewer"
+            f"{kind} device(s) ({inventory.env_text(kind)}); use --devices {have} or fewer"
             + (", or make more cards visible" if have else ", or check the driver / torch build"))
     return visible_device_names(kind, inventory)[:want]
-
-
-def _visible_text(kind: str) -> str:
-    name = VISIBLE_DEVICES_ENV[kind]
-    value = read_visible_devices()[name]
-    return f"{name}={value}" if value is not None else f"{name} unset"
 
 
 # ----------------------------------------------------------------------------- self-test
@@ -278,7 +264,7 @@ def collect_report(device_kind: str = "auto", count: int | None = None, backend:
     report = {"ok": False, "reason": None, "platform": platform_report(), "versions": versions_report()}
     report["devices"] = devices_report()
     report["backends"] = backends_report([d["name"] for d in report["devices"]["npu"]["devices"]])
-    report["environment"] = environment_report()
+    report["environment"] = read_variables(ENV_VARS, ENV_PREFIXES)
     try:  # the same checks, and the same words, as `run`
         check_environment()
         requested = backend_from_env(backend)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from comfy.multidevice.cards import auto_kind, probe_devices, visible_device_names
-from comfy.multidevice.cli.options import finite_number, folder, folder_problem, integer, max_cpu_ranks
+from comfy.multidevice.cli.options import cpu_ranks_problem, finite_number, folder, folder_problem, integer
 from comfy.multidevice.comm.compression import EXACT, EXCHANGE_PRECISIONS, STEP_REL_ERROR_BOUND
 from comfy.multidevice.comm.settings import check_environment, user_cache_dir, VALID_BACKENDS
 from comfy.multidevice.devices import available_memory_bytes
@@ -34,15 +33,11 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # relative to max |reference la
 OUTPUT_FILES = ("latents.safetensors", "report.json")
 # Upper bounds of the options: far above any useful dry run, low enough that the arithmetic
 # and the memory estimate below stay meaningful. The memory estimate is the machine's limit.
-MAX_STEPS = 1000            # H3 samples with 50 steps at most
-MAX_FRAMES = 17 * 2000 + 5
-MAX_PIXELS_SIDE = 16384     # ComfyUI's largest image side
-MAX_REFS = 64
-MAX_TEXT_TOKENS = 1 << 20
-MAX_SEED = 2**63 - 2        # the noise uses seed + 1, torch seeds are 64-bit
-LIMITS = {"steps": MAX_STEPS, "frames": MAX_FRAMES, "width": MAX_PIXELS_SIDE, "height": MAX_PIXELS_SIDE,
-          "refs": MAX_REFS, "text_tokens": MAX_TEXT_TOKENS, "hidden": 1 << 16, "blocks": 1024,
-          "heads": 1024, "head_dim": 1024, "seed": MAX_SEED, "sp_overlap": 1024}
+LIMITS = {"steps": 1000,  # H3 samples with 50 steps at most
+          "frames": 17 * 2000 + 5, "width": 16384, "height": 16384,  # ComfyUI's largest image side
+          "refs": 64, "text_tokens": 1 << 20, "hidden": 1 << 16, "blocks": 1024, "heads": 1024,
+          "head_dim": 1024, "seed": 2**63 - 2,  # the noise uses seed + 1, torch seeds are 64-bit
+          "sp_overlap": 1024}
 
 
 class DryRunError(ValueError):
@@ -123,7 +118,6 @@ class RunSettings:
     dtype: torch.dtype
     tolerance: float
     args: argparse.Namespace
-    notes: list[str] = field(default_factory=list)
     split: RowSplit = EVEN  # --split for these ranks (sp/split.py)
 
 
@@ -138,11 +132,8 @@ def choose_devices(n: int | None, cpu: bool) -> list[str]:
         raise DryRunError(f"--devices {n}: need at least 1 rank")
     accelerators = [] if cpu else visible_accelerators()
     if not accelerators:
-        most = max_cpu_ranks()
-        if n is not None and n > most:
-            raise DryRunError(f"--devices {n}: CPU ranks are threads sharing this machine's "
-                              f"{os.cpu_count()} CPU core(s), and more than {most} only take turns; "
-                              f"use --devices {most} or fewer")
+        if problem := cpu_ranks_problem(n):
+            raise DryRunError(problem)
         return ["cpu"] * (n or DEFAULT_CPU_RANKS)
     if n is None:
         return accelerators
@@ -214,15 +205,15 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
         k = max(0, round((args.frames - 5) / 17))
         raise DryRunError(f"--frames {args.frames}: H3's video VAE takes 17k+5 frames; use "
                           f"--frames {17 * k + 5} or {17 * (k + 1) + 5}")
+    step = VAE_SPATIAL * PATCH
     for name in ("width", "height"):
         value = getattr(args, name)
-        step = VAE_SPATIAL * PATCH
         if value < step or value % step:
             raise DryRunError(f"--{name} {value}: must be a positive multiple of {step} "
                               f"(16x VAE x 2x2 patch); e.g. --{name} {max(step, round(value / step) * step)}")
-    for name in ("refs", "text_tokens"):
-        if getattr(args, name) < (1 if name == "text_tokens" else 0):
-            raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
+    for name, least in (("refs", 0), ("text_tokens", 1)):
+        if getattr(args, name) < least:
+            raise DryRunError(f"{_option(name)} {getattr(args, name)} is out of range")
     try:
         SPMode(args.sp_mode, overlap_chunks=args.sp_overlap, exchange_precision=args.exchange_precision)
     except ValueError as exc:
@@ -233,8 +224,8 @@ def make_settings(args: argparse.Namespace) -> RunSettings:
     for name, least in (("hidden", 2), ("blocks", 1), ("heads", 1), ("head_dim", 8)):
         # head_dim >= 8: H3 rotates only part of each head (here at least 6 dims)
         if getattr(args, name) < least:
-            raise DryRunError(f"--{name.replace('_', '-')} {getattr(args, name)}: too small for the "
-                              f"miniature; use --{name.replace('_', '-')} {least} or more")
+            raise DryRunError(f"{_option(name)} {getattr(args, name)}: too small for the "
+                              f"miniature; use {_option(name)} {least} or more")
     if args.heads * args.head_dim == args.hidden:
         raise DryRunError(f"--heads {args.heads} x --head-dim {args.head_dim} equals --hidden {args.hidden}; "
                           "H3's attention width differs from its hidden size, pick another --hidden")
@@ -278,12 +269,11 @@ def rows_text(rows: list[int] | None) -> str:
 
 def checked_split(args: argparse.Namespace, world: int) -> RowSplit:
     """--split for `world` ranks, with --sp-mode (Ulysses needs even rows); DryRunError naming the fix."""
-    text = getattr(args, "split", "even")
     try:
-        split = parse_split(text, world)
+        split = parse_split(args.split, world)
         check_mode_for_split(SPMode(args.sp_mode, overlap_chunks=args.sp_overlap), split)
     except (ValueError, SequenceParallelError) as exc:
-        raise DryRunError(f"--split {text}: {exc}") from exc
+        raise DryRunError(f"--split {args.split}: {exc}") from exc
     return split
 
 

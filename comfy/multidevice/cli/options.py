@@ -82,3 +82,12 @@ def folder_problem(path: Path, files: tuple[str, ...] = ()) -> str | None:
 def max_cpu_ranks() -> int:
     """CPU ranks are threads sharing the cores: beyond twice the cores they only take turns."""
     return max(8, 2 * (os.cpu_count() or 1))
+
+
+def cpu_ranks_problem(count: int | None) -> str | None:
+    """Why `--devices count` CPU ranks are too many for this machine; None when they are not."""
+    most = max_cpu_ranks()
+    if count is None or count <= most:
+        return None
+    return (f"--devices {count}: CPU ranks are threads sharing this machine's {os.cpu_count()} CPU "
+            f"core(s), and more than {most} only take turns; use --devices {most} or fewer")

@@ -26,8 +26,7 @@ from comfy.multidevice.cli.dry_run_settings import (checked_split, DryRunError, 
                                                     rows_text, RunSettings, sequence_length)
 from comfy.multidevice.cli.report import (parity_figures, parity_line, REPORT_KEYS, speedup_baseline, steady_seconds,
                                            write_outputs)
-from comfy.multidevice.comm.settings import SettingError
-from comfy.multidevice.comm.settings import local_world_size, read_torchrun_env
+from comfy.multidevice.comm.settings import local_world_size, read_torchrun_env, SettingError
 from comfy.multidevice.comm.torch_dist import DistributedComm, init_from_env
 from comfy.multidevice.devices import copy_for_rank
 from comfy.multidevice.sp.minimax_h3 import install_rank_sequence_parallel
@@ -63,13 +62,9 @@ def _ensure_checkpoint_once(settings: RunSettings, comm: DistributedComm, local_
 
 
 def _one_replica(path, device):
-    """This process's replica through the dry run's own builder, which returns either
-    (modules, source) or an object with .modules / .source depending on its version."""
+    """This process's replica, through the dry run's own builder, and how it was built."""
     built = dry.build_replicas(path, [str(device)])
-    if hasattr(built, "modules"):
-        return built.modules[0], built.source
-    modules, source = built
-    return modules[0], source
+    return built.modules[0], built.source
 
 
 def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
@@ -90,7 +85,7 @@ def run_distributed(args: argparse.Namespace, out=sys.stdout) -> int:
         with comm:
             return _run(args, settings, comm, env.local_rank, out)
     except Exception as exc:
-        if getattr(args, "debug", False):
+        if args.debug:
             raise
         print(f"minimax_h3_parallel.py run: rank {env.rank} of {env.world_size} stops: "
               f"{_one_line(exc)} (--debug shows the traceback)", file=sys.stderr, flush=True)
@@ -138,8 +133,7 @@ def _run(args, settings: RunSettings, comm: DistributedComm, local_rank: int, ou
     x, context, kwargs = [z.to(device) for z in x], context.to(device), copy_for_rank(kwargs, torch.device(device))
     sigmas = dry.sigma_schedule(args.steps, cfg.sigma_shift_video)
     shards = []
-    sp_mode = SPMode(args.sp_mode, getattr(args, "sp_overlap", 1),
-                     exchange_precision=getattr(args, "exchange_precision", "exact"))
+    sp_mode = SPMode(args.sp_mode, args.sp_overlap, exchange_precision=args.exchange_precision)
 
     def rank_forward(latents, timestep, text, **kw):
         options: dict = {}  # a fresh copy per forward, as the thread fan-out makes

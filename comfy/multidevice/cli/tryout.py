@@ -43,25 +43,14 @@ def remove_command(root: Path) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def released_files() -> list[str]:
-    """Every released model file (the optional BF16 DiT too) as a path under a ComfyUI folder."""
-    return [f"models/{folder}/{name}" for folder, name in models.released_names().values()]
-
-
-def real_weights_elsewhere(environ=os.environ) -> list[Path]:
-    """Released-name files in $MINIMAX_H3_MODELS, which the pack adds to ComfyUI's model folders."""
-    extra = environ.get(MODELS_ENV, "").strip()
-    if not extra:
-        return []
-    base = Path(extra).expanduser()
-    return [base / folder / name for folder, name in models.released_names().values()
-            if os.path.lexists(base / folder / name)]
-
-
 def refuse_if_taken(root: Path) -> None:
-    """Raises TryoutError naming every released-name file (or the node's folder) already there."""
-    taken = already_there(root, [*released_files(), NODE_DIR])
-    elsewhere = real_weights_elsewhere()
+    """Raises TryoutError naming every released-name file (or the node's folder) already there:
+    in root/models or in $MINIMAX_H3_MODELS, which the pack adds to ComfyUI's model folders."""
+    released = [f"{folder}/{name}" for folder, name in models.released_names().values()]  # the BF16 DiT too
+    taken = already_there(root, [*(f"models/{rel}" for rel in released), NODE_DIR])
+    extra = os.environ.get(MODELS_ENV, "").strip()
+    elsewhere = [Path(extra).expanduser() / rel for rel in released
+                 if extra and os.path.lexists(Path(extra).expanduser() / rel)]
     if taken or elsewhere:
         named = ", ".join([*taken, *(f"{p} (${MODELS_ENV})" for p in elsewhere)])
         raise TryoutError(f"refused: {named} already there. The try-out is for a ComfyUI without the "

@@ -208,9 +208,8 @@ class MiniatureH3Model(nn.Module):
         t_pin = max(t_v, COND_TIMESTEP)
         seg_t = {"text": t_v, "video": t_v, "audio": t_a, "cond": t_pin, "ref_img": t_pin,
                  "ref_audio": max(t_a, COND_TIMESTEP)}
-        video_rows_t = self._masked_rows_t(denoise_mask, (vt, vh, vw), sigma_v, t_pin, video=True)
-        audio_rows_t = self._masked_rows_t(audio_denoise_mask, None, 1.0 - t_a, max(t_a, COND_TIMESTEP),
-                                           video=False)
+        video_rows_t = self._masked_rows_t(denoise_mask, (vt, vh, vw), sigma_v, t_pin)
+        audio_rows_t = self._masked_rows_t(audio_denoise_mask, None, 1.0 - t_a, max(t_a, COND_TIMESTEP))
         levels = {seg_t[k] for _, _, k in layout.segments}
         for rows_t in (video_rows_t, audio_rows_t):
             if rows_t is not None:
@@ -242,20 +241,20 @@ class MiniatureH3Model(nn.Module):
                 mod_segments.append((a, b, base + MODALITY_TAG[kind]))
 
         # embed every row into h [S, hidden]
-        video_embed = self.video_patch_proj(patchify_video(video_x.float(), cfg.patch_size)).to(dtype)
-        audio_embed = self.audio_patch_proj(pack_audio(audio_x.float())).to(dtype)
+        def video_rows(z):
+            return self.video_patch_proj(patchify_video(z.to(device).float(), cfg.patch_size)).to(dtype)
+
+        def audio_rows(z):
+            return self.audio_patch_proj(pack_audio(z.to(device).float())).to(dtype)
+
         text = context[0].to(dtype)
         if text.shape[-1] != cfg.hidden_size:
             text = self.token_refiner(self.condition_proj(text), transformer_options=transformer_options)
-        conds = iter(self.video_patch_proj(patchify_video(z.to(device).float(), cfg.patch_size)).to(dtype)
-                     for z in cond_latents)
-        refs = iter(self.video_patch_proj(patchify_video(z.to(device).float(), cfg.patch_size)).to(dtype)
-                    for z in ref_latents)
-        ref_auds = iter(self.audio_patch_proj(pack_audio(z.to(device).float())).to(dtype) for z in ref_audio)
-        source = {"text": lambda: text, "video": lambda: video_embed, "audio": lambda: audio_embed,
-                  "cond": lambda: next(conds), "ref_img": lambda: next(refs),
-                  "ref_audio": lambda: next(ref_auds)}
-        h = torch.cat([source[kind]() for _, _, kind in layout.segments], dim=0)
+        # each kind's rows in layout order (cond, ref_img and ref_audio segments come one per latent)
+        pending = {"text": iter([text]), "video": iter([video_rows(video_x)]),
+                   "audio": iter([audio_rows(audio_x)]), "cond": map(video_rows, cond_latents),
+                   "ref_img": map(video_rows, ref_latents), "ref_audio": map(audio_rows, ref_audio)}
+        h = torch.cat([next(pending[kind]) for _, _, kind in layout.segments], dim=0)
 
         t_emb = self.time_embedder(torch.tensor(unique_t, dtype=torch.float32, device=device)).to(dtype)
         rope_freqs = self.rope_freqs(layout.position_ids, device)
@@ -277,13 +276,12 @@ class MiniatureH3Model(nn.Module):
                          "layout": layout, "transformer_options": transformer_options},
                         {"original_block": original_block})["img"]
 
-        va, vb = layout.span("video")
-        aa, ab = layout.span("audio")
-        video_row = (per_token_rows(video_rows_t, 0, 1) if video_rows_t is not None
-                     else t_row[seg_t["video"]])
-        audio_row = (per_token_rows(audio_rows_t, 0, 1) if audio_rows_t is not None
-                     else t_row[seg_t["audio"]])
-        v, a = self.final_layer(h, t_emb, (va, vb, video_row), (aa, ab, audio_row))
+        def final_span(kind, rows_t):
+            row = t_row[seg_t[kind]] if rows_t is None else per_token_rows(rows_t, 0, 1)
+            return (*layout.span(kind), row)
+
+        v, a = self.final_layer(h, t_emb, final_span("video", video_rows_t),
+                                final_span("audio", audio_rows_t))
         video_out = unpatchify_video(v, vt, vh, vw, cfg.latents_dim, cfg.patch_size)
         return [video_out.to(video_x.dtype), unpack_audio(a).to(audio_x.dtype)]
 
@@ -301,12 +299,13 @@ class MiniatureH3Model(nn.Module):
             raise ValueError(f"context must be [1, L, {cfg.text_dim}] (or already refined [1, L, "
                              f"{cfg.hidden_size}]), got {tuple(context.shape)}")
 
-    def _masked_rows_t(self, mask, video_rows, sigma, t_pin, video):
-        """Per-row timesteps of a partially masked stream (1 = generate), or None if unmasked."""
+    def _masked_rows_t(self, mask, video_rows, sigma, t_pin):
+        """Per-row timesteps of a partially masked stream (1 = generate), or None if unmasked;
+        `video_rows` (t, h, w) in patches for the video stream, None for audio."""
         if mask is None:
             return None
         m = mask[0, 0].float()
-        if video:
+        if video_rows is not None:
             pt, ph, pw = self.config.patch_size
             vt, vh, vw = video_rows
             m = m.reshape(vt, pt, vh, ph, vw, pw).amax(dim=(1, 3, 5))
@@ -333,16 +332,10 @@ def build_miniature(config: MiniatureConfig | None = None, seed: int = 0,
                     p.add_(0.1 * torch.randn_like(p))
     finally:
         torch.random.set_rng_state(gen_state)
-    return model.to(dtype=dtype) if dtype == torch.float32 else _cast_blocks(model, dtype)
-
-
-def _cast_blocks(model: MiniatureH3Model, dtype: torch.dtype) -> MiniatureH3Model:
-    """Cast everything but the fp32 islands (patch projections, time embedder, output heads)."""
-    keep_fp32 = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
-                 "final_layer.audio_out.", "rope.")
-    state = {k: (v if k.startswith(keep_fp32) else v.to(dtype)) for k, v in model.state_dict().items()}
+    if dtype == torch.float32:
+        return model
     out = MiniatureH3Model(model.config, dtype=dtype)
-    out.load_state_dict(state)
+    out.load_state_dict(model.state_dict())  # cast into each parameter's dtype: the fp32 islands stay
     return out
 
 

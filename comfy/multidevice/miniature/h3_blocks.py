@@ -7,6 +7,7 @@ optimized_attention is, so an override in transformer_options takes the call.
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.nn as nn
@@ -45,14 +46,6 @@ def scaled_dot_product(q, k, v, heads, mask=None, skip_reshape=False, skip_outpu
         return out
     b, h, s, d = out.shape
     return out.transpose(1, 2).reshape(b, s, h * d)
-
-
-class PreferredAttention:
-    """Stands for upstream's ComfyAttention: `function` is the attention a checkpoint asks for
-    (None: the default)."""
-
-    def __init__(self):
-        self.function = None
 
 
 def attention(q, k, v, heads, transformer_options=None, preferred_attention=None, **kwargs):
@@ -96,7 +89,8 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(head_dim, eps=eps, dtype=dtype)
         self.k_norm = nn.RMSNorm(head_dim, eps=eps, dtype=dtype)
         self.out_proj = nn.Linear(heads * head_dim, hidden, bias=False, dtype=dtype)
-        self.comfy_attention = PreferredAttention()
+        # upstream's ComfyAttention: `function` is the attention a checkpoint asks for (None: the default)
+        self.comfy_attention = types.SimpleNamespace(function=None)
 
     def forward(self, x, rope_freqs=None, transformer_options=None):
         s = x.shape[0]
@@ -175,13 +169,9 @@ class TokenRefiner(nn.Module):
         return self.final_norm(x)
 
 
-class DiTBlock(nn.Module):
+class DiTBlock(RefinerBlock):
     def __init__(self, hidden, heads, head_dim, ffn, t_dim, eps, dtype):
-        super().__init__()
-        self.norm1 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.norm2 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.attn = Attention(hidden, heads, head_dim, eps, dtype)
-        self.mlp = MLP(hidden, ffn, dtype)
+        super().__init__(hidden, heads, head_dim, ffn, eps, dtype)
         self.adaln_proj = AdalnProj(t_dim, hidden, 6, 3, dtype)
 
     def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None, attention=None):

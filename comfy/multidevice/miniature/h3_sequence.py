@@ -6,7 +6,7 @@ target video, the two targets always last, each row with (t, h, w) position ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -44,7 +44,6 @@ class MiniatureLayout:
 
     segments: list[tuple[int, int, str]]
     position_ids: torch.Tensor  # [S, 3] float64 (t, h, w)
-    signature: tuple = field(default=())
 
     @property
     def seq_len(self) -> int:
@@ -104,6 +103,4 @@ def build_layout(text_len: int, video_rows: tuple[int, int, int], audio_t: int,
     for kind, pos in pieces:
         segments.append((start, start + pos.shape[0], kind))
         start += pos.shape[0]
-    signature = (text_len, tuple(video_rows), audio_t, tuple(cond_frames), tuple(ref_images),
-                 tuple(ref_audio))
-    return MiniatureLayout(segments, torch.cat([p for _, p in pieces]), signature)
+    return MiniatureLayout(segments, torch.cat([p for _, p in pieces]))

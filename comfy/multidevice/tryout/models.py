@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import types
-from pathlib import Path
 
 import torch
 
@@ -64,13 +63,8 @@ def released_names() -> dict[str, tuple[str, str]]:
 def random_like(state: dict, seed: int, scale: float) -> dict:
     """Seeded random floats in the shape of `state` (norm weights around 1); other dtypes kept."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, value in state.items():
-        if not value.is_floating_point():
-            out[name] = value.clone()
-        else:
-            out[name] = torch.randn(value.shape, generator=g) * scale + (1.0 if "norm" in name else 0.0)
-    return out
+    return {name: torch.randn(value.shape, generator=g) * scale + (1.0 if "norm" in name else 0.0)
+            if value.is_floating_point() else value.clone() for name, value in state.items()}
 
 
 def random_weights(module: torch.nn.Module, seed: int, scale: float) -> dict:
@@ -90,11 +84,15 @@ def random_weights(module: torch.nn.Module, seed: int, scale: float) -> dict:
     return {**{k: v.detach().clone() for k, v in module.state_dict().items() if k not in params}, **params}
 
 
-def dit_state_dict(seed: int) -> dict:
+def _dit_shell() -> torch.nn.Module:
+    """Upstream's H3 DiT in the tiny config, fp32, its weights not initialised."""
     import comfy.ldm.minimax.model as h3
     import comfy.ops
-    shell = h3.MiniMaxH3Model(**DIT, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
-    state = random_like(shell.state_dict(), seed, 0.05)  # fp32: see the module docstring
+    return h3.MiniMaxH3Model(**DIT, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+
+
+def dit_state_dict(seed: int) -> dict:
+    state = random_like(_dit_shell().state_dict(), seed, 0.05)  # fp32: see the module docstring
     state["rope.inv_freq"] = torch.tensor([1.0, 0.3])
     return state
 
@@ -125,12 +123,9 @@ def audio_vae_state_dict(seed: int) -> dict:
 
 def lora_state_dict(seed: int) -> dict:
     """A rank-4 LoRA on every block linear of the tiny DiT (shapes from upstream's own module)."""
-    import comfy.ldm.minimax.model as h3
-    import comfy.ops
-    shell = h3.MiniMaxH3Model(**DIT, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for i, block in enumerate(shell.blocks):
+    for i, block in enumerate(_dit_shell().blocks):
         for target in LORA_TARGETS:
             rows, cols = block.get_submodule(target).weight.shape
             key = f"diffusion_model.blocks.{i}.{target}"
@@ -153,14 +148,3 @@ def tiny_files() -> dict[str, bytes]:
         restore_upstream()
     return {role: safetensors.torch.save({k: v.contiguous() for k, v in state.items()}) for role, state in states.items()}
 
-
-def make_models(models_dir: Path) -> dict[str, Path]:
-    """Write every tiny file into models_dir/<folder>/<released name>; role -> path."""
-    names = released_names()
-    paths = {}
-    for role, data in tiny_files().items():
-        folder, name = names[role]
-        paths[role] = models_dir / folder / name
-        paths[role].parent.mkdir(parents=True, exist_ok=True)
-        paths[role].write_bytes(data)
-    return paths

@@ -46,7 +46,6 @@ class TemporalChunkPlan:
     chunk's tail), `tail` is kept to blend into the next chunk (or written after the last).
     """
 
-    latent_frames: int
     pad_latents: int               # copies of the last latent frame appended before chunking
     windows: tuple                 # ((start, stop), ...) latent windows of the padded latent
     body: tuple                    # (start, stop) frames of a decoded chunk
@@ -132,7 +131,7 @@ class H3ChunkSchedule:
             last_decoded = (windows[-1][1] - windows[-1][0]) * r
             frames += max(0, min(tail[1], last_decoded) - tail[0])
         frames -= self._pad_frames(latent_frames, pad)
-        return TemporalChunkPlan(latent_frames=latent_frames, pad_latents=pad, windows=windows,
+        return TemporalChunkPlan(pad_latents=pad, windows=windows,
                                  body=body, tail=tail, blend_frames=self.blend_frames,
                                  output_frames=frames)
 
@@ -219,25 +218,6 @@ class H3ChunkInterface:
                 f"{plan.output_frames}: the decoder's schedule changed, decode on one device")
 
 
-# ----------------------------------------------------------------------------- running
-
-def _run_on_devices(devices, runner, fn, per_rank_items):
-    """fn(rank, device, items) on every rank thread (in the caller's grad/inference mode)."""
-    def rank_fn(rank, comm, items):
-        return fn(rank, comm.device, items)
-
-    if runner is not None:
-        if len(runner.devices) != len(devices):
-            raise ParallelDecodeError(f"the runner has {len(runner.devices)} ranks for {len(devices)} devices")
-        return runner.run(rank_fn, per_rank_items)
-    with SequenceParallelCoordinator(devices, backend="peer") as coordinator:
-        return coordinator.run(rank_fn, per_rank_items)
-
-
-def round_robin(n_items: int, world: int) -> list[list[int]]:
-    return [list(range(r, n_items, world)) for r in range(world)]
-
-
 # ----------------------------------------------------------------------------- chunked decode
 
 class ChunkedDecode:
@@ -288,10 +268,12 @@ class ChunkedDecode:
         if plan.pad_latents:
             z = torch.cat([z, z[:, :, -1:].expand(-1, -1, plan.pad_latents, -1, -1)], dim=TIME_DIM)
         windows = [z[:, :, a:b] for a, b in plan.windows]
-        assignment = round_robin(len(windows), len(self.devices))
+        world = len(self.devices)
+        assignment = [list(range(r, len(windows), world)) for r in range(world)]  # round robin
         ratio = self.interface.schedule.time_ratio
 
-        def decode_mine(rank, device, chunk_ids):
+        def decode_mine(rank, comm, chunk_ids):
+            device = comm.device
             decoder = self.decoder_on(device)
             out = []
             for i in chunk_ids:
@@ -305,12 +287,16 @@ class ChunkedDecode:
             log.debug("video VAE rank %d on %s: decoded chunks %s", rank, device, chunk_ids)
             return out
 
-        results = _run_on_devices(self.devices, self.runner, decode_mine, assignment)
-        parts: list = [None] * len(windows)
-        for rank_parts in results:
-            for i, raw in rank_parts:
-                parts[i] = raw
-        return parts
+        # on the rank threads, in the caller's grad/inference mode
+        if self.runner is not None:
+            if len(self.runner.devices) != world:
+                raise ParallelDecodeError(f"the runner has {len(self.runner.devices)} ranks for {world} devices")
+            results = self.runner.run(decode_mine, assignment)
+        else:
+            with SequenceParallelCoordinator(self.devices, backend="peer") as coordinator:
+                results = coordinator.run(decode_mine, assignment)
+        parts = dict(part for rank_parts in results for part in rank_parts)
+        return [parts[i] for i in range(len(windows))]
 
     def merge(self, raw_parts: list, plan: TemporalChunkPlan,
               output_buffer: torch.Tensor | None = None) -> torch.Tensor:
