@@ -4,13 +4,13 @@
   types, optional or not) bound once from a shared library.
 - `CollectiveLibrary`: the thin typed wrapper around one such library: where it is
   found, how a non-zero result becomes a `CollectiveLibraryError` with its text.
-- `FlatCollectiveBackend`: turns the coordinator's all-gather-V and all-reduce into
-  calls on flat device buffers, issued by each rank thread on its device's current
-  stream, back to back, synchronized once before the results are used. Subclasses supply the library
-  calls (`_all_gather_v_flat`, `_all_reduce_flat`, and optionally `_all_to_all_v_flat`
-  with `has_all_to_all_v` true; without it the coordinator emulates all-to-all).
-- `CommunicatorBackend`: a `FlatCollectiveBackend` with one library communicator per
-  rank device, made by the library's single-process "init all" call and destroyed on close.
+- `CommunicatorBackend`: one library communicator per rank device, made by the library's
+  single-process "init all" call and destroyed on close; it turns the coordinator's
+  all-gather-V, all-to-all-V and all-reduce into calls on flat device buffers, issued by each
+  rank thread on its device's current stream, back to back, synchronized once before the
+  results are used. Subclasses supply the all-gather-V call (`_all_gather_v_flat`) and
+  optionally `_all_to_all_v_flat` with `has_all_to_all_v` true (without it the coordinator
+  emulates all-to-all).
 """
 
 from __future__ import annotations
@@ -117,38 +117,41 @@ class CollectiveLibrary:
                                    self.functions, self.what, self.path_env)
         self.path = self.lib.path
 
-    def check(self, function: str, code: int) -> None:
-        if code != self.success:
-            text = self.lib[self.error_string](code)
-            raise self.error_class(function, code,
-                                   text.decode(errors="replace") if text else "unknown error")
+    def error(self, function: str, code: int) -> CollectiveLibraryError:
+        """The error of result `code` of `function`, with the library's own text for it."""
+        text = self.lib[self.error_string](code)
+        return self.error_class(function, code, text.decode(errors="replace") if text else "unknown error")
 
     def call(self, function: str, *args) -> None:
         """Call `function` and raise `error_class` on a non-zero result."""
-        self.check(function, self.lib[function](*args))
+        code = self.lib[function](*args)
+        if code != self.success:
+            raise self.error(function, code)
 
-    def dtype(self, dtype: torch.dtype) -> int:
-        return dtype_code(self.dtypes, dtype, self.what)
-
-
-def device_ids(devices) -> list[int]:
-    """Library device ids of the rank devices; CPU "devices" (fake libraries) get their rank."""
-    return [d.index if d.index is not None else r for r, d in enumerate(devices)]
-
-
-def dtype_code(table: dict, dtype: torch.dtype, what: str) -> int:
-    try:
-        return table[dtype]
-    except KeyError:
-        raise CollectiveError(
-            f"{what} cannot move tensors of dtype {dtype}; supported: "
-            f"{', '.join(str(d) for d in table)}") from None
+    @classmethod
+    def dtype(cls, dtype: torch.dtype) -> int:
+        """The library's dtype enum of `dtype`; CollectiveError naming the supported ones."""
+        try:
+            return cls.dtypes[dtype]
+        except KeyError:
+            raise CollectiveError(
+                f"{cls.what} cannot move tensors of dtype {dtype}; supported: "
+                f"{', '.join(str(d) for d in cls.dtypes)}") from None
 
 
-class FlatCollectiveBackend:
-    """All-gather-V and all-reduce over flat buffers; subclasses issue the library calls."""
+class CommunicatorBackend:
+    """The flat collectives over one library communicator per rank device (init-all call).
+
+    Subclasses set `name`, `device_kind` / `hardware` (which devices the library drives;
+    CPU is always accepted, for the fake libraries) and `library_class`, and implement
+    the flat all-gather-V (and optionally all-to-all-V) hooks; the library supplies
+    `comm_init_all`, `comm_destroy` and `all_reduce`.
+    """
 
     name = "flat"
+    device_kind = ""
+    hardware = ""
+    library_class = CollectiveLibrary
     # capabilities (comm/protocol.py `Backend`); a subclass with a library all-to-all-V sets
     # has_all_to_all_v (hccl: when the library has the symbol)
     reads_peer_memory = False  # the library moves the data; the stream orders it
@@ -156,8 +159,16 @@ class FlatCollectiveBackend:
     has_all_to_all_v = False
     prepares_all_to_all_v = True
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, library: CollectiveLibrary | None = None):
         self.coordinator = coordinator
+        kinds = {d.type for d in coordinator.devices}
+        if not kinds <= {self.device_kind, "cpu"}:
+            raise BackendUnavailable(
+                f"{self.library_class.what} drives {self.hardware}; the devices are {sorted(kinds)}")
+        self.library = library or self.library_class()
+        # library device ids; CPU "devices" (fake libraries) get their rank
+        self.comms = self.library.comm_init_all(
+            [d.index if d.index is not None else r for r, d in enumerate(coordinator.devices)])
 
     # Subclass hooks: issue the call on `stream` for `rank`; raise on a non-zero result.
     # They return whatever host memory the call reads asynchronously (counts, displacements);
@@ -166,7 +177,9 @@ class FlatCollectiveBackend:
         raise NotImplementedError
 
     def _all_reduce_flat(self, rank, send, recv, op, stream):
-        raise NotImplementedError
+        self.library.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(),
+                                self.library.dtype(send.dtype), self.library.reduce_ops[op],
+                                self.comms[rank], stream)
 
     def _stage_all_gather_v(self, rank, send, recv, counts, displs):
         """Torch work the all-gather-V call needs done first (e.g. the own shard copied into
@@ -285,46 +298,9 @@ class FlatCollectiveBackend:
         return scratch(workspace, key, numel, dtype, device)
 
     def close(self):
-        pass
-
-
-class CommunicatorBackend(FlatCollectiveBackend):
-    """A flat backend with one communicator per rank device from the library's init-all call.
-
-    Subclasses set `name`, `device_kind` / `hardware` (which devices the library drives;
-    CPU is always accepted, for the fake libraries) and `library_class`, and implement
-    the flat all-gather-V (and optionally all-to-all-V) hooks; the library supplies
-    `comm_init_all`, `comm_destroy` and `all_reduce`.
-    """
-
-    device_kind = ""
-    hardware = ""
-    library_class = CollectiveLibrary
-
-    def __init__(self, coordinator, library: CollectiveLibrary | None = None):
-        super().__init__(coordinator)
-        kinds = {d.type for d in coordinator.devices}
-        if not kinds <= {self.device_kind, "cpu"}:
-            raise BackendUnavailable(
-                f"{self.library_class.what} drives {self.hardware}; the devices are {sorted(kinds)}")
-        self.library = library or self.library_class()
-        self.comms = self._init_comms(device_ids(coordinator.devices))
-
-    def _init_comms(self, ids: list[int]) -> list:
-        return self.library.comm_init_all(ids)
-
-    def _destroy_comm(self, comm) -> None:
-        self.library.comm_destroy(comm)
-
-    def _all_reduce_flat(self, rank, send, recv, op, stream):
-        self.library.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(),
-                                self.library.dtype(send.dtype), self.library.reduce_ops[op],
-                                self.comms[rank], stream)
-
-    def close(self):
         comms, self.comms = self.comms, []
         for comm in comms:
             try:
-                self._destroy_comm(comm)
+                self.library.comm_destroy(comm)
             except CollectiveLibraryError as exc:
                 log.warning("%s", exc)
