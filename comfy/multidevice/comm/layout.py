@@ -7,7 +7,9 @@ same way, with no dependency on any of them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -20,10 +22,7 @@ class ShardMeta:
 
 
 def numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 def nbytes(meta_or_tensor) -> int:
@@ -32,9 +31,7 @@ def nbytes(meta_or_tensor) -> int:
 
 
 def gathered_shape(metas: Sequence[ShardMeta], dim: int) -> tuple[int, ...]:
-    shape = list(metas[0].shape)
-    shape[dim] = sum(m.shape[dim] for m in metas)
-    return tuple(shape)
+    return chunk_shape(metas[0].shape, dim, sum(m.shape[dim] for m in metas))
 
 
 def chunk_shape(shape: Sequence[int], split_dim: int, size: int) -> tuple[int, ...]:
@@ -46,11 +43,7 @@ def chunk_shape(shape: Sequence[int], split_dim: int, size: int) -> tuple[int, .
 
 def displacements(counts: Sequence[int]) -> list[int]:
     """Where each rank's part starts in a rank-major flat buffer (exclusive prefix sums)."""
-    out, total = [], 0
-    for count in counts:
-        out.append(total)
-        total += count
-    return out
+    return list(accumulate(counts[:-1], initial=0)) if counts else []
 
 
 def chunks_back_to_back(tensor: torch.Tensor, dim: int) -> bool:
@@ -194,21 +187,12 @@ def alone_all_to_all(tensors: Sequence[torch.Tensor], write_own=None) -> list[to
 
 
 def unpack_received(recv: torch.Tensor, shapes: Sequence[Sequence[int]], sizes: Sequence[int],
-                    cat_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    cat_dim: int) -> torch.Tensor:
     """`concat_received` of the chunks lying back to back in the flat buffer `recv` (shapes in
-    source order): along dim 0 that concat is the buffer itself, a view; else one cat copy
-    (into the flat buffer `out` when given)."""
+    source order): along dim 0 that concat is the buffer itself, a view; else one cat copy."""
     kept = [tuple(s) for s, n in zip(shapes, sizes) if n]
     if cat_dim == 0 and kept and all(s[1:] == kept[0][1:] for s in kept):
         return recv.view(sum(s[0] for s in kept), *kept[0][1:])  # empty chunks hold no elements
-    parts, offset = [], 0
-    for shape in shapes:
-        n = numel(shape)
-        parts.append(recv.narrow(0, offset, n).view(shape))
-        offset += n
-    kept_parts = [p for p, n in zip(parts, sizes) if n]
-    if out is None or not kept_parts:
-        return concat_received(parts, sizes, cat_dim)
-    shape = list(kept_parts[0].shape)
-    shape[cat_dim] = sum(p.shape[cat_dim] for p in kept_parts)
-    return torch.cat(kept_parts, dim=cat_dim, out=out.view(shape))
+    counts = [numel(shape) for shape in shapes]
+    parts = [part.view(shape) for part, shape in zip(recv[:sum(counts)].split(counts), shapes)]
+    return concat_received(parts, sizes, cat_dim)
