@@ -61,17 +61,14 @@ def default_device(local_rank: int) -> torch.device:
     """This process's device: NPU `local_rank`, else CUDA GPU `local_rank`, else the CPU."""
     for kind in ACCELERATOR_KINDS:  # NPUs first, as everywhere in the package
         api = accelerator_api(kind)
-        if api is not None and api.is_available() and api.device_count() > 0:
-            return _indexed(kind, local_rank, api.device_count())
+        count = api.device_count() if api is not None and api.is_available() else 0
+        if count and local_rank >= count:
+            raise TorchrunEnvError(
+                f"LOCAL_RANK={local_rank} but this machine shows {count} {kind} device(s); start at "
+                f"most {count} processes per machine (torchrun --nproc-per-node {count})")
+        if count:
+            return torch.device(kind, local_rank)
     return torch.device("cpu")
-
-
-def _indexed(kind: str, local_rank: int, count: int) -> torch.device:
-    if local_rank >= count:
-        raise TorchrunEnvError(
-            f"LOCAL_RANK={local_rank} but this machine shows {count} {kind} device(s); start at "
-            f"most {count} processes per machine (torchrun --nproc-per-node {count})")
-    return torch.device(kind, local_rank)
 
 
 def dist_backend_for(device: torch.device) -> str:
