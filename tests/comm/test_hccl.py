@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from comfy.multidevice.comm.ctypes_lib import CLibrary
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.hccl import HcclBackend, HcclError, HcclLibrary, TRAINING_SERIES_CHIPS
 from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
 # The backend-independent cases, collected here for HCCL (the `backend` fixture below).
 from tests.collective_cases import *  # noqa: F401,F403
 from tests.collective_cases import FakeFunction, make_shards
+from tests.helpers import PythonLibrary
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def fake_hccl_library(**overrides):
         "HcclBroadcast": FakeFunction(),
     }
     functions.update(overrides)
-    return HcclLibrary(lib=CLibrary.from_functions(functions, path="<recorded>")), functions
+    return HcclLibrary(lib=PythonLibrary(functions, path="<recorded>")), functions
 
 
 def test_all_gather_v_marshaling_for_uneven_shards():

@@ -51,13 +51,11 @@ class CLibrary:
                 "at it") from exc
         self.path = path
         self.functions: dict[str, Any] = {}
-        self.missing: list[str] = []
         for spec in table:
             try:
                 fn = getattr(self.lib, spec.name)
             except AttributeError:
                 if spec.optional:
-                    self.missing.append(spec.name)
                     continue
                 raise BackendUnavailable(
                     f"{what} library {path!r} has no symbol {spec.name}; it is too old or not "
@@ -65,13 +63,6 @@ class CLibrary:
             fn.restype = spec.restype
             fn.argtypes = list(spec.argtypes)
             self.functions[spec.name] = fn
-
-    @classmethod
-    def from_functions(cls, functions: dict[str, Any], path: str = "<in-process>") -> "CLibrary":
-        """A library made of Python callables (tests use it to record ctypes arguments)."""
-        self = cls.__new__(cls)
-        self.lib, self.path, self.functions, self.missing = None, path, dict(functions), []
-        return self
 
     def has(self, name: str) -> bool:
         return name in self.functions
@@ -278,7 +269,7 @@ class CommunicatorBackend:
             keepalive.append(self._all_gather_v_flat(rank, send, recv, counts, displs, stream))
         synchronize(device)  # once for all tensors: K and V go back to back on the stream
         del keepalive
-        return [unflatten_gathered(recv, shard_metas, counts, displs, dim)
+        return [unflatten_gathered(recv, shard_metas, dim)
                 for dim, shard_metas, counts, displs, send, recv in plans]
 
     def all_reduce(self, rank, tensor, op, slot):

@@ -118,7 +118,7 @@ def sequence_major(tensor: torch.Tensor, dim: int, workspace: dict | None = None
     return scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device).view(moved.shape).copy_(moved)
 
 
-def unflatten_gathered(flat: torch.Tensor, metas, counts, displs, dim: int) -> torch.Tensor:
+def unflatten_gathered(flat: torch.Tensor, metas: Sequence[ShardMeta], dim: int) -> torch.Tensor:
     """The flat rank-major all-gather buffer of `sequence_major` shards -> their concat along
     `dim`, as a view (the concat's values; not contiguous when dim is not the outermost)."""
     shape = gathered_shape(metas, dim)

@@ -139,7 +139,7 @@ class DistributedComm:
         for g, tensor_works in zip(gathers, works):
             for work in tensor_works:
                 self.call("exchange", work.wait)
-            out.append(unflatten_gathered(g.flat, g.metas, g.counts, g.displs, g.dim).to(self.device))
+            out.append(unflatten_gathered(g.flat, g.metas, g.dim).to(self.device))
         sent, received = exchange_traffic(metas, self.rank)
         self._traffic.add("exchange", sent, received)
         return out
