@@ -13,6 +13,7 @@ import torch
 from comfy.multidevice.comm.errors import CollectiveError
 from comfy.multidevice.comm.layout import (chunk_shape, normalize_dims, planned_chunk_shapes,
                                            received_chunk_shapes, same_chunk_shape, ShardMeta)
+from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
 
 
 def planned_metas(tensors: Sequence[torch.Tensor], dims: Sequence[int], shard_sizes: Sequence[int],
@@ -56,6 +57,12 @@ def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Seque
                 raise CollectiveError(
                     f"exchange tensor {i}: shapes {first.shape} (rank 0) and {m.shape} (rank {r}) "
                     f"differ outside the concat dim {dim}")
+
+
+def check_reduce_op(op: str) -> None:
+    """Refuse an all_reduce op other than VALID_REDUCE_OPS locally, before anything is sent."""
+    if op not in VALID_REDUCE_OPS:
+        raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
 
 
 def check_all_reduce_metadata(metas: Sequence[ShardMeta]) -> None:

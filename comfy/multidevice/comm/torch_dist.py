@@ -33,12 +33,12 @@ from comfy.multidevice.comm.async_errors import set_collective_error_handling
 from comfy.multidevice.comm.settings import check_timeout, read_torchrun_env, timeout_from_env, TorchrunEnvError
 from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
                                            check_all_to_all_metadata, check_all_to_all_plans,
-                                           check_exchange_metadata, check_recv_splits, planned_metas)
+                                           check_exchange_metadata, check_recv_splits, check_reduce_op,
+                                           planned_metas)
 from comfy.multidevice.comm.errors import CollectiveError
 from comfy.multidevice.comm.layout import (alone_all_to_all, displacements, normalize_dims, numel,
                                            planned_chunk_shapes, received_chunk_shapes, scratch, sequence_major,
                                            ShardMeta, unflatten_gathered)
-from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
 from comfy.multidevice.comm.torch_dist_transfers import (AllToAllTransfers, Gather, gather_point_to_point,
                                                         goes_point_to_point, issue_all_gather)
 from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_bytes, exchange_traffic,
@@ -169,16 +169,9 @@ class DistributedComm:
     def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
                      workspace: dict | None = None, recv_splits: Sequence[int] | None = None,
                      write_own=None):
-        """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
-        the chunks received are concatenated in source-rank order along cat_dim.
-
-        Straight into the result (see `AllToAllTransfers`): the chunk a rank keeps is copied
-        once from its source into its place, a peer's chunk is packed once (not when dense) and
-        lands in its place (via one buffer and a copy where that place is strided, as a head
-        block along cat_dim is). Every tensor's transfers start before any is awaited.
-        `recv_splits`: see `Communicator.all_to_all_v`; with them the shapes are exchanged on
-        a plan's first call only. `workspace`: see `Communicator.exchange`; `write_own`: see
-        `Communicator.all_to_all_v`."""
+        """As `Communicator.all_to_all_v`, straight into the result (see `AllToAllTransfers`);
+        every tensor's transfers start before any is awaited. With `recv_splits` the shapes are
+        exchanged on a plan's first call only."""
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
@@ -220,8 +213,7 @@ class DistributedComm:
         return received_chunk_shapes(metas, all_splits, split_dim, self.rank)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if op not in VALID_REDUCE_OPS:
-            raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
+        check_reduce_op(op)
         if self.world_size == 1:
             return tensor.clone()
         metas = self._gather_metas([tensor], f"all_reduce {op}")
