@@ -152,12 +152,9 @@ def planned_chunk_shapes(shapes: Sequence[Sequence[int]], send_splits: Sequence[
     """`received_chunk_shapes` as `rank`'s plan says, without asking the others: the chunk from
     rank j is like this rank's own chunk (`send_splits[rank]` along split_dim) except along
     cat_dim, where it has `recv_splits[j]`; a source that sends nothing has an empty chunk."""
-    out = []
-    for shape in shapes:
-        own = chunk_shape(shape, split_dim, send_splits[rank])
-        out.append([chunk_shape(own, cat_dim, n) if n else chunk_shape(own, split_dim, 0)
-                    for n in recv_splits])
-    return out
+    owns = [chunk_shape(shape, split_dim, send_splits[rank]) for shape in shapes]
+    return [[chunk_shape(own, cat_dim, n) if n else chunk_shape(own, split_dim, 0) for n in recv_splits]
+            for own in owns]
 
 
 def same_chunk_shape(a: Sequence[int], b: Sequence[int]) -> bool:

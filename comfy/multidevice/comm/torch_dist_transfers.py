@@ -196,22 +196,21 @@ class AllToAllTransfers:
         copy inside the device) so that side needs no copy at all. Otherwise no bytes go to
         self: the peers' chunks are packed, received back to back, and copied to their places."""
         result = self.dense_results.get(t)
-        if result is not None or chunks_back_to_back(wire, split_dim):
+        through = result is not None or chunks_back_to_back(wire, split_dim)  # the kept chunk goes through
+        if through:
             send = pack_chunks(wire, splits, split_dim, self.workspace, ("send", t))  # a view when back to back
             out_counts = [numel(chunk_shape(wire.shape, split_dim, n)) for n in splits]
-            in_counts = [places[j].numel() if j in places else 0 for j in range(self.world)]
-            if result is not None:
-                self._all_to_all_single(result.view(-1), send, in_counts, out_counts, {})
-            else:
-                recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
-                self._all_to_all_single(recv, send, in_counts, out_counts, places)
-            return True
-        send, out_counts, _ = pack_peer_chunks(wire, splits, split_dim, self.rank, self.workspace, ("send", t),
-                                               back_to_back=True)
-        in_counts = [0 if j == self.rank or j not in places else places[j].numel() for j in range(self.world)]
-        recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
-        self._all_to_all_single(recv, send, in_counts, out_counts, places)
-        return False
+        else:
+            send, out_counts, _ = pack_peer_chunks(wire, splits, split_dim, self.rank, self.workspace,
+                                                   ("send", t), back_to_back=True)
+        in_counts = [places[j].numel() if j in places and (through or j != self.rank) else 0
+                     for j in range(self.world)]
+        if result is not None:  # arrivals land in their places: nothing to copy after
+            self._all_to_all_single(result.view(-1), send, in_counts, out_counts, {})
+        else:
+            recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
+            self._all_to_all_single(recv, send, in_counts, out_counts, places)
+        return through
 
     def _all_to_all_single(self, recv, send, in_counts, out_counts, places):
         """Start the call; arrivals in `places` are copied there from `recv` once it completes."""
