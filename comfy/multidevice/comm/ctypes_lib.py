@@ -229,11 +229,9 @@ class CommunicatorBackend:
                                               received_chunk_shapes(metas, splits, split_dim, rank),
                                               split_dim, workspace, write_own)
             self._buffers_ready(rank, "all_to_all_v")
-        keepalive = []
-        for send, send_counts, send_displs, _, recv_counts, recv_displs, recv in plans:
-            stream = current_stream_handle(device)  # read right before the call
-            keepalive.append(self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs,
-                                                     recv_counts, recv_displs, stream))
+        keepalive = [self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs, recv_counts,
+                                             recv_displs, current_stream_handle(device))  # read right before
+                     for send, send_counts, send_displs, _, recv_counts, recv_displs, recv in plans]
         synchronize(device)  # once: the calls are ordered on the stream, back to back
         del keepalive
         sizes = [s[rank] for s in splits]
@@ -277,8 +275,7 @@ class CommunicatorBackend:
         send = tensor.contiguous()
         recv = self._empty(send.numel(), send.dtype, device).view(send.shape)
         self._buffers_ready(rank, "all_reduce")
-        stream = current_stream_handle(device)
-        self._all_reduce_flat(rank, send, recv, op, stream)
+        self._all_reduce_flat(rank, send, recv, op, current_stream_handle(device))
         synchronize(device)
         return recv
 

@@ -61,9 +61,9 @@ class PeerCopyBackend:
             # Sequence-major, like the library backends: each shard's rows are copied once,
             # straight into their place (a row copy where a cat along an inner dim, e.g. H3's
             # [1, H, S, D], would transpose; and no .to(device) before it on another device).
-            flat = scratch(workspace, ("recv", i), numel(gathered_shape(shard_metas, dim)), shard_metas[0].dtype,
-                           device)
-            full = unflatten_gathered(flat, shard_metas, dim)
+            size = numel(gathered_shape(shard_metas, dim))
+            full = unflatten_gathered(scratch(workspace, ("recv", i), size, shard_metas[0].dtype, device),
+                                      shard_metas, dim)
             for shard, place in zip(slot, full.split([m.shape[dim] for m in shard_metas], dim)):
                 place.copy_(shard[i], non_blocking=overlap)
             out.append(full)
