@@ -4,13 +4,9 @@
   types, optional or not) bound once from a shared library.
 - `CollectiveLibrary`: the thin typed wrapper around one such library: where it is
   found, how a non-zero result becomes a `CollectiveLibraryError` with its text.
-- `CommunicatorBackend`: one library communicator per rank device, made by the library's
-  single-process "init all" call and destroyed on close; it turns the coordinator's
-  all-gather-V, all-to-all-V and all-reduce into calls on flat device buffers, issued by each
-  rank thread on its device's current stream, back to back, synchronized once before the
-  results are used. Subclasses supply the all-gather-V call (`_all_gather_v_flat`) and
-  optionally `_all_to_all_v_flat` with `has_all_to_all_v` true (without it the coordinator
-  emulates all-to-all).
+- `CommunicatorBackend`: one library communicator per rank device; it turns the coordinator's
+  collectives into calls on flat device buffers, issued by each rank thread on its device's
+  current stream, back to back, synchronized once before the results are used.
 """
 
 from __future__ import annotations
@@ -131,12 +127,14 @@ class CollectiveLibrary:
 
 
 class CommunicatorBackend:
-    """The flat collectives over one library communicator per rank device (init-all call).
+    """The flat collectives over one library communicator per rank device, made by the library's
+    single-process init-all call and destroyed on close.
 
     Subclasses set `name`, `device_kind` / `hardware` (which devices the library drives;
     CPU is always accepted, for the fake libraries) and `library_class`, and implement
-    the flat all-gather-V (and optionally all-to-all-V) hooks; the library supplies
-    `comm_init_all`, `comm_destroy` and `all_reduce`.
+    `_all_gather_v_flat` (and optionally `_all_to_all_v_flat` with `has_all_to_all_v` true;
+    without it the coordinator emulates all-to-all); the library supplies `comm_init_all`,
+    `comm_destroy` and `all_reduce`.
     """
 
     name = "flat"

@@ -199,15 +199,13 @@ class HcclBackend(CommunicatorBackend):
             n = len(counts)
             host_counts = (c_uint64 * n)(*counts)  # read by the device asynchronously:
             host_displs = (c_uint64 * n)(*displs)  # returned so the caller keeps them to the sync
-            hccl.all_gather_v(send.data_ptr(), counts[rank], recv.data_ptr(),
-                                   ctypes.addressof(host_counts), ctypes.addressof(host_displs),
-                                   dtype, comm, stream)
+            hccl.all_gather_v(send.data_ptr(), counts[rank], recv.data_ptr(), ctypes.addressof(host_counts),
+                              ctypes.addressof(host_displs), dtype, comm, stream)
             return host_counts, host_displs
         itemsize = recv.element_size()  # the own shard is in recv already (_stage_all_gather_v)
         for root, (count, displ) in enumerate(zip(counts, displs)):
             if count:
-                hccl.broadcast(recv.data_ptr() + displ * itemsize, count, dtype, root,
-                                    comm, stream)
+                hccl.broadcast(recv.data_ptr() + displ * itemsize, count, dtype, root, comm, stream)
         return None
 
     @property
@@ -219,7 +217,7 @@ class HcclBackend(CommunicatorBackend):
         n = len(send_counts)
         host = [(c_uint64 * n)(*values)  # host arrays the device reads asynchronously
                 for values in (send_counts, send_displs, recv_counts, recv_displs)]
-        send_counts, send_displs, recv_counts, recv_displs = map(ctypes.addressof, host)
-        self.library.all_to_all_v(send.data_ptr(), send_counts, send_displs, recv.data_ptr(), recv_counts,
-                                  recv_displs, self.library.dtype(send.dtype), self.comms[rank], stream)
+        at = [ctypes.addressof(values) for values in host]
+        self.library.all_to_all_v(send.data_ptr(), at[0], at[1], recv.data_ptr(), at[2], at[3],
+                                  self.library.dtype(send.dtype), self.comms[rank], stream)
         return host
