@@ -68,43 +68,33 @@ def scratch(workspace: dict | None, key, numel: int, dtype: torch.dtype,
 
 def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
                 workspace: dict | None = None, key=None) -> torch.Tensor:
-    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer.
-
-    One copy at most: each chunk is copied straight into its slot of the buffer (new, or
-    `workspace[key]`, see `scratch`); none when the chunks already lie back to back in memory.
-    """
-    if chunks_back_to_back(tensor, dim):
-        return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
-    flat = scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device)
-    offset = 0
-    for chunk in tensor.split(list(sizes), dim):
-        flat.narrow(0, offset, chunk.numel()).view(chunk.shape).copy_(chunk)
-        offset += chunk.numel()
-    return flat
+    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer (new,
+    or `workspace[key]`, see `scratch`): one copy at most, none when they lie that way already."""
+    return pack_peer_chunks(tensor, sizes, dim, None, workspace, key)[0]
 
 
-def pack_peer_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int, rank: int,
+def pack_peer_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int, rank: int | None,
                      workspace: dict | None = None, key=None,
                      back_to_back: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
     """What an all-to-all library call sends: the chunks of `tensor` along `dim` for every rank
-    but `rank` in one dense flat buffer, and their (counts, displacements) in elements; `rank`'s
-    own count is 0 (its chunk is copied straight into its place instead of going through the
-    library). One copy per peer chunk at most; none when the chunks already lie back to back
-    (the own chunk's elements then sit unused between the others), unless `back_to_back`: then
-    the peers' chunks are always packed without that gap (for a call that takes counts but no
-    displacements, as torch.distributed's all_to_all_single)."""
+    but `rank` (None: every rank) in one dense flat buffer, and their (counts, displacements) in
+    elements; `rank`'s own count is 0 (its chunk is copied straight into its place instead of
+    going through the library). One copy per peer chunk at most; none when the chunks already
+    lie back to back (the own chunk's elements then sit unused between the others), unless
+    `back_to_back`: then the peers' chunks are always packed without that gap (for a call that
+    takes counts but no displacements, as torch.distributed's all_to_all_single)."""
     counts = [numel(chunk_shape(tensor.shape, dim, n)) for n in sizes]
+    packed = counts[:]
+    if rank is not None:
+        packed[rank] = 0
     if not back_to_back and chunks_back_to_back(tensor, dim):
-        displs = displacements(counts)
-        counts[rank] = 0
-        return tensor.view(-1), counts, displs
-    counts[rank] = 0
-    displs = displacements(counts)
-    flat = scratch(workspace, key, sum(counts), tensor.dtype, tensor.device)
+        return tensor.view(-1), packed, displacements(counts)
+    displs = displacements(packed)
+    flat = scratch(workspace, key, sum(packed), tensor.dtype, tensor.device)
     for j, chunk in enumerate(tensor.split(list(sizes), dim)):
-        if counts[j]:
-            flat.narrow(0, displs[j], counts[j]).view(chunk.shape).copy_(chunk)
-    return flat, counts, displs
+        if packed[j]:
+            flat.narrow(0, displs[j], packed[j]).view(chunk.shape).copy_(chunk)
+    return flat, packed, displs
 
 
 def sequence_major(tensor: torch.Tensor, dim: int, workspace: dict | None = None, key=None) -> torch.Tensor:

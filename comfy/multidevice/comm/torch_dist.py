@@ -146,19 +146,19 @@ class DistributedComm:
 
     def _exchange_metas(self, tensors, dims, shard_sizes):
         """Every rank's shard metadata of an exchange: gathered, or known from a verified plan."""
-        if shard_sizes is None:
-            metas = [m for m, _ in self._gather_metas(tensors, "exchange")]
-            check_exchange_metadata(metas, dims)
-            return metas
-        planned = planned_metas(tensors, dims, shard_sizes, self.rank)  # ValueError before anything
-        key = (tuple(planned[self.rank]), tuple(dims), tuple(int(n) for n in shard_sizes))
-        if key in self._verified_plans:
-            return planned
+        plan = None if shard_sizes is None else tuple(int(n) for n in shard_sizes)
+        if plan is not None:
+            planned = planned_metas(tensors, dims, plan, self.rank)  # ValueError before anything
+            key = (tuple(planned[self.rank]), tuple(dims), plan)
+            if key in self._verified_plans:
+                return planned
         # The plan travels with the shapes, so every rank sees every rank's plan.
-        gathered = self._gather_metas(tensors, "exchange", [int(n) for n in shard_sizes])
+        gathered = self._gather_metas(tensors, "exchange", plan or ())
         metas = [m for m, _ in gathered]
         check_exchange_metadata(metas, dims)
-        if any(tuple(p) != key[2] for _, p in gathered) or metas != planned:
+        if plan is None:
+            return metas
+        if any(tuple(p) != plan for _, p in gathered) or metas != planned:
             raise CollectiveError(
                 f"rank {self.rank}/{self.world_size}: exchange shard_sizes disagree between the ranks "
                 f"({[list(p) for _, p in gathered]}) or with the shapes they passed "
