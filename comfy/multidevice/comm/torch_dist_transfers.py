@@ -69,11 +69,10 @@ def gather_point_to_point(comm, gathers) -> list[list]:
     own part by the collective, and gloo's point to point moves big messages several
     times faster than its all_gather (bench/bench_exchange.py). Receives are posted first,
     so a peer's send never waits for this rank to be ready."""
-    works = []
-    for tag, g in enumerate(gathers):
-        works.append(_start_point_to_point(comm, "exchange", [
-            ("recv", g.part(src), src, tag) for src in range(comm.world_size)
-            if src != comm.rank and g.counts[src]]))
+    works = [_start_point_to_point(comm, "exchange", [("recv", g.part(src), src, tag)
+                                                      for src in range(comm.world_size)
+                                                      if src != comm.rank and g.counts[src]])
+             for tag, g in enumerate(gathers)]
     peers = _ring_peers(comm.rank, comm.world_size)
     for tag, g in enumerate(gathers):
         if not g.counts[comm.rank]:
@@ -140,8 +139,7 @@ class AllToAllTransfers:
 
     def send(self, t, wire, splits, split_dim, places):
         """Send tensor `t`'s chunks to the peers, then copy the chunk kept into its place."""
-        offsets = displacements(splits)
-        chunks = [wire.narrow(split_dim, offsets[j], splits[j]) for j in range(self.world)]
+        chunks = wire.split(list(splits), split_dim)
         if self.point_to_point:
             for dst in _ring_peers(self.rank, self.world):
                 if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
@@ -170,12 +168,10 @@ class AllToAllTransfers:
             self.write_own(t, place)
 
     def _receive(self, t, src, place):
-        if place.is_contiguous():
-            self._start([("recv", place, src, t)], [])
-        else:  # a strided place (e.g. a head block of every row): received densely, copied on arrival
-            buf = scratch(self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device)
-            buf = buf.view(place.shape)
-            self._start([("recv", buf, src, t)], [(buf, place)])
+        # a strided place (e.g. a head block of every row): received densely, copied on arrival
+        buf = place if place.is_contiguous() else scratch(
+            self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device).view(place.shape)
+        self._start([("recv", buf, src, t)], [] if buf is place else [(buf, place)])
 
     def _dense(self, key, chunk):
         """`chunk` as the wire takes it: itself when dense, else packed into a buffer (one copy)."""
