@@ -188,9 +188,9 @@ def remote_ranks_from_env() -> int:
     """COMFYUI_MULTI_DEVICE_REMOTE_RANKS: DiT ranks on other servers (default 0); above 0 it
     needs a fixed rendezvous port, the one their join command names."""
     raw = os.environ.get(REMOTE_RANKS_ENV, "")
-    if not raw.strip():
-        return 0
     text = raw.strip()
+    if not text:
+        return 0
     if not (text.isascii() and text.isdigit()) or int(text) > 4096:
         raise env_error(REMOTE_RANKS_ENV, raw, "is not a number of ranks (0 to 4096)",
                         "set it to how many DiT ranks the other servers run, or unset it for 0")
