@@ -64,16 +64,3 @@ def bench_json(script: str, *args: str, timeout: float) -> dict:
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
-
-class PythonLibrary:
-    """Stands in for a bound C library (comm/ctypes_lib.py's CLibrary): Python callables by C
-    function name, so a test can record the ctypes arguments a backend passes."""
-
-    def __init__(self, functions: dict, path: str = "<in-process>"):
-        self.functions, self.path = dict(functions), path
-
-    def has(self, name: str) -> bool:
-        return name in self.functions
-
-    def __getitem__(self, name: str):
-        return self.functions[name]

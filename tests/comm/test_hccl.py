@@ -19,7 +19,6 @@ from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
 # The backend-independent cases, collected here for HCCL (the `backend` fixture below).
 from tests.collective_cases import *  # noqa: F401,F403
 from tests.collective_cases import FakeFunction, make_shards
-from tests.helpers import PythonLibrary
 
 
 @pytest.fixture
@@ -44,7 +43,7 @@ def fake_hccl_library(**overrides):
         "HcclBroadcast": FakeFunction(),
     }
     functions.update(overrides)
-    return HcclLibrary(lib=PythonLibrary(functions, path="<recorded>")), functions
+    return HcclLibrary("<recorded>", functions), functions
 
 
 def test_all_gather_v_marshaling_for_uneven_shards():

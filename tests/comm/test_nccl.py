@@ -23,7 +23,6 @@ from comfy.multidevice.comm.group import SequenceParallelCoordinator
 # The backend-independent cases, collected here for NCCL (the `backend` fixture below).
 from tests.collective_cases import *  # noqa: F401,F403
 from tests.collective_cases import FakeFunction
-from tests.helpers import PythonLibrary
 
 
 @pytest.fixture
@@ -218,7 +217,7 @@ def recorded_library(**overrides):
         on_call = init_all if spec.name == "ncclCommInitAll" else None
         fn = overrides.get(spec.name) or FakeFunction(on_call=on_call)
         functions[spec.name] = (lambda name, fn: lambda *a: (log.append((name, a)), fn(*a))[1])(spec.name, fn)
-    lib = NcclLibrary(lib=PythonLibrary(functions, path="<recorded>"))
+    lib = NcclLibrary("<recorded>", functions)
     return lib, log
 
 

@@ -25,11 +25,8 @@ class CompressedComm:
         precision = check_precision(precision)
         if precision == EXACT:
             raise ValueError("CompressedComm codes int8 or fp8; the exact exchange uses the communicator itself")
-        self.inner = comm
-        self.precision = precision
-        self.rank = comm.rank
-        self.world_size = comm.world_size
-        self.device = comm.device
+        self.inner, self.precision = comm, precision
+        self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
 
     def _code(self, tensors, dims):
         for t, d in zip(tensors, dims):

@@ -1,7 +1,7 @@
 """What the HCCL and NCCL ctypes backends share.
 
-- `CFunction` / `CLibrary`: a declarative table of C functions (name, result, argument
-  types, optional or not) bound once from a shared library.
+- `CFunction`: one entry of a declarative table of C functions (name, result, argument
+  types, optional or not), bound once from a shared library by `bind`.
 - `CollectiveLibrary`: the thin typed wrapper around one such library: where it is
   found, how a non-zero result becomes a `CollectiveLibraryError` with its text.
 - `CommunicatorBackend`: one library communicator per rank device; it turns the coordinator's
@@ -35,36 +35,29 @@ class CFunction:
     optional: bool = False
 
 
-class CLibrary:
-    """A shared library with the functions of `table` bound and typed."""
-
-    def __init__(self, path: str, table: Sequence[CFunction], what: str, path_env: str):
+def bind(path: str, table: Sequence[CFunction], what: str, path_env: str) -> dict[str, Any]:
+    """The functions of `table` in the shared library at `path`, typed, by name (an optional one
+    the library lacks is left out)."""
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"cannot load {what} library {path!r} ({exc}); install it or point {path_env} "
+            "at it") from exc
+    functions: dict[str, Any] = {}
+    for spec in table:
         try:
-            self.lib = ctypes.CDLL(path)
-        except OSError as exc:
+            fn = getattr(lib, spec.name)
+        except AttributeError:
+            if spec.optional:
+                continue
             raise BackendUnavailable(
-                f"cannot load {what} library {path!r} ({exc}); install it or point {path_env} "
-                "at it") from exc
-        self.path = path
-        self.functions: dict[str, Any] = {}
-        for spec in table:
-            try:
-                fn = getattr(self.lib, spec.name)
-            except AttributeError:
-                if spec.optional:
-                    continue
-                raise BackendUnavailable(
-                    f"{what} library {path!r} has no symbol {spec.name}; it is too old or not "
-                    f"{what}") from None
-            fn.restype = spec.restype
-            fn.argtypes = list(spec.argtypes)
-            self.functions[spec.name] = fn
-
-    def has(self, name: str) -> bool:
-        return name in self.functions
-
-    def __getitem__(self, name: str):
-        return self.functions[name]
+                f"{what} library {path!r} has no symbol {spec.name}; it is too old or not "
+                f"{what}") from None
+        fn.restype = spec.restype
+        fn.argtypes = list(spec.argtypes)
+        functions[spec.name] = fn
+    return functions
 
 
 class CollectiveLibraryError(CollectiveError):
@@ -82,15 +75,15 @@ class CollectiveLibraryError(CollectiveError):
 
 
 class CollectiveLibrary:
-    """One collective library, bound from `functions`; subclasses add one method per call.
+    """One collective library, bound from `table`; subclasses add one method per call.
 
-    Class attributes say what the library is: `what` (for messages), `functions` (the
+    Class attributes say what the library is: `what` (for messages), `table` (the
     CFunction table), `path_env` / `default_path` (where it is found), `error_string`
     (the C function that names a result code) and `error_class`.
     """
 
     what = "collective"
-    functions: tuple = ()
+    table: tuple = ()
     path_env = ""
     default_path = ""
     error_string = ""
@@ -99,19 +92,24 @@ class CollectiveLibrary:
     dtypes: dict = {}      # torch dtype -> the library's dtype enum
     reduce_ops: dict = {}  # "sum" / "max" / ... -> the library's reduction enum
 
-    def __init__(self, path: str | None = None, lib: CLibrary | None = None):
-        self.lib = lib or CLibrary(path or library_path(self.path_env, self.default_path),
-                                   self.functions, self.what, self.path_env)
-        self.path = self.lib.path
+    def __init__(self, path: str | None = None, functions: dict[str, Any] | None = None):
+        """`functions`: Python callables by C name in place of the library's (tests record the
+        ctypes arguments with them)."""
+        self.path = path or library_path(self.path_env, self.default_path)
+        self.functions = bind(self.path, self.table, self.what, self.path_env) if functions is None \
+            else dict(functions)
+
+    def has(self, name: str) -> bool:
+        return name in self.functions
 
     def error(self, function: str, code: int) -> CollectiveLibraryError:
         """The error of result `code` of `function`, with the library's own text for it."""
-        text = self.lib[self.error_string](code)
+        text = self.functions[self.error_string](code)
         return self.error_class(function, code, text.decode(errors="replace") if text else "unknown error")
 
     def call(self, function: str, *args) -> None:
         """Call `function` and raise `error_class` on a non-zero result."""
-        code = self.lib[function](*args)
+        code = self.functions[function](*args)
         if code != self.success:
             raise self.error(function, code)
 

@@ -92,7 +92,7 @@ class HcclLibrary(CollectiveLibrary):
     """The bound library: one thin Python method per C function used."""
 
     what = "HCCL"
-    functions = HCCL_FUNCTIONS
+    table = HCCL_FUNCTIONS
     path_env = HCCL_PATH_ENV
     default_path = HCCL_DEFAULT_LIBRARY
     error_string = "HcclGetErrorString"
@@ -103,7 +103,7 @@ class HcclLibrary(CollectiveLibrary):
 
     @property
     def has_all_gather_v(self) -> bool:
-        return self.lib.has("HcclAllGatherV")
+        return self.has("HcclAllGatherV")
 
     def comm_init_all(self, device_ids: list[int]) -> list[int]:
         n = len(device_ids)
@@ -119,7 +119,7 @@ class HcclLibrary(CollectiveLibrary):
 
     @property
     def has_all_to_all_v(self) -> bool:
-        return self.lib.has("HcclAlltoAllV")
+        return self.has("HcclAlltoAllV")
 
     def all_to_all_v(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
                      comm, stream) -> None:

@@ -129,7 +129,7 @@ class NcclLibrary(CollectiveLibrary):
     """The bound library: one thin Python method per C function used."""
 
     what = "NCCL"
-    functions = NCCL_FUNCTIONS
+    table = NCCL_FUNCTIONS
     path_env = NCCL_PATH_ENV
     default_path = NCCL_DEFAULT_LIBRARY
     error_string = "ncclGetErrorString"
@@ -162,7 +162,7 @@ class NcclLibrary(CollectiveLibrary):
         try:
             yield
         except BaseException:
-            self.lib["ncclGroupEnd"]()
+            self.functions["ncclGroupEnd"]()
             raise
         self.group_end()
 
@@ -177,7 +177,7 @@ class NcclLibrary(CollectiveLibrary):
 
     @property
     def has_send_recv(self) -> bool:
-        return self.lib.has("ncclSend") and self.lib.has("ncclRecv")
+        return self.has("ncclSend") and self.has("ncclRecv")
 
     def send(self, buf, count, dtype, peer, comm, stream) -> None:
         self.call("ncclSend", buf, count, dtype, peer, comm, stream)
@@ -187,7 +187,7 @@ class NcclLibrary(CollectiveLibrary):
 
     @property
     def can_abort(self) -> bool:
-        return self.lib.has("ncclCommAbort")
+        return self.has("ncclCommAbort")
 
     def comm_abort(self, comm) -> None:
         self.call("ncclCommAbort", comm)
@@ -195,7 +195,7 @@ class NcclLibrary(CollectiveLibrary):
     def async_error(self, comm) -> NcclError | None:
         """The error NCCL saw on `comm` while its work ran (ncclCommGetAsyncError), else None
         (also when the library is too old to say)."""
-        if not self.lib.has("ncclCommGetAsyncError"):
+        if not self.has("ncclCommGetAsyncError"):
             return None
         code = ncclResult_t(NCCL_SUCCESS)
         self.call("ncclCommGetAsyncError", comm, byref(code))
