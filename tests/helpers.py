@@ -63,4 +63,3 @@ def bench_json(script: str, *args: str, timeout: float) -> dict:
                          capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
-
