@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench import project_h3  # noqa: E402
-from comfy.multidevice.comm.layout import displacements, numel, scratch, unflatten_gathered  # noqa: E402
+from comfy.multidevice.comm.layout import numel, scratch, unflatten_gathered  # noqa: E402
 from comfy.multidevice.comm.checks import planned_metas  # noqa: E402
 from comfy.multidevice.comm.compression import bytes_ratio, dequantize, quantize  # noqa: E402
 from comfy.multidevice.devices import accelerator_api, resolve_device, set_thread_device  # noqa: E402
@@ -286,7 +286,7 @@ class OneRankOfW:
                 flat.normal_()  # the peers' rows
             moved = tensor.movedim(dim, 0)
             flat[:counts[self.rank]].view(moved.shape).copy_(moved)  # rank 0's place: the start
-            out.append(unflatten_gathered(flat, shards, counts, displacements(counts), dim))
+            out.append(unflatten_gathered(flat, shards, dim))
         return out
 
 

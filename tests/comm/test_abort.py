@@ -179,7 +179,7 @@ def test_close_after_a_failed_run_aborts_and_after_a_good_one_destroys(fake):
 def test_without_ncclcommabort_an_abandoned_communicator_is_left_open(fake, monkeypatch, caplog):
     release = threading.Event()
     coord = stuck_coordinator(monkeypatch, lambda: release.wait(30), timeout_s=0.5)
-    del coord.backend.library.lib.functions["ncclCommAbort"]  # an NCCL older than 2.4
+    del coord.backend.library.functions["ncclCommAbort"]  # an NCCL older than 2.4
     try:
         with caplog.at_level(logging.WARNING, logger=group.__name__):
             with pytest.raises(CollectiveTimeout):

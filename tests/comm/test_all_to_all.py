@@ -289,7 +289,6 @@ def test_hccl_alltoallv_marshaling():
     #               recvType, comm, stream): host uint64 arrays, counts in elements.
     import ctypes
     from types import SimpleNamespace
-    from comfy.multidevice.comm.ctypes_lib import CLibrary
     from comfy.multidevice.comm.hccl import HcclBackend, HcclLibrary
 
     calls = []
@@ -305,7 +304,7 @@ def test_hccl_alltoallv_marshaling():
         "HcclCommDestroy": lambda comm: 0,
         "HcclAlltoAllV": lambda *args: calls.append(args) or 0,
     }
-    lib = HcclLibrary(lib=CLibrary.from_functions(functions))
+    lib = HcclLibrary("<in-process>", functions)
     backend = HcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 3), library=lib)
     assert backend.has_all_to_all_v
     send = torch.zeros(12, dtype=torch.bfloat16)
@@ -347,7 +346,6 @@ def test_nccl_alltoallv_is_one_group_of_sends_and_receives():
     # ncclSend(sendbuff, count, datatype, peer, comm, stream), ncclRecv(recvbuff, ...), in
     # elements; zero counts and the rank's own chunk are not sent.
     from types import SimpleNamespace
-    from comfy.multidevice.comm.ctypes_lib import CLibrary
     from comfy.multidevice.comm.nccl import NcclBackend, NcclLibrary
 
     calls = []
@@ -362,7 +360,7 @@ def test_nccl_alltoallv_is_one_group_of_sends_and_receives():
                  "ncclCommDestroy": lambda comm: 0}
     functions.update({name: record(name) for name in ("ncclGroupStart", "ncclGroupEnd", "ncclSend",
                                                       "ncclRecv")})
-    lib = NcclLibrary(lib=CLibrary.from_functions(functions))
+    lib = NcclLibrary("<in-process>", functions)
     backend = NcclBackend(SimpleNamespace(devices=[torch.device("cpu")] * 3), library=lib)
     send = torch.arange(10, dtype=torch.float32)
     recv = torch.full((7,), -1.0)

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from comfy.multidevice.comm.ctypes_lib import CLibrary
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.hccl import HcclBackend, HcclError, HcclLibrary, TRAINING_SERIES_CHIPS
 from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
@@ -44,7 +43,7 @@ def fake_hccl_library(**overrides):
         "HcclBroadcast": FakeFunction(),
     }
     functions.update(overrides)
-    return HcclLibrary(lib=CLibrary.from_functions(functions, path="<recorded>")), functions
+    return HcclLibrary("<recorded>", functions), functions
 
 
 def test_all_gather_v_marshaling_for_uneven_shards():
@@ -116,14 +115,12 @@ def test_equal_shards_end_to_end(use_fake_hccl):
 @pytest.mark.parametrize("dtype,code", [(torch.float32, 4), (torch.float16, 3), (torch.bfloat16, 11),
                                         (torch.int32, 2), (torch.int8, 0)])
 def test_dtype_enum(dtype, code):
-    from comfy.multidevice.comm.hccl import hccl_dtype
-    assert hccl_dtype(dtype) == code
+    assert HcclLibrary.dtype(dtype) == code
 
 
 def test_unsupported_dtype_names_it():
-    from comfy.multidevice.comm.hccl import hccl_dtype
     with pytest.raises(CollectiveError, match="complex64"):
-        hccl_dtype(torch.complex64)
+        HcclLibrary.dtype(torch.complex64)
 
 
 def test_all_reduce_marshaling():
@@ -170,7 +167,7 @@ def test_broadcast_fallback_without_allgatherv(monkeypatch, fake_hccl_no_allgath
     shards = make_shards(3, [4, 0, 6], 1, torch.bfloat16)
     with caplog.at_level(logging.WARNING):
         with SequenceParallelCoordinator(["cpu"] * 3, backend="hccl", timeout_s=20) as coord:
-            assert not coord.backend.hccl.has_all_gather_v
+            assert not coord.backend.library.has_all_gather_v
             out = coord.run(lambda rank, comm, x: comm.exchange([x, x], [1, 1]), shards)
     warnings = [r for r in caplog.records if "HcclAllGatherV" in r.getMessage()]
     assert len(warnings) == 1 and "HcclBroadcast" in warnings[0].getMessage()
@@ -220,7 +217,7 @@ def test_a_training_series_chip_exchanges_by_broadcast_although_the_library_has_
     shards = make_shards(3, [4, 1, 6], 1, torch.float32)
     with caplog.at_level(logging.INFO, logger="comfy.multidevice.comm.hccl"):
         with SequenceParallelCoordinator(["cpu"] * 3, backend="hccl", timeout_s=20) as coord:
-            assert coord.backend.hccl.has_all_gather_v and not coord.backend.uses_all_gather_v
+            assert coord.backend.library.has_all_gather_v and not coord.backend.uses_all_gather_v
             out = coord.run(lambda rank, comm, x: comm.exchange([x], [1])[0], shards)
     lines = [r.getMessage() for r in caplog.records if "HcclAllGatherV" in r.getMessage()]
     assert len(lines) == 1 and chip in lines[0] and "training series" in lines[0]

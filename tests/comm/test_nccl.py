@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from comfy.multidevice.comm import group, nccl
-from comfy.multidevice.comm.ctypes_lib import CLibrary
-from comfy.multidevice.comm.nccl import (NCCL_FUNCTIONS, NcclBackend, NcclError, NcclLibrary, nccl_dtype)
+from comfy.multidevice.comm.nccl import (NCCL_FUNCTIONS, NcclBackend, NcclError, NcclLibrary)
 from comfy.multidevice.comm.errors import BackendUnavailable, CollectiveError
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 # The backend-independent cases, collected here for NCCL (the `backend` fixture below).
@@ -42,7 +41,7 @@ def test_backend_from_environment(monkeypatch, use_fake_nccl):
     monkeypatch.setenv("COMFYUI_MULTI_DEVICE_BACKEND", "NCCL")
     with SequenceParallelCoordinator(["cpu"] * 2) as coord:
         assert coord.backend_name == "nccl"
-        assert coord.backend.nccl.path == use_fake_nccl
+        assert coord.backend.library.path == use_fake_nccl
 
 
 # ----------------------------------------------------------------------------- errors
@@ -218,7 +217,7 @@ def recorded_library(**overrides):
         on_call = init_all if spec.name == "ncclCommInitAll" else None
         fn = overrides.get(spec.name) or FakeFunction(on_call=on_call)
         functions[spec.name] = (lambda name, fn: lambda *a: (log.append((name, a)), fn(*a))[1])(spec.name, fn)
-    lib = NcclLibrary(lib=CLibrary.from_functions(functions, path="<recorded>"))
+    lib = NcclLibrary("<recorded>", functions)
     return lib, log
 
 
@@ -348,9 +347,9 @@ def test_error_inside_the_group_still_closes_it():
                                         (torch.int64, 4), (torch.float16, 6), (torch.float32, 7),
                                         (torch.float64, 8), (torch.bfloat16, 9)])
 def test_dtype_enum(dtype, code):
-    assert nccl_dtype(dtype) == code
+    assert NcclLibrary.dtype(dtype) == code
 
 
 def test_unsupported_dtype_names_it():
     with pytest.raises(CollectiveError, match="NCCL cannot move tensors of dtype torch.complex64"):
-        nccl_dtype(torch.complex64)
+        NcclLibrary.dtype(torch.complex64)

@@ -13,6 +13,7 @@ import torch
 from comfy.multidevice.comm.errors import CollectiveError
 from comfy.multidevice.comm.layout import (chunk_shape, normalize_dims, planned_chunk_shapes,
                                            received_chunk_shapes, same_chunk_shape, ShardMeta)
+from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
 
 
 def planned_metas(tensors: Sequence[torch.Tensor], dims: Sequence[int], shard_sizes: Sequence[int],
@@ -32,11 +33,16 @@ def planned_metas(tensors: Sequence[torch.Tensor], dims: Sequence[int], shard_si
     return [[ShardMeta(chunk_shape(t.shape, dim, n), t.dtype) for t, dim in zip(tensors, dims)] for n in sizes]
 
 
-def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Sequence[int]) -> None:
-    """Raise the same clear error on every rank when the ranks' shards cannot be concatenated."""
+def _same_tensor_count(per_rank: Sequence[Sequence[ShardMeta]], what: str) -> int:
     counts = [len(m) for m in per_rank]
     if len(set(counts)) != 1:
-        raise CollectiveError(f"ranks passed different numbers of tensors to exchange: {counts}")
+        raise CollectiveError(f"ranks passed different numbers of tensors to {what}: {counts}")
+    return counts[0]
+
+
+def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Sequence[int]) -> None:
+    """Raise the same clear error on every rank when the ranks' shards cannot be concatenated."""
+    _same_tensor_count(per_rank, "exchange")
     for i, dim in enumerate(dims):
         first = per_rank[0][i]
         for r, metas in enumerate(per_rank):
@@ -47,12 +53,16 @@ def check_exchange_metadata(per_rank: Sequence[Sequence[ShardMeta]], dims: Seque
             if len(m.shape) != len(first.shape):
                 raise CollectiveError(
                     f"exchange tensor {i}: rank {r} has shape {m.shape}, rank 0 has {first.shape}")
-            other_r = [s for d, s in enumerate(m.shape) if d != dim]
-            other_0 = [s for d, s in enumerate(first.shape) if d != dim]
-            if other_r != other_0:
+            if chunk_shape(m.shape, dim, 0) != chunk_shape(first.shape, dim, 0):
                 raise CollectiveError(
                     f"exchange tensor {i}: shapes {first.shape} (rank 0) and {m.shape} (rank {r}) "
                     f"differ outside the concat dim {dim}")
+
+
+def check_reduce_op(op: str) -> None:
+    """Refuse an all_reduce op other than VALID_REDUCE_OPS locally, before anything is sent."""
+    if op not in VALID_REDUCE_OPS:
+        raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
 
 
 def check_all_reduce_metadata(metas: Sequence[ShardMeta]) -> None:
@@ -64,13 +74,17 @@ def check_all_reduce_metadata(metas: Sequence[ShardMeta]) -> None:
                                   f"rank 0 has {first.shape}/{first.dtype}")
 
 
+def _integers(values, name: str, world_size: int) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"all_to_all_v {name} must be {world_size} integers, got {values!r}") from None
+
+
 def check_send_splits(tensors: Sequence[torch.Tensor], send_splits: Sequence[int], split_dim: int,
                       world_size: int) -> tuple[int, ...]:
     """Validate one rank's all-to-all split sizes locally, before anything is sent."""
-    try:
-        splits = tuple(int(s) for s in send_splits)
-    except (TypeError, ValueError):
-        raise ValueError(f"all_to_all_v send_splits must be {world_size} integers, got {send_splits!r}") from None
+    splits = _integers(send_splits, "send_splits", world_size)
     if len(splits) != world_size:
         raise ValueError(f"all_to_all_v send_splits {list(splits)} has {len(splits)} entries; "
                          f"give one size per rank ({world_size})")
@@ -89,10 +103,7 @@ def check_recv_splits(recv_splits, world_size: int) -> tuple[int, ...] | None:
     """Validate one rank's all_to_all_v `recv_splits` locally (None: not given)."""
     if recv_splits is None:
         return None
-    try:
-        sizes = tuple(int(n) for n in recv_splits)
-    except (TypeError, ValueError):
-        raise ValueError(f"all_to_all_v recv_splits must be {world_size} integers, got {recv_splits!r}") from None
+    sizes = _integers(recv_splits, "recv_splits", world_size)
     if len(sizes) != world_size or any(n < 0 for n in sizes):
         raise ValueError(f"all_to_all_v recv_splits {list(sizes)} must give one size >= 0 per rank "
                          f"({world_size}): the length along cat_dim of the chunk each rank sends this one")
@@ -102,11 +113,8 @@ def check_recv_splits(recv_splits, world_size: int) -> tuple[int, ...] | None:
 def check_all_to_all_metadata(per_rank: Sequence[Sequence[ShardMeta]], splits: Sequence[Sequence[int]],
                               split_dim: int, cat_dim: int) -> None:
     """Raise the same clear error on every rank when the chunks a rank receives cannot be concatenated."""
-    counts = [len(m) for m in per_rank]
-    if len(set(counts)) != 1:
-        raise CollectiveError(f"ranks passed different numbers of tensors to all_to_all_v: {counts}")
     world = len(per_rank)
-    for t in range(counts[0]):
+    for t in range(_same_tensor_count(per_rank, "all_to_all_v")):
         first = per_rank[0][t]
         for i, metas in enumerate(per_rank):
             if metas[t].dtype != first.dtype or len(metas[t].shape) != len(first.shape):
@@ -119,8 +127,7 @@ def check_all_to_all_metadata(per_rank: Sequence[Sequence[ShardMeta]], splits: S
             want = chunk_shape(per_rank[ref][t].shape, split_dim, splits[ref][j])
             for i in sources[1:]:
                 got = chunk_shape(per_rank[i][t].shape, split_dim, splits[i][j])
-                if [s for d, s in enumerate(got) if d != cat_dim] != \
-                        [s for d, s in enumerate(want) if d != cat_dim]:
+                if chunk_shape(got, cat_dim, 0) != chunk_shape(want, cat_dim, 0):
                     raise CollectiveError(
                         f"all_to_all_v tensor {t}: the chunk rank {i} sends to rank {j} has shape "
                         f"{got}, rank {ref}'s has {want}; they must agree outside the concat dim "

@@ -13,6 +13,7 @@ rank attends to the same rounded K/V. The `exact` precision never makes one of t
 
 from __future__ import annotations
 
+from comfy.multidevice.comm.checks import all_to_all_arguments
 from comfy.multidevice.comm.compression import check_precision, dequantize, EXACT, quantize
 from comfy.multidevice.comm.layout import normalize_dims
 
@@ -24,11 +25,8 @@ class CompressedComm:
         precision = check_precision(precision)
         if precision == EXACT:
             raise ValueError("CompressedComm codes int8 or fp8; the exact exchange uses the communicator itself")
-        self.inner = comm
-        self.precision = precision
-        self.rank = comm.rank
-        self.world_size = comm.world_size
-        self.device = comm.device
+        self.inner, self.precision = comm, precision
+        self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
 
     def _code(self, tensors, dims):
         for t, d in zip(tensors, dims):
@@ -53,10 +51,8 @@ class CompressedComm:
         if self.world_size == 1:
             return self.inner.all_to_all_v(tensors, send_splits, split_dim, cat_dim=cat_dim, workspace=workspace,
                                            recv_splits=recv_splits, write_own=write_own)
-        single = not isinstance(tensors, (list, tuple))
-        tensors = [tensors] if single else list(tensors)
-        split = normalize_dims(tensors, split_dim)[0]
-        cat = split if cat_dim is None else normalize_dims(tensors, cat_dim)[0]
+        single, tensors, split, cat, _ = all_to_all_arguments(tensors, send_splits, split_dim, cat_dim,
+                                                              self.world_size)
         records = self._code(tensors, [split] * len(tensors))
         if cat == tensors[0].dim() - 1:
             raise ValueError(f"a compressed exchange cannot concatenate along the last dim ({cat})")
@@ -68,12 +64,8 @@ class CompressedComm:
                 plain = place.new_empty((*place.shape[:-1], tensors[t].shape[-1]), dtype=tensors[t].dtype)
                 write_own(t, plain)
                 place.copy_(quantize(plain, self.precision))
-        options = {} if workspace is None else {"workspace": workspace}
-        if recv_splits is not None:
-            options["recv_splits"] = recv_splits
-        if coded_own is not None:
-            options["write_own"] = coded_own
-        got = self.inner.all_to_all_v(records, send_splits, split, cat_dim=cat, **options)
+        got = self.inner.all_to_all_v(records, send_splits, split, cat_dim=cat, workspace=workspace,
+                                      recv_splits=recv_splits, write_own=coded_own)
         out = self._decode(got, tensors)
         return out[0] if single else out
 

@@ -1,7 +1,7 @@
 """Leaf: the compressed exchange formats (int8, fp8) as byte records, and their error bounds.
 
 A tensor is cut along its last dim (the head dim in every SP exchange) into blocks of
-`block` values (128 by default; smaller when the last dim is, and it must divide the last
+`DEFAULT_BLOCK` values (128; smaller when the last dim is, and it must divide the last
 dim). Each row of the last dim becomes one uint8 record:
 
     [ n payload bytes | n / block scales, bfloat16 little-endian (2 bytes each) ]
@@ -82,9 +82,9 @@ def check_device_support(precision: str, device) -> str:
     return name
 
 
-def block_size(width: int, block: int = DEFAULT_BLOCK) -> int:
-    """The block used for a last dim of `width` values: `block`, or `width` when it is smaller."""
-    size = min(block, width)
+def block_size(width: int) -> int:
+    """The block used for a last dim of `width` values: DEFAULT_BLOCK, or `width` when it is smaller."""
+    size = min(DEFAULT_BLOCK, width)
     if size < 1 or width % size:
         raise ExchangePrecisionError(
             f"a compressed exchange cuts the last dim ({width} values) into blocks of {size}: it "
@@ -92,20 +92,20 @@ def block_size(width: int, block: int = DEFAULT_BLOCK) -> int:
     return size
 
 
-def record_width(width: int, block: int = DEFAULT_BLOCK) -> int:
+def record_width(width: int) -> int:
     """Bytes of one record (one row of `width` values)."""
-    return width + width // block_size(width, block) * _SCALE_BYTES
+    return width + width // block_size(width) * _SCALE_BYTES
 
 
-def bytes_ratio(width: int, dtype: torch.dtype, block: int = DEFAULT_BLOCK) -> float:
+def bytes_ratio(width: int, dtype: torch.dtype) -> float:
     """Bytes of a record over the bytes of the row it codes (0.508 for 128 bf16 values)."""
-    return record_width(width, block) / (width * torch.empty((), dtype=dtype).element_size())
+    return record_width(width) / (width * torch.empty((), dtype=dtype).element_size())
 
 
-def quantize(x: torch.Tensor, precision: str, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+def quantize(x: torch.Tensor, precision: str) -> torch.Tensor:
     """x [..., n] (floating) -> its records [..., record_width(n)] uint8, contiguous."""
     n = x.shape[-1]
-    size = block_size(n, block)
+    size = block_size(n)
     blocks = x.to(torch.float32, copy=True).unflatten(-1, (n // size, size))  # [..., n/b, b], coded in place
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     top = _INT8_MAX if precision == "int8" else _FP8_MAX
@@ -121,20 +121,19 @@ def quantize(x: torch.Tensor, precision: str, block: int = DEFAULT_BLOCK) -> tor
         payload = coded.to(fp8_dtype())
     else:
         raise ExchangePrecisionError(f"quantize: no format {precision!r}; use int8 or fp8")
-    out = torch.empty((*x.shape[:-1], record_width(n, block)), dtype=torch.uint8, device=x.device)
+    out = torch.empty((*x.shape[:-1], record_width(n)), dtype=torch.uint8, device=x.device)
     out[..., :n].view(payload.dtype).copy_(payload.flatten(-2))
     out[..., n:].copy_(scale.squeeze(-1).contiguous().view(torch.uint8))  # bf16 bytes, little-endian
     return out
 
 
-def dequantize(records: torch.Tensor, precision: str, dtype: torch.dtype, width: int,
-               block: int = DEFAULT_BLOCK) -> torch.Tensor:
+def dequantize(records: torch.Tensor, precision: str, dtype: torch.dtype, width: int) -> torch.Tensor:
     """records [..., record_width(width)] uint8 (any strides) -> [..., width] of `dtype`, contiguous."""
-    size = block_size(width, block)
+    size = block_size(width)
     count = width // size
-    if records.shape[-1] != record_width(width, block):
+    if records.shape[-1] != record_width(width):
         raise ExchangePrecisionError(f"dequantize: records of {records.shape[-1]} bytes, expected "
-                                     f"{record_width(width, block)} for {width} values")
+                                     f"{record_width(width)} for {width} values")
     # Decoded straight into `dtype` and scaled in place: no fp32 copy of what was received (at
     # 768p 15 s a block's gathered K and V are GBs). The same values as decoding in fp32 and
     # rounding once: the codes (int8, E4M3) are exact in bf16 and fp32, and torch multiplies

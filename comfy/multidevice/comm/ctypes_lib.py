@@ -1,16 +1,12 @@
 """What the HCCL and NCCL ctypes backends share.
 
-- `CFunction` / `CLibrary`: a declarative table of C functions (name, result, argument
-  types, optional or not) bound once from a shared library.
+- `CFunction`: one entry of a declarative table of C functions (name, result, argument
+  types, optional or not), bound once from a shared library by `bind`.
 - `CollectiveLibrary`: the thin typed wrapper around one such library: where it is
   found, how a non-zero result becomes a `CollectiveLibraryError` with its text.
-- `FlatCollectiveBackend`: turns the coordinator's all-gather-V and all-reduce into
-  calls on flat device buffers, issued by each rank thread on its device's current
-  stream, back to back, synchronized once before the results are used. Subclasses supply the library
-  calls (`_all_gather_v_flat`, `_all_reduce_flat`, and optionally `_all_to_all_v_flat`
-  with `has_all_to_all_v` true; without it the coordinator emulates all-to-all).
-- `CommunicatorBackend`: a `FlatCollectiveBackend` with one library communicator per
-  rank device, made by the library's single-process "init all" call and destroyed on close.
+- `CommunicatorBackend`: one library communicator per rank device; it turns the coordinator's
+  collectives into calls on flat device buffers, issued by each rank thread on its device's
+  current stream, back to back, synchronized once before the results are used.
 """
 
 from __future__ import annotations
@@ -39,45 +35,29 @@ class CFunction:
     optional: bool = False
 
 
-class CLibrary:
-    """A shared library with the functions of `table` bound and typed."""
-
-    def __init__(self, path: str, table: Sequence[CFunction], what: str, path_env: str):
+def bind(path: str, table: Sequence[CFunction], what: str, path_env: str) -> dict[str, Any]:
+    """The functions of `table` in the shared library at `path`, typed, by name (an optional one
+    the library lacks is left out)."""
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"cannot load {what} library {path!r} ({exc}); install it or point {path_env} "
+            "at it") from exc
+    functions: dict[str, Any] = {}
+    for spec in table:
         try:
-            self.lib = ctypes.CDLL(path)
-        except OSError as exc:
+            fn = getattr(lib, spec.name)
+        except AttributeError:
+            if spec.optional:
+                continue
             raise BackendUnavailable(
-                f"cannot load {what} library {path!r} ({exc}); install it or point {path_env} "
-                "at it") from exc
-        self.path = path
-        self.functions: dict[str, Any] = {}
-        self.missing: list[str] = []
-        for spec in table:
-            try:
-                fn = getattr(self.lib, spec.name)
-            except AttributeError:
-                if spec.optional:
-                    self.missing.append(spec.name)
-                    continue
-                raise BackendUnavailable(
-                    f"{what} library {path!r} has no symbol {spec.name}; it is too old or not "
-                    f"{what}") from None
-            fn.restype = spec.restype
-            fn.argtypes = list(spec.argtypes)
-            self.functions[spec.name] = fn
-
-    @classmethod
-    def from_functions(cls, functions: dict[str, Any], path: str = "<in-process>") -> "CLibrary":
-        """A library made of Python callables (tests use it to record ctypes arguments)."""
-        self = cls.__new__(cls)
-        self.lib, self.path, self.functions, self.missing = None, path, dict(functions), []
-        return self
-
-    def has(self, name: str) -> bool:
-        return name in self.functions
-
-    def __getitem__(self, name: str):
-        return self.functions[name]
+                f"{what} library {path!r} has no symbol {spec.name}; it is too old or not "
+                f"{what}") from None
+        fn.restype = spec.restype
+        fn.argtypes = list(spec.argtypes)
+        functions[spec.name] = fn
+    return functions
 
 
 class CollectiveLibraryError(CollectiveError):
@@ -95,15 +75,15 @@ class CollectiveLibraryError(CollectiveError):
 
 
 class CollectiveLibrary:
-    """One collective library, bound from `functions`; subclasses add one method per call.
+    """One collective library, bound from `table`; subclasses add one method per call.
 
-    Class attributes say what the library is: `what` (for messages), `functions` (the
+    Class attributes say what the library is: `what` (for messages), `table` (the
     CFunction table), `path_env` / `default_path` (where it is found), `error_string`
     (the C function that names a result code) and `error_class`.
     """
 
     what = "collective"
-    functions: tuple = ()
+    table: tuple = ()
     path_env = ""
     default_path = ""
     error_string = ""
@@ -112,43 +92,53 @@ class CollectiveLibrary:
     dtypes: dict = {}      # torch dtype -> the library's dtype enum
     reduce_ops: dict = {}  # "sum" / "max" / ... -> the library's reduction enum
 
-    def __init__(self, path: str | None = None, lib: CLibrary | None = None):
-        self.lib = lib or CLibrary(path or library_path(self.path_env, self.default_path),
-                                   self.functions, self.what, self.path_env)
-        self.path = self.lib.path
+    def __init__(self, path: str | None = None, functions: dict[str, Any] | None = None):
+        """`functions`: Python callables by C name in place of the library's (tests record the
+        ctypes arguments with them)."""
+        self.path = path or library_path(self.path_env, self.default_path)
+        self.functions = bind(self.path, self.table, self.what, self.path_env) if functions is None \
+            else dict(functions)
 
-    def check(self, function: str, code: int) -> None:
-        if code != self.success:
-            text = self.lib[self.error_string](code)
-            raise self.error_class(function, code,
-                                   text.decode(errors="replace") if text else "unknown error")
+    def has(self, name: str) -> bool:
+        return name in self.functions
+
+    def error(self, function: str, code: int) -> CollectiveLibraryError:
+        """The error of result `code` of `function`, with the library's own text for it."""
+        text = self.functions[self.error_string](code)
+        return self.error_class(function, code, text.decode(errors="replace") if text else "unknown error")
 
     def call(self, function: str, *args) -> None:
         """Call `function` and raise `error_class` on a non-zero result."""
-        self.check(function, self.lib[function](*args))
+        code = self.functions[function](*args)
+        if code != self.success:
+            raise self.error(function, code)
 
-    def dtype(self, dtype: torch.dtype) -> int:
-        return dtype_code(self.dtypes, dtype, self.what)
-
-
-def device_ids(devices) -> list[int]:
-    """Library device ids of the rank devices; CPU "devices" (fake libraries) get their rank."""
-    return [d.index if d.index is not None else r for r, d in enumerate(devices)]
-
-
-def dtype_code(table: dict, dtype: torch.dtype, what: str) -> int:
-    try:
-        return table[dtype]
-    except KeyError:
-        raise CollectiveError(
-            f"{what} cannot move tensors of dtype {dtype}; supported: "
-            f"{', '.join(str(d) for d in table)}") from None
+    @classmethod
+    def dtype(cls, dtype: torch.dtype) -> int:
+        """The library's dtype enum of `dtype`; CollectiveError naming the supported ones."""
+        try:
+            return cls.dtypes[dtype]
+        except KeyError:
+            raise CollectiveError(
+                f"{cls.what} cannot move tensors of dtype {dtype}; supported: "
+                f"{', '.join(str(d) for d in cls.dtypes)}") from None
 
 
-class FlatCollectiveBackend:
-    """All-gather-V and all-reduce over flat buffers; subclasses issue the library calls."""
+class CommunicatorBackend:
+    """The flat collectives over one library communicator per rank device, made by the library's
+    single-process init-all call and destroyed on close.
+
+    Subclasses set `name`, `device_kind` / `hardware` (which devices the library drives;
+    CPU is always accepted, for the fake libraries) and `library_class`, and implement
+    `_all_gather_v_flat` (and optionally `_all_to_all_v_flat` with `has_all_to_all_v` true;
+    without it the coordinator emulates all-to-all); the library supplies `comm_init_all`,
+    `comm_destroy` and `all_reduce`.
+    """
 
     name = "flat"
+    device_kind = ""
+    hardware = ""
+    library_class = CollectiveLibrary
     # capabilities (comm/protocol.py `Backend`); a subclass with a library all-to-all-V sets
     # has_all_to_all_v (hccl: when the library has the symbol)
     reads_peer_memory = False  # the library moves the data; the stream orders it
@@ -156,8 +146,16 @@ class FlatCollectiveBackend:
     has_all_to_all_v = False
     prepares_all_to_all_v = True
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, library: CollectiveLibrary | None = None):
         self.coordinator = coordinator
+        kinds = {d.type for d in coordinator.devices}
+        if not kinds <= {self.device_kind, "cpu"}:
+            raise BackendUnavailable(
+                f"{self.library_class.what} drives {self.hardware}; the devices are {sorted(kinds)}")
+        self.library = library or self.library_class()
+        # library device ids; CPU "devices" (fake libraries) get their rank
+        self.comms = self.library.comm_init_all(
+            [d.index if d.index is not None else r for r, d in enumerate(coordinator.devices)])
 
     # Subclass hooks: issue the call on `stream` for `rank`; raise on a non-zero result.
     # They return whatever host memory the call reads asynchronously (counts, displacements);
@@ -166,7 +164,9 @@ class FlatCollectiveBackend:
         raise NotImplementedError
 
     def _all_reduce_flat(self, rank, send, recv, op, stream):
-        raise NotImplementedError
+        self.library.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(),
+                                self.library.dtype(send.dtype), self.library.reduce_ops[op],
+                                self.comms[rank], stream)
 
     def _stage_all_gather_v(self, rank, send, recv, counts, displs):
         """Torch work the all-gather-V call needs done first (e.g. the own shard copied into
@@ -225,11 +225,9 @@ class FlatCollectiveBackend:
                                               received_chunk_shapes(metas, splits, split_dim, rank),
                                               split_dim, workspace, write_own)
             self._buffers_ready(rank, "all_to_all_v")
-        keepalive = []
-        for send, send_counts, send_displs, _, recv_counts, recv_displs, recv in plans:
-            stream = current_stream_handle(device)  # read right before the call
-            keepalive.append(self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs,
-                                                     recv_counts, recv_displs, stream))
+        keepalive = [self._all_to_all_v_flat(rank, send, recv, send_counts, send_displs, recv_counts,
+                                             recv_displs, current_stream_handle(device))  # read right before
+                     for send, send_counts, send_displs, _, recv_counts, recv_displs, recv in plans]
         synchronize(device)  # once: the calls are ordered on the stream, back to back
         del keepalive
         sizes = [s[rank] for s in splits]
@@ -265,7 +263,7 @@ class FlatCollectiveBackend:
             keepalive.append(self._all_gather_v_flat(rank, send, recv, counts, displs, stream))
         synchronize(device)  # once for all tensors: K and V go back to back on the stream
         del keepalive
-        return [unflatten_gathered(recv, shard_metas, counts, displs, dim)
+        return [unflatten_gathered(recv, shard_metas, dim)
                 for dim, shard_metas, counts, displs, send, recv in plans]
 
     def all_reduce(self, rank, tensor, op, slot):
@@ -273,8 +271,7 @@ class FlatCollectiveBackend:
         send = tensor.contiguous()
         recv = self._empty(send.numel(), send.dtype, device).view(send.shape)
         self._buffers_ready(rank, "all_reduce")
-        stream = current_stream_handle(device)
-        self._all_reduce_flat(rank, send, recv, op, stream)
+        self._all_reduce_flat(rank, send, recv, op, current_stream_handle(device))
         synchronize(device)
         return recv
 
@@ -285,46 +282,9 @@ class FlatCollectiveBackend:
         return scratch(workspace, key, numel, dtype, device)
 
     def close(self):
-        pass
-
-
-class CommunicatorBackend(FlatCollectiveBackend):
-    """A flat backend with one communicator per rank device from the library's init-all call.
-
-    Subclasses set `name`, `device_kind` / `hardware` (which devices the library drives;
-    CPU is always accepted, for the fake libraries) and `library_class`, and implement
-    the flat all-gather-V (and optionally all-to-all-V) hooks; the library supplies
-    `comm_init_all`, `comm_destroy` and `all_reduce`.
-    """
-
-    device_kind = ""
-    hardware = ""
-    library_class = CollectiveLibrary
-
-    def __init__(self, coordinator, library: CollectiveLibrary | None = None):
-        super().__init__(coordinator)
-        kinds = {d.type for d in coordinator.devices}
-        if not kinds <= {self.device_kind, "cpu"}:
-            raise BackendUnavailable(
-                f"{self.library_class.what} drives {self.hardware}; the devices are {sorted(kinds)}")
-        self.library = library or self.library_class()
-        self.comms = self._init_comms(device_ids(coordinator.devices))
-
-    def _init_comms(self, ids: list[int]) -> list:
-        return self.library.comm_init_all(ids)
-
-    def _destroy_comm(self, comm) -> None:
-        self.library.comm_destroy(comm)
-
-    def _all_reduce_flat(self, rank, send, recv, op, stream):
-        self.library.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(),
-                                self.library.dtype(send.dtype), self.library.reduce_ops[op],
-                                self.comms[rank], stream)
-
-    def close(self):
         comms, self.comms = self.comms, []
         for comm in comms:
             try:
-                self._destroy_comm(comm)
+                self.library.comm_destroy(comm)
             except CollectiveLibraryError as exc:
                 log.warning("%s", exc)

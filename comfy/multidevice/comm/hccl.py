@@ -19,9 +19,8 @@ from ctypes import c_char_p, c_int, c_int32, c_uint32, c_uint64, c_void_p, POINT
 
 import torch
 
-from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
-                                               CollectiveLibraryError, CommunicatorBackend,
-                                               dtype_code)
+from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary, CollectiveLibraryError,
+                                               CommunicatorBackend)
 from comfy.multidevice.comm.settings import BACKEND_ENV
 from comfy.multidevice.devices import chip_name
 
@@ -89,15 +88,11 @@ class HcclError(CollectiveLibraryError):
     result_type = "HcclResult"
 
 
-def hccl_dtype(dtype: torch.dtype) -> int:
-    return dtype_code(HCCL_DTYPES, dtype, "HCCL")
-
-
 class HcclLibrary(CollectiveLibrary):
     """The bound library: one thin Python method per C function used."""
 
     what = "HCCL"
-    functions = HCCL_FUNCTIONS
+    table = HCCL_FUNCTIONS
     path_env = HCCL_PATH_ENV
     default_path = HCCL_DEFAULT_LIBRARY
     error_string = "HcclGetErrorString"
@@ -108,7 +103,7 @@ class HcclLibrary(CollectiveLibrary):
 
     @property
     def has_all_gather_v(self) -> bool:
-        return self.lib.has("HcclAllGatherV")
+        return self.has("HcclAllGatherV")
 
     def comm_init_all(self, device_ids: list[int]) -> list[int]:
         n = len(device_ids)
@@ -124,7 +119,7 @@ class HcclLibrary(CollectiveLibrary):
 
     @property
     def has_all_to_all_v(self) -> bool:
-        return self.lib.has("HcclAlltoAllV")
+        return self.has("HcclAlltoAllV")
 
     def all_to_all_v(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
                      comm, stream) -> None:
@@ -139,7 +134,6 @@ class HcclLibrary(CollectiveLibrary):
 
     def broadcast(self, buf, count, dtype, root, comm, stream) -> None:
         self.call("HcclBroadcast", buf, count, dtype, root, comm, stream)
-
 
 
 # The Atlas training series (the first-generation Ascend 910) reports these chip names
@@ -167,10 +161,10 @@ class HcclBackend(CommunicatorBackend):
     def __init__(self, coordinator, library: HcclLibrary | None = None):
         super().__init__(coordinator, library)
         # whether uneven exchanges use HcclAllGatherV: the symbol and the chip must both allow it
-        self.uses_all_gather_v = self.hccl.has_all_gather_v
-        if not self.hccl.has_all_gather_v:
+        self.uses_all_gather_v = self.library.has_all_gather_v
+        if not self.uses_all_gather_v:
             log.warning("%s has no HcclAllGatherV: exchanging with one HcclBroadcast per rank "
-                        "(exact, slower); a newer CANN provides HcclAllGatherV", self.hccl.path)
+                        "(exact, slower); a newer CANN provides HcclAllGatherV", self.library.path)
             return
         try:
             chip = chip_name(coordinator.devices[0])  # one chip kind per server
@@ -197,41 +191,33 @@ class HcclBackend(CommunicatorBackend):
             recv.narrow(0, displs[rank], counts[rank]).copy_(send.view(-1))
 
     def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
-        dtype = hccl_dtype(send.dtype)
-        comm = self.comms[rank]
+        hccl, dtype, comm = self.library, self.library.dtype(send.dtype), self.comms[rank]
         if len(set(counts)) == 1:  # equal shards: the plain all-gather (every rank sees all counts)
-            self.hccl.all_gather(send.data_ptr(), recv.data_ptr(), counts[rank], dtype, comm, stream)
+            hccl.all_gather(send.data_ptr(), recv.data_ptr(), counts[rank], dtype, comm, stream)
             return None
         if not self._uses_broadcasts(counts):
             n = len(counts)
             host_counts = (c_uint64 * n)(*counts)  # read by the device asynchronously:
             host_displs = (c_uint64 * n)(*displs)  # returned so the caller keeps them to the sync
-            self.hccl.all_gather_v(send.data_ptr(), counts[rank], recv.data_ptr(),
-                                   ctypes.addressof(host_counts), ctypes.addressof(host_displs),
-                                   dtype, comm, stream)
+            hccl.all_gather_v(send.data_ptr(), counts[rank], recv.data_ptr(), ctypes.addressof(host_counts),
+                              ctypes.addressof(host_displs), dtype, comm, stream)
             return host_counts, host_displs
         itemsize = recv.element_size()  # the own shard is in recv already (_stage_all_gather_v)
         for root, (count, displ) in enumerate(zip(counts, displs)):
             if count:
-                self.hccl.broadcast(recv.data_ptr() + displ * itemsize, count, dtype, root,
-                                    comm, stream)
+                hccl.broadcast(recv.data_ptr() + displ * itemsize, count, dtype, root, comm, stream)
         return None
 
     @property
     def has_all_to_all_v(self) -> bool:
-        return self.hccl.has_all_to_all_v
+        return self.library.has_all_to_all_v
 
     def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
                            recv_displs, stream):
         n = len(send_counts)
         host = [(c_uint64 * n)(*values)  # host arrays the device reads asynchronously
                 for values in (send_counts, send_displs, recv_counts, recv_displs)]
-        dtype = hccl_dtype(send.dtype)
-        self.hccl.all_to_all_v(send.data_ptr(), ctypes.addressof(host[0]), ctypes.addressof(host[1]),
-                               recv.data_ptr(), ctypes.addressof(host[2]), ctypes.addressof(host[3]),
-                               dtype, self.comms[rank], stream)
+        at = [ctypes.addressof(values) for values in host]
+        self.library.all_to_all_v(send.data_ptr(), at[0], at[1], recv.data_ptr(), at[2], at[3],
+                                  self.library.dtype(send.dtype), self.comms[rank], stream)
         return host
-
-    @property
-    def hccl(self) -> HcclLibrary:
-        return self.library

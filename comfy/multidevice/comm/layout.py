@@ -7,7 +7,9 @@ same way, with no dependency on any of them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -20,10 +22,7 @@ class ShardMeta:
 
 
 def numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 def nbytes(meta_or_tensor) -> int:
@@ -32,9 +31,7 @@ def nbytes(meta_or_tensor) -> int:
 
 
 def gathered_shape(metas: Sequence[ShardMeta], dim: int) -> tuple[int, ...]:
-    shape = list(metas[0].shape)
-    shape[dim] = sum(m.shape[dim] for m in metas)
-    return tuple(shape)
+    return chunk_shape(metas[0].shape, dim, sum(m.shape[dim] for m in metas))
 
 
 def chunk_shape(shape: Sequence[int], split_dim: int, size: int) -> tuple[int, ...]:
@@ -46,11 +43,7 @@ def chunk_shape(shape: Sequence[int], split_dim: int, size: int) -> tuple[int, .
 
 def displacements(counts: Sequence[int]) -> list[int]:
     """Where each rank's part starts in a rank-major flat buffer (exclusive prefix sums)."""
-    out, total = [], 0
-    for count in counts:
-        out.append(total)
-        total += count
-    return out
+    return list(accumulate(counts[:-1], initial=0)) if counts else []
 
 
 def chunks_back_to_back(tensor: torch.Tensor, dim: int) -> bool:
@@ -75,43 +68,33 @@ def scratch(workspace: dict | None, key, numel: int, dtype: torch.dtype,
 
 def pack_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int,
                 workspace: dict | None = None, key=None) -> torch.Tensor:
-    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer.
-
-    One copy at most: each chunk is copied straight into its slot of the buffer (new, or
-    `workspace[key]`, see `scratch`); none when the chunks already lie back to back in memory.
-    """
-    if chunks_back_to_back(tensor, dim):
-        return tensor.view(-1)  # chunks along the outermost non-trivial dim already are that
-    flat = scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device)
-    offset = 0
-    for chunk in tensor.split(list(sizes), dim):
-        flat.narrow(0, offset, chunk.numel()).view(chunk.shape).copy_(chunk)
-        offset += chunk.numel()
-    return flat
+    """The chunks of `tensor` along `dim`, each flattened, back to back in one dense buffer (new,
+    or `workspace[key]`, see `scratch`): one copy at most, none when they lie that way already."""
+    return pack_peer_chunks(tensor, sizes, dim, None, workspace, key)[0]
 
 
-def pack_peer_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int, rank: int,
+def pack_peer_chunks(tensor: torch.Tensor, sizes: Sequence[int], dim: int, rank: int | None,
                      workspace: dict | None = None, key=None,
                      back_to_back: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
     """What an all-to-all library call sends: the chunks of `tensor` along `dim` for every rank
-    but `rank` in one dense flat buffer, and their (counts, displacements) in elements; `rank`'s
-    own count is 0 (its chunk is copied straight into its place instead of going through the
-    library). One copy per peer chunk at most; none when the chunks already lie back to back
-    (the own chunk's elements then sit unused between the others), unless `back_to_back`: then
-    the peers' chunks are always packed without that gap (for a call that takes counts but no
-    displacements, as torch.distributed's all_to_all_single)."""
+    but `rank` (None: every rank) in one dense flat buffer, and their (counts, displacements) in
+    elements; `rank`'s own count is 0 (its chunk is copied straight into its place instead of
+    going through the library). One copy per peer chunk at most; none when the chunks already
+    lie back to back (the own chunk's elements then sit unused between the others), unless
+    `back_to_back`: then the peers' chunks are always packed without that gap (for a call that
+    takes counts but no displacements, as torch.distributed's all_to_all_single)."""
     counts = [numel(chunk_shape(tensor.shape, dim, n)) for n in sizes]
+    packed = counts[:]
+    if rank is not None:
+        packed[rank] = 0
     if not back_to_back and chunks_back_to_back(tensor, dim):
-        displs = displacements(counts)
-        counts[rank] = 0
-        return tensor.view(-1), counts, displs
-    counts[rank] = 0
-    displs = displacements(counts)
-    flat = scratch(workspace, key, sum(counts), tensor.dtype, tensor.device)
+        return tensor.view(-1), packed, displacements(counts)
+    displs = displacements(packed)
+    flat = scratch(workspace, key, sum(packed), tensor.dtype, tensor.device)
     for j, chunk in enumerate(tensor.split(list(sizes), dim)):
-        if counts[j]:
-            flat.narrow(0, displs[j], counts[j]).view(chunk.shape).copy_(chunk)
-    return flat, counts, displs
+        if packed[j]:
+            flat.narrow(0, displs[j], packed[j]).view(chunk.shape).copy_(chunk)
+    return flat, packed, displs
 
 
 def sequence_major(tensor: torch.Tensor, dim: int, workspace: dict | None = None, key=None) -> torch.Tensor:
@@ -125,7 +108,7 @@ def sequence_major(tensor: torch.Tensor, dim: int, workspace: dict | None = None
     return scratch(workspace, key, tensor.numel(), tensor.dtype, tensor.device).view(moved.shape).copy_(moved)
 
 
-def unflatten_gathered(flat: torch.Tensor, metas, counts, displs, dim: int) -> torch.Tensor:
+def unflatten_gathered(flat: torch.Tensor, metas: Sequence[ShardMeta], dim: int) -> torch.Tensor:
     """The flat rank-major all-gather buffer of `sequence_major` shards -> their concat along
     `dim`, as a view (the concat's values; not contiguous when dim is not the outermost)."""
     shape = gathered_shape(metas, dim)
@@ -159,12 +142,9 @@ def planned_chunk_shapes(shapes: Sequence[Sequence[int]], send_splits: Sequence[
     """`received_chunk_shapes` as `rank`'s plan says, without asking the others: the chunk from
     rank j is like this rank's own chunk (`send_splits[rank]` along split_dim) except along
     cat_dim, where it has `recv_splits[j]`; a source that sends nothing has an empty chunk."""
-    out = []
-    for shape in shapes:
-        own = chunk_shape(shape, split_dim, send_splits[rank])
-        out.append([chunk_shape(own, cat_dim, n) if n else chunk_shape(own, split_dim, 0)
-                    for n in recv_splits])
-    return out
+    owns = [chunk_shape(shape, split_dim, send_splits[rank]) for shape in shapes]
+    return [[chunk_shape(own, cat_dim, n) if n else chunk_shape(own, split_dim, 0) for n in recv_splits]
+            for own in owns]
 
 
 def same_chunk_shape(a: Sequence[int], b: Sequence[int]) -> bool:
@@ -194,21 +174,12 @@ def alone_all_to_all(tensors: Sequence[torch.Tensor], write_own=None) -> list[to
 
 
 def unpack_received(recv: torch.Tensor, shapes: Sequence[Sequence[int]], sizes: Sequence[int],
-                    cat_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    cat_dim: int) -> torch.Tensor:
     """`concat_received` of the chunks lying back to back in the flat buffer `recv` (shapes in
-    source order): along dim 0 that concat is the buffer itself, a view; else one cat copy
-    (into the flat buffer `out` when given)."""
+    source order): along dim 0 that concat is the buffer itself, a view; else one cat copy."""
     kept = [tuple(s) for s, n in zip(shapes, sizes) if n]
     if cat_dim == 0 and kept and all(s[1:] == kept[0][1:] for s in kept):
         return recv.view(sum(s[0] for s in kept), *kept[0][1:])  # empty chunks hold no elements
-    parts, offset = [], 0
-    for shape in shapes:
-        n = numel(shape)
-        parts.append(recv.narrow(0, offset, n).view(shape))
-        offset += n
-    kept_parts = [p for p, n in zip(parts, sizes) if n]
-    if out is None or not kept_parts:
-        return concat_received(parts, sizes, cat_dim)
-    shape = list(kept_parts[0].shape)
-    shape[cat_dim] = sum(p.shape[cat_dim] for p in kept_parts)
-    return torch.cat(kept_parts, dim=cat_dim, out=out.view(shape))
+    counts = [numel(shape) for shape in shapes]
+    parts = [part.view(shape) for part, shape in zip(recv[:sum(counts)].split(counts), shapes)]
+    return concat_received(parts, sizes, cat_dim)

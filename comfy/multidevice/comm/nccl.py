@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from ctypes import byref, c_char_p, c_int, c_size_t, c_void_p, POINTER
 
 import torch
 
 from comfy.multidevice.comm.abort import WatchedCommunicators
-from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary,
-                                               CollectiveLibraryError, CommunicatorBackend,
-                                               dtype_code)
+from comfy.multidevice.comm.ctypes_lib import (CFunction, CollectiveLibrary, CollectiveLibraryError,
+                                               CommunicatorBackend)
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +125,11 @@ class NcclError(CollectiveLibraryError):
     result_names = NCCL_RESULTS
 
 
-def nccl_dtype(dtype: torch.dtype) -> int:
-    return dtype_code(NCCL_DTYPES, dtype, "NCCL")
-
-
 class NcclLibrary(CollectiveLibrary):
     """The bound library: one thin Python method per C function used."""
 
     what = "NCCL"
-    functions = NCCL_FUNCTIONS
+    table = NCCL_FUNCTIONS
     path_env = NCCL_PATH_ENV
     default_path = NCCL_DEFAULT_LIBRARY
     error_string = "ncclGetErrorString"
@@ -143,6 +139,7 @@ class NcclLibrary(CollectiveLibrary):
     reduce_ops = NCCL_REDUCE_OPS
 
     def comm_init_all(self, device_ids: list[int]) -> list[int]:
+        apply_p2p_direct_policy()  # before the init: NCCL reads its peer-access settings there
         n = len(device_ids)
         comms = (ncclComm_t * n)()
         self.call("ncclCommInitAll", comms, n, (c_int * n)(*device_ids))
@@ -157,6 +154,18 @@ class NcclLibrary(CollectiveLibrary):
     def group_end(self) -> None:
         self.call("ncclGroupEnd")
 
+    @contextmanager
+    def group(self):
+        """The calls of the block in one NCCL group; on an error the group is still closed, so
+        this thread's NCCL state is clean, and the first error wins."""
+        self.group_start()
+        try:
+            yield
+        except BaseException:
+            self.functions["ncclGroupEnd"]()
+            raise
+        self.group_end()
+
     def broadcast(self, send, recv, count, dtype, root, comm, stream) -> None:
         self.call("ncclBroadcast", send, recv, count, dtype, root, comm, stream)
 
@@ -168,7 +177,7 @@ class NcclLibrary(CollectiveLibrary):
 
     @property
     def has_send_recv(self) -> bool:
-        return self.lib.has("ncclSend") and self.lib.has("ncclRecv")
+        return self.has("ncclSend") and self.has("ncclRecv")
 
     def send(self, buf, count, dtype, peer, comm, stream) -> None:
         self.call("ncclSend", buf, count, dtype, peer, comm, stream)
@@ -178,7 +187,7 @@ class NcclLibrary(CollectiveLibrary):
 
     @property
     def can_abort(self) -> bool:
-        return self.lib.has("ncclCommAbort")
+        return self.has("ncclCommAbort")
 
     def comm_abort(self, comm) -> None:
         self.call("ncclCommAbort", comm)
@@ -186,15 +195,13 @@ class NcclLibrary(CollectiveLibrary):
     def async_error(self, comm) -> NcclError | None:
         """The error NCCL saw on `comm` while its work ran (ncclCommGetAsyncError), else None
         (also when the library is too old to say)."""
-        if not self.lib.has("ncclCommGetAsyncError"):
+        if not self.has("ncclCommGetAsyncError"):
             return None
         code = ncclResult_t(NCCL_SUCCESS)
         self.call("ncclCommGetAsyncError", comm, byref(code))
         if code.value in (NCCL_SUCCESS, NCCL_IN_PROGRESS):  # in progress: a non-blocking call runs
             return None
-        text = self.lib[self.error_string](code.value)
-        return NcclError("ncclCommGetAsyncError", code.value,
-                         text.decode(errors="replace") if text else "unknown error")
+        return self.error("ncclCommGetAsyncError", code.value)
 
 
 def apply_p2p_direct_policy() -> str:
@@ -222,71 +229,47 @@ class NcclBackend(WatchedCommunicators, CommunicatorBackend):
     hardware = "NVIDIA GPUs"
     library_class = NcclLibrary
 
-    def _init_comms(self, ids: list[int]) -> list:
-        apply_p2p_direct_policy()  # before the init: NCCL reads its peer-access settings there
-        return super()._init_comms(ids)
-
-    @property
-    def nccl(self) -> NcclLibrary:
-        return self.library
-
     def _all_gather_v_flat(self, rank, send, recv, counts, displs, stream):
         self._entering_library(rank)
-        dtype = nccl_dtype(send.dtype)
-        comm = self.comms[rank]
+        nccl, dtype, comm = self.library, self.library.dtype(send.dtype), self.comms[rank]
         if len(set(counts)) == 1:  # every rank knows all counts, so all take the same branch
-            self.nccl.all_gather(send.data_ptr(), recv.data_ptr(), counts[rank], dtype, comm, stream)
+            nccl.all_gather(send.data_ptr(), recv.data_ptr(), counts[rank], dtype, comm, stream)
             return None
         itemsize = recv.element_size()
-        self.nccl.group_start()
-        try:
+        with nccl.group():
             for root, (count, displ) in enumerate(zip(counts, displs)):
                 if not count:  # skipped on every rank alike
                     continue
                 slot = recv.data_ptr() + displ * itemsize
                 # The root sends its shard; the others only receive (sendbuff unused there).
                 source = send.data_ptr() if root == rank else slot
-                self.nccl.broadcast(source, slot, count, dtype, root, comm, stream)
-        except BaseException:
-            # Close the group so this thread's NCCL state is clean; the first error wins.
-            self.nccl.lib["ncclGroupEnd"]()
-            raise
-        self.nccl.group_end()
+                nccl.broadcast(source, slot, count, dtype, root, comm, stream)
         return None
 
     @property
     def has_all_to_all_v(self) -> bool:
-        return self.nccl.has_send_recv
+        return self.library.has_send_recv
 
     def _all_to_all_v_flat(self, rank, send, recv, send_counts, send_displs, recv_counts,
                            recv_displs, stream):
         self._entering_library(rank)
         recv.narrow(0, recv_displs[rank], recv_counts[rank]).copy_(
             send.narrow(0, send_displs[rank], send_counts[rank]))
-        dtype = nccl_dtype(send.dtype)
-        comm = self.comms[rank]
+        nccl, dtype, comm = self.library, self.library.dtype(send.dtype), self.comms[rank]
         itemsize = send.element_size()
-        self.nccl.group_start()
-        try:
-            if not any(c for p, c in enumerate(send_counts) if p != rank) and \
-                    not any(c for p, c in enumerate(recv_counts) if p != rank):
+        with nccl.group():
+            peers = [p for p in range(len(send_counts)) if p != rank]
+            if not any(send_counts[p] or recv_counts[p] for p in peers):
                 # Nothing to move (e.g. a rank with no rows in a gather to rank 0): a zero-size
                 # pair to itself keeps the group non-empty, a no-op for NCCL, and lets the
                 # test library (which meets every rank at each group end) see this rank.
-                self.nccl.send(send.data_ptr(), 0, dtype, rank, comm, stream)
-                self.nccl.recv(recv.data_ptr(), 0, dtype, rank, comm, stream)
-            for peer in range(len(send_counts)):
-                # Zero counts are skipped on both sides alike (the peer knows our count).
-                if peer == rank:
-                    continue
+                nccl.send(send.data_ptr(), 0, dtype, rank, comm, stream)
+                nccl.recv(recv.data_ptr(), 0, dtype, rank, comm, stream)
+            for peer in peers:  # zero counts are skipped on both sides alike (the peer knows ours)
                 if send_counts[peer]:
-                    self.nccl.send(send.data_ptr() + send_displs[peer] * itemsize, send_counts[peer],
-                                   dtype, peer, comm, stream)
+                    nccl.send(send.data_ptr() + send_displs[peer] * itemsize, send_counts[peer],
+                              dtype, peer, comm, stream)
                 if recv_counts[peer]:
-                    self.nccl.recv(recv.data_ptr() + recv_displs[peer] * itemsize, recv_counts[peer],
-                                   dtype, peer, comm, stream)
-        except BaseException:
-            self.nccl.lib["ncclGroupEnd"]()  # leave this thread's NCCL group state clean
-            raise
-        self.nccl.group_end()
+                    nccl.recv(recv.data_ptr() + recv_displs[peer] * itemsize, recv_counts[peer],
+                              dtype, peer, comm, stream)
         return None

@@ -12,7 +12,8 @@ import logging
 
 import torch
 
-from comfy.multidevice.comm.layout import concat_received, gathered_shape, numel, scratch
+from comfy.multidevice.comm.layout import (chunk_shape, concat_received, gathered_shape, numel, scratch,
+                                           unflatten_gathered)
 from comfy.multidevice.comm.peer_access import enable_peer_access
 
 log = logging.getLogger(__name__)
@@ -54,20 +55,18 @@ class PeerCopyBackend:
     def all_gather_v(self, rank, tensors, dims, metas, slot, prepared=None, workspace=None):
         device = self.coordinator.devices[rank]
         out = []
+        overlap = copies_may_overlap(device)
         for i, dim in enumerate(dims):
-            shards = [s[i] for s in slot]
-            shape = gathered_shape([m[i] for m in metas], dim)
+            shard_metas = [m[i] for m in metas]
             # Sequence-major, like the library backends: each shard's rows are copied once,
             # straight into their place (a row copy where a cat along an inner dim, e.g. H3's
             # [1, H, S, D], would transpose; and no .to(device) before it on another device).
-            full = scratch(workspace, ("recv", i), numel(shape), shards[0].dtype, device).view(
-                shape[dim], *(n for d, n in enumerate(shape) if d != dim))
-            offset = 0
-            overlap = copies_may_overlap(device)
-            for t in shards:
-                full.narrow(0, offset, t.shape[dim]).copy_(t.movedim(dim, 0), non_blocking=overlap)
-                offset += t.shape[dim]
-            out.append(full.movedim(0, dim))
+            size = numel(gathered_shape(shard_metas, dim))
+            full = unflatten_gathered(scratch(workspace, ("recv", i), size, shard_metas[0].dtype, device),
+                                      shard_metas, dim)
+            for shard, place in zip(slot, full.split([m.shape[dim] for m in shard_metas], dim)):
+                place.copy_(shard[i], non_blocking=overlap)
+            out.append(full)
         return out
 
     def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None,
@@ -85,8 +84,7 @@ class PeerCopyBackend:
             # the sent tensor's own chunk was never filled
             kept = [src for src, n in enumerate(sizes) if n]
             lengths = [chunks[src].shape[cat_dim] for src in kept]
-            shape = list(chunks[rank].shape)
-            shape[cat_dim] = sum(lengths)
+            shape = chunk_shape(chunks[rank].shape, cat_dim, sum(lengths))
             result = scratch(workspace, ("out", t), numel(shape), chunks[rank].dtype, device).view(shape)
             for src, place in zip(kept, result.split(lengths, cat_dim)):
                 if src == rank:

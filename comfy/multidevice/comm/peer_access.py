@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Iterable
 
 import torch
 
@@ -41,16 +40,12 @@ def _touch(source, destination) -> None:
     torch.zeros(1, device=source).to(destination)
 
 
-def _peers_by_card(pairs: Iterable[tuple[str, int, int]]) -> dict[tuple[str, int], set[int]]:
-    peers = defaultdict(set)
-    for kind, a, b in pairs:  # torch_npu counts a pair on both cards
-        peers[(kind, a)].add(b)
-        peers[(kind, b)].add(a)
-    return peers
-
-
 def _check_limit(wanted: set[tuple[str, int, int]], devices) -> None:
-    for (kind, card), peers in sorted(_peers_by_card(_enabled | wanted).items()):
+    by_card = defaultdict(set)
+    for kind, a, b in _enabled | wanted:  # torch_npu counts a pair on both cards
+        by_card[(kind, a)].add(b)
+        by_card[(kind, b)].add(a)
+    for (kind, card), peers in sorted(by_card.items()):
         limit = MAX_PEERS_PER_CARD.get(kind)
         if limit is not None and len(peers) > limit:
             raise TooManyPeers(

@@ -95,12 +95,17 @@ def backend_from_env(value: str | None = None) -> str:
             raise SettingError(f"unknown multi-device backend {value!r}; valid values: "
                                f"{', '.join(VALID_BACKENDS)}")
         return value.strip().lower()
-    raw = os.environ.get(BACKEND_ENV, "")
-    name = raw.strip().lower() or "auto"
-    if name not in VALID_BACKENDS:
-        raise env_error(BACKEND_ENV, raw, "is not a backend",
-                        f"set it to one of {', '.join(VALID_BACKENDS)}, or unset it for auto")
-    return name
+    return _choice_from_env(BACKEND_ENV, VALID_BACKENDS, "backend")
+
+
+def _choice_from_env(name: str, choices: tuple[str, ...], what: str, meaning: str = "") -> str:
+    """The variable `name` as one of `choices` (case and blanks ignored), else the first choice."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or choices[0]
+    if value not in choices:
+        raise env_error(name, raw, f"is not a {what}",
+                        f"set it to one of {', '.join(choices)}{meaning}, or unset it for {choices[0]}")
+    return value
 
 
 def seconds_problem(text: str) -> tuple[float | None, str | None]:
@@ -153,13 +158,7 @@ def weight_base_from_env(value: str | None = None) -> str:
             raise SettingError(f"mode={value!r} is not a weight base mode; use one of "
                                f"{', '.join(WEIGHT_BASE_MODES)} ({meaning})")
         return mode
-    raw = os.environ.get(WEIGHT_BASE_ENV, "")
-    mode = raw.strip().lower() or "map"
-    if mode not in WEIGHT_BASE_MODES:
-        raise env_error(WEIGHT_BASE_ENV, raw, "is not a weight base mode",
-                        f"set it to one of {', '.join(WEIGHT_BASE_MODES)} ({meaning}), or unset it "
-                        "for map")
-    return mode
+    return _choice_from_env(WEIGHT_BASE_ENV, WEIGHT_BASE_MODES, "weight base mode", f" ({meaning})")
 
 
 def parse_rendezvous(text: str) -> tuple[str, int] | None:
@@ -189,9 +188,9 @@ def remote_ranks_from_env() -> int:
     """COMFYUI_MULTI_DEVICE_REMOTE_RANKS: DiT ranks on other servers (default 0); above 0 it
     needs a fixed rendezvous port, the one their join command names."""
     raw = os.environ.get(REMOTE_RANKS_ENV, "")
-    if not raw.strip():
-        return 0
     text = raw.strip()
+    if not text:
+        return 0
     if not (text.isascii() and text.isdigit()) or int(text) > 4096:
         raise env_error(REMOTE_RANKS_ENV, raw, "is not a number of ranks (0 to 4096)",
                         "set it to how many DiT ranks the other servers run, or unset it for 0")

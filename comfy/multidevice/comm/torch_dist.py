@@ -33,12 +33,12 @@ from comfy.multidevice.comm.async_errors import set_collective_error_handling
 from comfy.multidevice.comm.settings import check_timeout, read_torchrun_env, timeout_from_env, TorchrunEnvError
 from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
                                            check_all_to_all_metadata, check_all_to_all_plans,
-                                           check_exchange_metadata, check_recv_splits, planned_metas)
+                                           check_exchange_metadata, check_recv_splits, check_reduce_op,
+                                           planned_metas)
 from comfy.multidevice.comm.errors import CollectiveError
 from comfy.multidevice.comm.layout import (alone_all_to_all, displacements, normalize_dims, numel,
                                            planned_chunk_shapes, received_chunk_shapes, scratch, sequence_major,
                                            ShardMeta, unflatten_gathered)
-from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
 from comfy.multidevice.comm.torch_dist_transfers import (AllToAllTransfers, Gather, gather_point_to_point,
                                                         goes_point_to_point, issue_all_gather)
 from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_bytes, exchange_traffic,
@@ -61,17 +61,14 @@ def default_device(local_rank: int) -> torch.device:
     """This process's device: NPU `local_rank`, else CUDA GPU `local_rank`, else the CPU."""
     for kind in ACCELERATOR_KINDS:  # NPUs first, as everywhere in the package
         api = accelerator_api(kind)
-        if api is not None and api.is_available() and api.device_count() > 0:
-            return _indexed(kind, local_rank, api.device_count())
+        count = api.device_count() if api is not None and api.is_available() else 0
+        if count and local_rank >= count:
+            raise TorchrunEnvError(
+                f"LOCAL_RANK={local_rank} but this machine shows {count} {kind} device(s); start at "
+                f"most {count} processes per machine (torchrun --nproc-per-node {count})")
+        if count:
+            return torch.device(kind, local_rank)
     return torch.device("cpu")
-
-
-def _indexed(kind: str, local_rank: int, count: int) -> torch.device:
-    if local_rank >= count:
-        raise TorchrunEnvError(
-            f"LOCAL_RANK={local_rank} but this machine shows {count} {kind} device(s); start at "
-            f"most {count} processes per machine (torchrun --nproc-per-node {count})")
-    return torch.device(kind, local_rank)
 
 
 def dist_backend_for(device: torch.device) -> str:
@@ -142,26 +139,26 @@ class DistributedComm:
         for g, tensor_works in zip(gathers, works):
             for work in tensor_works:
                 self.call("exchange", work.wait)
-            out.append(unflatten_gathered(g.flat, g.metas, g.counts, g.displs, g.dim).to(self.device))
+            out.append(unflatten_gathered(g.flat, g.metas, g.dim).to(self.device))
         sent, received = exchange_traffic(metas, self.rank)
         self._traffic.add("exchange", sent, received)
         return out
 
     def _exchange_metas(self, tensors, dims, shard_sizes):
         """Every rank's shard metadata of an exchange: gathered, or known from a verified plan."""
-        if shard_sizes is None:
-            metas = [m for m, _ in self._gather_metas(tensors, "exchange")]
-            check_exchange_metadata(metas, dims)
-            return metas
-        planned = planned_metas(tensors, dims, shard_sizes, self.rank)  # ValueError before anything
-        key = (tuple(planned[self.rank]), tuple(dims), tuple(int(n) for n in shard_sizes))
-        if key in self._verified_plans:
-            return planned
+        plan = None if shard_sizes is None else tuple(int(n) for n in shard_sizes)
+        if plan is not None:
+            planned = planned_metas(tensors, dims, plan, self.rank)  # ValueError before anything
+            key = (tuple(planned[self.rank]), tuple(dims), plan)
+            if key in self._verified_plans:
+                return planned
         # The plan travels with the shapes, so every rank sees every rank's plan.
-        gathered = self._gather_metas(tensors, "exchange", [int(n) for n in shard_sizes])
+        gathered = self._gather_metas(tensors, "exchange", plan or ())
         metas = [m for m, _ in gathered]
         check_exchange_metadata(metas, dims)
-        if any(tuple(p) != key[2] for _, p in gathered) or metas != planned:
+        if plan is None:
+            return metas
+        if any(tuple(p) != plan for _, p in gathered) or metas != planned:
             raise CollectiveError(
                 f"rank {self.rank}/{self.world_size}: exchange shard_sizes disagree between the ranks "
                 f"({[list(p) for _, p in gathered]}) or with the shapes they passed "
@@ -172,16 +169,9 @@ class DistributedComm:
     def all_to_all_v(self, tensors, send_splits: Sequence[int], split_dim: int, cat_dim: int | None = None,
                      workspace: dict | None = None, recv_splits: Sequence[int] | None = None,
                      write_own=None):
-        """As RankComm.all_to_all_v: chunk j of each tensor (along split_dim) goes to rank j;
-        the chunks received are concatenated in source-rank order along cat_dim.
-
-        Straight into the result (see `AllToAllTransfers`): the chunk a rank keeps is copied
-        once from its source into its place, a peer's chunk is packed once (not when dense) and
-        lands in its place (via one buffer and a copy where that place is strided, as a head
-        block along cat_dim is). Every tensor's transfers start before any is awaited.
-        `recv_splits`: see `Communicator.all_to_all_v`; with them the shapes are exchanged on
-        a plan's first call only. `workspace`: see `Communicator.exchange`; `write_own`: see
-        `Communicator.all_to_all_v`."""
+        """As `Communicator.all_to_all_v`, straight into the result (see `AllToAllTransfers`);
+        every tensor's transfers start before any is awaited. With `recv_splits` the shapes are
+        exchanged on a plan's first call only."""
         single, tensors, split_dim, cat_dim, splits = all_to_all_arguments(
             tensors, send_splits, split_dim, cat_dim, self.world_size)
         if self.world_size == 1:
@@ -223,8 +213,7 @@ class DistributedComm:
         return received_chunk_shapes(metas, all_splits, split_dim, self.rank)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if op not in VALID_REDUCE_OPS:
-            raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
+        check_reduce_op(op)
         if self.world_size == 1:
             return tensor.clone()
         metas = self._gather_metas([tensor], f"all_reduce {op}")

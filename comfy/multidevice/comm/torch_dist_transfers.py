@@ -69,11 +69,10 @@ def gather_point_to_point(comm, gathers) -> list[list]:
     own part by the collective, and gloo's point to point moves big messages several
     times faster than its all_gather (bench/bench_exchange.py). Receives are posted first,
     so a peer's send never waits for this rank to be ready."""
-    works = []
-    for tag, g in enumerate(gathers):
-        works.append(_start_point_to_point(comm, "exchange", [
-            ("recv", g.part(src), src, tag) for src in range(comm.world_size)
-            if src != comm.rank and g.counts[src]]))
+    works = [_start_point_to_point(comm, "exchange", [("recv", g.part(src), src, tag)
+                                                      for src in range(comm.world_size)
+                                                      if src != comm.rank and g.counts[src]])
+             for tag, g in enumerate(gathers)]
     peers = _ring_peers(comm.rank, comm.world_size)
     for tag, g in enumerate(gathers):
         if not g.counts[comm.rank]:
@@ -140,8 +139,7 @@ class AllToAllTransfers:
 
     def send(self, t, wire, splits, split_dim, places):
         """Send tensor `t`'s chunks to the peers, then copy the chunk kept into its place."""
-        offsets = displacements(splits)
-        chunks = [wire.narrow(split_dim, offsets[j], splits[j]) for j in range(self.world)]
+        chunks = wire.split(list(splits), split_dim)
         if self.point_to_point:
             for dst in _ring_peers(self.rank, self.world):
                 if chunks[dst].numel():  # an empty chunk is not received either (see `kept`)
@@ -170,12 +168,10 @@ class AllToAllTransfers:
             self.write_own(t, place)
 
     def _receive(self, t, src, place):
-        if place.is_contiguous():
-            self._start([("recv", place, src, t)], [])
-        else:  # a strided place (e.g. a head block of every row): received densely, copied on arrival
-            buf = scratch(self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device)
-            buf = buf.view(place.shape)
-            self._start([("recv", buf, src, t)], [(buf, place)])
+        # a strided place (e.g. a head block of every row): received densely, copied on arrival
+        buf = place if place.is_contiguous() else scratch(
+            self.workspace, ("recv", t, src), place.numel(), place.dtype, place.device).view(place.shape)
+        self._start([("recv", buf, src, t)], [] if buf is place else [(buf, place)])
 
     def _dense(self, key, chunk):
         """`chunk` as the wire takes it: itself when dense, else packed into a buffer (one copy)."""
@@ -196,22 +192,21 @@ class AllToAllTransfers:
         copy inside the device) so that side needs no copy at all. Otherwise no bytes go to
         self: the peers' chunks are packed, received back to back, and copied to their places."""
         result = self.dense_results.get(t)
-        if result is not None or chunks_back_to_back(wire, split_dim):
+        through = result is not None or chunks_back_to_back(wire, split_dim)  # the kept chunk goes through
+        if through:
             send = pack_chunks(wire, splits, split_dim, self.workspace, ("send", t))  # a view when back to back
             out_counts = [numel(chunk_shape(wire.shape, split_dim, n)) for n in splits]
-            in_counts = [places[j].numel() if j in places else 0 for j in range(self.world)]
-            if result is not None:
-                self._all_to_all_single(result.view(-1), send, in_counts, out_counts, {})
-            else:
-                recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
-                self._all_to_all_single(recv, send, in_counts, out_counts, places)
-            return True
-        send, out_counts, _ = pack_peer_chunks(wire, splits, split_dim, self.rank, self.workspace, ("send", t),
-                                               back_to_back=True)
-        in_counts = [0 if j == self.rank or j not in places else places[j].numel() for j in range(self.world)]
-        recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
-        self._all_to_all_single(recv, send, in_counts, out_counts, places)
-        return False
+        else:
+            send, out_counts, _ = pack_peer_chunks(wire, splits, split_dim, self.rank, self.workspace,
+                                                   ("send", t), back_to_back=True)
+        in_counts = [places[j].numel() if j in places and (through or j != self.rank) else 0
+                     for j in range(self.world)]
+        if result is not None:  # arrivals land in their places: nothing to copy after
+            self._all_to_all_single(result.view(-1), send, in_counts, out_counts, {})
+        else:
+            recv = scratch(self.workspace, ("recv", t), sum(in_counts), wire.dtype, wire.device)
+            self._all_to_all_single(recv, send, in_counts, out_counts, places)
+        return through
 
     def _all_to_all_single(self, recv, send, in_counts, out_counts, places):
         """Start the call; arrivals in `places` are copied there from `recv` once it completes."""

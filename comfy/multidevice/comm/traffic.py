@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 from comfy.multidevice.comm.layout import chunk_shape, nbytes, numel, received_chunk_shapes, ShardMeta
@@ -44,19 +45,15 @@ def all_reduce_traffic(meta_or_tensor, world_size: int) -> int:
 class TrafficCounter:
     """Logical bytes one rank sent to / received from other ranks, per collective kind."""
 
+    FIELDS = ("sent", "received", "calls")
+
     def __init__(self):
-        self._per_op: dict[str, list[int]] = {}  # op -> [sent, received, calls]
+        self._per_op: dict[str, Counter] = {}
 
     def add(self, op: str, sent: int, received: int) -> None:
-        entry = self._per_op.setdefault(op, [0, 0, 0])
-        entry[0] += sent
-        entry[1] += received
-        entry[2] += 1
+        self._per_op.setdefault(op, Counter()).update(sent=sent, received=received, calls=1)
 
     def summary(self) -> dict:
         """{"sent", "received", "calls", "by_op": {op: {"sent", "received", "calls"}}}."""
-        by_op = {op: {"sent": v[0], "received": v[1], "calls": v[2]} for op, v in self._per_op.items()}
-        return {"sent": sum(v[0] for v in self._per_op.values()),
-                "received": sum(v[1] for v in self._per_op.values()),
-                "calls": sum(v[2] for v in self._per_op.values()),
-                "by_op": by_op}
+        by_op = {op: {k: count[k] for k in self.FIELDS} for op, count in self._per_op.items()}
+        return {**{k: sum(op[k] for op in by_op.values()) for k in self.FIELDS}, "by_op": by_op}
