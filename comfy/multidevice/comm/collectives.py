@@ -22,11 +22,11 @@ import torch
 from comfy.multidevice.comm.barrier import AbortableBarrier
 from comfy.multidevice.comm.checks import (all_to_all_arguments, check_all_reduce_metadata,
                                            check_all_to_all_metadata, check_all_to_all_plans,
-                                           check_exchange_metadata, check_recv_splits, planned_metas)
+                                           check_exchange_metadata, check_recv_splits, check_reduce_op,
+                                           planned_metas)
 from comfy.multidevice.comm.errors import CollectiveError
 from comfy.multidevice.comm.layout import (alone_all_to_all, chunk_shape, concat_received, normalize_dims, numel,
                                            pack_chunks, planned_chunk_shapes, same_chunk_shape, ShardMeta)
-from comfy.multidevice.comm.protocol import VALID_REDUCE_OPS
 from comfy.multidevice.comm.traffic import (all_reduce_traffic, all_to_all_traffic, exchange_traffic,
                                             TrafficCounter)
 from comfy.multidevice.devices import synchronize
@@ -301,8 +301,7 @@ class SlotCollectives:
         return out
 
     def all_reduce(self, rank: int, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if op not in VALID_REDUCE_OPS:
-            raise ValueError(f"all_reduce op {op!r} is not supported; use one of {VALID_REDUCE_OPS}")
+        check_reduce_op(op)
         self._last_activity = time.monotonic()
         if self.world_size == 1:
             return tensor.clone()
