@@ -163,15 +163,14 @@ class UlyssesKV:
         q, k, v are returned as [B, h, S, D] views of it (see `_send_peer_major`).
         `rows`: every rank's rows, when known (then the shapes need not travel every call).
         """
-        world, members = layout.world, layout.members
-        everyone = range(world)
-        if layout.degree == world:
-            got = self._send_peer_major(comm, (q, k, v), layout, chunk, everyone, rows, "qkv")
-            return tuple(got.select(2, i).permute(1, 2, 0, 3) for i in range(3))  # [B, h, S, D]
-        q_got = self._send_peer_major(comm, (q,), layout, chunk, members, rows, "q")
-        kv_got = self._send_peer_major(comm, (k, v), layout, chunk, everyone, rows, "kv")
-        return (q_got.select(2, 0).permute(1, 2, 0, 3),
-                *(kv_got.select(2, i).permute(1, 2, 0, 3) for i in range(2)))
+        def heads_first(tensors, to, key) -> list:  # [S, B, n, h, D] -> n views [B, h, S, D]
+            got = self._send_peer_major(comm, tensors, layout, chunk, to, rows, key)
+            return [got.select(2, i).permute(1, 2, 0, 3) for i in range(len(tensors))]
+
+        everyone = range(layout.world)
+        if layout.degree == layout.world:
+            return tuple(heads_first((q, k, v), everyone, "qkv"))
+        return tuple(heads_first((q,), layout.members, "q") + heads_first((k, v), everyone, "kv"))
 
     def _send_peer_major(self, comm, tensors, layout, chunk, to, rows, key) -> torch.Tensor:
         """One all-to-all of the n tensors ([B, H, S_r, D] each): rank j in `to` gets its head
