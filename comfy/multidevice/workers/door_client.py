@@ -27,16 +27,13 @@ class RankZeroLost(RuntimeError):
     """Rank 0 closed the link or stopped beating."""
 
 
-def _connect(host: str, port: int) -> socket.socket:
-    try:
-        return socket.create_connection((host, port), timeout=CONNECT_S)
-    except OSError as exc:
-        raise RendezvousError(f"rank 0 is not serving {format_address(host, port)} ({exc.strerror or exc})") from None
-
-
 def _proven(host: str, port: int, key: bytes, purpose: str, rank: int, generation: int, extra: dict | None = None):
     """(the connection, rank 0's address, its reader), once rank 0 and this side proved the secret."""
-    conn, peer = _connect(host, port), format_address(host, port)
+    peer = format_address(host, port)
+    try:
+        conn = socket.create_connection((host, port), timeout=CONNECT_S)
+    except OSError as exc:
+        raise RendezvousError(f"rank 0 is not serving {peer} ({exc.strerror or exc})") from None
     return conn, peer, admission.prove_to_rank0(conn, peer, key, purpose, rank, generation, extra)
 
 
