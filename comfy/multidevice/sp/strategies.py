@@ -156,7 +156,7 @@ class SPMode:
     exchange_precision: exact, int8 or fp8 (comm/compression.py; the attention's inputs rounded).
     """
 
-    mode: str = "allgather"
+    mode: str = DEFAULT_SP_MODE
     overlap_chunks: int = 1
     degree: int | None = None
     exchange_precision: str = EXACT

@@ -16,8 +16,6 @@ all-gather when W grows (per rank ~4/W^2 of q,k,v,out instead of 2(W-1)/W of k,v
 - Overlap (`overlap_chunks` = C > 1): the local head block is cut into C chunks; chunk c+1's
   exchange runs on a helper thread (and a side stream on NPU/GPU) while chunk c is attended.
   Heads are independent, so the result is the same as without chunks.
-- `AutoKV` ("auto"): picks allgather or ulysses from W and the heads with the byte model of
-  comfy/multidevice/sp/cost_model.py (the mode with fewer bytes per rank; ties -> allgather).
 
 Every rank must call with the SP core's shard plan (rank r owns rows [S*r//W, S*(r+1)//W)):
 Ulysses returns each rank its rows by that plan, and checks its own shard against it.
