@@ -148,15 +148,14 @@ def _comfy_settings() -> dict:
     """ComfyUI's parsed command-line settings that are data (a worker parses no command line of
     ComfyUI's); the others stay the worker's defaults."""
     import comfy.cli_args  # lazy: ComfyUI is optional for this module
-    return {name: value for name, value in vars(comfy.cli_args.args).items() if _sendable(value)}
-
-
-def _sendable(value) -> bool:
-    try:
-        check_sendable(value)
-        return True
-    except WireTypeError:
-        return False
+    settings = {}
+    for name, value in vars(comfy.cli_args.args).items():
+        try:
+            check_sendable(value)
+        except WireTypeError:
+            continue
+        settings[name] = value
+    return settings
 
 
 def comfy_dit_recipe(model_patcher: Any, prelude: Sequence[tuple[str, str]] = ()) -> ModelRecipe:
