@@ -10,6 +10,7 @@ from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.miniature import h3_blocks as miniature_blocks
 from comfy.multidevice.miniature.h3 import MiniatureConfig, build_miniature
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
+from comfy.multidevice.sp.plan import shard_start
 
 # Parallel against single-device, relative to max |reference| (why: tests/sp/test_minimax_h3.py).
 FP32_TOL = 1e-5
@@ -23,6 +24,11 @@ TINY = MiniatureConfig(hidden_size=32, num_layers=3, token_refiner_num_layers=1,
 FOUR_HEADS = MiniatureConfig(hidden_size=128, num_layers=2, token_refiner_num_layers=1, num_attention_heads=4,
                              attention_head_dim=32, ffn_hidden_size=96, text_dim=24, timestep_input_dim=16,
                              time_embed_hidden_size=32, time_embed_dim=16, rope_inv_freq_len=4)
+
+
+def plan_edges(seq_len: int, world: int, weights=None) -> list[tuple[int, int]]:
+    """Every rank's (start, stop) under the shard plan (was sp/plan.py's ShardPlan.edges, only tests read it)."""
+    return [(shard_start(seq_len, world, r, weights), shard_start(seq_len, world, r + 1, weights)) for r in range(world)]
 
 
 def tiny_model(dtype=torch.float32, seed=0):

@@ -23,7 +23,7 @@ from comfy.multidevice.sp.strategies import AllGatherKV, make_kv_strategy
 from comfy.multidevice.sp.plan import SequenceParallelError, ShardPlan
 from comfy.multidevice.devices import copy_for_rank
 from tests.sp_cases import (BF16_TOL, CASES, FP32_TOL, TINY, BlockWithoutAttentionArgument, FunControlBlockPatchStandIn,
-                            make_inputs, rel_diff, replicas, run_sp, tiny_model)
+                            make_inputs, plan_edges, rel_diff, replicas, run_sp, tiny_model)
 
 
 # ----------------------------------------------------------------------------- the parity matrix
@@ -37,7 +37,7 @@ def test_parity_fp32(model32, references, backend, world, case):
     assert [o.shape for o in out] == [r.shape for r in ref]
     assert rel_diff(out, ref) <= FP32_TOL
     seq_len = sum(sp.tokens_per_rank())
-    assert sp.tokens_per_rank() == [b - a for a, b in ShardPlan.edges(seq_len, world)]
+    assert sp.tokens_per_rank() == [b - a for a, b in plan_edges(seq_len, world)]
     if world > 1:  # K and V of every block plus the final row gather crossed between ranks
         assert sp.bytes_exchanged_last_forward() > 0
 
@@ -59,11 +59,11 @@ def test_matrix_covers_the_hard_layouts(model32):
                 seen.add("S not divisible by W")
             if world < s <= world + 2:
                 seen.add("S barely above W")
-            for a, b in ShardPlan.edges(s, world)[1:]:
+            for a, b in plan_edges(s, world)[1:]:
                 if any(sa < a < sb for sa, sb, _ in layout.segments):
                     seen.add("shard edge inside a segment")
             va, vb = layout.span("video")
-            if any(a >= va and b <= vb for a, b in ShardPlan.edges(s, world)):
+            if any(a >= va and b <= vb for a, b in plan_edges(s, world)):
                 seen.add("a rank holding only video rows")
         if {"cond", "ref_img", "ref_audio"} <= kinds:
             seen.add("cond and reference segments")
@@ -85,7 +85,7 @@ def test_masked_case_has_per_token_rows_cut_by_shard_edges(model32):
     tensor_spans = [(a, b) for a, b, row in seen[0] if torch.is_tensor(row) and row.dim() == 1]
     assert len(tensor_spans) == 2  # audio and video
     s = seen[0][-1][1]
-    edges = [a for a, _ in ShardPlan.edges(s, 4)[1:]]
+    edges = [a for a, _ in plan_edges(s, 4)[1:]]
     assert any(a < e < b for a, b in tensor_spans for e in edges)
 
 
@@ -303,7 +303,7 @@ def test_patcher_entry_point(model32, references, fake_patcher_extension):
         assert rel_diff(out, ref) <= FP32_TOL
         fan_out = primary.wrappers["diffusion_model"][WRAPPER_KEY][0]
         assert [s.tokens for s in fan_out.runner.last_rank_states] == [
-            b - a for a, b in ShardPlan.edges(sum(s.tokens for s in fan_out.runner.last_rank_states), 3)]
+            b - a for a, b in plan_edges(sum(s.tokens for s in fan_out.runner.last_rank_states), 3)]
 
 
 # ----------------------------------------------------------------------------- set-up once

@@ -6,12 +6,13 @@ import torch
 
 from comfy.multidevice.sp.plan import (is_even, SequenceParallelError, shard_sizes, shard_start, ShardPlan,
                                        slice_mod_segments, take_rows)
+from tests.sp_cases import plan_edges
 
 
 def test_shard_plan_edges():
     for s in range(4, 40):
         for w in range(1, 5):
-            edges = ShardPlan.edges(s, w)
+            edges = plan_edges(s, w)
             assert edges[0][0] == 0 and edges[-1][1] == s
             assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
             lengths = [b - a for a, b in edges]
@@ -52,7 +53,7 @@ def test_weighted_edges_cover_the_sequence_and_follow_the_weights():
         world = rng.randint(2, 8)
         seq = rng.randint(world, 3000)
         weights = [rng.uniform(0.05, 10.0) for _ in range(world)]
-        edges = ShardPlan.edges(seq, world, weights)
+        edges = plan_edges(seq, world, weights)
         assert edges[0][0] == 0 and edges[-1][1] == seq
         assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
         sizes = [b - a for a, b in edges]
@@ -70,7 +71,7 @@ def test_equal_weights_give_the_even_edges_bit_for_bit():
     for s in range(4, 60):
         for w in range(1, 9):
             if s >= w:
-                assert ShardPlan.edges(s, w, [2.5] * w) == ShardPlan.edges(s, w)
+                assert plan_edges(s, w, [2.5] * w) == plan_edges(s, w)
                 assert [shard_start(s, w, r) for r in range(w)] == [s * r // w for r in range(w)]
     assert is_even(None) and is_even((3, 3)) and not is_even((3, 1))
 

@@ -15,7 +15,7 @@ from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
 from comfy.multidevice.sp.plan import SequenceParallelError, ShardPlan
 from comfy.multidevice.sp.split import parse_split, RowSplit, SplitError, strategy_for_split, weights_from_times
 from comfy.multidevice.sp.strategies import AllGatherKV, CompressedKV, make_kv_strategy, SPMode
-from tests.sp_cases import CASES, FP32_TOL, make_inputs, rel_diff, replicas, run_sp
+from tests.sp_cases import CASES, FP32_TOL, make_inputs, plan_edges, rel_diff, replicas, run_sp
 
 
 def test_parse_split_even_auto_and_weights():
@@ -75,7 +75,7 @@ def test_uneven_weights_match_one_device(model32, references, world):
         assert rel_diff(out, references[case]) <= FP32_TOL, (case, weights)
         seq_len = sum(sp.tokens_per_rank())
         rounded = tuple(float(f"{w:.3f}") for w in weights)
-        assert sp.tokens_per_rank() == [b - a for a, b in ShardPlan.edges(seq_len, world, rounded)]
+        assert sp.tokens_per_rank() == [b - a for a, b in plan_edges(seq_len, world, rounded)]
 
 
 @pytest.mark.timeout(120)
@@ -122,7 +122,7 @@ def test_sharded_block_weights_with_an_uneven_split_match_one_device(model32, re
     rows = sp.tokens_per_rank()
     assert min(rows) >= 1
     if split != "auto":
-        assert rows == [b - a for a, b in ShardPlan.edges(sum(rows), 3, (1, 3, 2))]
+        assert rows == [b - a for a, b in plan_edges(sum(rows), 3, (1, 3, 2))]
 
 
 def test_a_row_split_record_checks_itself():

@@ -96,18 +96,18 @@ def choose_sp_mode(choice: str, world: int, heads: int | None, head_dim: int = 1
         raise SPModeError(f"sp_mode={choice} splits the attention heads evenly and needs every card to hold the same "
                           "rows, but split gives the cards different rows: set sp_mode to allgather or auto, or "
                           "split to even.")
+    if choice == "allgather":  # any rows, any heads
+        return ModeChoice("allgather", 1, world, "asked")
     if uneven_rows:
-        return ModeChoice("allgather", 1, world, "asked" if choice == "allgather" else
+        return ModeChoice("allgather", 1, world,
                           "auto: split gives the cards different rows, which the all-gather exchanges exactly")
     if heads is None:
-        if choice in ("allgather", "auto"):
-            return ModeChoice("allgather", 1, world, "asked" if choice == "allgather" else
+        if choice == "auto":
+            return ModeChoice("allgather", 1, world,
                               "the DiT's head count is not readable, and the all-gather needs none")
         raise SPModeError(f"sp_mode={choice} splits the attention heads, but this DiT's head count is not "
                           "readable: set sp_mode to allgather or auto.")
     degree = ulysses_degree(world, heads)
-    if choice == "allgather":
-        return ModeChoice("allgather", 1, world, "asked")
     if choice == "ulysses":
         if degree != world:
             hybrid = f"hybrid (Ulysses in groups of {degree}), " if degree > 1 else ""

@@ -92,11 +92,6 @@ class ShardPlan:
         object.__setattr__(self, "_starts", tuple(shard_start(self.seq_len, self.world_size, r, self.weights)
                                                   for r in range(self.world_size + 1)))
 
-    @staticmethod
-    def edges(seq_len: int, world_size: int, weights: Sequence[float] | None = None) -> list[tuple[int, int]]:
-        return [(shard_start(seq_len, world_size, r, weights), shard_start(seq_len, world_size, r + 1, weights))
-                for r in range(world_size)]
-
     @property
     def start(self) -> int:
         return self._starts[self.rank]

@@ -16,7 +16,6 @@ turns them into weights.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -73,15 +72,12 @@ def parse_split(text, world: int) -> RowSplit:
     value = (text or "even").strip().lower()
     if value in SPLIT_CHOICES:
         return RowSplit(value)
-    try:
-        numbers = [float(part) for part in value.replace(";", ",").split(",")]
+    try:  # the plan's own check of the numbers, in the node's words
+        return RowSplit("weights", check_weights(value.replace(";", ",").split(","), world))
     except ValueError:
-        numbers = None
-    if numbers is None or len(numbers) != world or not all(math.isfinite(n) and n > 0 for n in numbers):
         example = ",".join(["2"] + ["1"] * (world - 1)) if world > 1 else "1"
         raise SplitError(f"split={text!r} does not give {world} card(s) their shares: set split to even, auto, "
-                         f"or one positive number per card in the order of the cards (e.g. {example}).")
-    return RowSplit("weights", tuple(numbers))
+                         f"or one positive number per card in the order of the cards (e.g. {example}).") from None
 
 
 def weights_from_times(seconds: Sequence[float], caps: Sequence[float] | None = None

@@ -60,14 +60,11 @@ class AllGatherKV:
         # [B, heads, S, head_dim] with skip_reshape (H3's layout), else [B, S, heads*head_dim]
         seq_dim = 2 if kwargs.get("skip_reshape", False) else 1
         # K and V in one exchange: gathered sequence-major, returned as [B, heads, S, head_dim]
-        # views of that buffer (no transposing copy, no cat)
-        if shard_sizes is None:
-            k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim])
-        else:
-            # the SP adapter's path: a forward's blocks run one after another and each block's
-            # K/V are dead when the next one gathers, so they share one pair of buffers
-            k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim], shard_sizes=shard_sizes,
-                                           workspace=self.workspace)
+        # views of that buffer (no transposing copy, no cat). With shard_sizes (the SP adapter's
+        # path) a forward's blocks run one after another and each block's K/V are dead when the
+        # next one gathers, so they share one pair of buffers
+        options = {} if shard_sizes is None else {"shard_sizes": shard_sizes, "workspace": self.workspace}
+        k_full, v_full = comm.exchange([k, v], [seq_dim, seq_dim], **options)
         return attend_within_budget(comm, attention_fn, q, k_full, v_full, heads, *args, **kwargs)
 
 
@@ -77,13 +74,9 @@ DEFAULT_SP_MODE = "allgather"
 def make_kv_strategy(sp_mode=None):
     """The K/V exchange strategy for an `sp_mode` string (None -> the default), or for a
     configured mode object with a `make_kv_strategy()` method (an `SPMode`)."""
-    if hasattr(sp_mode, "make_kv_strategy"):
-        return sp_mode.make_kv_strategy()
-    name = (sp_mode or DEFAULT_SP_MODE).strip().lower()
-    if name not in KV_STRATEGIES:
-        raise ValueError(f"unknown sequence-parallel mode {sp_mode!r}; valid modes: "
-                         f"{', '.join(KV_STRATEGIES)}")
-    return KV_STRATEGIES[name]()
+    if not hasattr(sp_mode, "make_kv_strategy"):
+        sp_mode = SPMode((sp_mode or DEFAULT_SP_MODE).strip().lower())
+    return sp_mode.make_kv_strategy()
 
 
 class AutoKV:
@@ -163,7 +156,7 @@ class SPMode:
     exchange_precision: exact, int8 or fp8 (comm/compression.py; the attention's inputs rounded).
     """
 
-    mode: str = "allgather"
+    mode: str = DEFAULT_SP_MODE
     overlap_chunks: int = 1
     degree: int | None = None
     exchange_precision: str = EXACT
@@ -179,12 +172,7 @@ class SPMode:
         check_precision(self.exchange_precision)
 
     def make_kv_strategy(self):
-        if self.mode == "ulysses":
-            strategy = UlyssesKV(self.degree, self.overlap_chunks)
-        elif self.mode == "auto":
-            strategy = AutoKV(self.overlap_chunks)
-        else:
-            strategy = AllGatherKV()
+        strategy = KV_STRATEGIES[self.mode](self)
         precision = check_precision(self.exchange_precision)
         return strategy if precision == EXACT else CompressedKV(strategy, precision)
 
@@ -194,6 +182,9 @@ class SPMode:
                    else f" ({self.exchange_precision} exchange)"))
 
 
-# The one registry of mode names: the CLI's choices, SPMode's check and make_kv_strategy use it.
-KV_STRATEGIES: dict[str, Callable] = {"allgather": AllGatherKV, "ulysses": UlyssesKV, "auto": AutoKV}
+# The one registry of mode names, each with its strategy made from an SPMode's options: the
+# CLI's choices, SPMode's check and make_kv_strategy use it.
+KV_STRATEGIES: dict[str, Callable[[SPMode], object]] = {
+    "allgather": lambda mode: AllGatherKV(), "ulysses": lambda mode: UlyssesKV(mode.degree, mode.overlap_chunks),
+    "auto": lambda mode: AutoKV(mode.overlap_chunks)}
 SP_MODES = tuple(KV_STRATEGIES)

@@ -16,8 +16,6 @@ all-gather when W grows (per rank ~4/W^2 of q,k,v,out instead of 2(W-1)/W of k,v
 - Overlap (`overlap_chunks` = C > 1): the local head block is cut into C chunks; chunk c+1's
   exchange runs on a helper thread (and a side stream on NPU/GPU) while chunk c is attended.
   Heads are independent, so the result is the same as without chunks.
-- `AutoKV` ("auto"): picks allgather or ulysses from W and the heads with the byte model of
-  comfy/multidevice/sp/cost_model.py (the mode with fewer bytes per rank; ties -> allgather).
 
 Every rank must call with the SP core's shard plan (rank r owns rows [S*r//W, S*(r+1)//W)):
 Ulysses returns each rank its rows by that plan, and checks its own shard against it.
@@ -36,7 +34,7 @@ from comfy.multidevice.comm.layout import scratch
 from comfy.multidevice.devices import accelerator_api, set_thread_device
 from comfy.multidevice.sp.attention_budget import attend_within_budget
 from comfy.multidevice.sp.cost_model import ulysses_degree
-from comfy.multidevice.sp.plan import SequenceParallelError, shard_sizes, ShardPlan
+from comfy.multidevice.sp.plan import SequenceParallelError, shard_sizes, shard_start
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +62,12 @@ class _Layout:
 
     def block_heads(self, block: int) -> range:
         """Heads of head block `block` (uneven blocks never happen: U divides the heads)."""
-        edges = shard_sizes(self.heads, self.degree)
-        start = sum(edges[:block])
-        return range(start, start + edges[block])
+        return range(shard_start(self.heads, self.degree, block), shard_start(self.heads, self.degree, block + 1))
 
     def chunk_heads(self, block: int, chunk: int) -> range:
         heads = self.block_heads(block)
-        sizes = shard_sizes(len(heads), self.chunks)
-        start = heads.start + sum(sizes[:chunk])
-        return range(start, start + sizes[chunk])
+        return range(heads.start + shard_start(len(heads), self.chunks, chunk),
+                     heads.start + shard_start(len(heads), self.chunks, chunk + 1))
 
 
 class UlyssesKV:
@@ -166,15 +161,14 @@ class UlyssesKV:
         q, k, v are returned as [B, h, S, D] views of it (see `_send_peer_major`).
         `rows`: every rank's rows, when known (then the shapes need not travel every call).
         """
-        world, members = layout.world, layout.members
-        everyone = range(world)
-        if layout.degree == world:
-            got = self._send_peer_major(comm, (q, k, v), layout, chunk, everyone, rows, "qkv")
-            return tuple(got.select(2, i).permute(1, 2, 0, 3) for i in range(3))  # [B, h, S, D]
-        q_got = self._send_peer_major(comm, (q,), layout, chunk, members, rows, "q")
-        kv_got = self._send_peer_major(comm, (k, v), layout, chunk, everyone, rows, "kv")
-        return (q_got.select(2, 0).permute(1, 2, 0, 3),
-                *(kv_got.select(2, i).permute(1, 2, 0, 3) for i in range(2)))
+        def heads_first(tensors, to, key) -> list:  # [S, B, n, h, D] -> n views [B, h, S, D]
+            got = self._send_peer_major(comm, tensors, layout, chunk, to, rows, key)
+            return [got.select(2, i).permute(1, 2, 0, 3) for i in range(len(tensors))]
+
+        everyone = range(layout.world)
+        if layout.degree == layout.world:
+            return tuple(heads_first((q, k, v), everyone, "qkv"))
+        return tuple(heads_first((q,), layout.members, "q") + heads_first((k, v), everyone, "kv"))
 
     def _send_peer_major(self, comm, tensors, layout, chunk, to, rows, key) -> torch.Tensor:
         """One all-to-all of the n tensors ([B, H, S_r, D] each): rank j in `to` gets its head
@@ -233,7 +227,7 @@ class UlyssesKV:
     def _member_rows(comm, layout, local_rows, q_c, k_c) -> list[int]:
         """Rows of every rank under the SP shard plan; checks this rank's and its group's."""
         total = k_c.shape[2]
-        rows = [b - a for a, b in ShardPlan.edges(total, layout.world)]
+        rows = shard_sizes(total, layout.world)
         mine = [rows[m] for m in layout.members]
         if local_rows != rows[comm.rank] or q_c.shape[2] != sum(mine):
             raise SequenceParallelError(
@@ -288,12 +282,9 @@ def stacked_view(tensors) -> torch.Tensor | None:
 
 def _all_to_all(comm, tensors, splits, split_dim, cat_dim, workspace, recv_splits=None, write_own=None):
     # any Communicator: a workspace only where the adapter keeps one, the plan where it is known
-    options = {} if workspace is None else {"workspace": workspace}
-    if recv_splits is not None:
-        options["recv_splits"] = recv_splits
-    if write_own is not None:
-        options["write_own"] = write_own
-    return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim, **options)
+    options = {"workspace": workspace, "recv_splits": recv_splits, "write_own": write_own}
+    return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim,
+                             **{k: v for k, v in options.items() if v is not None})
 
 
 class _CommLane:
@@ -309,7 +300,7 @@ class _CommLane:
         self.stream = None
         if overlap:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"sp-rank-{comm.rank}-exchange")
-            api = _stream_api(self.device)
+            api = accelerator_api(self.device.type)
             if api is not None:
                 self.stream = api.Stream(self.device)
                 self.api = api
@@ -358,7 +349,3 @@ def _bind_thread_device(device: torch.device) -> None:
     if getattr(_bound, "device", None) != device:
         set_thread_device(device)
         _bound.device = device
-
-
-def _stream_api(device: torch.device):
-    return accelerator_api(device.type)

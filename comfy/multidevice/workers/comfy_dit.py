@@ -33,6 +33,7 @@ from comfy.multidevice.workers.wire import check_sendable, decode, encode, wire_
 # ComfyUI's loaders that record themselves as a DiT's cached_patcher_init (comfy/sd.py of both
 # supported trees): the only functions a worker runs to load a MODEL
 LOADERS = frozenset({("comfy.sd", "load_diffusion_model"), ("comfy.sd", "load_checkpoint_guess_config")})
+LOADER_NAMES = ", ".join(sorted(f"{module}.{function}" for module, function in LOADERS))
 # comfy.weight_adapter's patch classes: each is (loaded_keys, weights) and nothing more
 ADAPTERS = frozenset({"LoRAAdapter", "LoHaAdapter", "LoKrAdapter", "GLoRAAdapter", "OFTAdapter", "BOFTAdapter"})
 THREADS_FIX = "use ranks as threads for this MODEL"
@@ -55,7 +56,7 @@ class LoaderCall:
         """A worker: the ModelPatcher the loader makes (only a loader of `LOADERS`)."""
         if (self.module, self.function) not in LOADERS:
             raise RecipeError(f"rank 0 named the loader {self.describe()}, not one of ComfyUI's loaders a worker "
-                              f"runs ({', '.join(sorted(f'{m}.{f}' for m, f in LOADERS))}); {THREADS_FIX}")
+                              f"runs ({LOADER_NAMES}); {THREADS_FIX}")
         if not (isinstance(self.args, tuple) and (self.index is None or type(self.index) is int)):
             raise RecipeError(f"the loader call {self.describe()} has arguments {type(self.args).__name__} and index "
                               f"{self.index!r}, not a tuple and an int or None")
@@ -91,7 +92,7 @@ def loader_call(model_patcher: Any) -> LoaderCall:
     named = (getattr(factory, "__module__", None), getattr(factory, "__qualname__", None))
     if named not in LOADERS or getattr(sys.modules.get(named[0]), named[1], None) is not factory:
         raise RecipeError(f"the MODEL was loaded by {named[0]}.{named[1]}, which a worker process does not run (it "
-                          f"runs ComfyUI's {', '.join(sorted(f'{m}.{f}' for m, f in LOADERS))}); {THREADS_FIX}")
+                          f"runs ComfyUI's {LOADER_NAMES}); {THREADS_FIX}")
     call = LoaderCall(named[0], named[1], tuple(init[1]), init[2] if len(init) > 2 else None)
     try:
         check_sendable(call, name=f"the loader call {call.describe()}")

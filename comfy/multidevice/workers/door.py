@@ -243,11 +243,12 @@ class Door:
                 conn, peer = self._listener.accept()
             except OSError:
                 return
-            if not self._unproven.acquire(blocking=False):
-                self._refuse_quietly(conn, format_address(*peer[:2]), "too many connections in their handshake")
+            peer = format_address(*peer[:2])
+            if not self._unproven.acquire(blocking=False):  # closed without a word
+                self._remember_refusal(peer, "too many connections in their handshake")
+                _close(conn)
                 continue
-            threading.Thread(target=self._admit, args=(conn, format_address(*peer[:2])),
-                             name="pool-door-admit", daemon=True).start()
+            threading.Thread(target=self._admit, args=(conn, peer), name="pool-door-admit", daemon=True).start()
 
     def _admit(self, conn: socket.socket, peer: str) -> None:
         keep = False
@@ -357,10 +358,6 @@ class Door:
             send_line(conn, {"refused": reason})
         except (OSError, ValueError):
             pass
-
-    def _refuse_quietly(self, conn: socket.socket, peer: str, reason: str) -> None:
-        self._remember_refusal(peer, reason)
-        _close(conn)
 
     def _remember_refusal(self, peer: str, reason: str) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ holds rank 0's address.
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import socket
 import threading
@@ -26,15 +27,17 @@ class RankZeroLost(RuntimeError):
     """Rank 0 closed the link or stopped beating."""
 
 
-def _connect(host: str, port: int) -> socket.socket:
+def _proven(host: str, port: int, key: bytes, purpose: str, rank: int, generation: int, extra: dict | None = None):
+    """(the connection, rank 0's address, its reader), once rank 0 and this side proved the secret."""
+    peer = format_address(host, port)
     try:
-        return socket.create_connection((host, port), timeout=CONNECT_S)
+        conn = socket.create_connection((host, port), timeout=CONNECT_S)
     except OSError as exc:
-        raise RendezvousError(f"rank 0 is not serving {format_address(host, port)} ({exc.strerror or exc})") from None
+        raise RendezvousError(f"rank 0 is not serving {peer} ({exc.strerror or exc})") from None
+    return conn, peer, admission.prove_to_rank0(conn, peer, key, purpose, rank, generation, extra)
 
 
 def _identity() -> dict:
-    import os
     return {"server": socket.gethostname(), "pid": os.getpid()}
 
 
@@ -65,9 +68,7 @@ class RankLink:
 
     def __init__(self, host: str, port: int, key: bytes, rank: int, generation: int,
                  on_lost: Callable[[RankZeroLost], None] | None = None):
-        self.conn = _connect(host, port)
-        self.peer = format_address(host, port)
-        self.reader = admission.prove_to_rank0(self.conn, self.peer, key, "live", rank, generation, _identity())
+        self.conn, self.peer, self.reader = _proven(host, port, key, "live", rank, generation, _identity())
         self._on_lost = on_lost
         self._finished = False
         self._events: queue.Queue = queue.Queue()  # True per "go", False for "stop", then what ended it
@@ -124,8 +125,7 @@ def store_through_door(host: str, port: int, key: bytes, rank: int, generation: 
             except OSError:
                 return
             try:
-                remote = _connect(host, port)
-                admission.prove_to_rank0(remote, format_address(host, port), key, "store", rank, generation)
+                remote = _proven(host, port, key, "store", rank, generation)[0]
             except (AdmissionError, RendezvousError, OSError) as exc:
                 failures.append(str(exc))
                 conn.close()
@@ -147,11 +147,9 @@ class Following:
     """A join command's connection to rank 0: the pools that take its ranks, as they open."""
 
     def __init__(self, host: str, port: int, base: bytes, first_rank: int, count: int):
-        self.conn = _connect(host, port)
-        self.peer = format_address(host, port)
         self.base = base
-        self.reader = admission.prove_to_rank0(self.conn, self.peer, admission.follow_key(base), "follow",
-                                               first_rank, 0, {"count": count, **_identity()})
+        self.conn, self.peer, self.reader = _proven(host, port, admission.follow_key(base), "follow", first_rank, 0,
+                                                    {"count": count, **_identity()})
 
     def next_pool(self) -> tuple[int, int, int, bytes]:
         """(generation, world size, local ranks of rank 0's server, the pool's key) of the

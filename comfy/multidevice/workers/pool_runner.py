@@ -114,8 +114,11 @@ class PoolRunner:
         sent_args, sent_kwargs = list(args), travelling_kwargs(kwargs)
         options = transformer_options_of(sent_args, sent_kwargs, position)
         digest = self.digest_of()
+        # a new pool when there is none, a newer pool of this process replaced it, or the
+        # MODEL's weight patches changed; started only once this forward is known to travel
+        renew = self.pool is None or not self.pool.running or digest != self._digest
         # the towers the workers will hold once this forward is sent (fresh workers hold none)
-        towers = {} if self._needs_new_pool(digest) else dict(self._sent_towers)
+        towers = {} if renew else dict(self._sent_towers)
         travelling = travelling_options(options, towers)  # refused here, before any process is asked
         if position is not None and len(sent_args) > position and sent_args[position] is options:
             sent_args[position] = travelling
@@ -123,28 +126,18 @@ class PoolRunner:
             sent_kwargs["transformer_options"] = travelling
         _check_sendable(sent_args, "the forward's arguments")  # before any process is asked
         _check_sendable(sent_kwargs, "the forward's keyword arguments")
-        pool = self._current_pool(model, digest)
+        if renew:
+            if self.pool is not None and self.pool.running:
+                log.info("ranks as processes: the MODEL's weight patches changed; starting a new worker pool")
+                self.close()
+            self.pool, self._digest = self.make_pool(model).start(), digest
         self._sent_towers = towers
         try:
-            return pool.forward_method(method.__name__, method, args, kwargs, sent=(sent_args, sent_kwargs),
-                                       options_at=position)
+            return self.pool.forward_method(method.__name__, method, args, kwargs, sent=(sent_args, sent_kwargs),
+                                            options_at=position)
         except WorkerPoolError:
             self.pool = None  # the next forward starts a fresh pool
             raise
-
-    def _needs_new_pool(self, digest: str) -> bool:
-        return self.pool is None or not self.pool.running or digest != self._digest
-
-    def _current_pool(self, rank0_dit, digest: str) -> WorkerPool:
-        if self.pool is not None and not self.pool.running:  # a newer pool of this process replaced it
-            self.pool = None
-        if self.pool is not None and digest != self._digest:
-            log.info("ranks as processes: the MODEL's weight patches changed; starting a new worker pool")
-            self.close()
-        if self.pool is None:
-            self.pool = self.make_pool(rank0_dit).start()
-            self._digest = digest
-        return self.pool
 
     def close(self):
         _close_held(self._held)
