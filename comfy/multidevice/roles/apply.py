@@ -192,12 +192,8 @@ def _check_text_encoder_split(clip, n: int) -> None:
 
 # ----------------------------------------------------------------------------- text encoder
 
-def _clone(obj):
-    return obj.clone() if callable(getattr(obj, "clone", None)) else copy.copy(obj)
-
-
 def _place_clip(clip, device):
-    out = _clone(clip)
+    out = clip.clone() if callable(getattr(clip, "clone", None)) else copy.copy(clip)
     patcher = getattr(out, "patcher", None)
     if patcher is not None and getattr(patcher, "load_device", device) != device:
         if callable(getattr(patcher, "clone", None)):

@@ -32,6 +32,7 @@ from comfy.multidevice.comfy_objects import dit_module, lazily_patched_layers, m
 from comfy.multidevice.comm.group import prefetch_lane
 from comfy.multidevice.roles.model_management import CardCopy
 from comfy.multidevice.roles.plan import RolePlanError
+from comfy.multidevice.tp.shard import shallow_module_copy
 from comfy.multidevice.weights.block_shards import ShardedBlockWeights
 from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 from comfy.multidevice.weights.shard_layout import dit_blocks, rank_shard, ShardLayout
@@ -173,12 +174,11 @@ class DitShards:
 def _base_model_with(base_model, diffusion_model):
     """A shallow copy of a BaseModel whose diffusion_model is another module (the original is
     untouched: its module tables are copied, not shared)."""
-    light = copy.copy(base_model)
     if isinstance(base_model, torch.nn.Module):
-        for table in ("_modules", "_parameters", "_buffers"):
-            setattr(light, table, dict(getattr(base_model, table)))
+        light = shallow_module_copy(base_model)
         light._modules["diffusion_model"] = diffusion_model
     else:  # a stand-in object with its own attribute dict (tests)
+        light = copy.copy(base_model)
         light.diffusion_model = diffusion_model
     # ComfyUI's load state of the original (weights loaded, patches applied) is not the copy's:
     # left as it is, ComfyUI would skip loading the copy, and with it any patch added later.
