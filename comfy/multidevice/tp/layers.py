@@ -107,10 +107,7 @@ def copy_rows(src: torch.Tensor, spans: list[tuple[int, int]], device) -> torch.
 
 def copy_columns(src: torch.Tensor, start: int, count: int, device) -> torch.Tensor:
     """Columns [start, start+count) of a 2-D tensor as a fresh contiguous tensor on `device`."""
-    src = detached(src)
-    out = torch.empty((src.shape[0], count), dtype=src.dtype, device=device)
-    out.copy_(src.narrow(1, start, count))
-    return out
+    return copy_whole(detached(src).narrow(1, start, count), device)
 
 
 def copy_whole(src: torch.Tensor, device) -> torch.Tensor:
