@@ -17,6 +17,7 @@ import logging
 
 from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
 from comfy.multidevice.comm.compression import EXCHANGE_PRECISIONS
+from comfy.multidevice.roles.communicator_memory import card_kind
 from comfy.multidevice.roles.dit import DIT_RANKS, resolve_dit_ranks
 from comfy.multidevice.roles.memory_plan import AUTO_PLAN_TOKENS, LONGEST_WORKFLOW_TOKENS, MAX_PLAN_TOKENS
 from comfy.multidevice.roles.plan import plan_roles
@@ -188,9 +189,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
         asked = f"backend is {backend}" if backend != "default" else \
             f"backend is default and {BACKEND_ENV} asks for {backend_from_env(None)}"
         raise BackendUnavailable(
-            f"{asked}, which cannot start on the {len(selected)} {str(selected[0]).split(':')[0]} cards "
-            f"({exc}): set backend to "
-            f"auto (it falls back to peer copies between the cards), or fix what stops it.") from exc
+            f"{asked}, which cannot start on the {len(selected)} {card_kind(selected[0])} cards "
+            f"({exc}): set backend to auto (it falls back to peer copies between the cards), or fix what stops it.") from exc
     if outputs[0] is not model:  # the input MODEL is never modified
         install_prompt_size_check(outputs[0], memory)
     return outputs
@@ -234,7 +234,7 @@ def dit_sp_mode(sp_mode, plan, selected, model, joining: int, backend: str = "de
 
     world = plan.dit_world(joining)
     shape = dit_shape_of(dit_module(model)) if world > 1 else None
-    kind = str(selected[0]).split(":")[0]
+    kind = card_kind(selected[0])
     named = None if backend in ("default", "auto") else backend
     return choose_sp_mode(sp_mode, world, shape.heads if shape else None, shape.head_dim if shape else 128,
                           other_servers=joining > 0,
