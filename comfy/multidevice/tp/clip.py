@@ -144,12 +144,11 @@ def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, 
     return clip
 
 
-def tensor_parallel_clip(clip, coordinator, weights: Mapping[str, torch.Tensor] | None = None,
-                         weights_prefix: str = "model.") -> Any:
+def tensor_parallel_clip(clip, coordinator) -> Any:
     """A new CLIP whose language model runs tensor parallel over `coordinator`; `clip` is untouched.
 
-    The entry point for MultiNPUParallelConfig. Same arguments, checks and result as
-    apply_tensor_parallel_text_encoder, but on a copy: clip.clone() (upstream: a new CLIP
+    The entry point for MultiNPUParallelConfig. The checks and result of
+    apply_tensor_parallel_text_encoder (from the loaded module), but on a copy: clip.clone() (upstream: a new CLIP
     whose patcher is a clone, both still sharing the one cond_stage_model), then fresh
     shallow copies of the objects on the path cond_stage_model -> <clip name> ->
     transformer, so that replacing transformer.model in the copy leaves the input CLIP's
@@ -169,8 +168,7 @@ def tensor_parallel_clip(clip, coordinator, weights: Mapping[str, torch.Tensor] 
     patcher = getattr(new, "patcher", None)
     if getattr(patcher, "model", None) is cond:  # upstream's patcher manages cond_stage_model
         patcher.model = new_cond
-    return apply_tensor_parallel_text_encoder(new, coordinator, weights=weights,
-                                              weights_prefix=weights_prefix)
+    return apply_tensor_parallel_text_encoder(new, coordinator)
 
 
 def remove_tensor_parallel_text_encoder(clip) -> Any:
