@@ -96,15 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minimax_h3_parallel.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    add_run_arguments(sub.add_parser(
-        "run", help="run the parallel pipeline (dry run by default)", description=RUN_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
-    add_doctor_arguments(sub.add_parser(
-        "doctor", help="check devices and backends", description=DOCTOR_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
-    add_tryout_arguments(sub.add_parser(
-        "tryout", help="try the pack without the weights (tiny random models), or --remove that",
-        description=TRYOUT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
+    for name, add, description, help_text in (
+            ("run", add_run_arguments, RUN_DESCRIPTION, "run the parallel pipeline (dry run by default)"),
+            ("doctor", add_doctor_arguments, DOCTOR_DESCRIPTION, "check devices and backends"),
+            ("tryout", add_tryout_arguments, TRYOUT_DESCRIPTION,
+             "try the pack without the weights (tiny random models), or --remove that")):
+        add(sub.add_parser(name, help=help_text, description=description,
+                           formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -124,14 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(args.handler(args) or 0)
-    except KeyboardInterrupt:
-        print(f"minimax_h3_parallel.py {args.command}: stopped by Ctrl-C; run it again to start over",
+    except (KeyboardInterrupt, Terminated) as exc:
+        how, number = ("Ctrl-C", signal.SIGINT) if isinstance(exc, KeyboardInterrupt) else \
+            ("SIGTERM", signal.SIGTERM)
+        print(f"minimax_h3_parallel.py {args.command}: stopped by {how}; run it again to start over",
               file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Terminated:
-        print(f"minimax_h3_parallel.py {args.command}: stopped by SIGTERM; run it again to start over",
-              file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return 128 + number
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -17,6 +17,7 @@ import logging
 
 from comfy.multidevice.cards import DEVICE_KINDS, SUPPORTED_CARD_COUNTS
 from comfy.multidevice.comm.compression import EXCHANGE_PRECISIONS
+from comfy.multidevice.roles.communicator_memory import card_kind
 from comfy.multidevice.roles.dit import DIT_RANKS, resolve_dit_ranks
 from comfy.multidevice.roles.memory_plan import AUTO_PLAN_TOKENS, LONGEST_WORKFLOW_TOKENS, MAX_PLAN_TOKENS
 from comfy.multidevice.roles.plan import plan_roles
@@ -153,10 +154,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
 
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} is unknown: set backend to one of {', '.join(BACKEND_CHOICES)}.")
-    if dit_ranks not in DIT_RANKS:
-        raise ValueError(f"dit_ranks={dit_ranks!r} is unknown: set dit_ranks to one of {', '.join(DIT_RANKS)}.")
     remote_ranks = remote_ranks_of_environment()
-    dit_ranks = resolve_dit_ranks(dit_ranks, remote_ranks)
+    dit_ranks = resolve_dit_ranks(dit_ranks, remote_ranks)  # refuses an unknown one by name
     selected = select_devices(npu_count, kind=device_kind, devices=devices, inventory=inventory)
     joining = remote_ranks if dit_ranks == "processes" else 0  # other servers' DiT ranks
     plan = plan_roles(npu_count, joining)
@@ -190,9 +189,8 @@ def configure_parallel(model, clip, video_vae, audio_vae, npu_count=4, backend="
         asked = f"backend is {backend}" if backend != "default" else \
             f"backend is default and {BACKEND_ENV} asks for {backend_from_env(None)}"
         raise BackendUnavailable(
-            f"{asked}, which cannot start on the {len(selected)} {str(selected[0]).split(':')[0]} cards "
-            f"({exc}): set backend to "
-            f"auto (it falls back to peer copies between the cards), or fix what stops it.") from exc
+            f"{asked}, which cannot start on the {len(selected)} {card_kind(selected[0])} cards "
+            f"({exc}): set backend to auto (it falls back to peer copies between the cards), or fix what stops it.") from exc
     if outputs[0] is not model:  # the input MODEL is never modified
         install_prompt_size_check(outputs[0], memory)
     return outputs
@@ -236,7 +234,7 @@ def dit_sp_mode(sp_mode, plan, selected, model, joining: int, backend: str = "de
 
     world = plan.dit_world(joining)
     shape = dit_shape_of(dit_module(model)) if world > 1 else None
-    kind = str(selected[0]).split(":")[0]
+    kind = card_kind(selected[0])
     named = None if backend in ("default", "auto") else backend
     return choose_sp_mode(sp_mode, world, shape.heads if shape else None, shape.head_dim if shape else 128,
                           other_servers=joining > 0,
@@ -303,19 +301,21 @@ def _supported(fn, kwargs: dict, optional: tuple) -> dict:
     return {k: v for k, v in kwargs.items() if k not in optional or k in params}
 
 
+# socket/widget type name -> comfy_api io class name
+_IO_KINDS = {"MODEL": "Model", "CLIP": "Clip", "VAE": "Vae", "COMBO": "Combo", "STRING": "String",
+             "INT": "Int"}
+
+
 def _io_input(io, spec: dict):
     """One plain-data input spec -> the matching comfy_api io Input."""
-    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae, "COMBO": io.Combo, "STRING": io.String,
-             "INT": io.Int}
-    cls = kinds[spec["type"]].Input
+    cls = getattr(io, _IO_KINDS[spec["type"]]).Input
     kwargs = {k: spec[k] for k in ("default", "options", "optional", "tooltip", "advanced", "min", "max")
               if k in spec}
     return cls(spec["name"], **_supported(cls.__init__, kwargs, optional=("advanced",)))
 
 
 def _io_output(io, spec: dict):
-    kinds = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae}
-    cls = kinds[spec["type"]].Output
+    cls = getattr(io, _IO_KINDS[spec["type"]]).Output
     kwargs = {"display_name": spec["name"], "tooltip": spec["tooltip"]}
     return cls(**_supported(cls.__init__, kwargs, optional=("tooltip",)))
 
@@ -364,18 +364,15 @@ def node_class():
             return abandoned_coordinator_count()
 
         @classmethod
-        def execute(cls, model, clip, video_vae, audio_vae, npu_count=4, backend="default",
-                    device_kind="auto", devices="", dit_weights="auto", plan_tokens=AUTO_PLAN_TOKENS,
-                    dit_ranks="auto", sp_mode="auto", exchange_precision="exact", split="even") -> io.NodeOutput:
+        def execute(cls, model, clip, video_vae, audio_vae, **options) -> io.NodeOutput:
             try:
-                # passed as they came: ComfyUI sends ints, and anything else (4.5, "4", True,
-                # None) is refused by name instead of being cast
-                outputs = configure_parallel(
-                    model, clip, video_vae, audio_vae, npu_count=npu_count, backend=backend,
-                    device_kind=device_kind, devices=devices, dit_weights=dit_weights,
-                    plan_tokens=plan_tokens, dit_ranks=dit_ranks, prompt=_hidden(cls, "prompt"),
-                    tell=node_text(_hidden(cls, "unique_id")), sp_mode=sp_mode,
-                    exchange_precision=exchange_precision, split=split)
+                # the schema's defaults for the inputs not sent; the rest passed as they came:
+                # ComfyUI sends ints, and anything else (4.5, "4", True, None) is refused by name
+                # instead of being cast
+                defaults = {s["name"]: s["default"] for s in NODE_SCHEMA["inputs"] if "default" in s}
+                outputs = configure_parallel(model, clip, video_vae, audio_vae, **{**defaults, **options},
+                                             prompt=_hidden(cls, "prompt"),
+                                             tell=node_text(_hidden(cls, "unique_id")))
             except Exception as exc:
                 shown = shown_error(exc)
                 if shown is None:

@@ -68,12 +68,8 @@ class DeviceInventory:
 
     def describe(self) -> str:
         """'npu: 2 (ASCEND_RT_VISIBLE_DEVICES=0,1); cuda: 0 (CUDA_VISIBLE_DEVICES unset)'."""
-        parts = [f"{k}: {self.count(k)} ({self.env_text(k)})" for k in ACCELERATOR_KINDS]
-        text = "; ".join(parts)
-        if self.notes:
-            text += "; " + "; ".join(self.notes)
-        return text
-
+        counts = [f"{k}: {self.count(k)} ({self.env_text(k)})" for k in ACCELERATOR_KINDS]
+        return "; ".join(counts + list(self.notes))
 
 
 def probe_devices() -> DeviceInventory:

@@ -6,8 +6,9 @@ the DiT. Tests and the dry run pass the DiT module itself, which every function 
 
 from __future__ import annotations
 
+import logging
 
-
+log = logging.getLogger(__name__)
 
 
 def is_model_patcher(model) -> bool:
@@ -26,3 +27,17 @@ def block_patches_of(model) -> dict:
     """The block replacements a MODEL carries (model_options' patches_replace["dit"]); {} for none."""
     options = getattr(model, "model_options", None) or {}
     return options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+
+
+def move_load_device(patcher, device, what: str) -> None:
+    """Point a patcher's load device at `device` when it names another card (logged as `what`'s)."""
+    if getattr(patcher, "load_device", device) != device:
+        log.info("%s: load device %s -> %s", what, patcher.load_device, device)
+        patcher.load_device = device
+
+
+def lazily_patched_layers(module) -> int:
+    """The layers whose weight patches ComfyUI applies at compute time (its low-VRAM mode keeps
+    per-layer weight_function / bias_function lists instead of patching the weights)."""
+    return sum(1 for m in module.modules()
+               if getattr(m, "weight_function", None) or getattr(m, "bias_function", None))

@@ -7,6 +7,7 @@ moves a call's inputs to one rank's device. Which cards a run uses is decided in
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -156,10 +157,6 @@ def copy_for_rank(obj: Any, device: torch.device, copy_tensors: bool = False) ->
 
 def module_device(module) -> torch.device | None:
     """The device of the module's first parameter (or buffer); None for a tensor-less object."""
-    if not isinstance(module, torch.nn.Module):
-        return None
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return None
+    first = next(itertools.chain(module.parameters(), module.buffers()), None) \
+        if isinstance(module, torch.nn.Module) else None
+    return None if first is None else first.device

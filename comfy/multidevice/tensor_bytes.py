@@ -49,11 +49,6 @@ def storage_bytes(module: torch.nn.Module) -> int:
     Counting storages, not tensor sizes, also catches a slice that keeps a whole source
     tensor alive.
     """
-    seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
+    storages = {(t.untyped_storage().data_ptr(), t.device): t.untyped_storage().nbytes()
+                for t in (*module.parameters(), *module.buffers())}
+    return sum(storages.values())

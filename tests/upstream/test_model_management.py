@@ -103,11 +103,11 @@ def test_a_cached_decoder_copy_is_loaded_and_evicted_whole_by_its_patcher(upstre
     chunked decode): ComfyUI's load/evict calls build and drop the copy, and its sizes follow.
     The card is the meta device here (the copy allocates nothing), so this checks our patcher's
     answers to ComfyUI, not a real card's memory."""
-    from comfy.multidevice.roles.model_management import CachedCopy, card_patcher
+    from comfy.multidevice.roles.model_management import cached_copy, card_patcher
     from comfy.multidevice.weights.module_copies import ReplicaCache
     decoder = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     cache = ReplicaCache(decoder, "decoder")
-    patcher = card_patcher(CachedCopy(cache, "meta", "video VAE decoder copy"))
+    patcher = card_patcher(cached_copy(cache, "meta", "video VAE decoder copy"))
     size = sum(p.nbytes for p in decoder.parameters())
     assert patcher.model_size() == size and patcher.loaded_size() == 0
     assert patcher.current_loaded_device() == torch.device("cpu")
@@ -157,8 +157,8 @@ def loads_with_model_patches(upstream):
 
 def _our_shards(decoder):
     import comfy.model_management as mm
-    return {p.card_copy.rank: (lm, p) for lm in mm.current_loaded_models if (p := lm.model) is not None
-            and getattr(getattr(p, "card_copy", None), "decoder", None) is decoder}
+    return {p.card_copy.index: (lm, p) for lm in mm.current_loaded_models if (p := lm.model) is not None
+            and getattr(getattr(p, "card_copy", None), "owner", None) is decoder}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -256,11 +256,11 @@ def test_making_room_for_a_call_never_evicts_a_model_of_that_call(upstream, monk
     rank 0's used to be, mid-encode) evicts the CLIP. Stand-ins on the meta device (nothing
     allocated) with ComfyUI told the card is full; the bookkeeping is upstream's own."""
     import comfy.model_management as mm
-    from comfy.multidevice.roles.model_management import CachedCopy, card_patcher
+    from comfy.multidevice.roles.model_management import cached_copy, card_patcher
     from comfy.multidevice.weights.module_copies import ReplicaCache
 
     def stand_in(what, width):
-        return card_patcher(CachedCopy(ReplicaCache(torch.nn.Linear(width, width)), "meta", what))
+        return card_patcher(cached_copy(ReplicaCache(torch.nn.Linear(width, width)), "meta", what))
 
     other, clip, shard = stand_in("another model", 8), stand_in("the CLIP", 6), stand_in("rank 0 shard", 4)
     free = {"bytes": 1 << 40}

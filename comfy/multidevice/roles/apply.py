@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from comfy.multidevice.comfy_objects import block_patches_of, dit_module
+from comfy.multidevice.comfy_objects import block_patches_of, dit_module, move_load_device
 from comfy.multidevice.comm.compression import check_precision, EXACT
 from comfy.multidevice.comm.group import lane_allowed, prefetch_lane, SequenceParallelCoordinator
 from comfy.multidevice.comm.settings import backend_from_env, remote_ranks_from_env, rendezvous_from_env
@@ -192,18 +192,13 @@ def _check_text_encoder_split(clip, n: int) -> None:
 
 # ----------------------------------------------------------------------------- text encoder
 
-def _clone(obj):
-    return obj.clone() if callable(getattr(obj, "clone", None)) else copy.copy(obj)
-
-
 def _place_clip(clip, device):
-    out = _clone(clip)
+    out = clip.clone() if callable(getattr(clip, "clone", None)) else copy.copy(clip)
     patcher = getattr(out, "patcher", None)
     if patcher is not None and getattr(patcher, "load_device", device) != device:
         if callable(getattr(patcher, "clone", None)):
             out.patcher = patcher = patcher.clone()
-        log.info("text encoder: load device %s -> %s", patcher.load_device, device)
-        patcher.load_device = device
+        move_load_device(patcher, device, "text encoder")
     return out
 
 
@@ -214,15 +209,9 @@ def tensor_parallel_text_encoder(clip, devices, coordinator):
         log.warning("text encoder: not tensor parallel, it runs on %s only: %s", devices[0], problem)
         return _place_clip(clip, devices[0])
     out = tensor_parallel_clip(clip, coordinator)  # a new CLIP: the input's encoder is untouched
-    patcher = getattr(out, "patcher", None)
-    if patcher is not None and getattr(patcher, "load_device", devices[0]) != devices[0]:
-        # the clone's patcher still loads the embeddings and the vision tower: on rank 0's card
-        log.info("text encoder: load device %s -> %s", patcher.load_device, devices[0])
-        patcher.load_device = devices[0]
-    try:
-        manage_tensor_parallel_shards(out)  # out has a patcher of its own (a clone's)
-    except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
-        pass
+    # the clone's patcher still loads the embeddings and the vision tower: on rank 0's card
+    move_load_device(getattr(out, "patcher", None), devices[0], "text encoder")
+    manage_tensor_parallel_shards(out)  # out has a patcher of its own (a clone's)
     log.info("text encoder: tensor parallel over %s", ", ".join(map(str, devices)))
     return out
 

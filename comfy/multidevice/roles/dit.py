@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Sequence
 
 import torch
 
-from comfy.multidevice.comfy_objects import dit_module, is_model_patcher
+from comfy.multidevice.comfy_objects import (dit_module, is_model_patcher, lazily_patched_layers,
+                                             move_load_device)
 from comfy.multidevice.devices import module_device, resolve_device
 from comfy.multidevice.progress import CardProgress
 from comfy.multidevice.roles.dit_shards import rank0_shard_primary, sharded_primary
-from comfy.multidevice.roles.model_management import register_with_model
+from comfy.multidevice.roles.model_management import CardCopy, register_with_model
 from comfy.multidevice.roles.plan import RolePlanError
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel, enable_sequence_parallel_on_patcher
 from comfy.multidevice.tensor_bytes import module_bytes
@@ -153,32 +155,15 @@ class DitReplicas:
 
     def card_copies(self) -> list:
         """One CardCopy per card, for ComfyUI's model management (roles/model_management.py)."""
-        return [_DitCardCopy(self, i) for i in range(len(self.devices))]
+        return [CardCopy("DiT replica", self, i, d, *(functools.partial(f, i) for f in (
+                    self.device_bytes, self.resident, self._load_from_base, self.unload)))
+                for i, d in enumerate(self.devices)]
 
-
-class _DitCardCopy:
-    """Rank `index`'s DiT replica as ComfyUI's memory manager sees it."""
-    what = "DiT replica"
-
-    def __init__(self, replicas: DitReplicas, index: int):
-        self.replicas, self.index, self.device = replicas, index, replicas.devices[index]
-
-    @property
-    def nbytes(self) -> int:
-        return self.replicas.device_bytes(self.index)
-
-    @property
-    def resident(self) -> bool:
-        return self.replicas.resident(self.index)
-
-    def load(self) -> None:
+    def _load_from_base(self, index: int) -> None:
         # From the base only: a copy of the loaded weights is made at the first forward, once
         # ComfyUI has loaded (and patched) the primary it copies from.
-        if self.replicas.uses_base():
-            self.replicas.module(self.index)
-
-    def unload(self) -> int:
-        return self.replicas.unload(self.index)
+        if self.uses_base():
+            self.module(index)
 
 
 class RankDit:
@@ -197,7 +182,7 @@ class RankDit:
 def _refuse_partially_loaded(module) -> None:
     # ComfyUI's low-VRAM mode keeps some weights off the card and applies their patches at
     # compute time (per-layer weight_function lists); a copy of that state is not the model.
-    lazy = sum(1 for m in module.modules() if getattr(m, "weight_function", None) or getattr(m, "bias_function", None))
+    lazy = lazily_patched_layers(module)
     if lazy:
         raise RolePlanError(
             f"the DiT is only partially loaded on its first card ({lazy} layers patched at compute "
@@ -210,9 +195,7 @@ def place_dit(model, device, what="DiT"):
     """Single-card DiT: a clone whose load device is `device` (patcher) / the module on it."""
     if is_model_patcher(model):
         out = model.clone()
-        if getattr(out, "load_device", device) != device:
-            log.info("%s: load device %s -> %s", what, out.load_device, device)
-            out.load_device = device
+        move_load_device(out, device, what)
         return out
     if isinstance(model, torch.nn.Module) and module_device(model) not in (None, device):
         return replica_on(model, device)
@@ -248,18 +231,15 @@ def sequence_parallel_dit(model, devices, coordinator, dit_weights="replicate", 
                                             sp_mode=sp_mode, split=split,
                                             block_weights=lambda: shards.family)
         primary.multinpu_dit_shards = shards  # for unload / inspection
-        _register_with_model_management(primary, shards.card_copies())
+        register_with_model(primary, shards.card_copies())
         return primary
-    primary = model.clone()
-    if getattr(primary, "load_device", devices[0]) != devices[0]:
-        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
-        primary.load_device = devices[0]
+    primary = place_dit(model, devices[0], "DiT rank 0")
     replicas = DitReplicas(primary, devices[1:])
     enable_sequence_parallel_on_patcher(primary, coordinator, [None] + replicas.entries(), sp_mode=sp_mode,
                                         split=split)
     replicas.armed = True
     primary.multinpu_dit_replicas = replicas  # for unload / inspection
-    _register_with_model_management(primary, replicas.card_copies())
+    register_with_model(primary, replicas.card_copies())
     return primary
 
 
@@ -289,18 +269,9 @@ def workers_dit(model, devices, remote_ranks: int = 0, rendezvous: tuple[str, in
         log.info("DiT shard of rank 0 on %s: %.2f GiB of weights (1/%d of the blocks)", devices[0],
                  (shard.layout.shared_bytes + shard.layout.plan.owned_bytes(0)) / 2 ** 30, len(devices) + remote_ranks)
     else:
-        primary = model.clone()
-        if getattr(primary, "load_device", devices[0]) != devices[0]:
-            log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, devices[0])
-            primary.load_device = devices[0]
+        primary = place_dit(model, devices[0], "DiT rank 0")
     primary.multinpu_workers = workers_on_patcher(primary, devices, sp_mode, remote=remote_ranks, address=rendezvous[0],
                                                   port=rendezvous[1], recipe=recipe, prelude=prelude,
                                                   rank0_weights=rank0_weights, split=split)  # for close / inspection
     return primary
 
-
-def _register_with_model_management(model_patcher, copies) -> None:
-    try:
-        register_with_model(model_patcher, copies)
-    except ImportError:  # no ComfyUI (tests, the dry run): nothing to register with
-        pass

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import threading
 import uuid
@@ -27,9 +28,11 @@ from typing import Sequence
 
 import torch
 
-from comfy.multidevice.comfy_objects import dit_module
+from comfy.multidevice.comfy_objects import dit_module, lazily_patched_layers, move_load_device
 from comfy.multidevice.comm.group import prefetch_lane
+from comfy.multidevice.roles.model_management import CardCopy
 from comfy.multidevice.roles.plan import RolePlanError
+from comfy.multidevice.tp.shard import shallow_module_copy
 from comfy.multidevice.weights.block_shards import ShardedBlockWeights
 from comfy.multidevice.weights.comfy_replicas import comfy_diffusion_model_replicas
 from comfy.multidevice.weights.shard_layout import dit_blocks, rank_shard, ShardLayout
@@ -126,16 +129,19 @@ class DitShards:
     def card_copies(self) -> list:
         """Cards 1..W-1's shards as CardCopies for ComfyUI's model management
         (roles/model_management.py); card 0's shard is the MODEL ComfyUI loads itself."""
-        return [_ShardCardCopy(self, r) for r in range(1, len(self.devices))]
+        return [CardCopy("DiT shard", self, r, self.devices[r], *(functools.partial(f, r) for f in (
+                    self.card_bytes, self.resident, self.load_rank, self.unload_rank)))
+                for r in range(1, len(self.devices))]
+
+    def resident(self, rank: int) -> bool:
+        return self.replicas[rank].resident
 
     def refuse_patches_added_after(self) -> None:
         """ComfyUI records on the BaseModel which patch set it applied to its weights; another
         set than ours is a LoRA loader placed after the node, which would reach card 0 only."""
         applied = getattr(self.output_model, "current_weight_patches_uuid", None)
         # ComfyUI's low-VRAM load applies patches at compute time instead (per-layer lists)
-        lazy = any(getattr(m, attr, None) for m in self.module(0).modules()
-                   for attr in ("weight_function", "bias_function"))
-        if lazy or (applied is not None and applied != self.patches_uuid):
+        if lazily_patched_layers(self.module(0)) or (applied is not None and applied != self.patches_uuid):
             raise RolePlanError(
                 "the DiT carries weight patches added after MultiNPUParallelConfig (e.g. a LoRA "
                 "loader placed after it); with dit_weights=shard they would reach card 0's shard "
@@ -165,37 +171,14 @@ class DitShards:
         return self.replicas.unload()
 
 
-class _ShardCardCopy:
-    """Card `rank`'s DiT shard as ComfyUI's memory manager sees it."""
-    what = "DiT shard"
-
-    def __init__(self, shards: DitShards, rank: int):
-        self.shards, self.rank, self.device = shards, rank, shards.devices[rank]
-
-    @property
-    def nbytes(self) -> int:
-        return self.shards.card_bytes(self.rank)
-
-    @property
-    def resident(self) -> bool:
-        return self.shards.replicas[self.rank].resident
-
-    def load(self) -> None:
-        self.shards.load_rank(self.rank)
-
-    def unload(self) -> int:
-        return self.shards.unload_rank(self.rank)
-
-
 def _base_model_with(base_model, diffusion_model):
     """A shallow copy of a BaseModel whose diffusion_model is another module (the original is
     untouched: its module tables are copied, not shared)."""
-    light = copy.copy(base_model)
     if isinstance(base_model, torch.nn.Module):
-        for table in ("_modules", "_parameters", "_buffers"):
-            setattr(light, table, dict(getattr(base_model, table)))
+        light = shallow_module_copy(base_model)
         light._modules["diffusion_model"] = diffusion_model
     else:  # a stand-in object with its own attribute dict (tests)
+        light = copy.copy(base_model)
         light.diffusion_model = diffusion_model
     # ComfyUI's load state of the original (weights loaded, patches applied) is not the copy's:
     # left as it is, ComfyUI would skip loading the copy, and with it any patch added later.
@@ -210,9 +193,7 @@ def _base_model_with(base_model, diffusion_model):
 def _primary_running(model, shard_module, device):
     """A clone of `model` on card 0 (`device`) whose BaseModel runs `shard_module` (rank 0's shard)."""
     primary = model.clone()
-    if getattr(primary, "load_device", device) != device:
-        log.info("DiT: load device %s -> %s (rank 0)", primary.load_device, device)
-        primary.load_device = device
+    move_load_device(primary, device, "DiT rank 0")
     primary.model = _base_model_with(primary.model, shard_module)
     primary.size = 0  # ComfyUI's model_size() is recounted from the shard
     # The patches are inside the shards already (ComfyUI's patch math on the base); a second

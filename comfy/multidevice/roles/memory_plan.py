@@ -30,7 +30,7 @@ replica plus the activations does not fit on some card.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from comfy.multidevice.comfy_objects import dit_module
 from comfy.multidevice.devices import available_memory_bytes, free_memory_bytes
@@ -192,8 +192,7 @@ class MemoryPlan:
         host = self.host
         if host is not None:
             host = SharedHost(host.cards, {**host.items, "activations": act * host.cards}, host.free)
-        return MemoryPlan(self.dit_weights, int(tokens), cards, host, tokens_from, self.dit_shape, self.dit_world,
-                          self.sp_mode, self.sp_degree, self.split_weights, self.exchange_precision)
+        return replace(self, tokens=int(tokens), cards=cards, host=host, tokens_from=tokens_from)
 
     def _fewer_tokens(self) -> str:
         """How to sample less, in the words of where the token count came from."""
@@ -208,7 +207,7 @@ class MemoryPlan:
         lines = [f"memory plan (dit_weights={self.dit_weights}, {sequence}):"]
         for c in self.cards:
             stages = ", ".join(
-                f"{s} {self.stage_total_gib(c, s):.2f} GiB ({' + '.join(f'{k} {v / GIB:.2f}' for k, v in items.items() if v)})"
+                f"{s} {c.stage_total(s) / GIB:.2f} GiB ({' + '.join(f'{k} {v / GIB:.2f}' for k, v in items.items() if v)})"
                 for s, items in c.stages.items() if sum(items.values()))
             free = "free unknown (not checked)" if c.free is None else f"free {c.free / GIB:.2f} GiB"
             lines.append(f"  {c.device}: {stages or 'nothing'}; {free}")
@@ -217,10 +216,6 @@ class MemoryPlan:
             lines.append(f"  the {self.host.cards} CPU cards share this machine's memory: DiT together "
                          f"{self.host.need / GIB:.2f} GiB ({_items(self.host.items)}); available {free}")
         return "\n".join(lines)
-
-    @staticmethod
-    def stage_total_gib(card: CardMemory, stage: str) -> float:
-        return card.stage_total(stage) / GIB
 
     def problems(self) -> list[tuple[CardMemory, str, int]]:
         """(card, stage, bytes needed) for every stage that does not fit its card's free memory."""
@@ -264,7 +259,7 @@ class MemoryPlan:
         }
         raise MemoryPlanError(
             f"{card.device} cannot hold the {stage} stage: it needs {need / GIB:.2f} GiB "
-            f"({', '.join(f'{k} {v / GIB:.2f} GiB' for k, v in card.stages[stage].items() if v)}) "
+            f"({_items(card.stages[stage])}) "
             f"and has {card.free / GIB:.2f} GiB free: {fixes.get(stage, 'free the card')}.", self.table())
 
 
@@ -322,33 +317,29 @@ def plan_memory(plan, devices, model, clip, video_vae, audio_vae, dit_weights: s
     if dit_weights == "shard" and not hasattr(dit_module(model), "blocks"):
         raise ValueError("dit_weights is shard but the model input has no transformer blocks to split: "
                          "set dit_weights to replicate.")
+    def build(weights: str) -> MemoryPlan:
+        return _build(plan, devices, model, clip, video_vae, audio_vae, weights, tokens, free, remote_ranks,
+                      backend, dit_ranks, tokens_from, sp_mode, split_weights, exchange_precision)
+
     if dit_weights == "auto":
-        chosen = "replicate"
-        if sequence_parallel and plan.n_cards > 1:
-            trial = _build(plan, devices, model, clip, video_vae, audio_vae, "replicate", tokens, free,
-                           remote_ranks, backend, dit_ranks, tokens_from, sp_mode, split_weights, exchange_precision)
-            if any(stage == "DiT" for _, stage, _ in trial.problems()):
-                chosen = "shard"
-        dit_weights = chosen
-    return _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks,
-                  backend, dit_ranks, tokens_from, sp_mode, split_weights, exchange_precision)
+        auto_shard = sequence_parallel and plan.n_cards > 1 and any(
+            stage == "DiT" for _, stage, _ in build("replicate").problems())
+        dit_weights = "shard" if auto_shard else "replicate"
+    return build(dit_weights)
 
 
-def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free,
-           remote_ranks: int = 0, backend: str | None = None, dit_ranks: str = "threads",
-           tokens_from: str = "plan_tokens", sp_mode=None, split_weights=None,
-           exchange_precision: str = "exact") -> MemoryPlan:
+def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens, free, remote_ranks, backend,
+           dit_ranks, tokens_from, sp_mode, split_weights, exchange_precision) -> MemoryPlan:
     cards = [CardMemory(d, free[str(d)] if free is not None and str(d) in free else free_memory_bytes(d))
              for d in devices]
     dit = dit_module(model)
     dit_bytes = module_bytes(dit)
-    shape = dit_shape_of(dit)
     dit_cards = list(plan.dit.cards)
-    world = plan.dit_world(remote_ranks)
     mode, degree = (sp_mode.mode, sp_mode.degree) if sp_mode is not None else ("allgather", None)
-    act = activation_bytes(shape, tokens, world, mode=mode, degree=degree, weights=split_weights,
-                           precision=exchange_precision) \
-        if shape is not None and tokens is not None else 0
+    world = plan.dit_world(remote_ranks)
+    out = MemoryPlan(dit_weights, tokens, cards, None, tokens_from, dit_shape_of(dit), world, mode, degree,
+                     None if split_weights is None else tuple(split_weights), exchange_precision)
+    act = 0 if tokens is None else out.activations(tokens)
     if dit_weights == "shard":
         sizes = _block_sizes(dit)
         shard_plan = BlockShardPlan.balanced(sizes, world)
@@ -387,5 +378,5 @@ def _build(plan, devices, model, clip, video_vae, audio_vae, dit_weights, tokens
             card.stages["communicators"] = {}
         for stage in card.stages.values():
             stage.update(items)
-    return MemoryPlan(dit_weights, tokens, cards, _shared_host(cards, dit_cards, free), tokens_from, shape, world,
-                      mode, degree, None if split_weights is None else tuple(split_weights), exchange_precision)
+    out.host = _shared_host(cards, dit_cards, free)
+    return out

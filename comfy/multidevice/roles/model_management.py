@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -32,20 +32,23 @@ log = logging.getLogger(__name__)
 ADDITIONAL_MODELS_KEY = "multidevice_card_copies"  # not upstream's "multigpu": its scheduler reads that
 
 
-class CardCopy(Protocol):
-    """One per-card copy that ComfyUI may load and evict."""
-    device: torch.device
-    what: str                   # for ComfyUI's log lines, e.g. "DiT replica"
+class CardCopy:
+    """Copy `index` of `owner` (a DiT replica or shard on card r, a VAE decoder copy, a
+    text-encoder shard), which ComfyUI may load and evict, answered by the owner's functions:
+    `nbytes()` what it holds on its card when resident, `resident()`, `load()` makes it resident
+    (from RAM), `unload()` drops the device copy, keeps the base and returns the bytes dropped."""
+
+    def __init__(self, what: str, owner, index, device, nbytes, resident, load, unload):
+        self.what, self.owner, self.index, self.device = what, owner, index, device  # what: for the log
+        self._nbytes, self._resident, self.load, self.unload = nbytes, resident, load, unload
 
     @property
-    def nbytes(self) -> int: ...      # bytes it holds on its card when resident
+    def nbytes(self) -> int:
+        return self._nbytes()
 
     @property
-    def resident(self) -> bool: ...
-
-    def load(self) -> None: ...       # make it resident (from RAM)
-
-    def unload(self) -> int: ...      # drop the device copy, keep the base; bytes dropped
+    def resident(self) -> bool:
+        return self._resident()
 
 
 class _Holder(torch.nn.Module):
@@ -143,8 +146,12 @@ def card_patcher(copy: CardCopy):
 def is_managed_by_comfyui(patcher) -> bool:
     """True for upstream's ModelPatcher (subclasses included): what ComfyUI's model management
     loads and evicts. A stand-in with a patcher's interface (a test's, a script's) has no
-    manager behind it, even in a process where ComfyUI can be imported."""
-    import comfy.model_patcher
+    manager behind it, even in a process where ComfyUI can be imported; nothing is without
+    ComfyUI (tests, the dry run)."""
+    try:
+        import comfy.model_patcher
+    except ImportError:
+        return False
     return isinstance(patcher, comfy.model_patcher.ModelPatcher)
 
 
@@ -159,25 +166,11 @@ def register_with_model(model_patcher, copies: Sequence[CardCopy]) -> list:
     return patchers
 
 
-class CachedCopy:
-    """The copy a ReplicaCache keeps on one device (e.g. a VAE decoder on card r), as a CardCopy."""
-
-    def __init__(self, cache, device, what: str):
-        self.cache, self.device, self.what = cache, torch.device(device), what
-
-    @property
-    def nbytes(self) -> int:
-        return self.cache.copy_bytes(self.device)
-
-    @property
-    def resident(self) -> bool:
-        return self.cache.holds(self.device)
-
-    def load(self) -> None:
-        self.cache.get(self.device)
-
-    def unload(self) -> int:
-        return self.cache.drop(self.device)
+def cached_copy(cache, device, what: str) -> CardCopy:
+    """The copy a ReplicaCache keeps on one device (e.g. a VAE decoder on card r)."""
+    device = torch.device(device)
+    return CardCopy(what, cache, device, device, lambda: cache.copy_bytes(device),
+                    lambda: cache.holds(device), lambda: cache.get(device), lambda: cache.drop(device))
 
 
 def manage_decoder_copies(decoder, what: str = "video VAE decoder copy") -> list:
@@ -187,32 +180,18 @@ def manage_decoder_copies(decoder, what: str = "video VAE decoder copy") -> list
     rank decodes with the VAE's own module, counted by the VAE's own patcher, which upstream's
     VAE.decode loads there; this call makes room on the other cards only, so it cannot evict
     that patcher. Returns the patchers."""
-    patchers = [card_patcher(CachedCopy(decoder.replicas, d, what))
+    patchers = [card_patcher(cached_copy(decoder.replicas, d, what))
                 for d in dict.fromkeys(decoder.devices) if d != decoder.merge_device]
     decoder.before_decode = lambda: load_card_copies(patchers)
     return patchers
 
 
-class ShardCopy:
-    """Rank `rank`'s tensor-parallel text-encoder shard, as a CardCopy."""
-    what = "text encoder shard"
-
-    def __init__(self, decoder, rank: int):
-        self.decoder, self.rank, self.device = decoder, rank, decoder.coordinator.devices[rank]
-
-    @property
-    def nbytes(self) -> int:
-        return self.decoder.shard_bytes[self.rank]
-
-    @property
-    def resident(self) -> bool:
-        return self.decoder.shards[self.rank] is not None
-
-    def load(self) -> None:
-        self.decoder.ensure_shards()  # one coordinator run rebuilds every dropped shard
-
-    def unload(self) -> int:
-        return self.decoder.drop_shard(self.rank)
+def shard_copy(decoder, rank: int) -> CardCopy:
+    """Rank `rank`'s tensor-parallel text-encoder shard (one coordinator run rebuilds every
+    dropped shard)."""
+    return CardCopy("text encoder shard", decoder, rank, decoder.coordinator.devices[rank],
+                    lambda: decoder.shard_bytes[rank], lambda: decoder.shards[rank] is not None,
+                    decoder.ensure_shards, lambda: decoder.drop_shard(rank))
 
 
 class LoadedWith:
@@ -244,7 +223,7 @@ def manage_tensor_parallel_shards(clip) -> list:
     if not is_managed_by_comfyui(clip.patcher):
         return []
     decoder = language_model_of(clip)
-    patchers = [card_patcher(ShardCopy(decoder, r)) for r in range(decoder.world_size)]
+    patchers = [card_patcher(shard_copy(decoder, r)) for r in range(decoder.world_size)]
     clip.patcher.set_model_patch(LoadedWith(patchers), ADDITIONAL_MODELS_KEY)
     owner = clip.patcher.model  # what every clone of the CLIP's patcher manages too
     decoder.before_forward = lambda: load_with_running_owner(patchers, owner)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -75,9 +74,11 @@ def _locate_language_model(clip) -> tuple[Any, nn.Module, str]:
     return transformer, model, f"{name}.transformer.model."
 
 
-def _checked_source(clip, coordinator) -> nn.Module:
-    """The single-device language model to split, after every check that can fail."""
-    _, model, key_prefix = _locate_language_model(clip)
+def check_tensor_parallel_clip(clip, world_size: int) -> nn.Module:
+    """Every check tensor_parallel_clip makes for W=world_size, touching nothing (for planners
+    that validate before a coordinator exists); raises TensorParallelError. Returns the
+    single-device language model to split."""
+    _, model, _ = _locate_language_model(clip)
     if isinstance(model, TensorParallelDecoder):
         model = model.source_decoder  # re-split from the kept original
     patched = language_model_patches(clip)
@@ -86,7 +87,7 @@ def _checked_source(clip, coordinator) -> nn.Module:
             f"the CLIP carries {len(patched)} weight patch(es) on its language model (e.g. "
             f"{patched[0]!r}, from a CLIP LoRA); tensor parallel slices unpatched weights. "
             "Remove the CLIP LoRA or keep the text encoder on one card")
-    check_decoder_split(model, coordinator.world_size)
+    check_decoder_split(model, world_size)
     return model
 
 
@@ -100,19 +101,6 @@ def language_model_patches(clip) -> list[str]:
 def language_model_of(clip) -> nn.Module:
     """The language model inside a ComfyUI CLIP; TensorParallelError for another layout."""
     return _locate_language_model(clip)[1]
-
-
-def check_tensor_parallel_clip(clip, world_size: int) -> None:
-    """Every check tensor_parallel_clip makes for W=world_size, touching nothing.
-
-    For planners that validate before creating a coordinator; raises TensorParallelError.
-    """
-    _checked_source(clip, _WorldSize(world_size))
-
-
-@dataclass(frozen=True)
-class _WorldSize:
-    world_size: int
 
 
 def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, torch.Tensor] | None = None,
@@ -141,7 +129,7 @@ def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, 
     transformer, model, _ = _locate_language_model(clip)
     if isinstance(model, TensorParallelDecoder) and model.coordinator is coordinator:
         return clip
-    model = _checked_source(clip, coordinator)
+    model = check_tensor_parallel_clip(clip, coordinator.world_size)
     source = prefixed_weights(weights, weights_prefix) if weights is not None else None
     wrapper = build_tensor_parallel_decoder(model, coordinator, weights=source)
     transformer.model = wrapper
@@ -156,12 +144,11 @@ def apply_tensor_parallel_text_encoder(clip, coordinator, weights: Mapping[str, 
     return clip
 
 
-def tensor_parallel_clip(clip, coordinator, weights: Mapping[str, torch.Tensor] | None = None,
-                         weights_prefix: str = "model.") -> Any:
+def tensor_parallel_clip(clip, coordinator) -> Any:
     """A new CLIP whose language model runs tensor parallel over `coordinator`; `clip` is untouched.
 
-    The entry point for MultiNPUParallelConfig. Same arguments, checks and result as
-    apply_tensor_parallel_text_encoder, but on a copy: clip.clone() (upstream: a new CLIP
+    The entry point for MultiNPUParallelConfig. The checks and result of
+    apply_tensor_parallel_text_encoder (from the loaded module), but on a copy: clip.clone() (upstream: a new CLIP
     whose patcher is a clone, both still sharing the one cond_stage_model), then fresh
     shallow copies of the objects on the path cond_stage_model -> <clip name> ->
     transformer, so that replacing transformer.model in the copy leaves the input CLIP's
@@ -169,7 +156,7 @@ def tensor_parallel_clip(clip, coordinator, weights: Mapping[str, torch.Tensor] 
     single-device language model) is shared, not copied. The copy's patcher is pointed
     at the copied cond_stage_model. Errors are raised before anything is copied.
     """
-    _checked_source(clip, coordinator)  # fail before copying anything
+    check_tensor_parallel_clip(clip, coordinator.world_size)  # fail before copying anything
     new = clip.clone() if hasattr(clip, "clone") else copy.copy(clip)
     cond = clip.cond_stage_model
     new_cond = shallow_module_copy(cond) if isinstance(cond, nn.Module) else copy.copy(cond)
@@ -181,8 +168,7 @@ def tensor_parallel_clip(clip, coordinator, weights: Mapping[str, torch.Tensor] 
     patcher = getattr(new, "patcher", None)
     if getattr(patcher, "model", None) is cond:  # upstream's patcher manages cond_stage_model
         patcher.model = new_cond
-    return apply_tensor_parallel_text_encoder(new, coordinator, weights=weights,
-                                              weights_prefix=weights_prefix)
+    return apply_tensor_parallel_text_encoder(new, coordinator)
 
 
 def remove_tensor_parallel_text_encoder(clip) -> Any:

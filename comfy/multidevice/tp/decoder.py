@@ -26,17 +26,8 @@ log = logging.getLogger(__name__)
 def _first_tensor_device(obj):
     if isinstance(obj, torch.Tensor):
         return obj.device
-    if isinstance(obj, (tuple, list)):
-        items = obj
-    elif isinstance(obj, dict):
-        items = obj.values()
-    else:
-        return None
-    for item in items:
-        device = _first_tensor_device(item)
-        if device is not None:
-            return device
-    return None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return next((d for d in map(_first_tensor_device, items) if d is not None), None)
 
 
 class TensorParallelDecoder(nn.Module):

@@ -46,13 +46,12 @@ def check_head_split(q_heads: int, kv_heads: int, world_size: int, where: str = 
         raise TensorParallelError(
             f"{where}: {q_heads} query heads are not a multiple of {kv_heads} KV heads, "
             "so query heads cannot be grouped onto KV heads")
+    fits = [w for w in range(1, q_heads + 1) if q_heads % w == 0 and _kv_fits(kv_heads, w)]
     if q_heads % world_size:
-        fits = [w for w in range(1, q_heads + 1) if q_heads % w == 0 and _kv_fits(kv_heads, w)]
         raise TensorParallelError(
             f"{where}: cannot split {q_heads} query heads over W={world_size} ranks "
             f"({q_heads} is not a multiple of {world_size}); use W in {fits}")
     if not _kv_fits(kv_heads, world_size):
-        fits = [w for w in range(1, q_heads + 1) if q_heads % w == 0 and _kv_fits(kv_heads, w)]
         raise TensorParallelError(
             f"{where}: cannot split {kv_heads} KV heads over W={world_size} ranks: W must "
             f"divide {kv_heads} or be a multiple of it (then KV heads are replicated); use W in {fits}")
@@ -108,10 +107,7 @@ def copy_rows(src: torch.Tensor, spans: list[tuple[int, int]], device) -> torch.
 
 def copy_columns(src: torch.Tensor, start: int, count: int, device) -> torch.Tensor:
     """Columns [start, start+count) of a 2-D tensor as a fresh contiguous tensor on `device`."""
-    src = detached(src)
-    out = torch.empty((src.shape[0], count), dtype=src.dtype, device=device)
-    out.copy_(src.narrow(1, start, count))
-    return out
+    return copy_whole(detached(src).narrow(1, start, count), device)
 
 
 def copy_whole(src: torch.Tensor, device) -> torch.Tensor:

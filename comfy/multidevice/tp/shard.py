@@ -339,13 +339,10 @@ def planned_shard_bytes(decoder: nn.Module, world_size: int) -> list[int]:
             for split in _layer_splits(lay, world_size, rank):
                 linear = linears[split.name]
                 weight, bias = linear.weight, getattr(linear, "bias", None)
-                rows = sum(count for _, count in split.spans)
-                if split.column:
-                    total += _nbytes((rows, weight.shape[1]), weight.dtype)
-                    total += 0 if bias is None else _nbytes((rows,), bias.dtype)
-                else:
-                    total += _nbytes((weight.shape[0], rows), weight.dtype)
-                    total += 0 if bias is None else _nbytes(bias.shape, bias.dtype)
+                rows = sum(count for _, count in split.spans)  # output rows (column), input columns (row)
+                total += _nbytes((rows, weight.shape[1] if split.column else weight.shape[0]), weight.dtype)
+                if bias is not None:  # a row-parallel layer keeps its bias whole
+                    total += _nbytes((rows,) if split.column else bias.shape, bias.dtype)
         out.append(total)
     return out
 
