@@ -30,15 +30,19 @@ log = logging.getLogger(__name__)
 DtypeSpec = torch.dtype | Mapping[str, torch.dtype] | None
 
 
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """(the submodule that holds tensor `name`, the tensor's attribute name there)."""
+    owner_path, _, leaf = name.rpartition(".")
+    return module.get_submodule(owner_path), leaf  # "" names the module itself
+
+
 def _module_slots(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[str, tuple[torch.nn.Module, str, bool]]:
     """state-dict name -> (owning submodule, attribute name, is_parameter); names in `skip` left out."""
-    slots, skip = {}, set(skip)
+    slots = {}
     for name in module.state_dict(keep_vars=True):
-        if name in skip:
-            continue
-        owner_path, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_path) if owner_path else module
-        slots[name] = (owner, leaf, leaf in owner._parameters)
+        if name not in skip:
+            owner, leaf = _owner(module, name)
+            slots[name] = (owner, leaf, leaf in owner._parameters)
     return slots
 
 
@@ -97,19 +101,19 @@ class RankReplica:
         self.patches = patches if patches is not None else WeightPatches()
         self.module: torch.nn.Module | None = None
         self.lock = threading.RLock()  # held while the replica binds; the family holds it to refresh
-        self._resident = False
+        self.resident = False  # device copies made (load) and not dropped since (unload)
         self._patch_version = -1
         self._bound: dict[str, torch.Tensor] = {}
         self._owned: set[str] = set()  # sources bound to a private copy rather than the base itself
         self._layer_patched: dict[str, int] = {}  # quantized-layer tensor -> bytes of its patched copy
         self._loaders: dict[str, tuple[torch.nn.Module, list[str]]] = {}  # prefix -> layer, names
         self._loader_of: dict[str, str] = {}                                # name -> prefix
+        self._slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}
+        self._extra_buffers: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
         if template is None:
             wanted = list(names) if names is not None else [n[len(prefix):] for n in base if n.startswith(prefix)]
             self._groups = {n: [n] for n in wanted}
             self._check_names(None)
-            self._slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}
-            self._extra_buffers: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
             self._bind_base()
         else:
             self._init_from_template(template)
@@ -146,10 +150,9 @@ class RankReplica:
         self.module = copy.deepcopy(template, memo)
         self.module.requires_grad_(False)
         for prefix, (_, names) in template_loaders.items():
-            self._loaders[prefix] = (self.module.get_submodule(prefix[:-1]) if prefix else self.module, names)
+            self._loaders[prefix] = (self.module.get_submodule(prefix[:-1]), names)
             self._loader_of.update((n, prefix) for n in names)
         self._slots = _module_slots(self.module, skip=self._loader_of)
-        self._extra_buffers = {}
         persistent = set(self._slots)
         for name, buf in self.module.named_buffers():
             if name in persistent or buf is None:
@@ -157,8 +160,7 @@ class RankReplica:
             if buf.device.type == "meta":
                 raise ValueError(f"template buffer {name!r} is on the meta device and is not in the "
                                  "state dict, so no base holds its values; build the template on CPU")
-            owner_path, _, leaf = name.rpartition(".")
-            owner = self.module.get_submodule(owner_path) if owner_path else self.module
+            owner, leaf = _owner(self.module, name)
             # Non-persistent buffers (not in any checkpoint) keep a CPU copy as their "base".
             self._extra_buffers[name] = (owner, leaf, buf.to("cpu"))
             owner._buffers[leaf] = self._extra_buffers[name][2]
@@ -224,10 +226,6 @@ class RankReplica:
     def _source_of(self) -> dict[str, str]:
         """name -> the source name its group is bound by (tied names share one source)."""
         return {n: source for source, names in self._groups.items() for n in names}
-
-    @property
-    def resident(self) -> bool:
-        return self._resident
 
     @property
     def resident_bytes(self) -> int:
@@ -332,15 +330,15 @@ class RankReplica:
         the base); sharded DiT blocks use it so a card never holds the whole model at once.
         """
         with self.lock:
-            if self._resident and self._patch_version == self.patches.version and names is None:
+            if self.resident and self._patch_version == self.patches.version and names is None:
                 return self
             wanted = None if names is None else set(names)
-            sources = list(self._groups) if wanted is None or not (self._resident or only) else [
+            sources = list(self._groups) if wanted is None or not (self.resident or only) else [
                 s for s, group in self._groups.items() if any(n in wanted for n in group)]
             self._bind({s: self._materialize(s) for s in sources})
             for owner, leaf, buf in self._extra_buffers.values():
                 owner._buffers[leaf] = buf.to(self.device)
-            self._resident = True
+            self.resident = True
             self._patch_version = self.patches.version
             log.debug("rank %d: replica resident on %s (%d bytes beyond the base)",
                       self.rank, self.device, self.resident_bytes)
@@ -353,7 +351,7 @@ class RankReplica:
             self._bind_base()
             for owner, leaf, buf in self._extra_buffers.values():
                 owner._buffers[leaf] = buf
-            self._resident = False
+            self.resident = False
             log.debug("rank %d: replica unloaded from %s (%d bytes dropped)", self.rank, self.device, dropped)
             return dropped
 
