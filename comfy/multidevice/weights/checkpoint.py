@@ -405,18 +405,15 @@ class SharedCheckpoint(Mapping):
                     plain = torch.Tensor.detach(t)
                     views[name] = (plain, ReadOnlyMemory(plain.untyped_storage(), label))
             return cls(label, views)
-        align = 64
-        spans, total = {}, 0
+        begins, total = {}, 0
         for name, t in tensors.items():
-            total = -(-total // align) * align
-            spans[name] = (total, total + t.nbytes)
-            total += t.nbytes
+            begins[name] = -(-total // 64) * 64  # each tensor 64-byte aligned, so any dtype can view it
+            total = begins[name] + t.nbytes
         data = torch.empty(total, dtype=torch.uint8)
         memory = ReadOnlyMemory(data.untyped_storage(), label)
         with torch._C.DisableTorchFunctionSubclass():
             for name, t in tensors.items():
-                begin, end = spans[name]
-                plain = data[begin:end].view(t.dtype).view(t.shape)
+                plain = data[begins[name]:begins[name] + t.nbytes].view(t.dtype).view(t.shape)
                 plain.copy_(t)
                 views[name] = (plain, memory)
         return cls(label, views)

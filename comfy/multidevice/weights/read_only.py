@@ -246,15 +246,13 @@ class ReadOnlyTensor(torch.Tensor):
     def numpy(self, *, force: bool = False):
         # torch refuses .numpy() on a dispatch subclass: an array over a plain alias, read-only.
         tag = self._guard()
-        with DisableTorchFunctionSubclass():
-            array = torch.Tensor.numpy(_plain_alias(self), force=force)
+        array = _plain_alias(self).numpy(force=force)
         if tag is not None:
             array.flags.writeable = False
         return array
 
     def tolist(self):
-        with DisableTorchFunctionSubclass():  # refused on a dispatch subclass, like numpy()
-            return _plain_alias(self).tolist()
+        return _plain_alias(self).tolist()  # refused on a dispatch subclass, like numpy()
 
     def as_subclass(self, cls):
         if isinstance(cls, type) and issubclass(cls, ReadOnlyTensor):
@@ -279,9 +277,7 @@ class ReadOnlyTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # Plain pickle (and torch.save) as a plain tensor, by value: the copy it loads as is
         # independent and writable. (The memory record, with its locks, is not picklable.)
-        with DisableTorchFunctionSubclass():
-            plain = _plain_alias(self)
-        return plain.__reduce_ex__(protocol)
+        return _plain_alias(self).__reduce_ex__(protocol)
 
     def _typed_storage(self):
         # torch's own helpers reach the memory through this (torch.multiprocessing's
@@ -320,7 +316,8 @@ def moved(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
 
 def _plain_alias(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor over t's memory, without its dispatch keys (numpy, pickling, and copies that only read it)."""
-    return _alias(torch.Tensor.untyped_storage(t), t.dtype, t.storage_offset(), t.size(), t.stride())
+    with DisableTorchFunctionSubclass():
+        return _alias(torch.Tensor.untyped_storage(t), t.dtype, t.storage_offset(), t.size(), t.stride())
 
 
 def _alias(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, size, stride) -> torch.Tensor:
