@@ -97,7 +97,7 @@ class FileIdentity:
         if not isinstance(data, dict):
             raise IdentityDataError(f"file identity data must be a dict, got {type(data).__name__}: "
                                     f"{short_repr(data)}")
-        fields = {"scheme", "size", "header_sha256", "sampled_sha256", "sampled_bytes"}
+        fields = {"scheme", *cls.__dataclass_fields__}
         if set(data) != fields:
             raise IdentityDataError(f"file identity data {short_repr(data)}: keys must be {sorted(fields)}; "
                                     f"missing {sorted(fields - set(data))}, "

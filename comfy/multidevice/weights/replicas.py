@@ -364,9 +364,8 @@ def base_label(base: Mapping) -> str:
 class RankReplicas(Sequence):
     """A family of per-rank replicas of one model over one shared base, with shared patches.
 
-    RankReplicas(base, devices, template=None, *, prefix="", dtype=None, names=None, load=True)
-    builds one RankReplica per device (rank r on devices[r]); with load=False nothing is copied
-    yet, so each rank thread can call replicas[rank].load() itself.
+    One RankReplica per device (rank r on devices[r]); with load=False nothing is copied yet,
+    so each rank thread can call replicas[rank].load() itself.
     """
 
     def __init__(self, base: Mapping[str, torch.Tensor], devices: Sequence[Any],
