@@ -234,7 +234,6 @@ class ShardedBlockWeights:
         self.models = list(models)
         self.devices = list(devices)
         self.world_size = len(self.models)
-        self.blocks_of = blocks_of
         self.timeout_s = timeout_s
         self.local_ranks = [r for r, m in enumerate(self.models) if m is not None]
         if not self.local_ranks:

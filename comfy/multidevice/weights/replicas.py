@@ -218,10 +218,6 @@ class RankReplica:
         prefix = self._loader_of.get(name)
         return None if prefix is None else (prefix, self._loaders[prefix][0])
 
-    def quantized_names(self) -> list[str]:
-        """Every tensor name that a quantized layer's loader rebuilds, sorted."""
-        return sorted(self._loader_of)
-
     @functools.cached_property
     def _source_of(self) -> dict[str, str]:
         """name -> the source name its group is bound by (tied names share one source)."""
@@ -454,7 +450,7 @@ class RankReplicas(Sequence):
             found = first.quantized_layer(name)
             if found is None:
                 raise ValueError(f"{name!r} is not a tensor of a quantized layer (known: "
-                                 f"{first.quantized_names()[:3]}); patch it with add_patches or "
+                                 f"{sorted(first._loader_of)[:3]}); patch it with add_patches or "
                                  "add_patch_function")
             prefix, layer = found
             leaf = name[len(prefix):]
