@@ -15,11 +15,8 @@ Base
                                      COMFYUI_MULTI_DEVICE_WEIGHT_BASE=pin) reads it into anonymous
                                      RAM instead, for network filesystems where evicted pages
                                      would be fetched again.
-    SharedCheckpoint.open(path, loaded=tensors)  the same, and when those tensors (the MODEL's,
-                                     as upstream's loader made them) lie in comfy-aimdo's mapping
-                                     of this file, the base adopts that mapping instead of mapping
-                                     the file again (aimdo_mapping.py; a mapping that does not
-                                     match the header is logged and not used).
+    SharedCheckpoint.open(path, loaded=tensors)  the same, adopting comfy-aimdo's mapping of the
+                                     file when the MODEL's tensors lie in it (see open()).
     SharedCheckpoint.from_state_dict(tensors)   the same over tensors already in memory.
     A SharedCheckpoint is a read-only Mapping name -> zero-copy CPU view (ReadOnlyTensor):
     in-place writes raise ReadOnlyWeightError; the memory lives as long as any view does.
