@@ -260,8 +260,7 @@ class RankReplica:
             if prefix is not None:
                 reload.add(prefix)
             elif self.module is not None:
-                first_owner, first_leaf, is_param = self._slots[names[0]]
-                value = torch.nn.Parameter(t, requires_grad=False) if is_param else t
+                value = torch.nn.Parameter(t, requires_grad=False) if self._slots[names[0]][2] else t
                 for name in names:
                     owner, leaf, param = self._slots[name]
                     (owner._parameters if param else owner._buffers)[leaf] = value
@@ -313,10 +312,7 @@ class RankReplica:
         patched = next((n for n in self._groups[source] if n in self.patches), None)
         if patched is not None:
             t = self.patches.apply(patched, t)
-        if t is base:
-            self._owned.discard(source)
-        else:
-            self._owned.add(source)
+        (self._owned.discard if t is base else self._owned.add)(source)  # a private copy, or the base
         return t
 
     def load(self, names: Iterable[str] | None = None, only: bool = False) -> "RankReplica":
