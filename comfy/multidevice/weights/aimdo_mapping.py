@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from comfy.multidevice.tensor_bytes import tensor_leaves
+
 MMAP_REFS_ATTRIBUTE = "_comfy_tensor_mmap_refs"
 FILE_SLICE_ATTRIBUTE = "_comfy_tensor_file_slice"
 KEEP_ALIVE_ATTRIBUTE = "_multidevice_loader_mapping"  # ours: on the base's storage, see adopt()
@@ -62,18 +64,12 @@ class LoaderMapping:
 def _storages(t: torch.Tensor):
     """The untyped storages behind a tensor; a wrapper subclass (upstream's QuantizedTensor)
     keeps its bytes in inner tensors."""
-    if hasattr(type(t), "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            inner = getattr(t, name, None)
-            if isinstance(inner, torch.Tensor):
-                yield from _storages(inner)
-        return
-    try:
-        with torch._C.DisableTorchFunctionSubclass():
-            yield torch.Tensor.untyped_storage(t)
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, meta ...: no plain storage
-        return
+    for leaf in tensor_leaves(t):
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                yield torch.Tensor.untyped_storage(leaf)
+        except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, meta ...: no plain storage
+            continue
 
 
 def find_loader_mappings(tensors: Iterable[torch.Tensor] | Mapping[str, torch.Tensor]) -> list[LoaderMapping]:

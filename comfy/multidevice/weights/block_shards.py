@@ -32,8 +32,11 @@ or moved after set-up is sent as it is now.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -69,10 +72,7 @@ class _LeafSpec:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class _TensorSpec:
@@ -178,10 +178,10 @@ class BlockShardPlan:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         unit_of = [{name: (together[i] if together else {}).get(name, name) for name in b}
                    for i, b in enumerate(block_bytes)]
-        units: dict = {}
+        units = Counter()
         for i, b in enumerate(block_bytes):
             for name, n in b.items():
-                units[(i, unit_of[i][name])] = units.get((i, unit_of[i][name]), 0) + n
+                units[(i, unit_of[i][name])] += n
         load = [0] * world_size
         unit_owner = {}
         for (i, unit), n in sorted(units.items(), key=lambda x: (-x[1], x[0][0], x[0][1])):
@@ -234,7 +234,6 @@ class ShardedBlockWeights:
         self.models = list(models)
         self.devices = list(devices)
         self.world_size = len(self.models)
-        self.blocks_of = blocks_of
         self.timeout_s = timeout_s
         self.local_ranks = [r for r, m in enumerate(self.models) if m is not None]
         if not self.local_ranks:
@@ -309,19 +308,14 @@ class ShardedBlockWeights:
 
     # -- one gather (runs on a rank thread of the lane, or on the rank's own thread)
     def _pack(self, rank: int, index: int) -> torch.Tensor:
-        names = self.plan.names_of(index, rank)
-        where = f"rank {rank}, block {index}"
+        where, device = f"rank {rank}, block {index}", self.devices[rank]
         parts = []
-        for name in names:
+        for name in self.plan.names_of(index, rank):
             for leaf in self.specs[index][name].check(_get(self._slots[rank][index][name]), where):
-                raw = leaf.contiguous().view(-1).view(torch.uint8)
-                parts.append(raw.to(self.devices[rank]))
+                raw = leaf.contiguous().view(-1).view(torch.uint8).to(device)
                 pad = _aligned(raw.numel()) - raw.numel()
-                if pad:
-                    parts.append(torch.zeros(pad, dtype=torch.uint8, device=self.devices[rank]))
-        if not parts:
-            return torch.empty(0, dtype=torch.uint8, device=self.devices[rank])
-        return torch.cat(parts)
+                parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=device)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
     def gather(self, rank: int, comm, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Block `index`'s tensors this rank does not own, received from their owners (exact),
@@ -381,11 +375,8 @@ class ShardedBlockWeights:
             old.shutdown(wait=False, cancel_futures=True)  # a gather stuck in a dead pool stays behind
 
     def _submit(self, key) -> Future:
-        index, lane = key[1], self.lane  # this lane's collectives, even if another replaces it
-
-        def on_lane():
-            return lane.run(lambda rank, comm: self._gather_on_side_stream(rank, comm, index))
-        return self._executor.submit(on_lane)
+        gather = functools.partial(self._gather_on_side_stream, index=key[1])
+        return self._executor.submit(self.lane.run, gather)  # this lane's, even if another replaces it
 
     def request(self, rank: int, index: int) -> None:
         """Make sure block `index`'s gather (of this rank's current forward) is under way."""

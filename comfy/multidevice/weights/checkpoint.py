@@ -15,11 +15,8 @@ Base
                                      COMFYUI_MULTI_DEVICE_WEIGHT_BASE=pin) reads it into anonymous
                                      RAM instead, for network filesystems where evicted pages
                                      would be fetched again.
-    SharedCheckpoint.open(path, loaded=tensors)  the same, and when those tensors (the MODEL's,
-                                     as upstream's loader made them) lie in comfy-aimdo's mapping
-                                     of this file, the base adopts that mapping instead of mapping
-                                     the file again (aimdo_mapping.py; a mapping that does not
-                                     match the header is logged and not used).
+    SharedCheckpoint.open(path, loaded=tensors)  the same, adopting comfy-aimdo's mapping of the
+                                     file when the MODEL's tensors lie in it (see open()).
     SharedCheckpoint.from_state_dict(tensors)   the same over tensors already in memory.
     A SharedCheckpoint is a read-only Mapping name -> zero-copy CPU view (ReadOnlyTensor):
     in-place writes raise ReadOnlyWeightError; the memory lives as long as any view does.
@@ -52,7 +49,7 @@ from comfy.multidevice.weights.aimdo_mapping import (adopt, find_loader_mappings
 from comfy.multidevice.weights.read_only import read_only_view, ReadOnlyMemory, ReadOnlyTensor
 from comfy.multidevice.weights.safetensors_header import (CheckpointError, HEADER_LENGTH_BYTES,
                                                           parse_header_json, parse_header_length,
-                                                          SafetensorsHeader, TensorInfo)
+                                                          SafetensorsHeader)
 
 log = logging.getLogger(__name__)
 
@@ -213,22 +210,21 @@ class SharedCheckpoint(Mapping):
     Build with SharedCheckpoint.open(path) or SharedCheckpoint.from_state_dict(tensors).
     Attributes: label (real path, or a description for in-memory sources), key (registry key or
     None), file_bytes (file size; 0 in memory), bytes_read (bytes this source read from disk),
-    metadata (the header's __metadata__, {} when absent), header (SafetensorsHeader or None),
-    mode ("map": a read-only mapping of the file, "pin": anonymous RAM, "memory": in memory),
+    metadata (the header's __metadata__, {} when absent), mode ("map": a read-only mapping of
+    the file, "pin": anonymous RAM, "memory": in memory),
     mapped_by (None: the mapping is this module's own; "comfy-aimdo": the loader's, adopted),
     file_identity ((device, inode, size, mtime_ns) of the file read; None in memory).
     """
 
     def __init__(self, label: str, views: dict[str, tuple[torch.Tensor, ReadOnlyMemory]], *,
-                 key: tuple | None = None, header: SafetensorsHeader | None = None,
+                 key: tuple | None = None, metadata: dict[str, str] | None = None,
                  file_bytes: int = 0, bytes_read: int = 0, mode: str = "memory",
                  mapped_by: str | None = None, file_identity: tuple | None = None):
         self.label = label
         self.key = key
         self.mode = mode
         self.mapped_by = mapped_by
-        self.header = header
-        self.metadata: dict[str, str] = dict(header.metadata) if header is not None else {}
+        self.metadata = dict(metadata or {})
         self.file_bytes = file_bytes
         self.bytes_read = bytes_read
         self.file_identity = file_identity
@@ -266,10 +262,6 @@ class SharedCheckpoint(Mapping):
         """Bytes of tensor data held in memory."""
         return sum(plain.nbytes for plain, _ in self._views.values())
 
-    def info(self, name: str) -> TensorInfo | None:
-        """The header entry of a file-backed tensor (None for in-memory sources)."""
-        return self.header.tensors.get(name) if self.header is not None else None
-
     def process_reference(self, name: str) -> tuple | None:
         """How another process on this machine gets tensor `name` (read_only.py sends views this
         way): (function, arguments) returning it from that process's own base of the same file,
@@ -277,10 +269,6 @@ class SharedCheckpoint(Mapping):
         if self.file_identity is None:
             return None
         return open_shared_view, (self.label, "pin" if self.mode == "pin" else "map", self.file_identity, name)
-
-    def tensors(self, prefix: str = "") -> dict[str, ReadOnlyTensor]:
-        """Views of the tensors whose names start with `prefix`, keyed without the prefix."""
-        return {name[len(prefix):]: self[name] for name in self._views if name.startswith(prefix)}
 
     # -- construction
     @classmethod
@@ -388,7 +376,7 @@ class SharedCheckpoint(Mapping):
             how = "mapped read-only from disk" if mapped else "read into RAM from disk"
         log.info("Read shared checkpoint source %s: %d tensors, %d bytes %s [%s]",
                  real, len(views), read, how, threading.current_thread().name)
-        return cls(real, views, key=key, header=header, file_bytes=st.st_size, bytes_read=read,
+        return cls(real, views, key=key, metadata=header.metadata, file_bytes=st.st_size, bytes_read=read,
                    mode=mode, mapped_by=OWNER_NAME if adopted else None,
                    file_identity=(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
@@ -414,18 +402,15 @@ class SharedCheckpoint(Mapping):
                     plain = torch.Tensor.detach(t)
                     views[name] = (plain, ReadOnlyMemory(plain.untyped_storage(), label))
             return cls(label, views)
-        align = 64
-        spans, total = {}, 0
+        begins, total = {}, 0
         for name, t in tensors.items():
-            total = -(-total // align) * align
-            spans[name] = (total, total + t.nbytes)
-            total += t.nbytes
+            begins[name] = -(-total // 64) * 64  # each tensor 64-byte aligned, so any dtype can view it
+            total = begins[name] + t.nbytes
         data = torch.empty(total, dtype=torch.uint8)
         memory = ReadOnlyMemory(data.untyped_storage(), label)
         with torch._C.DisableTorchFunctionSubclass():
             for name, t in tensors.items():
-                begin, end = spans[name]
-                plain = data[begin:end].view(t.dtype).view(t.shape)
+                plain = data[begins[name]:begins[name] + t.nbytes].view(t.dtype).view(t.shape)
                 plain.copy_(t)
                 views[name] = (plain, memory)
         return cls(label, views)

@@ -26,11 +26,8 @@ def checkpoint_path_of(model_patcher: Any) -> str | None:
     init = getattr(model_patcher, "cached_patcher_init", None)
     if not isinstance(init, tuple) or len(init) < 2 or not isinstance(init[1], (tuple, list)):
         return None
-    for arg in init[1]:
-        if isinstance(arg, (str, os.PathLike)) and os.fspath(arg).endswith(".safetensors") \
-                and os.path.isfile(arg):
-            return os.fspath(arg)
-    return None
+    return next((os.fspath(arg) for arg in init[1] if isinstance(arg, (str, os.PathLike))
+                 and os.fspath(arg).endswith(".safetensors") and os.path.isfile(arg)), None)
 
 
 def _comfy_patch_function(patch_list: list, key: str) -> PatchFunction:

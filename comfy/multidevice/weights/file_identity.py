@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from comfy.multidevice.weights.safetensors_header import (CheckpointError, HEADER_LENGTH_BYTES,
-                                                          parse_header_length)
+                                                          parse_header_length, short_repr)
 
 log = logging.getLogger(__name__)
 
@@ -96,27 +96,27 @@ class FileIdentity:
         """The identity `to_data` made (maybe on another server); IdentityDataError on anything else."""
         if not isinstance(data, dict):
             raise IdentityDataError(f"file identity data must be a dict, got {type(data).__name__}: "
-                                    f"{_short(data)}")
-        fields = {"scheme", "size", "header_sha256", "sampled_sha256", "sampled_bytes"}
+                                    f"{short_repr(data)}")
+        fields = {"scheme", *cls.__dataclass_fields__}
         if set(data) != fields:
-            raise IdentityDataError(f"file identity data {_short(data)}: keys must be {sorted(fields)}; "
+            raise IdentityDataError(f"file identity data {short_repr(data)}: keys must be {sorted(fields)}; "
                                     f"missing {sorted(fields - set(data))}, "
                                     f"unknown {sorted(set(data) - fields)}")
         if data["scheme"] != SCHEME:
-            raise IdentityDataError(f"file identity made with scheme {_short(data['scheme'])}, this "
+            raise IdentityDataError(f"file identity made with scheme {short_repr(data['scheme'])}, this "
                                     f"process uses {SCHEME!r}: run the same version of the node pack on "
                                     "every server")
         for key in ("size", "sampled_bytes"):
             value = data[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise IdentityDataError(f"file identity {key} must be a non-negative int, "
-                                        f"got {_short(value)}")
+                                        f"got {short_repr(value)}")
         for key in ("header_sha256", "sampled_sha256"):
             value = data[key]
             if (not isinstance(value, str) or len(value) != _DIGEST_CHARS
                     or value.strip("0123456789abcdef")):
                 raise IdentityDataError(f"file identity {key} must be {_DIGEST_CHARS} lowercase hex "
-                                        f"digits, got {_short(value)}")
+                                        f"digits, got {short_repr(value)}")
         if data["sampled_bytes"] > data["size"]:
             raise IdentityDataError(f"file identity sampled_bytes {data['sampled_bytes']} exceeds the "
                                     f"file size {data['size']}")
@@ -281,8 +281,3 @@ def check_same_file(path: str | os.PathLike, expected: FileIdentity, where: str)
             f"the DiT file at {shown} on {where} differs from rank 0's in its {', '.join(differs)} "
             f"(here: {mine.describe()}; rank 0: {expected.describe()}): {fix}")
     return mine
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -42,10 +42,13 @@ class ReplicaCache:
         self.what = what
         self._copies: dict = {}
 
+    def _at_home(self, device: torch.device) -> bool:
+        home = module_device(self.module)
+        return home is None or home == device
+
     def get(self, device) -> torch.nn.Module:
         device = torch.device(device)
-        home = module_device(self.module)
-        if home is None or home == device:
+        if self._at_home(device):
             return self.module
         key = str(device)
         if key not in self._copies:
@@ -56,24 +59,12 @@ class ReplicaCache:
     def holds(self, device) -> bool:
         """Whether get(device) returns without building anything."""
         device = torch.device(device)
-        home = module_device(self.module)
-        return home is None or home == device or str(device) in self._copies
+        return self._at_home(device) or str(device) in self._copies
 
     def copy_bytes(self, device) -> int:
         """Bytes a copy on `device` takes (0 where the module itself serves)."""
-        device = torch.device(device)
-        home = module_device(self.module)
-        if home is None or home == device:
-            return 0
-        return module_bytes(self.module)
+        return 0 if self._at_home(torch.device(device)) else module_bytes(self.module)
 
     def drop(self, device) -> int:
         """Forget the copy on `device` (rebuilt by the next get); return its bytes."""
-        copy_ = self._copies.pop(str(torch.device(device)), None)
-        if copy_ is None:
-            return 0
-        return module_bytes(copy_)
-
-    def clear(self) -> None:
-        self._copies.clear()
-
+        return module_bytes(self._copies.pop(str(torch.device(device)), None))

@@ -22,8 +22,7 @@ class WeightPatches:
     Each name has an ordered list of entries: additive deltas (weight += strength * delta) or
     functions fn(name, weight_fp32) -> patched weight (float32, or the dtype the function
     computes in). Deltas are added in float32 on the replica's device; the result is cast back
-    with `cast(name, weight, dtype)` (default: .to(dtype)); the same operations in the same
-    order give the same weights on every replica.
+    with `cast(name, weight, dtype)` (default: .to(dtype)).
 
     A tensor of a quantized layer (see replicas.holds_wrapped_tensor) has a layer patch instead: one
     function that computes the patched tensor from the layer as its loader rebuilt it on the

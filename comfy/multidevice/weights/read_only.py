@@ -96,12 +96,13 @@ def _register(memory: ReadOnlyMemory) -> None:
         _guarded.setdefault(memory.cdata, []).append(weakref.ref(memory, forget))
 
 
-def guarded_memory(storage_id: int | None) -> ReadOnlyMemory | None:
-    """The live ReadOnlyMemory over the storage with this id, if any."""
+def _storage_guard(storage_id: int | None, what: str) -> "_Tag | None":
+    """A guard over the live ReadOnlyMemory of the storage with this id, if any; `what` stands
+    for the tensor's name in messages (no view of the checkpoint names it)."""
     for ref in _guarded.get(storage_id, ()) if storage_id is not None else ():
         memory = ref()
         if memory is not None:
-            return memory
+            return _Tag(memory, what, None)
     return None
 
 
@@ -149,8 +150,17 @@ def _tag_of(t: torch.Tensor) -> _Tag | None:
     tag = t.__dict__.get("_ro_tag") if isinstance(t, ReadOnlyTensor) else None
     if tag is not None and tag.memory.cdata == storage_id:
         return tag
-    memory = guarded_memory(storage_id)
-    return None if memory is None else _Tag(memory, "(an alias of a read-only view)", None)
+    return _storage_guard(storage_id, "(an alias of a read-only view)")
+
+
+def _guards(values: Any, kind: type) -> dict[int, _Tag]:
+    """storage id -> guard of the tensors of type `kind` in `values` (nested) over guarded memory."""
+    guarded: dict[int, _Tag] = {}
+    for t in leaves(values):
+        tag = _tag_of(t) if isinstance(t, kind) else None
+        if tag is not None:
+            guarded.setdefault(tag.memory.cdata, tag)
+    return guarded
 
 
 def is_read_only(t: Any) -> bool:
@@ -163,11 +173,8 @@ def _check_writes(func, args, kwargs) -> None:
     tensor outside the guard alias one."""
     if getattr(getattr(func, "_schema", None), "name", None) == "aten::set_":
         for source in leaves((args[1:], kwargs)):
-            if isinstance(source, torch.Tensor):
-                tag = _tag_of(source)
-            else:
-                memory = guarded_memory(getattr(source, "_cdata", None))
-                tag = None if memory is None else _Tag(memory, "(a storage of a read-only view)", None)
+            tag = (_tag_of(source) if isinstance(source, torch.Tensor)
+                   else _storage_guard(getattr(source, "_cdata", None), "(a storage of a read-only view)"))
             if tag is not None:
                 _refuse(f"{func} onto it (it would make a writable alias)", tag)
     for name, t in written_tensors(func, args, kwargs):
@@ -202,12 +209,7 @@ class ReadOnlyTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        guarded: dict[int, _Tag] = {}
-        for t in leaves((args, kwargs)):
-            if isinstance(t, ReadOnlyTensor):
-                tag = t._guard()
-                if tag is not None:
-                    guarded.setdefault(tag.memory.cdata, tag)
+        guarded = _guards((args, kwargs), ReadOnlyTensor)
         if not guarded:
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -215,9 +217,8 @@ class ReadOnlyTensor(torch.Tensor):
         name = getattr(func, "__name__", "")
         if (name.endswith("_") and not name.startswith("__")
                 and name not in _ALLOWED_TRAILING_UNDERSCORE and args):
-            for t in leaves(args[0]):
-                if isinstance(t, ReadOnlyTensor) and t._guard() is not None:
-                    _refuse(f"in-place {name}()", t._guard())
+            for tag in _guards(args[0], ReadOnlyTensor).values():
+                _refuse(f"in-place {name}()", tag)
 
         with DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)  # every ATen op it runs is checked by __torch_dispatch__
@@ -228,12 +229,7 @@ class ReadOnlyTensor(torch.Tensor):
         # Reached for every ATen op on a view, also when __torch_function__ was skipped.
         kwargs = kwargs or {}
         _check_writes(func, args, kwargs)
-        guarded: dict[int, _Tag] = {}
-        for t in leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                tag = _tag_of(t)
-                if tag is not None:
-                    guarded.setdefault(tag.memory.cdata, tag)
+        guarded = _guards((args, kwargs), torch.Tensor)
         with _below_python_dispatch():
             out = func(*args, **kwargs)
         return _guard_outputs(out, guarded)
@@ -250,15 +246,13 @@ class ReadOnlyTensor(torch.Tensor):
     def numpy(self, *, force: bool = False):
         # torch refuses .numpy() on a dispatch subclass: an array over a plain alias, read-only.
         tag = self._guard()
-        with DisableTorchFunctionSubclass():
-            array = torch.Tensor.numpy(_plain_alias(self), force=force)
+        array = _plain_alias(self).numpy(force=force)
         if tag is not None:
             array.flags.writeable = False
         return array
 
     def tolist(self):
-        with DisableTorchFunctionSubclass():  # refused on a dispatch subclass, like numpy()
-            return _plain_alias(self).tolist()
+        return _plain_alias(self).tolist()  # refused on a dispatch subclass, like numpy()
 
     def as_subclass(self, cls):
         if isinstance(cls, type) and issubclass(cls, ReadOnlyTensor):
@@ -283,9 +277,7 @@ class ReadOnlyTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # Plain pickle (and torch.save) as a plain tensor, by value: the copy it loads as is
         # independent and writable. (The memory record, with its locks, is not picklable.)
-        with DisableTorchFunctionSubclass():
-            plain = _plain_alias(self)
-        return plain.__reduce_ex__(protocol)
+        return _plain_alias(self).__reduce_ex__(protocol)
 
     def _typed_storage(self):
         # torch's own helpers reach the memory through this (torch.multiprocessing's
@@ -324,7 +316,8 @@ def moved(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
 
 def _plain_alias(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor over t's memory, without its dispatch keys (numpy, pickling, and copies that only read it)."""
-    return _alias(torch.Tensor.untyped_storage(t), t.dtype, t.storage_offset(), t.size(), t.stride())
+    with DisableTorchFunctionSubclass():
+        return _alias(torch.Tensor.untyped_storage(t), t.dtype, t.storage_offset(), t.size(), t.stride())
 
 
 def _alias(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, size, stride) -> torch.Tensor:
@@ -441,9 +434,9 @@ def _guard_outputs(out: Any, guarded: dict[int, _Tag]) -> Any:
         tag = guarded.get(_storage_id(out))
         return out if tag is None else _tagged_view(out, tag)
     if isinstance(out, torch.TypedStorage) and not isinstance(out, ReadOnlyTypedStorage):
-        memory = guarded_memory(out._untyped_storage._cdata)  # t.storage(), Tensor.storage(t)
-        return out if memory is None else ReadOnlyTypedStorage(
-            out, guarded.get(memory.cdata) or _Tag(memory, "(a storage of a read-only view)", None))
+        storage_id = out._untyped_storage._cdata  # t.storage(), Tensor.storage(t)
+        tag = guarded.get(storage_id) or _storage_guard(storage_id, "(a storage of a read-only view)")
+        return out if tag is None else ReadOnlyTypedStorage(out, tag)
     if isinstance(out, (tuple, list)):
         items = [_guard_outputs(o, guarded) for o in out]
         if all(a is b for a, b in zip(items, out)):

@@ -30,15 +30,19 @@ log = logging.getLogger(__name__)
 DtypeSpec = torch.dtype | Mapping[str, torch.dtype] | None
 
 
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """(the submodule that holds tensor `name`, the tensor's attribute name there)."""
+    owner_path, _, leaf = name.rpartition(".")
+    return module.get_submodule(owner_path), leaf  # "" names the module itself
+
+
 def _module_slots(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[str, tuple[torch.nn.Module, str, bool]]:
     """state-dict name -> (owning submodule, attribute name, is_parameter); names in `skip` left out."""
-    slots, skip = {}, set(skip)
+    slots = {}
     for name in module.state_dict(keep_vars=True):
-        if name in skip:
-            continue
-        owner_path, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_path) if owner_path else module
-        slots[name] = (owner, leaf, leaf in owner._parameters)
+        if name not in skip:
+            owner, leaf = _owner(module, name)
+            slots[name] = (owner, leaf, leaf in owner._parameters)
     return slots
 
 
@@ -97,19 +101,19 @@ class RankReplica:
         self.patches = patches if patches is not None else WeightPatches()
         self.module: torch.nn.Module | None = None
         self.lock = threading.RLock()  # held while the replica binds; the family holds it to refresh
-        self._resident = False
+        self.resident = False  # device copies made (load) and not dropped since (unload)
         self._patch_version = -1
         self._bound: dict[str, torch.Tensor] = {}
         self._owned: set[str] = set()  # sources bound to a private copy rather than the base itself
         self._layer_patched: dict[str, int] = {}  # quantized-layer tensor -> bytes of its patched copy
         self._loaders: dict[str, tuple[torch.nn.Module, list[str]]] = {}  # prefix -> layer, names
         self._loader_of: dict[str, str] = {}                                # name -> prefix
+        self._slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}
+        self._extra_buffers: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
         if template is None:
             wanted = list(names) if names is not None else [n[len(prefix):] for n in base if n.startswith(prefix)]
             self._groups = {n: [n] for n in wanted}
             self._check_names(None)
-            self._slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}
-            self._extra_buffers: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
             self._bind_base()
         else:
             self._init_from_template(template)
@@ -146,10 +150,9 @@ class RankReplica:
         self.module = copy.deepcopy(template, memo)
         self.module.requires_grad_(False)
         for prefix, (_, names) in template_loaders.items():
-            self._loaders[prefix] = (self.module.get_submodule(prefix[:-1]) if prefix else self.module, names)
+            self._loaders[prefix] = (self.module.get_submodule(prefix[:-1]), names)
             self._loader_of.update((n, prefix) for n in names)
         self._slots = _module_slots(self.module, skip=self._loader_of)
-        self._extra_buffers = {}
         persistent = set(self._slots)
         for name, buf in self.module.named_buffers():
             if name in persistent or buf is None:
@@ -157,8 +160,7 @@ class RankReplica:
             if buf.device.type == "meta":
                 raise ValueError(f"template buffer {name!r} is on the meta device and is not in the "
                                  "state dict, so no base holds its values; build the template on CPU")
-            owner_path, _, leaf = name.rpartition(".")
-            owner = self.module.get_submodule(owner_path) if owner_path else self.module
+            owner, leaf = _owner(self.module, name)
             # Non-persistent buffers (not in any checkpoint) keep a CPU copy as their "base".
             self._extra_buffers[name] = (owner, leaf, buf.to("cpu"))
             owner._buffers[leaf] = self._extra_buffers[name][2]
@@ -216,18 +218,10 @@ class RankReplica:
         prefix = self._loader_of.get(name)
         return None if prefix is None else (prefix, self._loaders[prefix][0])
 
-    def quantized_names(self) -> list[str]:
-        """Every tensor name that a quantized layer's loader rebuilds, sorted."""
-        return sorted(self._loader_of)
-
     @functools.cached_property
     def _source_of(self) -> dict[str, str]:
         """name -> the source name its group is bound by (tied names share one source)."""
         return {n: source for source, names in self._groups.items() for n in names}
-
-    @property
-    def resident(self) -> bool:
-        return self._resident
 
     @property
     def resident_bytes(self) -> int:
@@ -266,8 +260,7 @@ class RankReplica:
             if prefix is not None:
                 reload.add(prefix)
             elif self.module is not None:
-                first_owner, first_leaf, is_param = self._slots[names[0]]
-                value = torch.nn.Parameter(t, requires_grad=False) if is_param else t
+                value = torch.nn.Parameter(t, requires_grad=False) if self._slots[names[0]][2] else t
                 for name in names:
                     owner, leaf, param = self._slots[name]
                     (owner._parameters if param else owner._buffers)[leaf] = value
@@ -319,10 +312,7 @@ class RankReplica:
         patched = next((n for n in self._groups[source] if n in self.patches), None)
         if patched is not None:
             t = self.patches.apply(patched, t)
-        if t is base:
-            self._owned.discard(source)
-        else:
-            self._owned.add(source)
+        (self._owned.discard if t is base else self._owned.add)(source)  # a private copy, or the base
         return t
 
     def load(self, names: Iterable[str] | None = None, only: bool = False) -> "RankReplica":
@@ -332,15 +322,15 @@ class RankReplica:
         the base); sharded DiT blocks use it so a card never holds the whole model at once.
         """
         with self.lock:
-            if self._resident and self._patch_version == self.patches.version and names is None:
+            if self.resident and self._patch_version == self.patches.version and names is None:
                 return self
             wanted = None if names is None else set(names)
-            sources = list(self._groups) if wanted is None or not (self._resident or only) else [
+            sources = list(self._groups) if wanted is None or not (self.resident or only) else [
                 s for s, group in self._groups.items() if any(n in wanted for n in group)]
             self._bind({s: self._materialize(s) for s in sources})
             for owner, leaf, buf in self._extra_buffers.values():
                 owner._buffers[leaf] = buf.to(self.device)
-            self._resident = True
+            self.resident = True
             self._patch_version = self.patches.version
             log.debug("rank %d: replica resident on %s (%d bytes beyond the base)",
                       self.rank, self.device, self.resident_bytes)
@@ -353,7 +343,7 @@ class RankReplica:
             self._bind_base()
             for owner, leaf, buf in self._extra_buffers.values():
                 owner._buffers[leaf] = buf
-            self._resident = False
+            self.resident = False
             log.debug("rank %d: replica unloaded from %s (%d bytes dropped)", self.rank, self.device, dropped)
             return dropped
 
@@ -366,9 +356,8 @@ def base_label(base: Mapping) -> str:
 class RankReplicas(Sequence):
     """A family of per-rank replicas of one model over one shared base, with shared patches.
 
-    RankReplicas(base, devices, template=None, *, prefix="", dtype=None, names=None, load=True)
-    builds one RankReplica per device (rank r on devices[r]); with load=False nothing is copied
-    yet, so each rank thread can call replicas[rank].load() itself.
+    One RankReplica per device (rank r on devices[r]); with load=False nothing is copied yet,
+    so each rank thread can call replicas[rank].load() itself.
     """
 
     def __init__(self, base: Mapping[str, torch.Tensor], devices: Sequence[Any],
@@ -457,7 +446,7 @@ class RankReplicas(Sequence):
             found = first.quantized_layer(name)
             if found is None:
                 raise ValueError(f"{name!r} is not a tensor of a quantized layer (known: "
-                                 f"{first.quantized_names()[:3]}); patch it with add_patches or "
+                                 f"{sorted(first._loader_of)[:3]}); patch it with add_patches or "
                                  "add_patch_function")
             prefix, layer = found
             leaf = name[len(prefix):]

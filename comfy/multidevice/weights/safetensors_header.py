@@ -56,7 +56,6 @@ class CheckpointError(ValueError):
 class TensorInfo:
     """One tensor of the header; begin/end are byte offsets into the data section."""
     name: str
-    dtype_name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     begin: int
@@ -144,7 +143,7 @@ def _check_json_limits(obj: Any) -> None:
             try:
                 value.encode("utf-8")  # fails exactly on a lone surrogate
             except UnicodeEncodeError:
-                raise ValueError(f"the string {_short(value)} holds a lone UTF-16 surrogate "
+                raise ValueError(f"the string {short_repr(value)} holds a lone UTF-16 surrogate "
                                  "escape") from None
         elif isinstance(value, (dict, list)):
             if depth > MAX_JSON_DEPTH:
@@ -179,7 +178,7 @@ def parse_header_json(header: bytes, data_size: int, source: str) -> Safetensors
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointError(f"{source}: '{METADATA_KEY}' must be an object of string -> string, "
-                              f"got {_short(metadata)}")
+                              f"got {short_repr(metadata)}")
 
     infos = [_parse_entry(name, entry, data_size, source)
              for name, entry in obj.items() if name != METADATA_KEY]
@@ -189,7 +188,8 @@ def parse_header_json(header: bytes, data_size: int, source: str) -> Safetensors
 
 # ----------------------------------------------------------------------------- validation
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters for an error message."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -198,46 +198,46 @@ def _parse_entry(name: str, entry: Any, data_size: int, source: str) -> TensorIn
     where = f"{source}: tensor {name!r}"
     if isinstance(entry, list):  # serde reads a struct from a list of its fields; no writer makes one
         raise CheckpointError(f"{where}: entry must be an object with dtype, shape and data_offsets, "
-                              f"not a list ({_short(entry)}); re-save the file with safetensors' "
+                              f"not a list ({short_repr(entry)}); re-save the file with safetensors' "
                               "save_file to get the object form")
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: entry must be an object with dtype, shape and data_offsets, "
-                              f"got {_short(entry)}")
+                              f"got {short_repr(entry)}")
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
     if missing:
         raise CheckpointError(f"{where}: entry lacks {', '.join(missing)}")
 
     dtype_name = entry["dtype"]
     if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
-        raise CheckpointError(f"{where}: unknown dtype {_short(dtype_name)}; supported: "
+        raise CheckpointError(f"{where}: unknown dtype {short_repr(dtype_name)}; supported: "
                               f"{', '.join(sorted(SAFETENSORS_DTYPES))}")
     dtype = SAFETENSORS_DTYPES[dtype_name]
 
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, "
-                              f"got {_short(shape)}")
+                              f"got {short_repr(shape)}")
     if any(d > MAX_DIMENSION for d in shape):
-        raise CheckpointError(f"{where}: shape {_short(shape)} has a dimension above "
+        raise CheckpointError(f"{where}: shape {short_repr(shape)} has a dimension above "
                               f"{MAX_DIMENSION}, more than torch can hold")
     elements = 1
     for d in shape:  # in order, as the reference multiplies: it refuses any overflow on the way
         elements *= d
         if elements >= U64_LIMIT:
-            raise CheckpointError(f"{where}: shape {_short(shape)}: the element count overflows "
+            raise CheckpointError(f"{where}: shape {short_repr(shape)}: the element count overflows "
                                   "64 bits")
     if elements == 0:  # huge dimensions pass the byte count: ask torch, as the loader's .view() will
         try:
             torch.empty(0, dtype=dtype).view(shape)
         except RuntimeError as exc:
-            raise CheckpointError(f"{where}: shape {_short(shape)}: torch cannot make an empty tensor "
+            raise CheckpointError(f"{where}: shape {short_repr(shape)}: torch cannot make an empty tensor "
                                   f"of this shape ({exc})") from None
 
     offsets = entry["data_offsets"]
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(_is_int(o) and o >= 0 for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets must be [begin, end] with non-negative "
-                              f"integers, got {_short(offsets)}")
+                              f"integers, got {short_repr(offsets)}")
     begin, end = offsets
     if begin > end:
         raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
@@ -252,7 +252,7 @@ def _parse_entry(name: str, entry: Any, data_size: int, source: str) -> TensorIn
         raise CheckpointError(
             f"{where}: shape {shape} x {itemsize} bytes ({dtype_name}) = {expected} bytes, but "
             f"data_offsets [{begin}, {end}] hold {end - begin} bytes")
-    return TensorInfo(name, dtype_name, dtype, tuple(shape), begin, end)
+    return TensorInfo(name, dtype, tuple(shape), begin, end)
 
 
 def _check_layout(infos: list[TensorInfo], data_size: int, source: str) -> dict[str, TensorInfo]:
