@@ -195,11 +195,11 @@ def tracked_ranks(coord: SequenceParallelCoordinator, trackers: list):
     guard resets the dispatch keys a mode entered in an earlier job, so it is entered per job)."""
     run = coord.run
 
-    def tracked_run(fn, *per_rank):
+    def tracked_run(fn, *per_rank, **options):
         def inside(rank, comm, *args):
             with trackers[rank]:
                 return fn(rank, comm, *args)
-        return run(inside, *per_rank)
+        return run(inside, *per_rank, **options)
 
     coord.run = tracked_run
     try:

@@ -21,6 +21,7 @@ from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.comm.errors import CollectiveError
 
 __all__ = ("test_exchange_matches_cat", "test_exchange_with_empty_shards", "test_non_contiguous_shards",
+           "test_exchange_of_tensors_with_autograd_history",
            "test_all_reduce_fp32_exact", "test_all_reduce_16bit_within_rounding", "test_all_reduce_int32",
            "test_many_collectives_in_a_row_stay_in_step", "test_failing_rank_ends_the_run_fast",
            "test_exchange_with_the_shard_plan_matches_cat",
@@ -90,6 +91,17 @@ def test_exchange_with_empty_shards(backend):
         out = coord.run(lambda rank, comm, x: comm.exchange([x], 0)[0], shards)
     for o in out:
         assert torch.equal(o, torch.cat(shards))
+
+
+def test_exchange_of_tensors_with_autograd_history(backend):
+    # ComfyUI runs a model in grad mode unless told otherwise: shards carrying autograd history
+    # (made from weights that require grad) are exchanged as plain values, along an inner dim
+    shards = make_shards(3, [1, 2, 3], 1, torch.float32, seed=4)
+    with coordinator(backend, 3) as coord, torch.enable_grad():
+        out = coord.run(lambda rank, comm, x: comm.exchange([x.requires_grad_() * 1], 1)[0],
+                        [s.clone() for s in shards])
+    for o in out:
+        assert torch.equal(o.detach(), torch.cat(shards, dim=1))
 
 
 def test_non_contiguous_shards(backend):

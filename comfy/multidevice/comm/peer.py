@@ -12,8 +12,7 @@ import logging
 
 import torch
 
-from comfy.multidevice.comm.layout import (chunk_shape, concat_received, gathered_shape, numel, scratch,
-                                           unflatten_gathered)
+from comfy.multidevice.comm.layout import chunk_shape, concat_received, gathered_shape, numel, scratch
 from comfy.multidevice.comm.peer_access import enable_peer_access
 
 log = logging.getLogger(__name__)
@@ -57,16 +56,20 @@ class PeerCopyBackend:
         out = []
         overlap = copies_may_overlap(device)
         for i, dim in enumerate(dims):
-            shard_metas = [m[i] for m in metas]
+            shape = gathered_shape([m[i] for m in metas], dim)
             # Sequence-major, like the library backends: each shard's rows are copied once,
             # straight into their place (a row copy where a cat along an inner dim, e.g. H3's
             # [1, H, S, D], would transpose; and no .to(device) before it on another device).
-            size = numel(gathered_shape(shard_metas, dim))
-            full = unflatten_gathered(scratch(workspace, ("recv", i), size, shard_metas[0].dtype, device),
-                                      shard_metas, dim)
-            for shard, place in zip(slot, full.split([m.shape[dim] for m in shard_metas], dim)):
-                place.copy_(shard[i], non_blocking=overlap)
-            out.append(full)
+            # narrow, not split: a rank may run in grad mode on a buffer made without it, and
+            # torch refuses in-place writes to one of several views made at once there
+            full = scratch(workspace, ("recv", i), numel(shape), slot[0][i].dtype, device).view(
+                shape[dim], *(n for d, n in enumerate(shape) if d != dim))
+            offset = 0
+            for shards in slot:
+                shard = shards[i]
+                full.narrow(0, offset, shard.shape[dim]).copy_(shard.movedim(dim, 0), non_blocking=overlap)
+                offset += shard.shape[dim]
+            out.append(full.movedim(0, dim))
         return out
 
     def all_to_all_v(self, rank, tensors, metas, splits, split_dim, cat_dim, slot, workspace=None,
