@@ -171,7 +171,8 @@ class SequenceParallelCoordinator(SlotCollectives):
             return PeerCopyBackend(self)
 
     # -- running work on the ranks
-    def run(self, fn: Callable[..., Any], *per_rank_args: Sequence[Any], cancel_at_block_starts: bool = False) -> list:
+    def run(self, fn: Callable[..., Any], *per_rank_args: Sequence[Any],
+            cancel_at_block_starts: bool = False) -> list:
         """Run fn(rank, comm, *args_of_rank) on every rank thread; return the results by rank.
 
         Each entry of per_rank_args is a sequence with one item per rank. Every rank runs in the
@@ -188,11 +189,11 @@ class SequenceParallelCoordinator(SlotCollectives):
         ComfyUI's own InterruptProcessingException. With `cancel_at_block_starts` (a DiT forward)
         this call does not look at the flag: the ranks stop on a Cancel by themselves, together as
         a block starts (comfy_cancel.py `BlockCancel` raising CancelledAtBlock on every rank);
-        nothing is aborted, and ComfyUI's interrupt is raised the same way. With a library backend that can abort (NCCL),
-        a communicator that reports an error, or ranks inside a library collective for
-        `timeout_s`, end the run the same way at once: the communicators are aborted (the ranks
-        inside return) and the coordinator is closed; abandoned ranks' communicators are aborted
-        too (comm/abort.py).
+        nothing is aborted, and ComfyUI's interrupt is raised the same way. With a library
+        backend that can abort (NCCL), a communicator that reports an error, or ranks inside a
+        library collective for `timeout_s`, end the run the same way at once: the communicators
+        are aborted (the ranks inside return) and the coordinator is closed; abandoned ranks'
+        communicators are aborted too (comm/abort.py).
 
         fn must not call run() on this same coordinator (it would wait for itself): that raises
         CollectiveError at once.

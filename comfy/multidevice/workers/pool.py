@@ -14,8 +14,9 @@ rank 0 at once (gloo sees the closed connection), one that hangs within the coll
 timeout; either way every worker here is then killed, the error names the rank, its server,
 its process and the last line it wrote (its live connection to the door tells which one
 ended), and the next forward starts a fresh pool. ComfyUI's Cancel stops every rank as one
-block starts, as with rank threads (comfy_cancel.py `BlockCancel`), and the pool stays up. Between forwards the workers
-wait on the door for rank 0's "go", not in a collective: an idle pool outlives any pause.
+block starts, as with rank threads (comfy_cancel.py `BlockCancel`), and the pool stays up.
+Between forwards the workers wait on the door for rank 0's "go", not in a collective: an idle
+pool outlives any pause.
 
 The ranks meet at this process's door (workers/door.py, workers/rendezvous.py), each pool a
 new generation with its own key: a rank takes part only once it proved that key; ranks on

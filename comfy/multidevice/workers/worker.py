@@ -25,9 +25,9 @@ import traceback
 
 import torch
 
+from comfy.multidevice.comfy_cancel import CancelledAtBlock
 from comfy.multidevice.comm.settings import parse_rendezvous
 from comfy.multidevice.comm.torch_dist import dist_backend_for, DistributedComm, init_process_group
-from comfy.multidevice.comfy_cancel import CancelledAtBlock
 from comfy.multidevice.devices import copy_for_rank, resolve_device
 from comfy.multidevice.sp.fan_out import options_position, transformer_options_of
 from comfy.multidevice.sp.minimax_h3 import H3RankSetup
@@ -39,7 +39,6 @@ from comfy.multidevice.workers.process import key_from_stdin
 from comfy.multidevice.workers.repeats import ReceivedTensors
 
 log = logging.getLogger("comfy.multidevice.workers.worker")  # its name also when run as __main__
-
 
 
 def control_group(device: torch.device):
