@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 
@@ -63,3 +65,35 @@ def bench_json(script: str, *args: str, timeout: float) -> dict:
                          capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+class Interrupted(BaseException):
+    """Stands for ComfyUI's InterruptProcessingException (a BaseException on newest-h3)."""
+
+
+def comfy_cancel_stand_ins(monkeypatch) -> dict:
+    """Stand-ins for the parts of comfy.model_management and comfy.ops a Cancel goes through,
+    installed in sys.modules: the interrupt flag `state["flag"]` under ComfyUI's re-entrant
+    mutex, and the ops' per-layer check, which raises `Interrupted` and clears a set flag as
+    upstream's does. Returns the state."""
+    state = {"flag": False}
+    mm = types.ModuleType("comfy.model_management")
+    mm.interrupt_processing_mutex = threading.RLock()
+    mm.InterruptProcessingException = Interrupted
+
+    def processing_interrupted():
+        with mm.interrupt_processing_mutex:
+            return state["flag"]
+
+    def throw_exception_if_processing_interrupted():
+        with mm.interrupt_processing_mutex:
+            if state["flag"]:
+                state["flag"] = False
+                raise Interrupted()
+    mm.processing_interrupted = processing_interrupted
+    mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
+    ops = types.ModuleType("comfy.ops")
+    ops.run_every_op = throw_exception_if_processing_interrupted
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.ops", ops)
+    return state

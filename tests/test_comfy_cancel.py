@@ -1,6 +1,7 @@
-"""ComfyUI's per-layer Cancel check steps aside inside a pool's forward (comfy_cancel.py),
-so the pool's block-start check stops every rank together. Stand-ins for comfy.ops and
-comfy.model_management here; tests/upstream/test_cancel.py runs it against upstream's own."""
+"""ComfyUI's Cancel inside a DiT forward (comfy_cancel.py): its per-layer check steps aside,
+so the block-start check stops every rank together, here with rank threads (a worker pool:
+tests/workers/test_pool.py). Stand-ins for comfy.ops and comfy.model_management here;
+tests/upstream/test_cancel.py runs it against upstream's own."""
 
 from __future__ import annotations
 
@@ -16,11 +17,8 @@ from comfy.multidevice.comm.collectives import SharedBlockFlag
 from comfy.multidevice.comm.errors import CollectiveError
 from comfy.multidevice.comm.group import SequenceParallelCoordinator
 from comfy.multidevice.sp.minimax_h3 import enable_sequence_parallel
+from tests.helpers import comfy_cancel_stand_ins, Interrupted
 from tests.sp_cases import FP32_TOL, make_inputs, rel_diff, replicas, tiny_model
-
-
-class Interrupted(BaseException):
-    pass
 
 
 @pytest.fixture
@@ -79,32 +77,6 @@ def test_without_comfyui_nothing_changes(monkeypatch):
 
 # ----------------------------------------------------------------------------- a DiT forward's Cancel
 
-def _cancel_modules(monkeypatch):
-    """Stand-ins for ComfyUI's model_management and ops as the rank threads see them: the ops'
-    per-layer check raises and clears a set flag, as upstream's does."""
-    state = {"flag": False}
-    mm = types.ModuleType("comfy.model_management")
-    mm.interrupt_processing_mutex = threading.RLock()
-    mm.InterruptProcessingException = Interrupted
-
-    def processing_interrupted():
-        with mm.interrupt_processing_mutex:
-            return state["flag"]
-
-    def throw_exception_if_processing_interrupted():
-        with mm.interrupt_processing_mutex:
-            if state["flag"]:
-                state["flag"] = False
-                raise Interrupted()
-    mm.processing_interrupted = processing_interrupted
-    mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
-    ops = types.ModuleType("comfy.ops")
-    ops.run_every_op = throw_exception_if_processing_interrupted
-    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
-    monkeypatch.setitem(sys.modules, "comfy.ops", ops)
-    return state
-
-
 @pytest.mark.parametrize("dit_weights", ["replicate", "shard"])
 @pytest.mark.parametrize("pressed_in", [0, 1])
 def test_rank_threads_stop_together_one_block_after_the_cancel_and_stay_usable(backend, monkeypatch, pressed_in,
@@ -115,7 +87,7 @@ def test_rank_threads_stop_together_one_block_after_the_cancel_and_stay_usable(b
     inside a block, the same way a worker pool stops (tests/workers/test_pool.py). ComfyUI's
     interrupt is raised, the flag cleared, nothing aborted; the next forward equals one device
     (with shard, the block gathers, prefetched on a lane with peer, stay paired across the cancel)."""
-    state = _cancel_modules(monkeypatch)
+    state = comfy_cancel_stand_ins(monkeypatch)
     model = tiny_model()
     x, t, ctx, kw = make_inputs("plain")
     with torch.inference_mode():

@@ -21,7 +21,7 @@ from comfy.multidevice.sp.strategies import SPMode
 from comfy.multidevice.workers.door import RendezvousError
 from comfy.multidevice.workers.pool import enable_sequence_parallel_workers, WorkerPool, WorkerPoolError
 from comfy.multidevice.workers.recipe import ModelRecipe, RecipeError
-from tests.helpers import free_port
+from tests.helpers import comfy_cancel_stand_ins, free_port, Interrupted
 from tests.sp_cases import FOUR_HEADS, FP32_TOL, frobenius_rel, make_inputs, rel_diff, run_sp, tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -252,41 +252,18 @@ def test_a_cancel_pressed_inside_a_block_keeps_the_pool(checkpoint, plain, monke
     same workers serve the next forward, exact. Pressed inside block 1, it is seen as the last
     block (2) starts and every rank stops after it, at the forward's end (3). Stand-ins for
     ComfyUI's two modules."""
-    import threading
-    import types
     _, path = checkpoint
     (x, t, ctx, kw), reference = plain
-
-    class Interrupted(BaseException):  # as on newest-h3: not an Exception
-        pass
-
-    state = {"flag": False}
-    mm = types.ModuleType("comfy.model_management")
-    mm.interrupt_processing_mutex = threading.RLock()
-    mm.InterruptProcessingException = Interrupted
-
-    def processing_interrupted():
-        with mm.interrupt_processing_mutex:
-            return state["flag"]
-
-    def throw_exception_if_processing_interrupted():
-        with mm.interrupt_processing_mutex:
-            if state["flag"]:
-                state["flag"] = False
-                raise Interrupted()
-    mm.processing_interrupted = processing_interrupted
-    mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
-    ops = types.ModuleType("comfy.ops")
-    ops.run_every_op = throw_exception_if_processing_interrupted
-    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
-    monkeypatch.setitem(sys.modules, "comfy.ops", ops)
+    state = comfy_cancel_stand_ins(monkeypatch)
+    ops = sys.modules["comfy.ops"]
+    ops_check = ops.run_every_op
     dit = enable_sequence_parallel_workers(["cpu"] * 3, recipe(path), timeout_s=60)
     try:
         assert rel_diff(dit(x, t, ctx, **kw), reference) <= FP32_TOL
         pids = [w.process.pid for w in dit.pool.workers]
         pressed = {"armed": True}
 
-        def press_cancel_then_check(module, args):  # rank 0's block 0 MLP: a layer like ComfyUI's ops
+        def press_cancel_then_check(module, args):  # rank 0's block MLP: a layer like ComfyUI's ops
             if pressed.pop("armed", False):
                 state["flag"] = True
             sys.modules["comfy.ops"].run_every_op()
@@ -300,7 +277,7 @@ def test_a_cancel_pressed_inside_a_block_keeps_the_pool(checkpoint, plain, monke
         hook.remove()
     finally:
         dit.close()
-    assert ops.run_every_op is throw_exception_if_processing_interrupted  # ComfyUI's check is back
+    assert ops.run_every_op is ops_check  # ComfyUI's check is back
 
 
 def test_a_new_pool_replaces_the_last_and_the_last_ones_owner_starts_afresh(checkpoint, plain):
