@@ -49,8 +49,8 @@ def refuse_if_taken(root: Path) -> None:
     released = [f"{folder}/{name}" for folder, name in models.released_names().values()]  # the BF16 DiT too
     taken = already_there(root, [*(f"models/{rel}" for rel in released), NODE_DIR])
     extra = os.environ.get(MODELS_ENV, "").strip()
-    elsewhere = [Path(extra).expanduser() / rel for rel in released
-                 if extra and os.path.lexists(Path(extra).expanduser() / rel)]
+    base = Path(extra).expanduser() if extra else None
+    elsewhere = [base / rel for rel in released if base is not None and os.path.lexists(base / rel)]
     if taken or elsewhere:
         named = ", ".join([*taken, *(f"{p} (${MODELS_ENV})" for p in elsewhere)])
         raise TryoutError(f"refused: {named} already there. The try-out is for a ComfyUI without the "

@@ -281,10 +281,9 @@ def stacked_view(tensors) -> torch.Tensor | None:
 
 
 def _all_to_all(comm, tensors, splits, split_dim, cat_dim, workspace, recv_splits=None, write_own=None):
-    # any Communicator: a workspace only where the adapter keeps one, the plan where it is known
-    options = {"workspace": workspace, "recv_splits": recv_splits, "write_own": write_own}
-    return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim,
-                             **{k: v for k, v in options.items() if v is not None})
+    # any Communicator (comm/protocol.py takes all three; None: no workspace, plan or own-chunk writer)
+    return comm.all_to_all_v(tensors, splits, split_dim, cat_dim=cat_dim, workspace=workspace,
+                             recv_splits=recv_splits, write_own=write_own)
 
 
 class _CommLane:

@@ -314,7 +314,9 @@ class ShardedBlockWeights:
             for leaf in self.specs[index][name].check(_get(self._slots[rank][index][name]), where):
                 raw = leaf.contiguous().view(-1).view(torch.uint8).to(device)
                 pad = _aligned(raw.numel()) - raw.numel()
-                parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=device)]
+                parts.append(raw)
+                if pad:  # per leaf of every gathered block: no empty tensor made where none is needed
+                    parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
     def gather(self, rank: int, comm, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

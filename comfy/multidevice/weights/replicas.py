@@ -312,7 +312,10 @@ class RankReplica:
         patched = next((n for n in self._groups[source] if n in self.patches), None)
         if patched is not None:
             t = self.patches.apply(patched, t)
-        (self._owned.discard if t is base else self._owned.add)(source)  # a private copy, or the base
+        if t is base:
+            self._owned.discard(source)
+        else:
+            self._owned.add(source)  # bound to a private copy
         return t
 
     def load(self, names: Iterable[str] | None = None, only: bool = False) -> "RankReplica":
